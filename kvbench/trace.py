@@ -1,0 +1,134 @@
+"""The trace: everything that happened in one timed run, from which every metric is computed.
+
+Times are seconds since the start of the run (the workload's clock: a request with
+``arrival_time=2.0`` is released two seconds after the run starts).
+
+Per request: arrival, admission (first time the engine scheduled it), the time of every output
+token, preemptions with their mode, resumes, finish and reason. Per engine step: queue lengths,
+KV usage of both pools and tokens scheduled. An adapter that cannot observe something says so
+with :meth:`TraceRecorder.not_exposed`, and the report shows it rather than a zero.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestTrace:
+    request_id: str
+    arrival: float
+    prompt_len: int
+    max_tokens: int
+    priority: int = 0
+    admitted: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: list[tuple[float, str]] = field(default_factory=list)  # (time, "recompute"|"swap")
+    resumes: list[float] = field(default_factory=list)
+    finished: float | None = None
+    finish_reason: str | None = None
+    recomputed_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+@dataclass
+class StepRecord:
+    t: float  # when the step ended
+    duration: float
+    num_running: int
+    num_waiting: int
+    num_swapped: int = 0
+    kv_usage: float | None = None  # device pool, 0..1
+    cpu_kv_usage: float | None = None  # host pool, 0..1
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0  # preemptions that happened in this step
+
+
+@dataclass
+class Trace:
+    engine: str
+    scenario: str
+    requests: dict[str, RequestTrace] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)  # engine's own cumulative counters at the end
+    not_exposed: dict[str, str] = field(default_factory=dict)  # what the engine could not report, and why
+    duration: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trace:
+        requests = {}
+        for rid, r in data.get("requests", {}).items():
+            r = dict(r)
+            r["preemptions"] = [tuple(p) for p in r.get("preemptions", [])]
+            requests[rid] = RequestTrace(**r)
+        steps = [StepRecord(**s) for s in data.get("steps", [])]
+        return cls(engine=data["engine"], scenario=data["scenario"], requests=requests, steps=steps,
+                   counters=dict(data.get("counters", {})), not_exposed=dict(data.get("not_exposed", {})),
+                   duration=float(data.get("duration", 0.0)))
+
+
+class TraceRecorder:
+    """Collects a :class:`Trace` as an adapter serves a workload. Not thread-safe on purpose:
+    adapters that run engines on other threads record from one thread (see ``hf_cb``)."""
+
+    def __init__(self, engine: str, scenario: str, clock=time.perf_counter):
+        self.trace = Trace(engine=engine, scenario=scenario)
+        self._clock = clock
+        self._t0 = clock()
+
+    def now(self) -> float:
+        return self._clock() - self._t0
+
+    def restart_clock(self) -> None:
+        """Make ``now()`` zero: call right before releasing the first request."""
+        self._t0 = self._clock()
+
+    def _req(self, request_id: str) -> RequestTrace:
+        return self.trace.requests[request_id]
+
+    def arrived(self, request_id: str, t: float, prompt_len: int, max_tokens: int, priority: int = 0) -> None:
+        self.trace.requests[request_id] = RequestTrace(request_id, t, prompt_len, max_tokens, priority)
+
+    def admitted(self, request_id: str, t: float) -> None:
+        r = self._req(request_id)
+        if r.admitted is None:
+            r.admitted = t
+
+    def tokens(self, request_id: str, t: float, n: int = 1) -> None:
+        self._req(request_id).token_times.extend([t] * n)
+
+    def preempted(self, request_id: str, t: float, mode: str) -> None:
+        self._req(request_id).preemptions.append((t, mode))
+
+    def resumed(self, request_id: str, t: float) -> None:
+        self._req(request_id).resumes.append(t)
+
+    def finished(self, request_id: str, t: float, reason: str | None) -> None:
+        r = self._req(request_id)
+        if r.finished is None:
+            r.finished = t
+            r.finish_reason = reason
+
+    def add_request_counts(self, request_id: str, recomputed_tokens: int = 0, prefix_hit_tokens: int = 0) -> None:
+        r = self._req(request_id)
+        r.recomputed_tokens += recomputed_tokens
+        r.prefix_hit_tokens += prefix_hit_tokens
+
+    def step(self, record: StepRecord) -> None:
+        self.trace.steps.append(record)
+
+    def set_counters(self, counters: dict[str, float]) -> None:
+        self.trace.counters = dict(counters)
+
+    def not_exposed(self, what: str, why: str) -> None:
+        self.trace.not_exposed[what] = why
+
+    def finish(self) -> Trace:
+        self.trace.duration = self.now()
+        return self.trace
