@@ -1,0 +1,65 @@
+"""Paged attention, the readable torch path: any block size, CPU or CUDA, and the oracle for kernels.
+
+One call handles a flat batch that mixes decodes, whole prefills and prefill chunks that continue
+an already-cached prefix. The new tokens' K/V are first written into their slots; then every
+sequence attends over its whole context, gathered from its blocks through the block table.
+Sequences are split into two padded groups so that one long prefill does not pad every decode
+to its length::
+
+    decode group   [B_d, 1,      K_d]   one query per sequence
+    prefill group  [B_p, Q_max,  K_p]   chunked / whole prefills, queries padded to the longest
+
+    K = max_blocks * block_size; key j of sequence b is visible to a query at position p iff j <= p.
+
+The KV cache tensor is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: a
+block is contiguous across layers, so swapping a request is one gather over its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    token_index: torch.Tensor  # [B, Q] long: row of each query in the flat batch (padding -> 0)
+    query_valid: torch.Tensor  # [B, Q] bool
+    block_tables: torch.Tensor  # [B, max_blocks] long (padding -> block 0; masked out)
+    mask: torch.Tensor  # [B, 1, Q, K] bool: True where a query may attend to a key
+    flat_rows: torch.Tensor  # [num valid queries] long: token_index[query_valid]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [num_tokens] long: block that receives each new token's K/V
+    slot_offsets: torch.Tensor  # [num_tokens] long: offset inside that block
+    groups: list[AttentionGroup]
+
+
+def build_group(token_index: torch.Tensor, query_positions: torch.Tensor, query_valid: torch.Tensor,
+                block_tables: torch.Tensor, block_size: int) -> AttentionGroup:
+    """Precompute a group's mask once per step (it is shared by every layer)."""
+    num_keys = block_tables.shape[1] * block_size
+    key_positions = torch.arange(num_keys, device=block_tables.device)
+    mask = key_positions.view(1, 1, -1) <= query_positions.unsqueeze(-1)  # [B, Q, K]
+    return AttentionGroup(token_index, query_valid, block_tables, mask.unsqueeze(1), token_index[query_valid])
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the T new tokens. Returns [T, Hq, D]."""
+    k_cache = kv_cache[:, layer, 0]  # [num_blocks, block_size, Hkv, D] (a strided view)
+    v_cache = kv_cache[:, layer, 1]
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(k_cache.dtype)
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(v_cache.dtype)
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        qg = q[g.token_index].transpose(1, 2)  # [B, Hq, Q, D]
+        kg = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, Hkv, K, D]
+        vg = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)  # [B, Hq, Q, D]
+        out[g.flat_rows] = og.transpose(1, 2)[g.query_valid]
+    return out

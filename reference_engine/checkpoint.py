@@ -1,0 +1,345 @@
+"""Seeded random Llama checkpoints in Hugging Face format, for tests and the default benchmarks.
+
+``write_checkpoint(out_dir, preset="tiny", seed=0)`` writes ``config.json`` and ``model.safetensors``
+(float32, safetensors only: never pickle) that ``transformers.LlamaForCausalLM.from_pretrained(out_dir)``
+loads with no missing or unexpected keys. The same (preset, seed, overrides) always gives byte-identical
+files on a given torch version: every tensor is drawn from one explicitly seeded ``torch.Generator`` in a
+fixed order, and no global RNG is touched.
+
+Why the weights are not Hugging Face's default init (std 0.02 everywhere): random weights give flat
+logits, and greedy decoding then sits on near-ties that float32 noise (different kernels, batch shapes,
+paged vs. contiguous attention) flips, so a correct engine would fail token-exact conformance. The init
+here is chosen so that
+
+* each residual branch (attention, MLP) adds an O(1) contribution: projections are variance preserving
+  (std 1/sqrt(fan_in)), so the next token depends on the whole context and not only on the current
+  token (which would make greedy output fall into short cycles and let KV-cache bugs go unnoticed);
+* logits have a std of about ``LOGIT_STD``, so the top-1 minus top-2 margin is O(1) in the median, far
+  above float32 noise (measure it with ``measure_margins`` or ``--measure-margins``);
+* RMSNorm weights are not all ones, so a loader that ignores them (or uses Gemma's ``1 + w``) produces
+  different tokens.
+
+Command line::
+
+    python -m reference_engine.checkpoint OUT_DIR --preset tiny|small [--seed N] [--tie-word-embeddings]
+    python -m reference_engine.checkpoint --measure-margins DIR [--num-prompts 16 ...]
+
+This module imports torch and safetensors only; ``measure_margins`` imports transformers lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import statistics
+import sys
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+# Target std of the logits. The top-1/top-2 gap of n Gaussian logits is about
+# LOGIT_STD / sqrt(2 ln n), i.e. ~2 for vocab 512: a median margin >= 1 with a p1 well above 1e-2.
+# Not much larger on purpose: seeded-sampling tests need temperature-1 distributions that are not
+# one-hot, or a sampler that ignores its seed would pass.
+LOGIT_STD = 8.0
+QK_GAIN = 1.0
+# RMSNorm weights are drawn uniformly from this range (see the module docstring for why not ones).
+NORM_WEIGHT_RANGE = (0.75, 1.25)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # For tests: a 32-request workload (prompts <= 300, outputs <= 100 tokens) runs in seconds on CPU.
+    "tiny": {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+    # For benchmarks: wide and deep enough that a batch-64 decode step is dominated by matmuls, not by
+    # the engine's Python.
+    "small": {
+        "vocab_size": 4096,
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+}
+
+# Keys a caller may override on top of a preset (``head_dim`` defaults to hidden_size // num_heads).
+OVERRIDABLE_KEYS = (*PRESETS["tiny"].keys(), "head_dim")
+
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+PAD_TOKEN_ID = 0
+
+
+def build_config(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
+    """The ``config.json`` dict for ``preset`` with ``overrides`` applied.
+
+    Raises ``ValueError`` naming the allowed values for an unknown preset or override key, and for
+    head counts that GQA cannot use. rope_theta is written twice: as ``rope_parameters`` (where
+    transformers v5 reads it) and as top-level ``rope_theta`` with ``rope_scaling: null`` (where v4 and
+    most other loaders read it).
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)}")
+    unknown = sorted(set(overrides) - set(OVERRIDABLE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown override(s) {unknown}: expected keys among {sorted(OVERRIDABLE_KEYS)}")
+    shape = {**PRESETS[preset], **overrides}
+
+    hidden, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(
+                f"hidden_size={hidden} is not divisible by num_attention_heads={heads}: "
+                "pass head_dim explicitly or pick a divisor"
+            )
+        head_dim = hidden // heads
+    if heads % kv_heads:
+        raise ValueError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}: "
+            "GQA needs each KV head shared by a whole number of query heads"
+        )
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} is odd: RoPE rotates pairs, so it must be even")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "max_position_embeddings"):
+        if shape[key] < 1:
+            raise ValueError(f"{key}={shape[key]} is invalid: expected a positive integer")
+    if shape["vocab_size"] <= EOS_TOKEN_ID:
+        raise ValueError(f"vocab_size={shape['vocab_size']} is invalid: expected > {EOS_TOKEN_ID}")
+
+    rope_theta = float(shape["rope_theta"])
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "dtype": "float32",
+        "torch_dtype": "float32",
+        "vocab_size": shape["vocab_size"],
+        "hidden_size": hidden,
+        "intermediate_size": shape["intermediate_size"],
+        "num_hidden_layers": shape["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": shape["max_position_embeddings"],
+        "rms_norm_eps": float(shape["rms_norm_eps"]),
+        "rope_theta": rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": bool(shape["tie_word_embeddings"]),
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": PAD_TOKEN_ID,
+        "initializer_range": 0.02,  # unused (every tensor is in the file); present for HF's benefit
+        "use_cache": True,
+    }
+
+
+def build_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 tensors named as ``LlamaForCausalLM``'s state dict, drawn from ``seed``.
+
+    Tensors are drawn in the order they are listed here from one ``torch.Generator``, so the result is a
+    pure function of (config, seed). With tied embeddings there is no ``lm_head.weight``.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim, vocab = config["head_dim"], config["vocab_size"]
+    q_dim = config["num_attention_heads"] * head_dim
+    kv_dim = config["num_key_value_heads"] * head_dim
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
+        # Variance preserving: a unit-RMS input gives a unit-RMS output, so every branch matters.
+        return torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
+
+    def norm() -> torch.Tensor:
+        low, high = NORM_WEIGHT_RANGE
+        return low + (high - low) * torch.rand(hidden, generator=gen)
+
+    # The final norm hands lm_head a unit-RMS vector, so rows of std LOGIT_STD / sqrt(hidden) give
+    # logits of std ~LOGIT_STD. Tied models use the embedding as lm_head, hence the same scale there.
+    output_scale = LOGIT_STD / math.sqrt(hidden)
+    weights: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * output_scale,
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = norm()
+        weights[p + "self_attn.q_proj.weight"] = linear(q_dim, hidden) * QK_GAIN
+        weights[p + "self_attn.k_proj.weight"] = linear(kv_dim, hidden) * QK_GAIN
+        weights[p + "self_attn.v_proj.weight"] = linear(kv_dim, hidden)
+        weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_dim)
+        weights[p + "post_attention_layernorm.weight"] = norm()
+        weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
+        weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
+        weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
+    weights["model.norm.weight"] = norm()
+    if not config["tie_word_embeddings"]:
+        weights["lm_head.weight"] = torch.randn(vocab, hidden, generator=gen) * output_scale
+    return {name: t.to(torch.float32).contiguous() for name, t in weights.items()}
+
+
+def write_checkpoint(out_dir: str | pathlib.Path, preset: str = "tiny", seed: int = 0,
+                     **overrides: Any) -> pathlib.Path:
+    """Write ``config.json`` and ``model.safetensors`` for ``preset`` into ``out_dir``; return its path.
+
+    ``overrides`` replace preset fields (e.g. ``tie_word_embeddings=True``, ``num_hidden_layers=1``); an
+    unknown key or preset raises ``ValueError`` naming the allowed ones. ``out_dir`` is created if needed
+    and the two files are overwritten. Same arguments -> byte-identical files (same torch version).
+    """
+    config = build_config(preset, **overrides)
+    weights = build_weights(config, seed)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # Metadata "format: pt" is what transformers expects of a torch-written safetensors file.
+    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of an ascending list."""
+    index = max(0, math.ceil(q / 100 * len(sorted_values)) - 1)
+    return sorted_values[index]
+
+
+def measure_margins(ckpt_dir: str | pathlib.Path, num_prompts: int = 16, prompt_len: int = 64,
+                    new_tokens: int = 64, seed: int = 0) -> dict[str, Any]:
+    """Greedy top-1 minus top-2 logit margins of a checkpoint under transformers' ``generate``.
+
+    Runs ``num_prompts`` seeded random prompts of ``prompt_len`` tokens through greedy generation of
+    exactly ``new_tokens`` tokens (EOS ignored, as the engines' ``ignore_eos``), and returns over all
+    generated positions:
+
+    * ``median``, ``p1``, ``min``: margins of the raw (unprocessed) float32 logits;
+    * ``float32_noise``: max |logit difference| between that float32 incremental decode and a float64
+      full forward over the same sequences: the scale of noise a correct engine may see, to compare
+      with ``min``; ``argmax_flips``: generated positions where float64 would have picked another token;
+    * ``distinct_tokens``: distinct generated tokens over all prompts, ``distinct_per_prompt_min`` and
+      ``distinct_per_prompt_median``, and ``longest_repeat`` (longest run of one token repeated),
+      to show greedy output has not collapsed into a single token.
+    """
+    from transformers import LlamaForCausalLM  # lazy: the checkpoint writer must not need it
+
+    model = LlamaForCausalLM.from_pretrained(str(ckpt_dir), dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # Ids above the special tokens, so no prompt contains BOS/EOS/PAD.
+    prompts = torch.randint(EOS_TOKEN_ID + 1, vocab, (num_prompts, prompt_len), generator=gen)
+    with torch.inference_mode():
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=PAD_TOKEN_ID,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        logits32 = torch.stack(out.logits, dim=1).float()  # [num_prompts, new_tokens, vocab]
+        generated = out.sequences[:, prompt_len:]  # [num_prompts, new_tokens]
+        # Logits at position t predict token t + 1: the generated tokens are predicted from
+        # positions prompt_len - 1 ... prompt_len + new_tokens - 2.
+        model64 = model.to(torch.float64)
+        full64 = model64(out.sequences[:, :-1]).logits[:, prompt_len - 1:]  # [num_prompts, new_tokens, vocab]
+
+    top2 = logits32.topk(2, dim=-1).values
+    margins = sorted((top2[..., 0] - top2[..., 1]).flatten().tolist())
+    tokens = generated.tolist()
+    longest_repeat = 0
+    for row in tokens:
+        run = 1
+        for prev, cur in zip(row, row[1:], strict=False):
+            run = run + 1 if cur == prev else 1
+            longest_repeat = max(longest_repeat, run)
+        longest_repeat = max(longest_repeat, 1)
+    distinct_per_prompt = [len(set(row)) for row in tokens]
+    return {
+        "ckpt_dir": str(ckpt_dir),
+        "num_positions": len(margins),
+        "median": statistics.median(margins),
+        "p1": _percentile(margins, 1),
+        "min": margins[0],
+        "float32_noise": (logits32.double() - full64).abs().max().item(),
+        "argmax_flips": int((full64.argmax(-1) != generated).sum().item()),
+        "distinct_tokens": len({t for row in tokens for t in row}),
+        "distinct_per_prompt_min": min(distinct_per_prompt),
+        "distinct_per_prompt_median": statistics.median(distinct_per_prompt),
+        "longest_repeat": longest_repeat,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: write a checkpoint, or measure a checkpoint's greedy margins."""
+    parser = argparse.ArgumentParser(
+        prog="python -m reference_engine.checkpoint",
+        description="Write a seeded random Llama checkpoint (config.json + model.safetensors), "
+                    "or measure the greedy logit margins of one.",
+    )
+    parser.add_argument("out_dir", nargs="?", help="directory to write the checkpoint into")
+    parser.add_argument("--preset", default="tiny", help=f"one of {sorted(PRESETS)} (default: tiny)")
+    parser.add_argument("--seed", type=int, default=0, help="RNG seed (default: 0)")
+    parser.add_argument("--tie-word-embeddings", action="store_true",
+                        help="share the embedding with lm_head (no lm_head.weight tensor)")
+    parser.add_argument("--measure-margins", metavar="DIR",
+                        help="measure greedy top-1/top-2 margins of the checkpoint in DIR (needs transformers)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    if args.measure_margins is not None:
+        if args.out_dir is not None:
+            parser.error("give either OUT_DIR (to write) or --measure-margins DIR (to measure), not both")
+        result = measure_margins(args.measure_margins, num_prompts=args.num_prompts,
+                                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed)
+        print(json.dumps(result, indent=2))
+        return 0
+    if args.out_dir is None:
+        parser.error("OUT_DIR is required (or use --measure-margins DIR)")
+    if args.preset not in PRESETS:
+        parser.error(f"unknown preset {args.preset!r}: expected one of {sorted(PRESETS)}")
+
+    overrides = {"tie_word_embeddings": True} if args.tie_word_embeddings else {}
+    out = write_checkpoint(args.out_dir, preset=args.preset, seed=args.seed, **overrides)
+    config = json.loads((out / CONFIG_FILE).read_text())
+    num_params = sum(
+        t.numel() for t in build_weights(config, args.seed).values()
+    )
+    print(f"wrote {out / CONFIG_FILE}")
+    print(f"wrote {out / WEIGHTS_FILE} ({(out / WEIGHTS_FILE).stat().st_size:,} bytes, "
+          f"{num_params:,} float32 parameters)")
+    print(f"preset={args.preset} seed={args.seed} vocab={config['vocab_size']} "
+          f"hidden={config['hidden_size']} layers={config['num_hidden_layers']} "
+          f"heads={config['num_attention_heads']} kv_heads={config['num_key_value_heads']} "
+          f"intermediate={config['intermediate_size']} tied={config['tie_word_embeddings']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""LLMEngine: ``step()`` = schedule -> copy swapped blocks -> run the model -> postprocess.
+
+Public API (vLLM's names)::
+
+    engine = LLMEngine(EngineConfig(model=ckpt_dir, num_gpu_blocks_override=64))
+    engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+    engine.generate(prompts, params) ; engine.abort_request("r1") ; engine.stats() ; engine.events
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+
+from reference_engine.block_manager import BlockManager
+from reference_engine.config import EngineConfig, GiB
+from reference_engine.events import EngineEvent
+from reference_engine.kv_cache import KVCache
+from reference_engine.model import load_model
+from reference_engine.outputs import RequestOutput
+from reference_engine.request import Request, RequestStatus
+from reference_engine.runner import ModelRunner
+from reference_engine.sampling_params import SamplingParams
+from reference_engine.scheduler import Scheduler
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RequestRejected(ValueError):
+    """``add_request`` refused a request; the engine and every other request are untouched."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("EngineConfig.device is 'cuda' but torch.cuda.is_available() is False")
+        dtype = _DTYPES[config.dtype]
+        self.model = load_model(config.model, device=str(self.device), dtype=dtype)
+        mc = self.model.config
+        self.config = config = config.resolve(mc.max_position_embeddings)
+        block_bytes = mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        num_gpu_blocks = config.num_gpu_blocks_override or self._device_pool_blocks(block_bytes)
+        if config.num_cpu_blocks_override is not None:
+            num_cpu_blocks = config.num_cpu_blocks_override
+        elif config.preemption_mode == "swap":
+            num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
+        else:
+            num_cpu_blocks = 0  # recompute never swaps: reserve no host memory
+        self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.kv_cache = KVCache(num_gpu_blocks, num_cpu_blocks, mc.num_layers, config.block_size, mc.num_kv_heads,
+                                mc.head_dim, dtype, self.device)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
+            scheduling_policy=config.scheduling_policy)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, config.seed)
+        self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step()
+        self._ids = itertools.count()
+        self._swap = {"swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_seconds": 0.0}
+        self.last_step: dict[str, float | int] = {}
+
+    def _device_pool_blocks(self, block_bytes: int) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free)
+            return max(int(budget) // block_bytes, 1)
+        return max(int(self.config.kv_cache_space * GiB) // block_bytes, 1)
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def events(self) -> list[EngineEvent]:
+        return self.scheduler.events
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request, or raise :class:`RequestRejected` (engine untouched) if it can never run."""
+        try:
+            self._validate(request_id, prompt_token_ids, sampling_params)
+        except RequestRejected as e:
+            self.scheduler._event("rejected", str(request_id), reason=str(e))
+            raise
+        eos = self.model.config.eos_token_ids[0] if self.model.config.eos_token_ids else None
+        req = Request(request_id, list(prompt_token_ids), sampling_params,
+                      time.monotonic() if arrival_time is None else arrival_time, priority, eos)
+        self.scheduler.add(req)
+
+    def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"request {request_id!r}: sampling_params must be a SamplingParams")
+        if request_id in self.scheduler.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        n = len(prompt)
+        max_len = self.config.max_model_len
+        if n == 0:
+            raise RequestRejected(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise RequestRejected(f"request {request_id!r}: prompt token ids must be integers in [0, {vocab})")
+        if n >= max_len:
+            raise RequestRejected(f"request {request_id!r}: prompt of {n} tokens does not fit max_model_len="
+                                  f"{max_len} (it must leave room for at least one output token)")
+        # The last sampled token is never fed back, so a full-length request holds this many tokens of KV.
+        kv_tokens = min(n + params.max_tokens, max_len) - 1
+        needed = self.block_manager.blocks_needed(kv_tokens)
+        if needed > self.block_manager.num_gpu_blocks:
+            raise RequestRejected(
+                f"request {request_id!r} needs {needed} KV blocks ({n} prompt + up to {params.max_tokens} output "
+                f"tokens, block_size={self.config.block_size}) but the whole device pool has "
+                f"{self.block_manager.num_gpu_blocks}: it could never run, even alone")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request in any state, freeing its blocks. Returns False if it is unknown or finished."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self._pending.append(RequestOutput.of(req))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self._copy_swapped_blocks(out)
+        sampled = self.runner.execute(out)
+        touched = self.scheduler.update(out, sampled)
+        if self.config.check_invariants:
+            self.block_manager.check_invariants()
+        outputs, self._pending = self._pending + [RequestOutput.of(r) for r in touched], []
+        self.last_step = {"seconds": time.perf_counter() - t0, "num_tokens": out.num_tokens,
+                          "num_prefill_tokens": out.num_prefill_tokens,
+                          "num_decode_tokens": out.num_tokens - out.num_prefill_tokens,
+                          "num_preempted": out.num_preempted}
+        return outputs
+
+    def _copy_swapped_blocks(self, out) -> None:
+        # Swap-outs first: their freed device blocks may be rewritten by this very step.
+        for kind, mapping, requests in (("swapped_out", out.swap_out, out.swapped_out_requests),
+                                        ("swapped_in", out.swap_in, out.swapped_in_requests)):
+            if not mapping:
+                continue
+            t0 = time.perf_counter()
+            copy = self.kv_cache.swap_out if kind == "swapped_out" else self.kv_cache.swap_in
+            nbytes = copy(mapping)
+            seconds = time.perf_counter() - t0
+            self._swap[f"{kind}_bytes"] += nbytes
+            self._swap["swap_seconds"] += seconds
+            for rid in requests:
+                self.scheduler._event(kind, rid, blocks=len(mapping), bytes=nbytes, seconds=seconds,
+                                      requests=len(requests))
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run all prompts to completion (all added before the first step); outputs in prompt order."""
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[rid] for rid in ids]
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> dict[str, float | int]:
+        """Queues, pool usage and cumulative counters (vLLM's metric names where it has one)."""
+        bm, s = self.block_manager, self.scheduler
+        gpu_used = bm.num_gpu_blocks - bm.num_free_gpu_blocks
+        cpu_used = bm.num_cpu_blocks - bm.num_free_cpu_blocks
+        c = s.counters
+        return {
+            "num_gpu_blocks": bm.num_gpu_blocks, "num_free_gpu_blocks": bm.num_free_gpu_blocks,
+            "num_cpu_blocks": bm.num_cpu_blocks, "num_free_cpu_blocks": bm.num_free_cpu_blocks,
+            "num_cached_blocks": len(bm.pool.cached),
+            "num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
+            "gpu_cache_usage": gpu_used / bm.num_gpu_blocks,
+            "cpu_cache_usage": cpu_used / bm.num_cpu_blocks if bm.num_cpu_blocks else 0.0,
+            "num_preemptions": c["preemptions_recompute"] + c["preemptions_swap"],
+            "num_preemptions_recompute": c["preemptions_recompute"], "num_preemptions_swap": c["preemptions_swap"],
+            "num_swap_fallbacks": c["swap_fallbacks"], "num_swap_outs": c["swap_outs"], "num_swap_ins": c["swap_ins"],
+            "swapped_out_bytes": self._swap["swapped_out_bytes"], "swapped_in_bytes": self._swap["swapped_in_bytes"],
+            "swap_seconds": self._swap["swap_seconds"],
+            "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
+            "num_prefill_chunks": c["prefill_chunks"], "num_computed_tokens": c["computed_tokens"],
+            "num_recomputed_tokens": c["recomputed_tokens"], "num_generated_tokens": c["generated_tokens"],
+            "num_evicted_blocks": bm.pool.num_evictions, "num_steps": s.step_index,
+        }
+
+
+__all__ = ["LLMEngine", "RequestRejected", "RequestStatus"]

@@ -1,0 +1,103 @@
+"""Model runner: flattens one scheduled step into tensors, runs the model, samples.
+
+For the chunks ``A: positions 0..2 (prefill)``, ``B: position 7 (decode)`` and block size 4::
+
+    flat tokens     a0 a1 a2 b7
+    positions        0  1  2  7
+    slot block      tA[0] tA[0] tA[0] tB[1]        tX = block table of X; block = position // 4
+    slot offset      0  1  2  3                    offset = position % 4
+    sampled from    last row of each chunk that reaches the end of its sequence
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from reference_engine.attention import AttentionGroup, AttentionMetadata, build_group
+from reference_engine.block_manager import BlockManager
+from reference_engine.kv_cache import KVCache
+from reference_engine.model import LlamaForCausalLM
+from reference_engine.sampler import sample
+from reference_engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_manager: BlockManager,
+                 device: torch.device, engine_seed: int):
+        self.model = model
+        self.kv = kv_cache
+        self.bm = block_manager
+        self.device = device
+        self.block_size = block_manager.block_size
+        self.engine_seed = engine_seed
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run the step's chunks. Returns the sampled token of every chunk that completes its sequence."""
+        chunks = out.chunks
+        if not chunks:
+            return {}
+        tokens, positions, offsets = self._flatten(chunks)
+        tables = [self.bm.blocks_of(c.request.request_id) for c in chunks]
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        lens = np.array([c.num_tokens for c in chunks], dtype=np.int64)
+        chunk_of_token = np.repeat(np.arange(len(chunks)), lens)
+        padded = _pad_tables(tables)
+        slot_blocks = padded[chunk_of_token, positions // self.block_size]
+        meta = AttentionMetadata(
+            slot_blocks=self._t(slot_blocks), slot_offsets=self._t(positions % self.block_size),
+            groups=self._groups(lens, starts, offsets, tables))
+        hidden = self.model(self._t(np.asarray(tokens)), self._t(positions), self.kv.device_cache, meta)
+        finishing = [i for i, c in enumerate(chunks) if c.completes]
+        if not finishing:
+            return {}
+        last_rows = offsets[finishing] + lens[finishing] - 1
+        logits = self.model.compute_logits(hidden[self._t(last_rows)])
+        requests = [chunks[i].request for i in finishing]
+        sampled = sample(logits, requests, self.engine_seed)
+        return {req.request_id: tok for req, tok in zip(requests, sampled, strict=True)}
+
+    def _flatten(self, chunks: list[ScheduledChunk]) -> tuple[list[int], np.ndarray, np.ndarray]:
+        tokens: list[int] = []
+        for c in chunks:
+            req = c.request
+            if c.num_tokens == 1:
+                p = c.start
+                n_prompt = req.num_prompt_tokens
+                tokens.append(req.prompt_token_ids[p] if p < n_prompt else req.output_token_ids[p - n_prompt])
+            else:
+                tokens.extend(req.all_token_ids[c.start : c.start + c.num_tokens])
+        lens = np.array([c.num_tokens for c in chunks], dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))  # first flat row of each chunk
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        positions = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(offsets, lens) + np.repeat(starts, lens)
+        return tokens, positions, offsets
+
+    def _groups(self, lens: np.ndarray, starts: np.ndarray, offsets: np.ndarray,
+                tables: list[list[int]]) -> list[AttentionGroup]:
+        groups = []
+        is_decode = lens == 1
+        for members in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
+            if members.size == 0:
+                continue
+            q_max = int(lens[members].max())
+            q_idx = np.arange(q_max)
+            valid = q_idx[None, :] < lens[members, None]  # [B, Q]
+            token_index = np.where(valid, offsets[members, None] + q_idx[None, :], 0)
+            query_positions = np.where(valid, starts[members, None] + q_idx[None, :], 0)
+            block_tables = _pad_tables([tables[i] for i in members])
+            groups.append(build_group(self._t(token_index), self._t(query_positions), self._t(valid),
+                                      self._t(block_tables), self.block_size))
+        return groups
+
+    def _t(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+    width = max(len(t) for t in tables)
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
