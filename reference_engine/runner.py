@@ -35,28 +35,31 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run the step's chunks. Returns the sampled token of every chunk that completes its sequence."""
-        chunks = out.chunks
-        if not chunks:
+        if not out.chunks:
             return {}
+        input_ids, positions, meta, last_rows = self.prepare(out.chunks)
+        hidden = self.model(input_ids, positions, self.kv.device_cache, meta)
+        finishing = [i for i, c in enumerate(out.chunks) if c.completes]
+        if not finishing:
+            return {}
+        logits = self.model.compute_logits(hidden[last_rows[finishing]])
+        requests = [out.chunks[i].request for i in finishing]
+        sampled = sample(logits, requests, self.engine_seed)
+        return {req.request_id: tok for req, tok in zip(requests, sampled, strict=True)}
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                              torch.Tensor]:
+        """Flat ``input_ids``, ``positions``, attention metadata and each chunk's last flat row."""
         tokens, positions, offsets = self._flatten(chunks)
         tables = [self.bm.blocks_of(c.request.request_id) for c in chunks]
         starts = np.array([c.start for c in chunks], dtype=np.int64)
         lens = np.array([c.num_tokens for c in chunks], dtype=np.int64)
         chunk_of_token = np.repeat(np.arange(len(chunks)), lens)
-        padded = _pad_tables(tables)
-        slot_blocks = padded[chunk_of_token, positions // self.block_size]
+        slot_blocks = _pad_tables(tables)[chunk_of_token, positions // self.block_size]
         meta = AttentionMetadata(
             slot_blocks=self._t(slot_blocks), slot_offsets=self._t(positions % self.block_size),
             groups=self._groups(lens, starts, offsets, tables))
-        hidden = self.model(self._t(np.asarray(tokens)), self._t(positions), self.kv.device_cache, meta)
-        finishing = [i for i, c in enumerate(chunks) if c.completes]
-        if not finishing:
-            return {}
-        last_rows = offsets[finishing] + lens[finishing] - 1
-        logits = self.model.compute_logits(hidden[self._t(last_rows)])
-        requests = [chunks[i].request for i in finishing]
-        sampled = sample(logits, requests, self.engine_seed)
-        return {req.request_id: tok for req, tok in zip(requests, sampled, strict=True)}
+        return self._t(np.asarray(tokens)), self._t(positions), meta, self._t(offsets + lens - 1)
 
     def _flatten(self, chunks: list[ScheduledChunk]) -> tuple[list[int], np.ndarray, np.ndarray]:
         tokens: list[int] = []

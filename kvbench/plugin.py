@@ -1,0 +1,22 @@
+"""The kvbench pytest plugin (entry point ``pytest11: kvbench``)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,72 @@
+"""Shared fixtures of the project's own tests: a tiny checkpoint, transformers' greedy outputs as
+ground truth, and an engine factory that checks, after every test, that the pool is whole."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from reference_engine import EngineConfig, LLMEngine, SamplingParams
+from reference_engine.checkpoint import write_checkpoint
+
+NUM_REQUESTS = 32
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def workload() -> tuple[list[list[int]], list[int]]:
+    """32 requests, prompts of 1-300 tokens, outputs of 1-100 tokens (seeded)."""
+    g = torch.Generator().manual_seed(1234)
+    lengths = torch.randint(1, 301, (NUM_REQUESTS,), generator=g).tolist()
+    lengths[:3] = [1, 300, 17]  # make sure the extremes are there
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+    max_tokens = torch.randint(1, 101, (NUM_REQUESTS,), generator=g).tolist()
+    max_tokens[:3] = [100, 100, 1]
+    return prompts, max_tokens
+
+
+def greedy_params(max_tokens: list[int]) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_ckpt: str, workload) -> list[list[int]]:
+    """transformers' greedy ``generate``, one request at a time: the ground truth."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32, use_safetensors=True).eval()
+    prompts, max_tokens = workload
+    outs = []
+    with torch.inference_mode():
+        for prompt, m in zip(prompts, max_tokens, strict=True):
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=m, min_new_tokens=m, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            outs.append(ids[0, len(prompt):].tolist())
+    return outs
+
+
+@pytest.fixture
+def make_engine(tiny_ckpt: str) -> Iterator[Callable[..., LLMEngine]]:
+    """Build engines on the tiny checkpoint; at teardown each must have checked out clean:
+    invariants hold and every device and host block is back in its pool."""
+    engines: list[LLMEngine] = []
+
+    def factory(**overrides) -> LLMEngine:
+        overrides.setdefault("check_invariants", True)
+        overrides.setdefault("num_cpu_blocks_override", 256 if overrides.get("preemption_mode") == "swap" else None)
+        engine = LLMEngine(EngineConfig(model=tiny_ckpt, **overrides))
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        for rid in list(engine.scheduler.requests):  # a test that stopped early: abort what is left
+            engine.abort_request(rid)
+        engine.block_manager.check_invariants()
+        assert engine.block_manager.is_whole(), f"blocks leaked: {engine.stats()}"
