@@ -1,0 +1,936 @@
+"""Adapter ``hf-cb``: transformers' continuous batching (``transformers.generation.continuous_batching``).
+
+What the engine is (transformers 5.24, read from its source): ``model.init_continuous_batching`` builds a
+``ContinuousBatchingManager`` whose background thread loops ``prepare_next_batch -> forward -> update_batch``
+over a ``PagedAttentionCache`` (one flat tensor cut into *sectors*, each cut into *blocks*; a block holds
+``page_size`` tokens for every layer, so one block = one vLLM block). The scheduler (``fifo``: decodes
+first; ``prefill_first``: split prefills first) packs requests into a token budget; a prompt longer than
+the remaining budget is split across steps (chunked prefill, always on). Below ``safety_margin`` free
+cache (fifo default 0.15) only decodes and at most one prefill are scheduled. With ``allow_block_sharing``
+a full block is hashed (chained from its parent's hash) after its forward pass, de-duplicated against
+identical blocks, and kept as a cached block when its request finishes; a pending request's prompt is
+matched block by block against them (prefix caching; never the whole prompt). Requests prefilled in the
+same step cannot hit each other's blocks (they are not hashed yet): their duplicates are merged after the
+forward, which saves memory but no compute and is not counted as a hit.
+
+When the cache is full: ``ContinuousBatchProcessor.prepare_next_batch`` calls
+``OffloadingManager.offload_requests`` when ``schedule_batch`` returns ``None`` (nothing fits) or some
+active requests were *starved* of a block. It first evicts every cached prefix block, then pops victims
+off the starved list (scheduling order, so the most recently admitted first) until the rest fit, always
+leaving one active request. A victim is copied to the pinned CPU swap pool if one exists and has room
+(*CPU offload*, = vLLM swap) or else *soft reset*: its blocks are freed uncached (``no_cache=True``) and it
+is requeued as a new request whose prompt is prompt + generated tokens
+(``RequestState.create_equivalent_initial_request``, = vLLM recompute; the output stitches the two back
+together). After an offload no waiting request is admitted until some request finishes
+(``scheduler.block_new_requests``); CPU-offloaded requests are then interleaved with fresh ones, first.
+If nothing can be scheduled and nothing can be offloaded (the one remaining active request needs more
+blocks than the pool has) ``prepare_next_batch`` raises ``RuntimeError("No requests can be scheduled and
+no requests can be offloaded.")``; ``_handle_critical_error`` then fails *every* request still in flight,
+bystanders included, and the manager accepts no more requests.
+
+Knob mapping (kvbench :class:`Knobs` -> ``ContinuousBatchingConfig``)::
+
+    Knobs field             hf-cb                               notes
+    ----------------------  ----------------------------------  -----------------------------------------
+    block_size              page_size                           tokens per block; engine minimum 4
+    num_gpu_blocks          num_blocks                          capacity target, rounded up to whole
+                                                                sectors (one sector = one block for
+                                                                Llama float32); the actual number is in
+                                                                ``evidence``
+    num_cpu_blocks          cpu_offload_space (GiB)             num_cpu_blocks * bytes per block
+    preemption_mode         cpu_offload_space                   "recompute": 0 GiB, soft reset only;
+                                                                "swap": > 0 GiB (needs num_cpu_blocks or
+                                                                option cpu_offload_gib), soft reset when
+                                                                the pool is full (a swap fallback);
+                                                                "swap" is refused on CPU (see below)
+    max_num_seqs            max_requests_per_batch              caps requests per forward; requests not in
+                                                                the batch may still hold KV blocks
+    max_num_batched_tokens  max_batch_tokens                    token budget per forward
+    enable_prefix_caching   allow_block_sharing                 prefix sharing only if every attention
+                                                                type supports it (all-full-attention
+                                                                Llama does)
+    enable_chunked_prefill  (always on)                         True accepted; False unsupported
+    scheduling_policy       scheduler_type                      "fcfs" accepted (fifo or prefill_first
+                                                                from option ``scheduler``); "priority"
+                                                                unsupported
+    max_model_len           (none)                              unsupported: no per-request length cap
+
+``swap`` on CPU: ``OffloadingManager.__init__`` allocates its pool with ``torch.empty(..., pin_memory=True)``,
+which a CPU-only torch build rejects ("pin_memory=True requires a CUDA or other accelerator backend"), so
+the adapter refuses ``preemption_mode="swap"`` / ``num_cpu_blocks`` on device ``cpu`` and declares the
+``swap`` capability only for ``device=cuda`` (read from the code; not exercised by this project's CPU tests).
+
+What the engine exposes: per request, a ``GenerationOutput`` (tokens, status FINISHED/FAILED, error
+string, ``lifespan`` = (left pending, finished), per-token ``timestamps`` with ``record_timestamps``),
+streamed per token with ``streaming=True``; ``cancel_request(id)``; log lines on the logger
+``ContinuousBatchingLogger``: at INFO ``Offloaded {n} requests ({c} to CPU, {s} soft reset): {k} starved
+requests remain.``, ``Paged cache initialized: ...``, ``CPU swap pool initialized: ...``; at DEBUG prefix
+matches, cached-block evictions and CPU restores. The adapter captures the INFO lines while it runs (it
+raises that logger to INFO and filters the logger's own handlers back to their previous level) and
+quotes them in ``GenResult.evidence``.
+
+What it does NOT expose (no counters, no metrics object, no per-step statistics, no event callbacks,
+no per-request preemption count, no queue lengths, no KV usage, no token counts). kvbench gets those
+with a *probe* that wraps six methods of the engine's own instances (``scheduler.schedule_batch``,
+``cache.search_prefix_match``, ``offloading_manager.offload_requests`` and ``restore_scheduled_requests``,
+``batch_processor.prepare_next_batch`` / ``update_batch``) and reads their state: white-box, tied to
+5.24's internals, and degrading to "not exposed" if a method is missing. From it come the counters
+``preemptions_recompute`` (soft resets), ``preemptions_swap`` (= ``swap_outs``, CPU offloads),
+``swap_ins`` (restores), ``swap_fallbacks`` (soft resets while a CPU pool exists),
+``swapped_out_bytes`` / ``swapped_in_bytes``, ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens,
+counted only with prefix sharing on), ``prefill_chunks`` (prefill pieces scheduled: 1 per unsplit
+prompt), ``computed_tokens`` (query tokens scheduled), ``recomputed_tokens`` (computed + prefix hits -
+(prompt + generated - 1) per request) and ``leaked_blocks`` (blocks still in a request's block table
+after the loop stopped), per-request ``num_preemptions``, and in ``serve`` the admission, preemption,
+resume and step records (``kv_usage`` = 1 - ``cache.compute_free_capacity()``, so cached prefix
+blocks count as used). Not observed even by the probe: cached-block evictions (a DEBUG line only), the
+post-forward de-duplication of identical blocks, and the KV bytes a soft reset drops (they are not
+copied anywhere; their recomputation is what ``recomputed_tokens`` counts).
+
+Sampling: ``do_sample`` and temperature/top-k/top-p are per manager, and the only seed is
+``ContinuousBatchingConfig.seed`` (``torch.manual_seed`` once per run; samples then depend on batch
+composition), so one call's requests must share their sampling parameters, per-request seeds are not
+honoured and ``sampling`` is not a capability. The adapter runs each session inside
+``torch.random.fork_rng`` so the engine's ``manual_seed`` does not leak into the caller.
+
+``ignore_eos``: a request's ``eos_token_id=-1`` (the engine ignores negative ids) disables stopping
+without masking EOS, so exactly ``max_tokens`` tokens come back. ``serve`` always ignores EOS.
+
+Costs to know on CPU: leave ``num_gpu_blocks`` unset and the engine sizes the cache to 60% of memory and
+fills an attention mask of ``max_batch_tokens x (cache tokens + max_batch_tokens)`` at every start (tens
+of seconds); ``ContinuousBatchingManager.stop`` runs ``gc.collect()`` twice (about a second), which
+``serve`` cannot keep out of the wall time between its last token and its return.
+
+Observed on CPU (tiny preset, page_size 16, ``tests/test_hf_adapters.py``): with a pool too small for
+all requests at once, the engine soft-resets victims and the greedy outputs still equal ``hf``'s exactly
+(chunked prefill and prefix hits too); a request that alone outgrows the pool while it is the only
+active one kills the run, and every request still in flight comes back with ``finish_reason="error"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvbench.engines.base import EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.engines.hf import check_device, eos_token_ids, load_model
+from kvbench.trace import StepRecord
+
+if TYPE_CHECKING:
+    from kvbench.trace import TraceRecorder
+    from kvbench.workloads import WorkloadRequest
+
+_DEFAULT_KNOBS = Knobs()
+_LOGGER_NAME = "ContinuousBatchingLogger"
+_GIB = 1024**3
+#: log lines worth quoting in evidence (substrings of ContinuousBatchingLogger messages)
+_EVIDENCE_PATTERNS = ("Offloaded", "Paged cache initialized", "CPU swap pool", "No requests can be scheduled",
+                      "Error in generation loop", "Clamping", "too small")
+_MAX_EVIDENCE_LOG_LINES = 20
+_SCHEDULERS = ("fifo", "prefill_first")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Knob mapping (pure: testable without a model)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def bytes_per_block(model_config: Any, page_size: int, dtype_size: int = 4) -> int:
+    """Bytes of one block: keys and values of ``page_size`` tokens for every layer (float32 by default)."""
+    num_kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return model_config.num_hidden_layers * 2 * num_kv_heads * head_dim * dtype_size * page_size
+
+
+def map_knobs(knobs: Knobs, options: dict[str, str], model_config: Any, device: str = "cpu"
+              ) -> tuple[dict[str, Any], list[str]]:
+    """Translate kvbench knobs (+ adapter options) into ``ContinuousBatchingConfig`` keyword arguments.
+
+    Returns ``(kwargs, notes)``; ``notes`` are evidence lines explaining non-obvious choices. Raises
+    ``ValueError`` naming the knob for anything the engine cannot do (see the module docstring table).
+    """
+    kwargs: dict[str, Any] = {}
+    notes: list[str] = []
+    if knobs.max_model_len is not None:
+        raise ValueError(f"hf-cb: {HFContinuousBatchingAdapter.unsupported_knobs['max_model_len']}")
+    if knobs.enable_chunked_prefill is False:
+        raise ValueError(f"hf-cb: enable_chunked_prefill=False: "
+                         f"{HFContinuousBatchingAdapter.unsupported_knobs['enable_chunked_prefill']}")
+    if knobs.scheduling_policy not in (None, "fcfs"):
+        raise ValueError(f"hf-cb: scheduling_policy={knobs.scheduling_policy!r}: "
+                         f"{HFContinuousBatchingAdapter.unsupported_knobs['scheduling_policy']}")
+
+    scheduler = options.get("scheduler", "fifo")
+    if scheduler not in _SCHEDULERS:
+        raise ValueError(f"hf-cb: option scheduler={scheduler!r}; allowed: {list(_SCHEDULERS)}")
+    kwargs["scheduler_type"] = scheduler
+    if "safety_margin" in options:
+        kwargs["safety_margin"] = float(options["safety_margin"])
+
+    page_size = 256  # ContinuousBatchingConfig's default
+    if knobs.block_size is not None:
+        if knobs.block_size < 4:
+            raise ValueError(f"hf-cb: block_size={knobs.block_size}: the engine's page_size must be >= 4")
+        page_size = kwargs["page_size"] = knobs.block_size
+    if knobs.num_gpu_blocks is not None:
+        if knobs.num_gpu_blocks < 1:
+            raise ValueError(f"hf-cb: num_gpu_blocks={knobs.num_gpu_blocks}: must be >= 1")
+        kwargs["num_blocks"] = knobs.num_gpu_blocks
+    if knobs.max_num_batched_tokens is not None:
+        kwargs["max_batch_tokens"] = knobs.max_num_batched_tokens
+    if knobs.max_num_seqs is not None:
+        kwargs["max_requests_per_batch"] = knobs.max_num_seqs
+    if knobs.enable_prefix_caching is not None:
+        kwargs["allow_block_sharing"] = knobs.enable_prefix_caching
+
+    # CPU offload (swap) pool: explicit GiB option wins, else num_cpu_blocks converted to GiB.
+    cpu_gib: float | None = None
+    if "cpu_offload_gib" in options:
+        cpu_gib = float(options["cpu_offload_gib"])
+    elif knobs.num_cpu_blocks is not None:
+        cpu_gib = knobs.num_cpu_blocks * bytes_per_block(model_config, page_size) / _GIB
+    if knobs.preemption_mode not in (None, "recompute", "swap"):
+        raise ValueError(f"hf-cb: preemption_mode={knobs.preemption_mode!r}; allowed: 'recompute', 'swap'")
+    if knobs.preemption_mode == "recompute":
+        if cpu_gib:
+            notes.append("hf-cb: preemption_mode=recompute: CPU offload pool disabled (num_cpu_blocks ignored)")
+        cpu_gib = 0.0
+    elif knobs.preemption_mode == "swap" and not cpu_gib:
+        raise ValueError("hf-cb: preemption_mode='swap' needs a CPU offload pool: set num_cpu_blocks or "
+                         "option cpu_offload_gib")
+    if cpu_gib:
+        if not device.startswith("cuda"):
+            raise ValueError("hf-cb: CPU offload (preemption_mode='swap' / num_cpu_blocks) needs device=cuda: "
+                             "transformers allocates the swap pool with pin_memory=True, which CPU-only torch "
+                             "rejects")
+        kwargs["cpu_offload_space"] = cpu_gib
+        notes.append(f"hf-cb: CPU offload pool {cpu_gib * _GIB:.0f} bytes; victims that do not fit are soft reset")
+    elif cpu_gib is not None:
+        kwargs["cpu_offload_space"] = 0.0
+    return kwargs, notes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Log capture
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _BelowLevel(logging.Filter):
+    """Drops records below ``level``: keeps the engine's own handlers as quiet as they were."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level
+
+
+class _LogCapture(logging.Handler):
+    """Collects ``ContinuousBatchingLogger`` records at INFO and above for the duration of a session.
+
+    The engine logs its offload decisions at INFO only, so the logger's level is lowered to INFO while
+    the session runs; its existing handlers get a filter that keeps them at their previous effective
+    level, and everything is restored on exit.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.lines: list[str] = []
+        self._lock_lines = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._lock_lines:
+            self.lines.append(f"{record.levelname}: {record.getMessage()}")
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[_LogCapture]:
+        logger = logging.getLogger(_LOGGER_NAME)
+        previous_level = logger.level
+        previous_effective = logger.getEffectiveLevel()
+        quieter = _BelowLevel(previous_effective)
+        foreign = list(logger.handlers)
+        for handler in foreign:
+            handler.addFilter(quieter)
+        logger.addHandler(self)
+        if previous_effective > logging.INFO:
+            logger.setLevel(logging.INFO)
+        try:
+            yield self
+        finally:
+            logger.setLevel(previous_level)
+            logger.removeHandler(self)
+            for handler in foreign:
+                handler.removeFilter(quieter)
+
+    def evidence(self) -> list[str]:
+        """The lines worth quoting: offloads, cache sizing, errors (at most a screenful, plus a count)."""
+        with self._lock_lines:
+            picked = [line for line in self.lines
+                      if any(p in line for p in _EVIDENCE_PATTERNS) and "psutil" not in line]
+        out = [f"log: {line}" for line in picked[:_MAX_EVIDENCE_LOG_LINES]]
+        if len(picked) > _MAX_EVIDENCE_LOG_LINES:
+            out.append(f"log: ... {len(picked) - _MAX_EVIDENCE_LOG_LINES} more such lines")
+        return out
+
+    def count_offload_lines(self) -> tuple[int, int]:
+        """(CPU offloads, soft resets) summed over the engine's "Offloaded ..." INFO lines."""
+        pattern = re.compile(r"Offloaded \d+ requests \((\d+) to CPU, (\d+) soft reset\)")
+        cpu = soft = 0
+        with self._lock_lines:
+            for line in self.lines:
+                m = pattern.search(line)
+                if m:
+                    cpu += int(m.group(1))
+                    soft += int(m.group(2))
+        return cpu, soft
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The probe: instance-level wrappers on the engine's own objects, run on its generation thread
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _ProbeStats:
+    """Written by the generation thread only; read after it has been joined."""
+
+    per_request_computed: Counter = field(default_factory=Counter)
+    per_request_queries: Counter = field(default_factory=Counter)
+    per_request_hits: Counter = field(default_factory=Counter)
+    per_request_preemptions: Counter = field(default_factory=Counter)
+    totals: Counter = field(default_factory=Counter)
+    num_steps: int = 0
+    peak_kv_usage: float = 0.0
+
+
+class _Probe:
+    """Watches one ``ContinuousBatchProcessor`` from inside its generation thread.
+
+    Wraps methods on the engine's *instances* (never its classes), records cumulative statistics and
+    pushes timestamped events (``time.perf_counter``) onto a thread-safe queue that the caller's
+    thread drains: ``("admitted", rid, t)``, ``("preempted", rid, t, mode)``, ``("resumed", rid, t)``,
+    ``("step", StepRecord)``. ``missing`` names the hooks that could not be installed and why.
+    """
+
+    def __init__(self, batch_processor: Any, clock: Callable[[], float] = time.perf_counter):
+        self.bp = batch_processor
+        self.clock = clock
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats = _ProbeStats()
+        self.missing: dict[str, str] = {}
+        self._wrapped: list[tuple[Any, str]] = []
+        self._seen_queries: set[tuple[str, int]] = set()
+        self._admitted: set[str] = set()
+        self._preempted: set[str] = set()
+        self._step_t0: float | None = None
+        self._step_tokens = (0, 0)
+        self._step_preempted = 0
+        self._install()
+
+    # -- installation ----------------------------------------------------------------------------------
+
+    def _wrap(self, owner_path: str, method: str, make: Callable[[Callable], Callable]) -> None:
+        owner: Any = self.bp
+        try:
+            for part in owner_path.split(".") if owner_path else []:
+                owner = getattr(owner, part)
+            original = getattr(owner, method)
+        except AttributeError as e:
+            self.missing[f"{owner_path}.{method}".lstrip(".")] = f"not found in this transformers version: {e}"
+            return
+        setattr(owner, method, make(original))
+        self._wrapped.append((owner, method))
+
+    def _install(self) -> None:
+        self._wrap("scheduler", "schedule_batch", self._make_schedule_hook)
+        self._wrap("cache", "search_prefix_match", self._make_prefix_hook)
+        self._wrap("offloading_manager", "offload_requests", self._make_offload_hook)
+        self._wrap("offloading_manager", "restore_scheduled_requests", self._make_restore_hook)
+        self._wrap("", "prepare_next_batch", self._make_prepare_hook)
+        self._wrap("", "update_batch", self._make_update_hook)
+
+    def detach(self) -> None:
+        """Remove the instance attributes (the class methods show through again) and break cycles."""
+        for owner, method in self._wrapped:
+            with contextlib.suppress(AttributeError):
+                delattr(owner, method)
+        self._wrapped.clear()
+
+    # -- hooks -----------------------------------------------------------------------------------------
+
+    def _make_schedule_hook(self, original: Callable) -> Callable:
+        def schedule_batch(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            batch = result[0]
+            if batch:
+                self._on_batch(batch)
+            return result
+
+        return schedule_batch
+
+    def _on_batch(self, batch: list[Any]) -> None:
+        t = self.clock()
+        prefill = decode = 0
+        stats = self.stats
+        for future in batch:
+            state, q = future.state, future.query_length
+            rid = state.request_id
+            stats.per_request_computed[rid] += q
+            # A decode feeds back one generated token; anything else (incl. a soft reset's re-prefill,
+            # whose generated tokens became prompt tokens) is prefill work.
+            if q == 1 and state.generated_len() > 0:
+                decode += q
+            else:
+                prefill += q
+                stats.totals["prefill_chunks"] += 1
+            if rid not in self._admitted:
+                self._admitted.add(rid)
+                self.events.put(("admitted", rid, t))
+            if rid in self._preempted:
+                self._preempted.discard(rid)
+                self.events.put(("resumed", rid, t))
+        stats.totals["computed_tokens"] += prefill + decode
+        self._step_tokens = (prefill, decode)
+
+    def _make_prefix_hook(self, original: Callable) -> Callable:
+        def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
+            matched = original(request_id, prompt_ids)
+            # A request that is searched but not scheduled is searched again next step: count its
+            # query once per (request, prompt length); a soft reset makes a longer prompt, a new query.
+            key = (request_id, len(prompt_ids))
+            if key not in self._seen_queries:
+                self._seen_queries.add(key)
+                self.stats.per_request_queries[request_id] += len(prompt_ids)
+            self.stats.per_request_hits[request_id] += matched
+            return matched
+
+        return search_prefix_match
+
+    def _make_offload_hook(self, original: Callable) -> Callable:
+        def offload_requests(*args: Any, **kwargs: Any) -> Any:
+            scheduler = self.bp.scheduler
+            before = set(scheduler.active_requests)
+            result = original(*args, **kwargs)
+            t = self.clock()
+            om = self.bp.offloading_manager
+            cpu_blocks = getattr(om, "_request_id_to_cpu_blocks", {})
+            has_cpu_pool = getattr(om, "_cpu_pool", None) is not None
+            for rid in sorted(before - set(scheduler.active_requests)):
+                state = scheduler.waiting_requests.get(rid)
+                if state is None:  # left for another reason (finished, cancelled): not an offload
+                    continue
+                if state.is_cpu_offloaded:
+                    mode = "swap"
+                    self.stats.totals["swapped_out_blocks"] += sum(len(b) for b in cpu_blocks.get(rid, {}).values())
+                else:
+                    mode = "recompute"
+                    if has_cpu_pool:
+                        self.stats.totals["swap_fallbacks"] += 1
+                self.stats.totals[f"preemptions_{mode}"] += 1
+                self.stats.per_request_preemptions[rid] += 1
+                self._preempted.add(rid)
+                self._step_preempted += 1
+                self.events.put(("preempted", rid, t, mode))
+            return result
+
+        return offload_requests
+
+    def _make_restore_hook(self, original: Callable) -> Callable:
+        def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
+            om = self.bp.offloading_manager
+            cpu_blocks = getattr(om, "_request_id_to_cpu_blocks", {})
+            restored = [f.state.request_id for f in requests_in_batch if f.state.is_cpu_offloaded]
+            blocks = sum(len(b) for rid in restored for b in cpu_blocks.get(rid, {}).values())
+            result = original(requests_in_batch)
+            self.stats.totals["swap_ins"] += len(restored)
+            self.stats.totals["swapped_in_blocks"] += blocks
+            return result
+
+        return restore_scheduled_requests
+
+    def _make_prepare_hook(self, original: Callable) -> Callable:
+        def prepare_next_batch(*args: Any, **kwargs: Any) -> Any:
+            t0 = self.clock()
+            ready = original(*args, **kwargs)
+            if ready:
+                self._step_t0 = t0
+            return ready
+
+        return prepare_next_batch
+
+    def _make_update_hook(self, original: Callable) -> Callable:
+        def update_batch(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            self._on_step_end()
+            return result
+
+        return update_batch
+
+    def _on_step_end(self) -> None:
+        t = self.clock()
+        scheduler, cache = self.bp.scheduler, self.bp.cache
+        waiting = list(scheduler.waiting_requests.values())
+        swapped = sum(1 for s in waiting if s.is_cpu_offloaded)
+        kv_usage = 1.0 - float(cache.compute_free_capacity())
+        cpu_pool = getattr(self.bp.offloading_manager, "_cpu_pool", None)
+        cpu_usage = None
+        if cpu_pool is not None and cpu_pool.num_sectors:
+            cpu_usage = 1.0 - cpu_pool.num_free_sectors / cpu_pool.num_sectors
+        prefill, decode = self._step_tokens
+        record = StepRecord(t=t, duration=t - (self._step_t0 if self._step_t0 is not None else t),
+                            num_running=len(scheduler.active_requests), num_waiting=len(waiting) - swapped,
+                            num_swapped=swapped, kv_usage=kv_usage, cpu_kv_usage=cpu_usage,
+                            num_prefill_tokens=prefill, num_decode_tokens=decode,
+                            num_preempted=self._step_preempted)
+        self._step_preempted = 0
+        self._step_tokens = (0, 0)
+        self.stats.num_steps += 1
+        self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, kv_usage)
+        self.events.put(("step", record))
+
+    # -- results ---------------------------------------------------------------------------------------
+
+    def counters(self, produced: dict[str, tuple[int, int]]) -> tuple[dict[str, int | float], dict[str, int]]:
+        """Cumulative counters (base.py names) and per-request recomputed tokens.
+
+        ``produced`` maps request id -> (prompt length, tokens generated). Call after the generation
+        thread has stopped.
+        """
+        s = self.stats
+        counters: dict[str, int | float] = {}
+        per_block = int(getattr(next(iter(self.bp.cache.cache_allocators.values())), "bytes_per_block", 0))
+        if "scheduler.schedule_batch" not in self.missing:
+            counters["computed_tokens"] = s.totals["computed_tokens"]
+            counters["prefill_chunks"] = s.totals["prefill_chunks"]
+        if "offloading_manager.offload_requests" not in self.missing:
+            counters["preemptions_recompute"] = s.totals["preemptions_recompute"]
+            counters["preemptions_swap"] = s.totals["preemptions_swap"]
+            counters["swap_outs"] = s.totals["preemptions_swap"]
+            counters["swap_fallbacks"] = s.totals["swap_fallbacks"]
+            counters["swapped_out_bytes"] = s.totals["swapped_out_blocks"] * per_block
+        if "offloading_manager.restore_scheduled_requests" not in self.missing:
+            counters["swap_ins"] = s.totals["swap_ins"]
+            counters["swapped_in_bytes"] = s.totals["swapped_in_blocks"] * per_block
+        if self.bp.cache.use_prefix_sharing and "cache.search_prefix_match" not in self.missing:
+            counters["prefix_cache_queries"] = sum(s.per_request_queries.values())
+            counters["prefix_cache_hits"] = sum(s.per_request_hits.values())
+        recomputed: dict[str, int] = {}
+        if "scheduler.schedule_batch" not in self.missing:
+            for rid, (prompt_len, generated) in produced.items():
+                # Without preemption a request computes its prompt and every generated token but the last.
+                ideal = prompt_len + max(generated - 1, 0)
+                done = s.per_request_computed[rid] + s.per_request_hits[rid]
+                recomputed[rid] = max(done - ideal, 0)
+            counters["recomputed_tokens"] = sum(recomputed.values())
+        counters["leaked_blocks"] = sum(
+            len(table) for allocator in self.bp.cache.cache_allocators.values()
+            for table in allocator.block_table.values()
+        )
+        return counters, recomputed
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The adapter
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    do_sample: bool
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def _sampling_of(requests: Sequence[Any]) -> _Sampling:
+    """The one sampling setup shared by all ``requests`` (the engine has one per manager)."""
+    setups = {(float(getattr(r, "temperature", 0.0)), int(getattr(r, "top_k", 0) or 0),
+               float(getattr(r, "top_p", 1.0))) for r in requests}
+    if len(setups) > 1:
+        raise ValueError(f"hf-cb: all requests of one run must share temperature/top_k/top_p (the engine "
+                         f"samples per manager, not per request); got {sorted(setups)}")
+    if not setups:
+        return _Sampling(do_sample=False)
+    temperature, top_k, top_p = setups.pop()
+    if temperature <= 0:
+        return _Sampling(do_sample=False)
+    seeds = {r.seed for r in requests if getattr(r, "seed", None) is not None}
+    # One seed per run (the smallest one given), not per request: see the module docstring.
+    seed = min(seeds) if seeds else 0
+    return _Sampling(True, temperature, top_k, top_p, seed)
+
+
+@dataclass
+class _Session:
+    manager: Any
+    probe: _Probe
+    logs: _LogCapture
+    notes: list[str]
+    batch_processor: Any
+    description: str = ""
+
+
+class HFContinuousBatchingAdapter(EngineAdapter):
+    """transformers continuous batching (see the module docstring for the mapping and what it exposes)."""
+
+    kind = "hf-cb"
+    #: on device=cuda an instance also declares "swap" (CPU offload needs pinned memory)
+    capabilities = frozenset({"recompute", "prefix_caching", "chunked_prefill", "abort"})
+    option_keys = {  # noqa: RUF012 - read-only class-level table
+        "device": "cpu (default) or cuda[:N]",
+        "attn_implementation": "transformers' default (sdpa), eager (run as paged|eager) or a flash one",
+        "scheduler": "fifo (default: decodes first) or prefill_first",
+        "safety_margin": "fraction of free cache under which no new prefill is scheduled (engine default "
+                         "0.15 for fifo, 0.0 for prefill_first)",
+        "cpu_offload_gib": "CPU offload (swap) pool in GiB, overriding num_cpu_blocks (cuda only)",
+        "timeout_s": "wall-clock limit of one generate/serve call, seconds (default 600)",
+    }
+    unsupported_knobs = {  # noqa: RUF012
+        "max_model_len": "hf-cb has no per-request length cap (max_blocks_per_request only sizes the "
+                         "flash decode fast path)",
+        "enable_chunked_prefill": "hf-cb always splits a prompt that exceeds the step's token budget; "
+                                  "it cannot be turned off",
+        "scheduling_policy": "hf-cb has no priorities: its fifo and prefill_first schedulers both admit "
+                             "new requests in arrival order (only 'fcfs' is accepted)",
+    }
+
+    def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
+        super().__init__(model_dir, options, name)
+        unknown = set(self.options) - set(self.option_keys)
+        if unknown:
+            raise ValueError(f"engine {self.kind!r}: unknown option(s) {sorted(unknown)}; "
+                             f"allowed: {sorted(self.option_keys)}")
+        self.device = check_device(self.options.get("device", "cpu"))
+        # None = transformers' default (sdpa), the same cache key as ``hf``'s: one model in memory for both
+        self.attn_implementation = self.options.get("attn_implementation")
+        self.timeout_s = float(self.options.get("timeout_s", 600))
+        if self.device.startswith("cuda"):
+            self.capabilities = type(self).capabilities | {"swap"}
+
+    @property
+    def model(self) -> Any:
+        return load_model(self.model_dir, self.device, self.attn_implementation)
+
+    # -- session ---------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _session(self, knobs: Knobs, sampling: _Sampling) -> Iterator[_Session]:
+        """A started manager with the probe attached; stopped (hard) and torn down on exit."""
+        import torch
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        model = self.model
+        cb_kwargs, notes = map_knobs(knobs, self.options, model.config, self.device)
+        cb_config = ContinuousBatchingConfig(seed=sampling.seed, **cb_kwargs)
+        gen_kwargs: dict[str, Any] = {"do_sample": sampling.do_sample, "eos_token_id": -1}
+        if sampling.do_sample:
+            gen_kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None,
+                              top_p=sampling.top_p)
+        gen_config = GenerationConfig(**gen_kwargs)
+        rng_devices = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
+
+        logs = _LogCapture()
+        with logs.attached(), torch.random.fork_rng(devices=rng_devices):
+            manager = model.init_continuous_batching(generation_config=gen_config,
+                                                     continuous_batching_config=cb_config)
+            probe: _Probe | None = None
+            try:
+                # warmup() builds the batch processor (cache, scheduler, offloading manager) on this
+                # thread; start() then reuses it, so the probe is attached before the first step.
+                manager.warmup()
+                bp = manager.batch_processor
+                probe = _Probe(bp)
+                manager.start()
+                yield _Session(manager, probe, logs, notes, bp, self._describe_cache(bp))
+            finally:
+                # Hard stop: never wait for stragglers (after a timeout or an error there may be some).
+                with contextlib.suppress(Exception):
+                    manager.stop(block=True, timeout=30, hard_stop=True)
+                with contextlib.suppress(Exception):
+                    manager.destroy()
+                if probe is not None:
+                    probe.detach()
+
+    def _describe_cache(self, bp: Any) -> str:
+        """One evidence line: the configuration the engine actually resolved (read while it runs)."""
+        cfg = bp.cb_config
+        return (f"hf-cb: page_size={cfg.page_size} num_blocks={bp.cache.num_blocks} "
+                f"(sectors={bp.cache.num_sectors}) max_batch_tokens={bp.cache.max_batch_tokens} "
+                f"max_requests_per_batch={cfg.max_requests_per_batch} scheduler={cfg.scheduler_type} "
+                f"safety_margin={bp.scheduler.safety_margin} prefix_sharing={bp.cache.use_prefix_sharing} "
+                f"cpu_offload_space={cfg.cpu_offload_space} GiB "
+                f"attn={self.model.config._attn_implementation} device={self.device}")
+
+    def _eos_for(self, ignore_eos: bool) -> int | list[int]:
+        if ignore_eos:
+            return -1  # negative ids are dropped by RequestState: no stopping, EOS not masked
+        eos = sorted(eos_token_ids(self.model))
+        return eos if eos else -1
+
+    # -- generate --------------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = _DEFAULT_KNOBS) -> GenResult:
+        """Submit every request, then collect final outputs, in request order, with the probe's counters.
+
+        A request the engine failed (e.g. the loop died because one request alone exceeds the pool)
+        comes back with ``finish_reason="error"`` and the engine's message in ``evidence``.
+        """
+        _check_requests(requests)
+        sampling = _sampling_of(requests)
+        results: dict[str, Any] = {}
+        with self._session(knobs, sampling) as session:
+            manager = session.manager
+            for r in requests:
+                manager.add_request(list(r.prompt_token_ids), request_id=r.request_id, max_new_tokens=r.max_tokens,
+                                    eos_token_id=self._eos_for(r.ignore_eos), streaming=False)
+            deadline = time.monotonic() + self.timeout_s
+            while len(results) < len(requests):
+                out = manager.get_result(timeout=0.05)
+                if out is None:
+                    if not manager.is_running():
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"hf-cb: {len(requests) - len(results)} requests unfinished after "
+                                           f"timeout_s={self.timeout_s}")
+                    continue
+                if out.is_finished():
+                    results[out.request_id] = out
+            fatal = manager.background_thread_status.fatal_error
+        # The generation thread is joined now: the probe's statistics are final.
+        eos = eos_token_ids(self.model)
+        outputs, produced, evidence = [], {}, [session.description, *session.notes]
+        for r in requests:
+            out = results.get(r.request_id)
+            tokens = list(out.generated_tokens) if out is not None else []
+            produced[r.request_id] = (len(r.prompt_token_ids), len(tokens))
+            outputs.append(GenOutput(r.request_id, tokens, _finish_reason(out, r.ignore_eos, r.max_tokens, eos),
+                                     num_preemptions=self._preemptions_of(session, r.request_id)))
+            if out is not None and out.error:
+                evidence.append(f"hf-cb: request {r.request_id} failed: {out.error}")
+            elif out is None:
+                evidence.append(f"hf-cb: request {r.request_id} never finished")
+        if fatal is not None:
+            evidence.append(f"hf-cb: generation loop died: {fatal!r}")
+        counters, _ = session.probe.counters(produced)
+        evidence += self._probe_evidence(session)
+        evidence += session.logs.evidence()
+        return GenResult(outputs=outputs, counters=counters, evidence=evidence)
+
+    def _preemptions_of(self, session: _Session, request_id: str) -> int | None:
+        if "offloading_manager.offload_requests" in session.probe.missing:
+            return None
+        return session.probe.stats.per_request_preemptions[request_id]
+
+    def _probe_evidence(self, session: _Session) -> list[str]:
+        probe = session.probe
+        lines = [f"hf-cb probe: {probe.stats.num_steps} engine steps, peak KV usage {probe.stats.peak_kv_usage:.0%}"]
+        cpu, soft = session.logs.count_offload_lines()
+        lines.append(f"hf-cb log count: {cpu} CPU offloads, {soft} soft resets "
+                     f"(probe: {probe.stats.totals['preemptions_swap']}, "
+                     f"{probe.stats.totals['preemptions_recompute']})")
+        lines += [f"hf-cb probe: hook {name} missing: {why}" for name, why in probe.missing.items()]
+        return lines
+
+    # -- serve -----------------------------------------------------------------------------------------
+
+    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = _DEFAULT_KNOBS) -> None:
+        """Serve a timed workload on the wall clock, recording to ``recorder`` from this thread only.
+
+        ``workload`` is duck-typed: ``.requests`` (each with ``request_id``, ``prompt_token_ids``,
+        ``max_tokens``, ``arrival_time``, ``priority``, ``abort_at``, ``temperature``, ``seed``) and
+        ``.concurrency`` (closed loop when not None: that many requests in flight, arrival times
+        ignored, each released when one finishes). EOS is always ignored. ``abort_at`` (seconds after
+        arrival) cancels the request through ``cancel_request`` and records it finished with reason
+        ``"abort"``. Priorities are recorded but not honoured (no priority scheduling).
+        """
+        requests = list(getattr(workload, "requests", workload))
+        _check_requests(requests)
+        concurrency = getattr(workload, "concurrency", None)
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"hf-cb: workload concurrency must be >= 1, got {concurrency}")
+        order = requests if concurrency is not None else sorted(requests, key=lambda r: r.arrival_time)
+        sampling = _sampling_of(requests)
+
+        with self._session(knobs, sampling) as session:
+            _Server(session, recorder, order, concurrency, self.timeout_s).run()
+        produced = {rid: (r.prompt_len, len(r.token_times)) for rid, r in recorder.trace.requests.items()}
+        counters, recomputed = session.probe.counters(produced)
+        for rid in produced:
+            recorder.add_request_counts(rid, recomputed_tokens=recomputed.get(rid, 0),
+                                        prefix_hit_tokens=session.probe.stats.per_request_hits[rid])
+        recorder.set_counters({k: float(v) for k, v in counters.items()})
+        for name, why in session.probe.missing.items():
+            what = {"scheduler.schedule_batch": "admitted", "offloading_manager.offload_requests": "preemptions",
+                    "update_batch": "per_step"}.get(name, name)
+            recorder.not_exposed(what, f"hf-cb probe hook {name} unavailable: {why}")
+
+
+class _Server:
+    """The serve loop: release, abort, drain engine events and streamed outputs, all on one thread."""
+
+    def __init__(self, session: _Session, recorder: TraceRecorder, order: list[WorkloadRequest],
+                 concurrency: int | None, timeout_s: float):
+        self.session, self.recorder, self.order = session, recorder, order
+        self.concurrency, self.timeout_s = concurrency, timeout_s
+        self.in_flight: dict[str, tuple[WorkloadRequest, float | None]] = {}  # rid -> (request, abort time)
+        self.produced: dict[str, int] = {}
+        self.offset = 0.0  # recorder time = perf_counter + offset
+
+    def to_trace_time(self, perf_t: float) -> float:
+        return perf_t + self.offset
+
+    def run(self) -> None:
+        manager, recorder = self.session.manager, self.recorder
+        recorder.restart_clock()
+        self.offset = recorder.now() - time.perf_counter()
+        next_index = 0
+        last_arrival = max((r.arrival_time for r in self.order), default=0.0) if self.concurrency is None else 0.0
+        deadline = last_arrival + self.timeout_s
+        while next_index < len(self.order) or self.in_flight:
+            now = recorder.now()
+            if now > deadline:
+                raise TimeoutError(f"hf-cb serve: {len(self.in_flight)} requests in flight after timeout_s="
+                                   f"{self.timeout_s}")
+            # Release what is due.
+            while next_index < len(self.order):
+                request = self.order[next_index]
+                if self.concurrency is not None:
+                    if len(self.in_flight) >= self.concurrency:
+                        break
+                    arrival = now
+                elif request.arrival_time <= now:
+                    arrival = request.arrival_time
+                else:
+                    break
+                self._release(request, arrival)
+                next_index += 1
+            self._abort_due(now)
+            self._drain_events()
+            if not manager.is_running():
+                self._fail_all(self.order[next_index:])
+                break
+            wait = 0.01
+            if self.concurrency is None and next_index < len(self.order):
+                wait = max(0.0, min(wait, self.order[next_index].arrival_time - now))
+            out = manager.get_result(timeout=wait)
+            while out is not None:
+                self._on_output(out)
+                out = manager.get_result(timeout=0)
+        self._drain_events()
+
+    def _release(self, request: WorkloadRequest, arrival: float) -> None:
+        rid = request.request_id
+        self.recorder.arrived(rid, arrival, len(request.prompt_token_ids), request.max_tokens,
+                              getattr(request, "priority", 0))
+        added = self.session.manager.add_request(list(request.prompt_token_ids), request_id=rid,
+                                                 max_new_tokens=request.max_tokens, eos_token_id=-1,
+                                                 streaming=True, record_timestamps=True)
+        if added is None:  # the manager refused it (its loop is stopping or died)
+            self.recorder.finished(rid, self.recorder.now(), "error")
+            return
+        abort_at = getattr(request, "abort_at", None)
+        self.in_flight[rid] = (request, None if abort_at is None else arrival + abort_at)
+        self.produced[rid] = 0
+
+    def _abort_due(self, now: float) -> None:
+        for rid, (_, abort_t) in list(self.in_flight.items()):
+            if abort_t is not None and now >= abort_t:
+                self.session.manager.cancel_request(rid)
+                self.recorder.finished(rid, now, "abort")
+                del self.in_flight[rid]
+
+    def _drain_events(self) -> None:
+        events = self.session.probe.events
+        while True:
+            try:
+                event = events.get_nowait()
+            except queue.Empty:
+                return
+            kind = event[0]
+            if kind == "step":
+                record: StepRecord = event[1]
+                record.t = self.to_trace_time(record.t)
+                self.recorder.step(record)
+                continue
+            rid, t = event[1], self.to_trace_time(event[2])
+            if rid not in self.in_flight:  # finished or aborted already
+                continue
+            if kind == "admitted":
+                self.recorder.admitted(rid, t)
+            elif kind == "preempted":
+                self.recorder.preempted(rid, t, event[3])
+            elif kind == "resumed":
+                self.recorder.resumed(rid, t)
+
+    def _on_output(self, out: Any) -> None:
+        rid = out.request_id
+        if rid not in self.in_flight:  # tokens streamed before a cancel took effect
+            return
+        now = self.recorder.now()
+        tokens = len(out.generated_tokens)
+        new = tokens - self.produced[rid]
+        if new > 0:
+            stamps = out.timestamps or []
+            # The engine stamps each token as it is appended; a soft reset starts a new stamp list, so
+            # take the last ``new`` stamps when there are enough, else the time we received them.
+            times = ([self.to_trace_time(s) for s in stamps[-new:]] if len(stamps) >= new else [now] * new)
+            for t in times:
+                self.recorder.tokens(rid, min(t, now))
+            self.produced[rid] = tokens
+        if out.is_finished():
+            request = self.in_flight.pop(rid)[0]
+            reason = "error" if out.error else "length" if tokens >= request.max_tokens else "stop"
+            self.recorder.finished(rid, now, reason)
+
+    def _fail_all(self, unreleased: list[WorkloadRequest]) -> None:
+        """The loop died: every request in flight or not yet released finishes with ``"error"``."""
+        # Outputs already queued (the engine delivers FAILED outputs before its thread exits) come first.
+        out = self.session.manager.get_result(timeout=0)
+        while out is not None:
+            self._on_output(out)
+            out = self.session.manager.get_result(timeout=0)
+        now = self.recorder.now()
+        for rid in list(self.in_flight):
+            self.recorder.finished(rid, now, "error")
+            del self.in_flight[rid]
+        for request in unreleased:
+            self.recorder.arrived(request.request_id, now, len(request.prompt_token_ids), request.max_tokens,
+                                  getattr(request, "priority", 0))
+            self.recorder.finished(request.request_id, now, "error")
+        fatal = self.session.manager.background_thread_status.fatal_error
+        self.recorder.not_exposed("completion", f"hf-cb generation loop stopped early: {fatal!r}")
+
+
+def _finish_reason(out: Any, ignore_eos: bool, max_tokens: int, eos: set[int]) -> str:
+    """kvbench's finish reason for a final ``GenerationOutput`` (None = never came back)."""
+    if out is None or out.error is not None or not out.is_finished():
+        return "error"
+    tokens = out.generated_tokens
+    if not ignore_eos and tokens and tokens[-1] in eos:
+        return "stop"
+    return "length"
+
+
+def _check_requests(requests: Sequence[Any]) -> None:
+    """Unique ids, non-empty prompts, max_tokens >= 1: the engine would fail later and less clearly."""
+    seen: set[str] = set()
+    for r in requests:
+        if r.request_id in seen:
+            raise ValueError(f"hf-cb: duplicate request_id {r.request_id!r}")
+        seen.add(r.request_id)
+        if not r.prompt_token_ids:
+            raise ValueError(f"hf-cb: request {r.request_id!r} has an empty prompt")
+        if r.max_tokens < 1:
+            raise ValueError(f"hf-cb: request {r.request_id!r}: max_tokens must be >= 1, got {r.max_tokens}")
+
