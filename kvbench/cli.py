@@ -1,0 +1,169 @@
+"""``kvbench`` command line: re-render reports and gate regressions from results files.
+
+Both commands read results files only; nothing re-runs an engine.
+
+    kvbench report RESULTS.json [--baseline B.json] [-o OUT.html]
+    kvbench compare BASELINE.json CURRENT.json [--threshold EXPR ...]
+
+Exit status: 0 success (no regression); 1 ``compare`` found regressions (each is named);
+2 usage or file errors (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from kvbench import __version__, gate
+from kvbench.results import Results, ResultsError
+
+EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
+
+
+class CLIError(Exception):
+    """A usage or file problem: reported on stderr, exit status 2."""
+
+
+def _load(path: str, what: str) -> Results:
+    p = Path(path)
+    if not p.is_file():
+        raise CLIError(f"{what} {path!r} does not exist or is not a file")
+    try:
+        return Results.load(p)
+    except ResultsError as e:
+        raise CLIError(str(e)) from e
+    except OSError as e:
+        raise CLIError(f"cannot read {what} {path!r}: {e}") from e
+
+
+# --------------------------------------------------------------------------------------------
+# kvbench report
+
+
+def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
+    from kvbench.report import render_report  # jinja2 and the charts load only when needed
+
+    results = _load(args.results, "results file")
+    baseline = _load(args.baseline, "baseline file") if args.baseline else None
+    target = Path(args.output) if args.output else Path(args.results).with_name("report.html")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(render_report(results, baseline), encoding="utf-8")
+    except OSError as e:
+        raise CLIError(f"cannot write report {str(target)!r}: {e}") from e
+    print(f"report written to {target}", file=out)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# kvbench compare
+
+
+def format_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    """A plain-text table, columns padded to their widest cell (first two left-aligned)."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def _cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
+    expressions = args.threshold or list(gate.DEFAULT_THRESHOLDS)
+    try:
+        thresholds = gate.parse_thresholds(expressions)
+    except gate.ThresholdError as e:
+        raise CLIError(str(e)) from e
+    baseline = _load(args.baseline, "baseline file")
+    current = _load(args.current, "current results file")
+    only_cur, only_base = gate.unmatched(current, baseline)
+    deltas = gate.deltas(current, baseline, thresholds)
+    if not gate.common_keys(current, baseline):  # a gate that compares nothing must not pass silently
+        raise CLIError(f"nothing to compare: {args.baseline} and {args.current} share no (scenario, engine)")
+    rows = [[d.scenario, d.engine + (f" [{d.mode}]" if d.mode else ""), d.metric, gate.format_value(d.baseline),
+             gate.format_value(d.current), gate.format_change(d), str(d.threshold),
+             "REGRESSION" if d.regressed else "ok"] for d in deltas]
+    print(f"baseline: {args.baseline}\ncurrent:  {args.current}\nthresholds: {', '.join(map(str, thresholds))}\n",
+          file=out)
+    if rows:
+        print(format_table(rows, ["scenario", "engine", "metric", "baseline", "current", "change", "threshold",
+                                  "status"]), file=out)
+    else:
+        print("no thresholded metric is present in both files", file=out)
+    for label, keys in (("only in current", only_cur), ("only in baseline", only_base)):
+        for s, e, m in keys:
+            print(f"note: {label}: {s} / {e}" + (f" [{m}]" if m else ""), file=out)
+    regressions = [d for d in deltas if d.regressed]
+    if regressions:
+        print(f"\n{len(regressions)} regression{'s' if len(regressions) != 1 else ''}:", file=out)
+        for d in regressions:
+            print(f"  REGRESSION {d.describe()}", file=out)
+        return EXIT_REGRESSION
+    print("\nno regressions", file=out)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# parser
+
+
+Handler = Callable[[argparse.Namespace, TextIO], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbench", description="Reports and regression gates from kvbench "
+                                     "results files (nothing here re-runs an engine).")
+    parser.add_argument("--version", action="version", version=f"kvbench {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("report", help="render report.html from a results file",
+                       description="Render the self-contained HTML report of RESULTS.json.")
+    p.add_argument("results", metavar="RESULTS.json")
+    p.add_argument("--baseline", metavar="B.json", help="also show deltas against this results file")
+    p.add_argument("-o", "--output", metavar="OUT.html", help="default: report.html next to RESULTS.json")
+    p.set_defaults(handler=_cmd_report)
+
+    p = sub.add_parser("compare", help="gate: compare two results files against thresholds",
+                       description="Compare CURRENT against BASELINE, matched per (scenario, engine, mode). "
+                                   "Exit 1 if any threshold is crossed.",
+                       epilog="Threshold syntax NAME:[+|-]NUMBER[%], e.g. throughput:-10% (fail if it drops "
+                              "more than 10%), p99_tbt:+20% (fail if it rises more than 20%), preemptions:+0 "
+                              "(fail on any increase). Short names: " + ", ".join(sorted(gate.SHORT_NAMES))
+                              + "; pNN_ttft/tbt/tpot/e2e and any metric key also work.")
+    p.add_argument("baseline", metavar="BASELINE.json", help="the reference run (A)")
+    p.add_argument("current", metavar="CURRENT.json", help="the run under test (B)")
+    p.add_argument("-t", "--threshold", action="append", metavar="EXPR",
+                   help="repeatable; default: " + " ".join(gate.DEFAULT_THRESHOLDS).replace("%", "%%"))
+    p.set_defaults(handler=_cmd_compare)
+
+    # ---- extension point: more subcommands -------------------------------------------------
+    # A `demo` subcommand (run the reference engine on a tiny storm and write a report) is added
+    # here later by its owner: `p = sub.add_parser(...)`, `p.set_defaults(handler=...)`.
+    # Handlers take (args, out) and return an exit status; raise CLIError for usage/file errors.
+    # -----------------------------------------------------------------------------------------
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the CLI; returns the exit status (the console script passes it to ``sys.exit``)."""
+    out = out or sys.stdout
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2, message printed)
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_usage(sys.stderr)
+        print("kvbench: error: a command is required (report, compare)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return handler(args, out)
+    except CLIError as e:
+        print(f"kvbench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE

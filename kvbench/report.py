@@ -1,0 +1,623 @@
+"""The HTML report: one self-contained file per run, rendered from a results file alone.
+
+Contract: :func:`render_report` takes :class:`~kvbench.results.Results` (and optionally a baseline)
+and returns one HTML document with inline CSS, inline SVG charts and a few lines of inline script
+(sortable tables); it references no URL at all, so it opens offline and leaks nothing. jinja2 runs
+with autoescape on; names from the command line reach the page only escaped (the charts escape
+their own text, see :mod:`kvbench.report_charts`), and the results JSON embedded for reuse goes
+through ``|tojson``, which escapes ``<``, ``>``, ``&`` and ``'``.
+
+The figures here only *read* results: headline ratios, side-by-side tables, the diagnosis and the
+baseline deltas are computed from metrics already in the file; nothing re-runs an engine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import urllib.parse
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from markupsafe import Markup
+
+from kvbench import __version__, gate, metrics
+from kvbench import report_charts as rc
+from kvbench.report_diagnosis import cost_curves, diagnose, reference_engine, swap_crossover
+from kvbench.report_format import fmt_metric, fmt_ratio, fmt_time, metric_label
+from kvbench.results import Results
+
+#: columns of the summary table (the most telling figure of each family)
+SUMMARY_COLUMNS: tuple[str, ...] = (
+    "output_throughput", "goodput", "ttft_p99", "tbt_p50", "tbt_p99", "e2e_p50", "preemptions",
+    "recomputed_share", "tbt_spikes", "starvation_max_s", "kv_usage_time_over_95", "prefix_hit_rate",
+)
+#: rows of the engines-side-by-side and baseline tables
+COMPARE_METRICS: tuple[str, ...] = (
+    "output_throughput", "total_throughput", "goodput", "ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99",
+    "tpot_p50", "e2e_p50", "e2e_p99", "preemptions", "preemptions_per_s", "preempted_request_share",
+    "recomputed_tokens", "recomputed_share", "swap_bandwidth", "prefix_hit_rate", "tbt_spikes",
+    "starvation_max_s", "kv_usage_mean", "kv_usage_time_over_95", "waiting_max",
+)
+CHUNKED_MODES = ("chunked", "chunked_prefill", "chunking")
+UNCHUNKED_MODES = ("unchunked", "no_chunked_prefill", "no_chunking")
+CACHE_MODES = ("prefix_caching", "cache", "cached", "prefix_cache")
+NOCACHE_MODES = ("no_prefix_caching", "nocache", "no_cache", "uncached")
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("kvbench", "templates"),
+        autoescape=jinja2.select_autoescape(enabled_extensions=("html", "htm", "xml"), default=True),
+        undefined=jinja2.StrictUndefined,  # a typo in the template fails loudly, not as an empty cell
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(metric=fmt_metric, ratio=fmt_ratio, seconds=fmt_time)
+    return env
+
+
+def _asset(env: jinja2.Environment, name: str) -> Markup:
+    """A package template file inlined verbatim (CSS and JS are not jinja templates: their braces stay)."""
+    assert env.loader is not None
+    source, _, _ = env.loader.get_source(env, name)
+    if "</" in source:  # would end the <style>/<script> element early
+        raise ValueError(f"template asset {name} must not contain '</'")
+    return Markup(source)
+
+
+def _render(template: str, **context: Any) -> str:
+    env = _environment()
+    return env.get_template(template).render(css=_asset(env, "report.css"), js=_asset(env, "report.js"), **context)
+
+
+# --------------------------------------------------------------------------------------------
+# lookups
+
+
+def _label(engine: str, mode: str | None) -> str:
+    return f"{engine} [{mode}]" if mode else engine
+
+
+def _num(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _find_scenario(results: Results, *needles: str) -> dict[str, Any] | None:
+    for sc in results.scenarios:
+        if any(n in sc["name"].lower() for n in needles):
+            return sc
+    return None
+
+
+def _mode_values(results: Results, engine: str, modes: Iterable[str], metric: str,
+                 prefer: str | None = None) -> tuple[float | None, str]:
+    """``metric`` of ``engine`` run in one of ``modes``: from scenario results first, else sweep points
+    (at the largest x). Returns (value, where) with ``where`` naming the scenario."""
+    modes = tuple(modes)
+    scenarios = sorted(results.scenarios, key=lambda sc: prefer is None or prefer not in sc["name"].lower())
+    for sc in scenarios:
+        for res in sc["results"]:
+            if res["engine"] == engine and res.get("mode") in modes and _num(res["metrics"].get(metric)) is not None:
+                return _num(res["metrics"][metric]), sc["name"]
+    for sc in scenarios:
+        for sw in sc["sweeps"]:
+            pts = [p for p in sw["points"] if p["engine"] == engine and p.get("mode") in modes
+                   and _num(p["metrics"].get(metric)) is not None]
+            if pts:
+                p = max(pts, key=lambda p: p["x"])
+                return _num(p["metrics"][metric]), f"{sc['name']} at {sw['x_label']}={p['x']:g}"
+    return None, ""
+
+
+# --------------------------------------------------------------------------------------------
+# headlines
+
+
+def _headline(title: str, value: str | None, caption: str, detail: str = "") -> dict[str, Any]:
+    return {"title": title, "value": value if value is not None else "not measured",
+            "measured": value is not None, "caption": caption, "detail": detail}
+
+
+def headline_ratios(results: Results) -> list[dict[str, Any]]:
+    """The four ratios of the first screen, each "not measured" when the results lack its inputs."""
+    ref = reference_engine(results)
+    return [_storm_headline(results, ref), _crossover_headline(results, ref), _chunked_headline(results, ref),
+            _prefix_headline(results, ref)]
+
+
+def _storm_headline(results: Results, ref: str | None) -> dict[str, Any]:
+    title = "Throughput in the preemption storm"
+    sc = _find_scenario(results, "storm") or (results.scenarios[0] if results.scenarios else None)
+    base = next((r for r in sc["results"] if r["engine"] == ref), None) if sc and ref else None
+    others = [r for r in sc["results"] if r["engine"] != ref] if sc else []
+    ref_tp = _num(base["metrics"].get("output_throughput")) if base else None
+    if not ref_tp or not others:
+        return _headline(title, None, "needs the reference and at least one other engine on the storm")
+    lines = []
+    for r in others:
+        tp = _num(r["metrics"].get("output_throughput"))
+        if tp is not None:
+            lines.append((r, tp))
+    if not lines:
+        return _headline(title, None, "the other engines report no throughput")
+    r, tp = lines[0]
+    detail = "; ".join(f"{_label(o['engine'], o.get('mode'))} {fmt_metric('output_throughput', t)}"
+                       for o, t in lines)
+    return _headline(title, fmt_ratio(tp / ref_tp),
+                     f"{_label(r['engine'], r.get('mode'))} ÷ {ref} output throughput ({sc['name']})",
+                     f"{ref} {fmt_metric('output_throughput', ref_tp)}; {detail}")
+
+
+def _crossover_headline(results: Results, ref: str | None) -> dict[str, Any]:
+    title = "Swap vs recompute"
+    engines = [ref, *[e for e in results.engine_names() if e != ref]] if ref else results.engine_names()
+    for eng in engines:
+        cx = swap_crossover(results, eng)
+        if not cx:
+            continue
+        last_ratio = cx["swap"][-1] / cx["recompute"][-1] if cx["recompute"][-1] else None
+        at = f"at {cx['x_label']} {cx['xs'][-1]:g}: swap costs {fmt_ratio(last_ratio)} of recompute"
+        if cx["x"] is None:
+            cheaper = "swap" if cx["swap"][0] < cx["recompute"][0] else "recompute"
+            return _headline(title, f"{cheaper} always cheaper", f"no crossover in the sweep ({eng})", at)
+        above = "swap" if cx["swap"][-1] < cx["recompute"][-1] else "recompute"
+        return _headline(title, f"{cx['x']:,.0f}", f"crossover {cx['x_label']} ({eng}): {above} is cheaper above it",
+                         at)
+    return _headline(title, None, "needs a sweep with swap and recompute points")
+
+
+def _pair_headline(results: Results, ref: str | None, title: str, modes_on: tuple[str, ...],
+                   modes_off: tuple[str, ...], metric: str, prefer: str) -> tuple[dict, float | None, float | None]:
+    engines = [ref, *[e for e in results.engine_names() if e != ref]] if ref else results.engine_names()
+    for eng in engines:
+        on, where = _mode_values(results, eng, modes_on, metric, prefer)
+        off, _ = _mode_values(results, eng, modes_off, metric, prefer)
+        if on is not None and off is not None:
+            return {"engine": eng, "where": where}, on, off
+    return {}, None, None
+
+
+def _chunked_headline(results: Results, ref: str | None) -> dict[str, Any]:
+    title = "p99 TBT with vs without chunked prefill"
+    info, on, off = _pair_headline(results, ref, title, CHUNKED_MODES, UNCHUNKED_MODES, "tbt_p99", "chunk")
+    if on is None or off is None or off == 0:
+        return _headline(title, None, "needs results in modes 'chunked' and 'unchunked'")
+    return _headline(title, fmt_ratio(on / off), f"chunked ÷ unchunked p99 TBT ({info['engine']}, {info['where']})",
+                     f"{fmt_time(on)} with chunking vs {fmt_time(off)} without")
+
+
+def _prefix_headline(results: Results, ref: str | None) -> dict[str, Any]:
+    title = "Recomputed tokens saved by prefix caching"
+    info, on, off = _pair_headline(results, ref, title, CACHE_MODES, NOCACHE_MODES, "recomputed_tokens", "prefix")
+    if on is None or off is None:
+        return _headline(title, None, "needs results in modes 'prefix_caching' and 'no_prefix_caching'")
+    if off == 0:
+        return _headline(title, None, "nothing was recomputed without prefix caching",
+                         f"{info['engine']}, {info['where']}")
+    return _headline(title, f"{(1 - on / off) * 100:.0f}%", f"fewer tokens recomputed ({info['engine']}, "
+                     f"{info['where']})", f"{on:,.0f} recomputed with caching vs {off:,.0f} without")
+
+
+# --------------------------------------------------------------------------------------------
+# tables
+
+
+def _better(metric: str, ratio: float) -> str:
+    """CSS class for a ratio of other / reference (or current / baseline)."""
+    if not math.isfinite(ratio) or abs(ratio - 1) < 0.02:
+        return "same"
+    up_good = metric in gate.HIGHER_IS_BETTER
+    return "good" if (ratio > 1) == up_good else "bad"
+
+
+def summary_table(results: Results) -> dict[str, Any]:
+    rows = []
+    for sc, res in results.iter_results():
+        checks = res.get("checks", {})
+        rows.append({"scenario": sc["name"], "engine": res["engine"], "mode": res.get("mode"),
+                     "cells": [fmt_metric(k, res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
+                     "sort": [_num(res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
+                     "checks": f"{sum(map(bool, checks.values()))}/{len(checks)}" if checks else "",
+                     "checks_ok": all(checks.values())})
+    return {"columns": [metric_label(k) for k in SUMMARY_COLUMNS], "rows": rows}
+
+
+def side_by_side(results: Results) -> list[dict[str, Any]]:
+    """Per scenario run by two or more engines: metrics x results, and each other engine's ratio to
+    the reference engine *in the same mode* (chunked vs chunked, never chunked vs unchunked)."""
+    ref = reference_engine(results)
+    tables = []
+    for sc in results.scenarios:
+        res = sc["results"]
+        if len({r["engine"] for r in res}) < 2:
+            continue
+        bases = {r.get("mode"): r for r in res if r["engine"] == ref}
+        if not bases:  # no reference engine here: the first engine listed plays its part
+            first = res[0]["engine"]
+            bases = {r.get("mode"): r for r in res if r["engine"] == first}
+        pairs = [(r, bases[r.get("mode")]) for r in res if r.get("mode") in bases and r is not bases[r.get("mode")]]
+        rows = []
+        for key in COMPARE_METRICS:
+            values = [_num(r["metrics"].get(key)) for r in res]
+            if all(v is None for v in values):
+                continue
+            ratios = []
+            for other, base in pairs:
+                v, b = _num(other["metrics"].get(key)), _num(base["metrics"].get(key))
+                ratio = v / b if (v is not None and b) else None
+                ratios.append({"text": fmt_ratio(ratio) if ratio is not None else "–",
+                               "cls": _better(key, ratio) if ratio is not None else ""})
+            rows.append({"label": metric_label(key), "cells": [fmt_metric(key, v) for v in values],
+                         "ratios": ratios})
+        tables.append({"scenario": sc["name"], "headers": [(r["engine"], r.get("mode")) for r in res],
+                       "ratio_headers": [(f"{o['engine']} ÷ {b['engine']}", o.get("mode")) for o, b in pairs],
+                       "rows": rows, "chart": _ratio_chart(sc["name"], pairs, len(tables))})
+    return tables
+
+
+#: metrics drawn as ratio bars above each side-by-side table
+RATIO_BAR_METRICS: tuple[str, ...] = (
+    "output_throughput", "goodput", "ttft_p99", "tbt_p99", "e2e_p50", "preemptions", "recomputed_tokens",
+    "starvation_max_s",
+)
+
+
+def _ratio_chart(scenario: str, pairs: list[tuple[dict, dict]], n: int) -> Markup | None:
+    bars = []
+    several_engines = len({o["engine"] for o, _ in pairs}) > 1
+    for key in RATIO_BAR_METRICS:
+        for other, base in pairs:
+            v, b = _num(other["metrics"].get(key)), _num(base["metrics"].get(key))
+            if v is None or not b:  # no ratio to draw (the table still shows both values)
+                continue
+            ratio = v / b
+            tag_ = " · ".join(x for x in (other["engine"] if several_engines else "", other.get("mode") or "") if x)
+            good = None if ratio is None or _better(key, ratio) == "same" else _better(key, ratio) == "good"
+            bars.append(rc.Bar(metric_label(key) + (f" · {tag_}" if tag_ else ""), ratio, good,
+                               f"{metric_label(key)}: {fmt_metric(key, v)} vs {fmt_metric(key, b)}"))
+    if not bars:
+        return None
+    names = sorted({f"{o['engine']} ÷ {b['engine']}" for o, b in pairs})
+    return rc.ratio_bars(f"{', '.join(names)} — {scenario}", bars,
+                         subtitle="green: better than the reference, red: worse (log scale, clipped at 4×)")
+
+
+#: columns of the baseline matrix
+BASELINE_METRICS: tuple[str, ...] = (
+    "output_throughput", "goodput", "ttft_p99", "tbt_p99", "e2e_p50", "preemptions", "recomputed_share",
+    "starvation_max_s", "kv_usage_time_over_95",
+)
+
+
+def baseline_section(results: Results, baseline: Results) -> dict[str, Any]:
+    """A matrix of (scenario, engine, mode) x key metrics: current value and change from the baseline,
+    with the regressions of the gate's default thresholds listed first and shaded."""
+    regressions = gate.compare(results, baseline, gate.DEFAULT_THRESHOLDS)
+    flagged = {(d.scenario, d.engine, d.mode, d.metric) for d in regressions}
+    cells: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for d in gate.deltas(results, baseline, [f"{k}:+0%" for k in BASELINE_METRICS]):
+        ratio = d.current / d.baseline if d.baseline else (math.inf if d.current else 1.0)
+        key = (d.scenario, d.engine, d.mode)
+        cells.setdefault(key, {})[d.metric] = {
+            "current": fmt_metric(d.metric, d.current), "baseline": fmt_metric(d.metric, d.baseline),
+            "change": gate.format_change(d), "cls": _better(d.metric, ratio),
+            "regressed": (*key, d.metric) in flagged}
+    rows = [{"where": _label(f"{s} / {e}", m), "cells": [by_metric.get(k) for k in BASELINE_METRICS]}
+            for (s, e, m), by_metric in cells.items()]
+    only_cur, only_base = gate.unmatched(results, baseline)
+    return {"label": _run_label(baseline), "columns": [metric_label(k) for k in BASELINE_METRICS], "rows": rows,
+            "thresholds": ", ".join(gate.DEFAULT_THRESHOLDS), "regressions": [d.describe() for d in regressions],
+            "only_current": [_label(f"{s} / {e}", m) for s, e, m in only_cur],
+            "only_baseline": [_label(f"{s} / {e}", m) for s, e, m in only_base]}
+
+
+def _run_label(results: Results) -> str:
+    commit = results.data.get("commit") or {}
+    cid = (commit.get("id") or "")[:10]
+    parts = [results.data.get("created") or "unknown date"]
+    if cid:
+        parts.append(f"commit {cid}" + (" (dirty)" if commit.get("dirty") else ""))
+    return ", ".join(parts)
+
+
+def machine_label(results: Results) -> str:
+    m = results.machine or {}
+    bits = [m.get("hostname") or "unknown host", m.get("device") or "unknown device"]
+    if m.get("cpu_count"):
+        bits.append(f"{m['cpu_count']} CPUs")
+    if m.get("torch"):
+        bits.append(f"torch {m['torch']}")
+    return ", ".join(str(b) for b in bits)
+
+
+# --------------------------------------------------------------------------------------------
+# charts
+
+
+class _Charts:
+    """Chart builders for one report; hands out unique clip-path ids."""
+
+    def __init__(self, results: Results):
+        self.colors = {name: rc.PALETTE[i % len(rc.PALETTE)] for i, name in enumerate(results.engine_names())}
+        self.n = 0
+
+    def render(self, chart: rc.Chart) -> Markup:
+        self.n += 1
+        return rc.render(chart, uid=f"c{self.n}")
+
+    def style(self, engine: str, mode: str | None, modes: list[str | None]) -> tuple[str, str | None]:
+        dashes = (None, "7 4", "2 3", "10 3 2 3")
+        idx = modes.index(mode) if mode in modes else 0
+        return self.colors.get(engine, rc.PALETTE[0]), dashes[idx % len(dashes)]
+
+    # -- one result -------------------------------------------------------------------------
+
+    def timeline(self, label: str, res: dict[str, Any]) -> Markup:
+        s, m = res.get("series", {}), res["metrics"]
+        marks = [rc.Marker(t, rc.PREEMPT_COLORS.get(mode, "#d9434e"), f"preempted ({mode}) at {t:.3f} s")
+                 for t, mode in zip(s.get("preempt_t", []), s.get("preempt_mode", []), strict=False)]
+        legend = {f"preemption ({mode})": rc.PREEMPT_COLORS.get(mode, "#d9434e")
+                  for mode in dict.fromkeys(s.get("preempt_mode", []))}
+        thr = _num(m.get("tbt_spike_threshold_s"))
+        spikes = _num(m.get("tbt_spikes"))
+        sub = f"{len(s.get('preempt_t', []))} preemption markers"
+        if spikes is not None:
+            sub += f" · {spikes:.0f} spikes"
+            pre = _num(m.get("tbt_spikes_preemption_share"))
+            if spikes and pre is not None:
+                sub += f" ({pre * 100:.0f}% at a preemption, "
+                sub += f"{(_num(m.get('tbt_spikes_prefill_share')) or 0) * 100:.0f}% at a prefill)"
+        chart = rc.Chart(f"Token gaps — {label}", "time (s)", "gap (ms)", subtitle=sub, markers=marks,
+                         marker_legend=legend, y_format=lambda v: f"{v * 1000:g}",
+                         lines=[rc.Line("max gap per bin", s.get("gap_t", []), s.get("gap_max", []), "#3b6fd4",
+                                        area=True),
+                                rc.Line("median gap", s.get("gap_t", []), s.get("gap_p50", []), "#1b2a4a",
+                                        width=1.5)])
+        if thr is not None:
+            chart.hlines.append(rc.VLine(thr, f"spike threshold {fmt_time(thr)}", "#d9434e"))
+        return self.render(chart)
+
+    def kv(self, label: str, res: dict[str, Any]) -> Markup:
+        s = res.get("series", {})
+        pct = _num(res["metrics"].get("kv_usage_time_over_95"))
+        lines = [rc.Line("device KV usage", s.get("t", []), s.get("kv_usage", []), "#2e9d6a", area=True)]
+        if any(v for v in s.get("cpu_kv_usage", []) if v):
+            lines.append(rc.Line("host (swap) KV usage", s.get("t", []), s.get("cpu_kv_usage", []), "#7c4dff"))
+        chart = rc.Chart(f"KV usage — {label}", "time (s)", "KV blocks in use (%)", lines=lines,
+                         subtitle="" if pct is None else f"above 95% for {pct * 100:.0f}% of the time",
+                         y_format=lambda v: f"{v * 100:g}", y_max=1.0,
+                         hlines=[rc.VLine(metrics.KV_PINNED_LEVEL, "95%", "#c9a227")])
+        return self.render(chart)
+
+    def queues(self, label: str, res: dict[str, Any]) -> Markup:
+        s = res.get("series", {})
+        lines = [rc.Line("running", s.get("t", []), s.get("num_running", []), "#3b6fd4"),
+                 rc.Line("waiting", s.get("t", []), s.get("num_waiting", []), "#e8772e")]
+        if any(s.get("num_swapped", [])):
+            lines.append(rc.Line("swapped", s.get("t", []), s.get("num_swapped", []), "#7c4dff"))
+        return self.render(rc.Chart(f"Queues — {label}", "time (s)", "requests", lines=lines))
+
+    def throughput(self, label: str, res: dict[str, Any]) -> Markup:
+        s = res.get("series", {})
+        tp = _num(res["metrics"].get("output_throughput"))
+        chart = rc.Chart(f"Output throughput — {label}", "time (s)", "tokens/s",
+                         lines=[rc.Line("tokens/s", s.get("throughput_t", []), s.get("throughput", []), "#1f9fb0",
+                                        area=True)],
+                         subtitle="" if tp is None else f"run average {fmt_metric('output_throughput', tp)}",
+                         y_format=lambda v: f"{v:,.0f}")
+        if tp is not None:
+            chart.hlines.append(rc.VLine(tp, "average", "#1b2a4a"))
+        return self.render(chart)
+
+    # -- one scenario -----------------------------------------------------------------------
+
+    def cdfs(self, sc: dict[str, Any]) -> list[Markup]:
+        out = []
+        modes = list(dict.fromkeys(r.get("mode") for r in sc["results"]))
+        for key, title in (("ttft", "TTFT distribution"), ("tbt", "Inter-token gap distribution")):
+            lines = []
+            for r in sc["results"]:
+                s = r.get("series", {})
+                color, dash = self.style(r["engine"], r.get("mode"), modes)
+                lines.append(rc.Line(_label(r["engine"], r.get("mode")), s.get(f"{key}_cdf_x", []),
+                                     s.get(f"{key}_cdf_p", []), color, dash=dash, step=True))
+            if any(ln.xs for ln in lines):
+                xs = [x for ln in lines for x in ln.xs if x and x > 0]
+                log = bool(xs) and max(xs) / min(xs) > 50
+                out.append(self.render(rc.Chart(
+                    f"{title} — {sc['name']}", f"{key.upper()} (ms)" + (", log scale" if log else ""),
+                    "share of " + ("requests" if key == "ttft" else "gaps") + " (%)", lines=lines, log_x=log,
+                    x_format=lambda v: f"{v * 1000:g}", y_format=lambda v: f"{v * 100:g}", y_max=1.0)))
+        return out
+
+    def sweep(self, sc: dict[str, Any], sw: dict[str, Any]) -> list[Markup]:
+        modes = list(dict.fromkeys(p.get("mode") for p in sw["points"]))
+        groups: dict[tuple[str, str | None], list[dict]] = {}
+        for p in sw["points"]:
+            groups.setdefault((p["engine"], p.get("mode")), []).append(p)
+        xs_all = [float(p["x"]) for p in sw["points"]]
+        log = bool(xs_all) and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8
+        if {"swap", "recompute"} <= set(modes):
+            return self._cost(sc, sw, groups, modes, log)
+        out = []
+        for metric, title in (("output_throughput", "Throughput"), ("tbt_p99", "p99 inter-token gap"),
+                              ("preemptions", "Preemptions")):
+            lines, vlines = [], []
+            for (eng, mode), pts in groups.items():
+                pts = sorted(pts, key=lambda p: p["x"])
+                ys = [_num(p["metrics"].get(metric)) for p in pts]
+                if all(y is None for y in ys):
+                    continue
+                color, dash = self.style(eng, mode, modes)
+                lines.append(rc.Line(_label(eng, mode), [p["x"] for p in pts], ys, color, dash=dash, dots=True))
+                tps = [_num(p["metrics"].get("output_throughput")) for p in pts]
+                k = metrics.knee([p["x"] for p in pts], tps)
+                if k is not None and metric != "preemptions":
+                    vlines.append(rc.VLine(k, f"knee {k:g} ({_label(eng, mode)})", color))
+            if not lines:
+                continue
+            fmt = (lambda v: f"{v:,.0f}") if metric != "tbt_p99" else (lambda v: f"{v * 1000:g}")
+            unit = {"output_throughput": "tokens/s", "tbt_p99": "ms", "preemptions": "count"}[metric]
+            # three to a row: a narrower canvas keeps the text as large as in the two-column charts
+            out.append(self.render(rc.Chart(f"{title} vs {sw['x_label']}", sw["x_label"], unit, width=440,
+                                            height=300, lines=lines, vlines=vlines, y_format=fmt, log_x=log,
+                                            subtitle="knee: throughput gains < 5% beyond it"
+                                            if metric == "output_throughput" else "")))
+        return out
+
+    def _cost(self, sc: dict[str, Any], sw: dict[str, Any], groups: dict, modes: list, log: bool) -> list[Markup]:
+        """Cost by x per engine and mode with the crossover marked, and swap ÷ recompute by x."""
+        lines, ratio_lines, vlines = [], [], []
+        metric_used = None
+        multi = len({e for e, _ in groups}) > 1
+        for eng in dict.fromkeys(e for e, _ in groups):
+            metric, curves = cost_curves(sw, eng)
+            metric_used = metric_used or metric
+            for mode, pts in curves.items():
+                # one engine: colour by mode; several: colour by engine, dash by mode
+                color = self.colors.get(eng, rc.PALETTE[0]) if multi else rc.PREEMPT_COLORS.get(mode, "#444")
+                lines.append(rc.Line(_label(eng, mode), [x for x, _ in pts], [y for _, y in pts], color,
+                                     dash=None if mode == "recompute" else "7 4", dots=True))
+            if "swap" in curves and "recompute" in curves:
+                s, r = dict(curves["swap"]), dict(curves["recompute"])
+                common = sorted(set(s) & set(r))
+                ratio_lines.append(rc.Line(eng, common, [s[c] / r[c] if r[c] else None for c in common],
+                                           self.colors.get(eng, rc.PALETTE[0]), dots=True))
+                x = metrics.crossover(common, [s[c] for c in common], [r[c] for c in common])
+                if x is not None:
+                    vlines.append(rc.VLine(x, f"crossover {x:,.0f} ({eng})", self.colors.get(eng, "#444")))
+        cost = self.render(rc.Chart(f"Preempt-and-resume cost by {sw['x_label']}", sw["x_label"], "cost (ms)",
+                                    lines=lines, vlines=vlines, log_x=log, y_format=lambda v: f"{v * 1000:g}",
+                                    subtitle=f"{metric_used or 'cost'} · solid: recompute · dashed: swap · "
+                                             "lower is cheaper"))
+        ratio = self.render(rc.Chart(f"Swap ÷ recompute cost by {sw['x_label']}", sw["x_label"],
+                                     "swap cost ÷ recompute cost", lines=ratio_lines, vlines=vlines, log_x=log,
+                                     hlines=[rc.VLine(1.0, "equal cost", "#444")],
+                                     y_format=lambda v: f"{v:g}×",
+                                     subtitle="below 1×: swap is cheaper; above: recompute is"))
+        return [cost, ratio]
+
+
+def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
+    views = []
+    for sc in results.scenarios:
+        res_views = []
+        for res in sc["results"]:
+            label = _label(res["engine"], res.get("mode"))
+            has_series = bool(res.get("series"))
+            m = res["metrics"]
+            gist = " · ".join(f"{metric_label(k)} {fmt_metric(k, m.get(k))}" for k in
+                              ("output_throughput", "tbt_p99", "preemptions") if m.get(k) is not None)
+            res_views.append({
+                "label": label, "gist": gist,
+                "charts": [charts.timeline(label, res), charts.throughput(label, res), charts.kv(label, res),
+                           charts.queues(label, res)] if has_series else [],
+                "checks": res.get("checks", {}), "notes": res.get("notes", []),
+            })
+        sweeps = [c for sw in sc["sweeps"] for c in charts.sweep(sc, sw)]
+        views.append({"name": sc["name"], "description": sc.get("description", ""), "sweep_columns":
+                      3 if len(sweeps) % 3 == 0 else 2,
+                      "parameters": sc.get("parameters", {}), "dists": charts.cdfs(sc),
+                      "sweeps": sweeps, "results": res_views})
+    return views
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+
+
+def render_report(results: Results, baseline: Results | None = None) -> str:
+    """The report of ``results`` as one self-contained HTML document (see the module docstring)."""
+    charts = _Charts(results)
+    context = {
+        "version": __version__,
+        "data": results.to_dict(),
+        "run_label": _run_label(results),
+        "machine_label": machine_label(results),
+        "machine": results.machine,
+        "commit": results.data.get("commit") or {},
+        "engines": results.engines,
+        "reference": reference_engine(results),
+        "headlines": headline_ratios(results),
+        "diagnosis": diagnose(results),
+        "summary": summary_table(results),
+        "side_by_side": side_by_side(results),
+        "scenarios": _scenario_views(results, charts),
+        "baseline": baseline_section(results, baseline) if baseline is not None else None,
+    }
+    return _render("report.html", **context)
+
+
+def write_report(results: Results | str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                 baseline: Results | str | os.PathLike[str] | None = None) -> Path:
+    """Write ``out_dir/results.json`` and ``out_dir/report.html`` beside it; returns the report's path."""
+    res = results if isinstance(results, Results) else Results.load(results)
+    base = baseline if (baseline is None or isinstance(baseline, Results)) else Results.load(baseline)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    res.save(out / "results.json")
+    path = out / "report.html"
+    path.write_text(render_report(res, base), encoding="utf-8")
+    return path
+
+
+def _trend_chart(runs: list[dict[str, Any]]) -> Markup | None:
+    """Reference storm throughput run after run (oldest left), when two or more runs have it."""
+    points = [r for r in reversed(runs) if r.get("tp")]
+    if len(points) < 2:
+        return None
+    names = [r["name"] for r in points]
+
+    def x_name(v: float) -> str:
+        i = round(v)
+        return names[i] if abs(v - i) < 1e-9 and 0 <= i < len(names) else ""
+
+    line = rc.Line("reference, preemption storm", list(range(len(points))), [r["tp"] for r in points],
+                   rc.PALETTE[0], dots=True, area=True)
+    return rc.render(rc.Chart("Storm throughput, run after run", "run", "output tokens/s", lines=[line],
+                              x_format=x_name, y_format=lambda v: f"{v:,.0f}", width=900, height=260), uid="trend")
+
+
+def write_index(report_dir: str | os.PathLike[str]) -> Path:
+    """Write ``report_dir/index.html`` listing every run (a subfolder holding ``results.json``), newest
+    first. A folder whose results cannot be read is listed with the reason instead of failing."""
+    root = Path(report_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for res_path in sorted(root.glob("*/results.json")):
+        run = {"name": res_path.parent.name, "has_report": (res_path.parent / "report.html").exists(),
+               # "./" + quoting: a folder named like "javascript:..." stays a relative link
+               "href": "./" + urllib.parse.quote(res_path.parent.name) + "/report.html"}
+        try:
+            res = Results.load(res_path)
+        except (OSError, ValueError) as e:
+            run.update(error=str(e), created="", sort="")
+            runs.append(run)
+            continue
+        ref = reference_engine(res)
+        storm = _find_scenario(res, "storm")
+        tp = None
+        if storm and ref:
+            r = next((x for x in storm["results"] if x["engine"] == ref), None)
+            tp = _num(r["metrics"].get("output_throughput")) if r else None
+        commit = res.data.get("commit") or {}
+        run.update(error=None, created=res.data.get("created") or "", sort=res.data.get("created") or "", tp=tp,
+                   commit=(commit.get("id") or "")[:10], dirty=bool(commit.get("dirty")),
+                   branch=commit.get("branch") or "", engines=res.engine_names(), scenarios=res.scenario_names(),
+                   machine=machine_label(res), storm_throughput=fmt_metric("output_throughput", tp) if tp else "–",
+                   regressions=None)
+        runs.append(run)
+    runs.sort(key=lambda r: r["sort"], reverse=True)
+    html = _render("index.html", runs=runs, root=root.name, version=__version__, trend=_trend_chart(runs))
+    path = root / "index.html"
+    path.write_text(html, encoding="utf-8")
+    return path

@@ -1,0 +1,317 @@
+"""Inline SVG charts for the report: no JavaScript library, no network, readable without a browser script.
+
+Every piece of text and every attribute value goes through :func:`markupsafe.escape`, so engine and
+scenario names (which come from the command line) cannot inject markup; the functions return
+:class:`markupsafe.Markup` for the autoescaping template to embed as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from markupsafe import Markup, escape
+
+PALETTE = ("#3b6fd4", "#e8772e", "#2e9d6a", "#b04fb3", "#d9434e", "#1f9fb0", "#c9a227", "#7a6a58")
+PREEMPT_COLORS = {"recompute": "#d9434e", "swap": "#7c4dff"}
+FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
+
+
+@dataclass
+class Line:
+    """One series. ``ys`` may hold None (the line breaks there)."""
+
+    name: str
+    xs: Sequence[float]
+    ys: Sequence[float | None]
+    color: str = PALETTE[0]
+    dash: str | None = None
+    area: bool = False  # fill under the line (one series per chart looks best)
+    step: bool = False  # draw as a step function (CDFs)
+    dots: bool = False  # mark each point (sweeps: few points, each a measurement)
+    width: float = 2.0
+
+
+@dataclass
+class VLine:
+    x: float
+    label: str
+    color: str = "#444"
+
+
+@dataclass
+class Marker:
+    """A tick on the top edge, e.g. a preemption at time ``x``."""
+
+    x: float
+    color: str
+    tip: str
+
+
+@dataclass
+class Chart:
+    title: str
+    x_label: str
+    y_label: str
+    lines: list[Line] = field(default_factory=list)
+    vlines: list[VLine] = field(default_factory=list)
+    hlines: list[VLine] = field(default_factory=list)  # .x is the y value
+    markers: list[Marker] = field(default_factory=list)
+    marker_legend: dict[str, str] = field(default_factory=dict)  # label -> color
+    y_format: Callable[[float], str] = lambda v: f"{v:g}"
+    x_format: Callable[[float], str] = lambda v: f"{v:g}"
+    y_min: float | None = 0.0
+    y_max: float | None = None
+    log_x: bool = False
+    width: int = 620
+    height: int = 280
+    subtitle: str = ""
+
+
+def _attrs(attrs: dict[str, object]) -> str:
+    return "".join(f' {k.rstrip("_").replace("_", "-")}="{escape(str(v))}"' for k, v in attrs.items()
+                   if v is not None)
+
+
+def tag(name: str, content: str | Markup = "", **attrs: object) -> Markup:
+    """``<name attrs>content</name>``; ``content`` is escaped unless it is already Markup."""
+    return Markup(f"<{name}{_attrs(attrs)}>{escape(content)}</{name}>")
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """About ``n`` round tick values covering [lo, hi] (1, 2, 2.5, 5 x 10^k steps)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return [0.0]
+    if hi <= lo:
+        hi = lo + (abs(lo) or 1.0)
+    raw = (hi - lo) / max(1, n)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    start = math.floor(lo / step) * step
+    ticks, v = [], start
+    while v <= hi + step * 1e-9:
+        ticks.append(round(v, 12))
+        v += step
+    if ticks[-1] < hi:
+        ticks.append(round(v, 12))
+    return ticks
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    ticks = []
+    k = math.floor(math.log10(lo))
+    while 10**k <= hi * 1.0001:
+        for m in (1, 2, 5):
+            if lo * 0.9999 <= m * 10**k <= hi * 1.0001:
+                ticks.append(m * 10**k)
+        k += 1
+    return ticks or [lo, hi]
+
+
+def render(chart: Chart, uid: str | None = None) -> Markup:
+    """The chart as an inline ``<svg>`` that scales with its container."""
+    w, h = chart.width, chart.height
+    left, right, top, bottom = 62, 16, 40 + (12 if chart.markers else 0), 44
+    pw, ph = w - left - right, h - top - bottom
+    xs = [x for ln in chart.lines for x, y in zip(ln.xs, ln.ys, strict=False) if y is not None]
+    xs += [v.x for v in chart.vlines] + [m.x for m in chart.markers]
+    ys = [y for ln in chart.lines for y in ln.ys if y is not None] + [v.x for v in chart.hlines]
+    parts: list[Markup] = [tag("title", chart.title)]
+    parts.append(tag("text", chart.title, x=left, y=16, class_="c-title"))
+    if chart.subtitle:
+        parts.append(tag("text", chart.subtitle, x=left, y=30, class_="c-sub"))
+    if not xs or not ys:
+        parts.append(tag("text", "no data", x=w / 2, y=h / 2, class_="c-empty", text_anchor="middle"))
+        return _svg(parts, w, h, chart.title, Markup(""))
+
+    x_lo, x_hi = min(xs), max(xs)
+    if chart.log_x and x_lo > 0:
+        xt = _log_ticks(x_lo, x_hi)
+        lx0, lx1 = math.log10(min(xt[0], x_lo)), math.log10(max(xt[-1], x_hi))
+        lx1 = lx1 if lx1 > lx0 else lx0 + 1
+
+        def sx(x: float) -> float:
+            return left + (math.log10(max(x, 1e-12)) - lx0) / (lx1 - lx0) * pw
+    else:
+        xt = nice_ticks(x_lo, x_hi, 6)
+        # the axis ends at the data (a time axis padded to the next round tick looks like missing data)
+        x0, x1 = xt[0], (x_hi if x_hi > xt[0] else xt[-1])
+        xt = [t for t in xt if t <= x1 + 1e-12]
+
+        def sx(x: float) -> float:
+            return left + (x - x0) / (x1 - x0 or 1.0) * pw
+    y_lo = chart.y_min if chart.y_min is not None else min(ys)
+    y_hi = chart.y_max if chart.y_max is not None else max(ys)
+    yt = nice_ticks(min(y_lo, min(ys)) if chart.y_min is None else y_lo, max(y_hi, y_lo + 1e-12), 5)
+    if chart.y_max is not None:
+        yt = [t for t in yt if t <= chart.y_max + 1e-12] or yt
+    y0, y1 = yt[0], max(yt[-1], chart.y_max or yt[-1])
+
+    def sy(y: float) -> float:
+        return top + ph - (y - y0) / (y1 - y0 or 1.0) * ph
+
+    # grid and axes
+    for t in yt:
+        parts.append(tag("line", x1=left, x2=left + pw, y1=f"{sy(t):.1f}", y2=f"{sy(t):.1f}", class_="c-grid"))
+        parts.append(tag("text", chart.y_format(t), x=left - 6, y=f"{sy(t) + 4:.1f}", class_="c-tick",
+                         text_anchor="end"))
+    for t in xt:
+        parts.append(tag("line", x1=f"{sx(t):.1f}", x2=f"{sx(t):.1f}", y1=top + ph, y2=top + ph + 4,
+                         class_="c-axis"))
+        parts.append(tag("text", chart.x_format(t), x=f"{sx(t):.1f}", y=top + ph + 17, class_="c-tick",
+                         text_anchor="middle"))
+    parts.append(tag("line", x1=left, x2=left + pw, y1=top + ph, y2=top + ph, class_="c-axis"))
+    parts.append(tag("text", chart.x_label, x=left + pw / 2, y=h - 6, class_="c-label", text_anchor="middle"))
+    parts.append(tag("text", chart.y_label, x=14, y=top + ph / 2, class_="c-label", text_anchor="middle",
+                     transform=f"rotate(-90 14 {top + ph / 2:.1f})"))
+
+    clip = "clip-" + (uid or hashlib.sha1(repr((chart.title, chart.subtitle, [ln.name for ln in chart.lines],
+                                                 len(ys))).encode()).hexdigest()[:10])
+    parts.append(Markup(f'<defs><clipPath id="{clip}"><rect x="{left}" y="{top - 2}" width="{pw}" '
+                        f'height="{ph + 4}"/></clipPath></defs>'))
+    plot: list[Markup] = []
+    labels: list[Markup] = []
+    for hl in chart.hlines:
+        y = sy(hl.x)
+        plot.append(tag("line", tag("title", hl.label), x1=left, x2=left + pw, y1=f"{y:.1f}", y2=f"{y:.1f}",
+                        stroke=hl.color, class_="c-ref"))
+        # above the line, or below it when the line runs along the top of the plot
+        ly = y - 4 if y - top > 14 else y + 13
+        labels.append(tag("text", hl.label, x=left + pw - 4, y=f"{ly:.1f}", class_="c-reflabel",
+                          text_anchor="end", fill=hl.color))
+    for ln in chart.lines:
+        plot.extend(_line(ln, sx, sy, top + ph))
+    parts.append(tag("g", Markup("").join(plot), clip_path=f"url(#{clip})"))
+    parts.extend(labels)
+    placed: list[float] = []
+    for x_val, color, label in _merge_vlines(chart.vlines):
+        x = sx(x_val)
+        # stagger labels of nearby lines so they never print over each other
+        row = sum(1 for p in placed if abs(p - x) < 150)
+        placed.append(x)
+        parts.append(tag("line", tag("title", label), x1=f"{x:.1f}", x2=f"{x:.1f}", y1=top, y2=top + ph,
+                         stroke=color, class_="c-vline"))
+        anchor = "end" if x > left + pw * 0.6 else "start"
+        parts.append(tag("text", label, x=f"{x + (-5 if anchor == 'end' else 5):.1f}", y=top + 12 + 13 * row,
+                         class_="c-vlabel", fill=color, text_anchor=anchor))
+    for m in chart.markers:
+        x = sx(m.x)
+        parts.append(tag("path", tag("title", m.tip), d=f"M{x - 3.5:.1f},{top - 12} h7 l-3.5,6 z", fill=m.color,
+                         class_="c-marker"))
+    return _svg(parts, w, h, chart.title, _legend(chart))
+
+
+def _merge_vlines(vlines: list[VLine]) -> list[tuple[float, str, str]]:
+    """Lines at the same x become one, their labels joined: "knee 16 (a)", "knee 16 (b)" -> "knee 16 (a, b)"."""
+    merged: dict[float, list[VLine]] = {}
+    for v in vlines:
+        merged.setdefault(round(v.x, 9), []).append(v)
+    out = []
+    for x, group in sorted(merged.items()):
+        labels = [v.label for v in group]
+        heads = {lbl.split(" (")[0] for lbl in labels}
+        if len(group) > 1 and len(heads) == 1 and all(" (" in lbl for lbl in labels):
+            label = f"{heads.pop()} (" + ", ".join(lbl.split(" (", 1)[1].rstrip(")") for lbl in labels) + ")"
+            color = "#444"
+        else:
+            label, color = " / ".join(labels), group[0].color
+        out.append((x, color, label))
+    return out
+
+
+def _svg(parts: list[Markup], w: int, h: int, label: str, legend: Markup) -> Markup:
+    # no xmlns attribute: inline SVG in HTML does not need one, and the report holds no URL at all
+    svg = Markup(f'<svg class="chart" viewBox="0 0 {w} {h}" role="img" aria-label="{escape(label)}">')
+    return tag("figure", svg + Markup("").join(parts) + Markup("</svg>") + legend, class_="chart-fig")
+
+
+def _segments(ln: Line) -> list[list[tuple[float, float]]]:
+    segs: list[list[tuple[float, float]]] = [[]]
+    for x, y in zip(ln.xs, ln.ys, strict=False):
+        if y is None or x is None or not math.isfinite(y):
+            if segs[-1]:
+                segs.append([])
+            continue
+        segs[-1].append((float(x), float(y)))
+    return [s for s in segs if s]
+
+
+def _line(ln: Line, sx: Callable[[float], float], sy: Callable[[float], float], base: float) -> list[Markup]:
+    out = []
+    for seg in _segments(ln):
+        pts = []
+        for i, (x, y) in enumerate(seg):
+            if ln.step and i:
+                pts.append(f"{sx(x):.1f},{sy(seg[i - 1][1]):.1f}")
+            pts.append(f"{sx(x):.1f},{sy(y):.1f}")
+        if ln.area:
+            poly = f"{sx(seg[0][0]):.1f},{base:.1f} " + " ".join(pts) + f" {sx(seg[-1][0]):.1f},{base:.1f}"
+            out.append(tag("polygon", points=poly, fill=ln.color, class_="c-area"))
+        out.append(tag("polyline", tag("title", ln.name), points=" ".join(pts), stroke=ln.color,
+                       stroke_width=ln.width, stroke_dasharray=ln.dash, class_="c-line"))
+        if ln.dots:
+            for x, y in seg:
+                out.append(tag("circle", tag("title", f"{ln.name}: x={x:g}, y={y:.4g}"), cx=f"{sx(x):.1f}",
+                               cy=f"{sy(y):.1f}", r=3.5, fill="#fff", stroke=ln.color, class_="c-dot"))
+    return out
+
+
+def _legend(chart: Chart) -> Markup:
+    """The legend as HTML under the chart: it wraps on narrow screens and long names never overlap."""
+    items = [tag("span", tag("i", "", style=f"border-top: 3px {'dashed' if ln.dash else 'solid'} {ln.color}")
+                 + escape(ln.name), class_="lg-line") for ln in chart.lines]
+    items += [tag("span", tag("i", "", style=f"border-top-color: {color}") + escape(label), class_="lg-marker")
+              for label, color in chart.marker_legend.items()]
+    if len(items) <= 1 and not chart.marker_legend:
+        return Markup("")
+    return tag("figcaption", Markup("").join(items), class_="legend")
+
+
+@dataclass
+class Bar:
+    """One ratio bar: ``label`` (left), ``ratio`` (None: not comparable), ``good`` colours it."""
+
+    label: str
+    ratio: float | None
+    good: bool | None  # None: no better/worse reading (about equal)
+    tip: str = ""
+
+
+def ratio_bars(title: str, bars: Sequence[Bar], subtitle: str = "", width: int = 900) -> Markup:
+    """Horizontal bars of ratios on a log scale centred on 1× (0.25× .. 4×, clipped beyond)."""
+    row_h, label_w, top = 22, 320, 44 if subtitle else 30
+    h = top + row_h * max(1, len(bars)) + 28
+    left, right = label_w, width - 70
+    span = math.log2(4.0)
+
+    def sx(r: float) -> float:
+        v = max(-span, min(span, math.log2(max(r, 1e-9))))  # 0x and beyond 4x sit at the ends
+        return left + (v + span) / (2 * span) * (right - left)
+
+    parts: list[Markup] = [tag("title", title), tag("text", title, x=12, y=16, class_="c-title")]
+    if subtitle:
+        parts.append(tag("text", subtitle, x=12, y=30, class_="c-sub"))
+    bottom = top + row_h * len(bars)
+    for r in (0.25, 0.5, 1.0, 2.0, 4.0):
+        x = sx(r)
+        parts.append(tag("line", x1=f"{x:.1f}", x2=f"{x:.1f}", y1=top - 4, y2=bottom,
+                         class_="c-axis" if r == 1.0 else "c-grid"))
+        parts.append(tag("text", f"{r:g}×", x=f"{x:.1f}", y=bottom + 16, class_="c-tick", text_anchor="middle"))
+    for i, bar in enumerate(bars):
+        y = top + i * row_h
+        parts.append(tag("text", bar.label, x=label_w - 10, y=y + row_h / 2 + 4, class_="c-legend",
+                         text_anchor="end"))
+        if bar.ratio is None or not math.isfinite(bar.ratio) or bar.ratio < 0:
+            parts.append(tag("text", "n/a", x=f"{sx(1.0) + 6:.1f}", y=y + row_h / 2 + 4, class_="c-tick"))
+            continue
+        x0, x1 = sorted((sx(1.0), sx(bar.ratio)))
+        color = "#8a94a6" if bar.good is None else ("#2e9d6a" if bar.good else "#d9434e")
+        parts.append(tag("rect", tag("title", bar.tip or f"{bar.label}: {bar.ratio:.2f}×"), x=f"{x0:.1f}",
+                         y=y + 4, width=f"{max(x1 - x0, 1.5):.1f}", height=row_h - 8, rx=3, fill=color))
+        tx = sx(bar.ratio) + (6 if bar.ratio >= 1 else -6)
+        parts.append(tag("text", f"{bar.ratio:.2f}×", x=f"{tx:.1f}", y=y + row_h / 2 + 4, class_="c-value",
+                         text_anchor="start" if bar.ratio >= 1 else "end", fill=color))
+    svg = Markup(f'<svg class="chart" viewBox="0 0 {width} {h}" role="img" aria-label="{escape(title)}">')
+    return tag("figure", svg + Markup("").join(parts) + Markup("</svg>"), class_="chart-fig")

@@ -1,0 +1,358 @@
+"""One versioned JSON schema for results: written by the plugin, read by the report, the CLI and the gate.
+
+Nothing downstream of a results file re-runs an engine: it holds every figure and timeline the
+report draws. Skeleton (``schema_version`` 1)::
+
+    {
+      "schema_version": 1,
+      "kvbench_version": "0.1.0",
+      "created": "2025-01-31T12:00:00+00:00",
+      "machine": {"hostname": "...", "platform": "...", "python": "3.11.9", "cpu_count": 2,
+                  "torch": "2.13.0", "device": "cpu"},
+      "commit": {"id": "abc123...", "branch": "main", "dirty": false},   # nulls without git
+      "engines": [{"name": "reference", "kind": "reference", "options": {}, "capabilities": ["swap", ...]}],
+      "scenarios": [{
+        "name": "preemption_storm",
+        "description": "concurrency swept past capacity",
+        "parameters": {"num_gpu_blocks": 64, "block_size": 16, ...},
+        "results": [{"engine": "reference", "mode": null,
+                     "metrics": {"output_throughput": 812.5, "tbt_p99": 0.09, ...},   # metrics.summarize
+                     "series": {"t": [...], "kv_usage": [...], ...},                # metrics.series
+                     "checks": {"preemptions happened": true},
+                     "notes": ["..."]}],
+        "sweeps": [{"name": "concurrency", "x_label": "concurrent requests",
+                    "points": [{"x": 8, "engine": "reference", "mode": "recompute",
+                                "metrics": {"output_throughput": 700.0, ...}}]}]
+      }]
+    }
+
+Conventions the report relies on: ``mode`` names a variant of one engine inside a scenario
+(``"recompute"``/``"swap"``, ``"chunked"``/``"unchunked"``, ``"prefix_caching"``/``"no_prefix_caching"``);
+a swap-vs-recompute sweep has ``x`` = sequence length and a cost metric named in
+:data:`COST_METRICS`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvbench import __version__
+
+SCHEMA_VERSION = 1
+#: metric names a swap-vs-recompute sweep may use for "cost of one preempt-and-resume", by preference
+COST_METRICS: tuple[str, ...] = ("cost_s", "preempt_resume_s", "resume_s", "e2e_mean", "e2e_p50")
+
+
+class ResultsError(ValueError):
+    """A results file is unreadable, of another schema version, or malformed."""
+
+
+# --------------------------------------------------------------------------------------------
+# machine and commit
+
+
+def machine_info(device: str | None = None) -> dict[str, Any]:
+    """Where the numbers were measured.
+
+    ``device`` is what the caller ran on ("cpu", "cuda:0 NVIDIA H100"...). Without it: the CUDA
+    device name when torch is *already imported* and sees CUDA, else "cpu". torch is never
+    imported here (it takes seconds and the CLI does not need it); its version comes from the
+    installed distribution's metadata.
+    """
+    try:
+        torch_version: str | None = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    if device is None:
+        device = "cpu"
+        torch = sys.modules.get("torch")
+        try:
+            if torch is not None and torch.cuda.is_available():
+                device = f"cuda ({torch.cuda.get_device_name(0)})"
+        except Exception:  # a broken CUDA setup must not break writing results
+            device = "cpu"
+    return {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch": torch_version, "device": device}
+
+
+def _git(args: list[str], cwd: str | os.PathLike[str] | None) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def commit_info(cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """``{"id", "branch", "dirty"}`` of the git checkout at ``cwd``; all None without git or a repo."""
+    commit = _git(["rev-parse", "HEAD"], cwd)
+    if not commit:
+        return {"id": None, "branch": None, "dirty": None}
+    status = _git(["status", "--porcelain", "--untracked-files=no"], cwd)
+    return {"id": commit, "branch": _git(["rev-parse", "--abbrev-ref", "HEAD"], cwd),
+            "dirty": None if status is None else bool(status)}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def _jsonable(value: Any) -> Any:
+    """Floats that JSON cannot hold (NaN, inf) become None; tuples become lists; numpy scalars, floats."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if hasattr(value, "item"):  # numpy scalar
+        return _jsonable(value.item())
+    return str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# the results object
+
+
+class Results:
+    """The results of one run: engines, scenarios with per-engine results and sweeps.
+
+    Build with :meth:`add_engine`, :meth:`add_scenario_result` (or :meth:`add_trace`) and
+    :meth:`add_sweep_point`; persist with :meth:`save` / :meth:`load`. ``data`` is the plain
+    JSON-shaped dict, always valid against ``SCHEMA_VERSION``.
+    """
+
+    def __init__(self, data: dict[str, Any] | None = None, *, device: str | None = None,
+                 cwd: str | os.PathLike[str] | None = None):
+        if data is None:
+            data = {"schema_version": SCHEMA_VERSION, "kvbench_version": __version__, "created": _now(),
+                    "machine": machine_info(device), "commit": commit_info(cwd), "engines": [],
+                    "scenarios": []}
+        self.data = validate(data)
+
+    # -- building ---------------------------------------------------------------------------
+
+    def add_engine(self, engine: Mapping[str, Any] | str) -> dict[str, Any]:
+        """Register an engine (an adapter's ``describe()`` dict, or a bare name); idempotent by name."""
+        desc = {"name": engine} if isinstance(engine, str) else dict(engine)
+        if not desc.get("name"):
+            raise ResultsError(f"an engine needs a non-empty 'name', got {desc!r}")
+        for existing in self.data["engines"]:
+            if existing["name"] == desc["name"]:
+                for key, value in desc.items():  # later, fuller descriptions fill in the gaps
+                    if value not in (None, {}, []):
+                        existing[key] = _jsonable(value)
+                return existing
+        full = {"name": str(desc["name"]), "kind": desc.get("kind"), "options": dict(desc.get("options") or {}),
+                "capabilities": sorted(desc.get("capabilities") or [])}
+        full.update({k: v for k, v in desc.items() if k not in full})
+        full = _jsonable(full)
+        self.data["engines"].append(full)
+        return full
+
+    def scenario(self, name: str, *, create: bool = False, parameters: Mapping[str, Any] | None = None,
+                 description: str | None = None) -> dict[str, Any]:
+        """The scenario dict called ``name`` (created when ``create``; parameters/description merged in)."""
+        for sc in self.data["scenarios"]:
+            if sc["name"] == name:
+                break
+        else:
+            if not create:
+                raise KeyError(f"no scenario {name!r} in results (have: {', '.join(self.scenario_names())})")
+            sc = {"name": name, "description": "", "parameters": {}, "results": [], "sweeps": []}
+            self.data["scenarios"].append(sc)
+        if parameters:
+            sc["parameters"].update(_jsonable(dict(parameters)))
+        if description:
+            sc["description"] = description
+        return sc
+
+    def add_scenario_result(self, scenario: str, engine: Mapping[str, Any] | str, metrics: Mapping[str, Any], *,
+                            series: Mapping[str, list] | None = None, checks: Mapping[str, bool] | None = None,
+                            notes: list[str] | None = None, mode: str | None = None,
+                            parameters: Mapping[str, Any] | None = None,
+                            description: str | None = None) -> dict[str, Any]:
+        """Add (or replace) the result of ``engine`` (in ``mode``) on ``scenario``; returns the entry."""
+        name = self.add_engine(engine)["name"]
+        sc = self.scenario(scenario, create=True, parameters=parameters, description=description)
+        entry = _jsonable({"engine": name, "mode": mode, "metrics": dict(metrics), "series": dict(series or {}),
+                           "checks": {str(k): bool(v) for k, v in (checks or {}).items()},
+                           "notes": [str(n) for n in (notes or [])]})
+        sc["results"] = [r for r in sc["results"] if (r["engine"], r.get("mode")) != (name, mode)]
+        sc["results"].append(entry)
+        return entry
+
+    def add_trace(self, trace: Any, *, engine: Mapping[str, Any] | str | None = None,
+                  slos: str | Mapping[str, float] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Summarize a :class:`~kvbench.trace.Trace` and add it under its scenario and engine."""
+        from kvbench import metrics  # local: results files are read without numpy-heavy work
+
+        return self.add_scenario_result(trace.scenario, engine or trace.engine, metrics.summarize(trace, slos),
+                                        series=metrics.series(trace), **kwargs)
+
+    def add_sweep_point(self, scenario: str, sweep: str, x: float, engine: Mapping[str, Any] | str,
+                        metrics: Mapping[str, Any], *, mode: str | None = None,
+                        x_label: str | None = None) -> dict[str, Any]:
+        """Add one point of sweep ``sweep`` (e.g. "concurrency", "seq_len") to ``scenario``."""
+        name = self.add_engine(engine)["name"]
+        sc = self.scenario(scenario, create=True)
+        for sw in sc["sweeps"]:
+            if sw["name"] == sweep:
+                break
+        else:
+            sw = {"name": sweep, "x_label": x_label or sweep, "points": []}
+            sc["sweeps"].append(sw)
+        if x_label:
+            sw["x_label"] = x_label
+        point = _jsonable({"x": x, "engine": name, "mode": mode, "metrics": dict(metrics)})
+        sw["points"].append(point)
+        return point
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @property
+    def engines(self) -> list[dict[str, Any]]:
+        return self.data["engines"]
+
+    @property
+    def scenarios(self) -> list[dict[str, Any]]:
+        return self.data["scenarios"]
+
+    @property
+    def machine(self) -> dict[str, Any]:
+        return self.data["machine"]
+
+    def scenario_names(self) -> list[str]:
+        return [sc["name"] for sc in self.data["scenarios"]]
+
+    def engine_names(self) -> list[str]:
+        return [e["name"] for e in self.data["engines"]]
+
+    def engine(self, name: str) -> dict[str, Any] | None:
+        return next((e for e in self.data["engines"] if e["name"] == name), None)
+
+    def iter_results(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """(scenario, result) pairs in file order."""
+        for sc in self.data["scenarios"]:
+            for res in sc["results"]:
+                yield sc, res
+
+    def result(self, scenario: str, engine: str, mode: str | None = None) -> dict[str, Any] | None:
+        for sc, res in self.iter_results():
+            if sc["name"] == scenario and res["engine"] == engine and res.get("mode") == mode:
+                return res
+        return None
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per scenario x engine (x mode): ``scenario``, ``engine``, ``mode``, ``checks_passed``,
+        ``checks_total``, then one column per metric (NaN where absent)."""
+        rows = []
+        for sc, res in self.iter_results():
+            checks = res.get("checks", {})
+            rows.append({"scenario": sc["name"], "engine": res["engine"], "mode": res.get("mode"),
+                         "checks_passed": sum(bool(v) for v in checks.values()), "checks_total": len(checks),
+                         **{k: (math.nan if v is None else v) for k, v in res.get("metrics", {}).items()}})
+        base = ["scenario", "engine", "mode", "checks_passed", "checks_total"]
+        return pd.DataFrame(rows, columns=base if not rows else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.data
+
+    # -- persistence ------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write JSON atomically (a reader never sees half a file); creates parent folders."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(_jsonable(self.data), indent=1, allow_nan=False, sort_keys=False)
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Results:
+        """Read a results file. Raises FileNotFoundError, or :class:`ResultsError` naming the file and
+        what is wrong with it (not JSON, another ``schema_version``, a missing section)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ResultsError(f"{path}: not a kvbench results file (invalid JSON: {e})") from e
+        try:
+            return cls(validate(data))
+        except ResultsError as e:
+            raise ResultsError(f"{path}: {e}") from e
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Results:
+        return cls(validate(data))
+
+
+def validate(data: Any) -> dict[str, Any]:
+    """Check the shape of a results dict and fill optional parts; returns it. Raises ResultsError."""
+    if not isinstance(data, dict):
+        raise ResultsError(f"expected a JSON object at the top level, got {type(data).__name__}")
+    if "schema_version" not in data:
+        raise ResultsError("no 'schema_version': not a kvbench results file")
+    version = data["schema_version"]
+    if version != SCHEMA_VERSION:
+        raise ResultsError(
+            f"schema_version {version!r} is not supported: kvbench {__version__} reads schema_version "
+            f"{SCHEMA_VERSION}; re-render with the kvbench version that wrote it, or re-run the benchmarks")
+    for key, kind in (("engines", list), ("scenarios", list)):
+        if not isinstance(data.get(key), kind):
+            raise ResultsError(f"'{key}' must be a {kind.__name__}, got {type(data.get(key)).__name__}")
+    data.setdefault("kvbench_version", None)
+    data.setdefault("created", None)
+    data.setdefault("machine", {})
+    data["commit"] = {"id": None, "branch": None, "dirty": None, **(data.get("commit") or {})}
+    for i, eng in enumerate(data["engines"]):
+        if not isinstance(eng, dict) or not eng.get("name"):
+            raise ResultsError(f"engines[{i}] needs a 'name'")
+        eng.setdefault("kind", None)
+        eng.setdefault("options", {})
+        eng.setdefault("capabilities", [])
+    for i, sc in enumerate(data["scenarios"]):
+        if not isinstance(sc, dict) or not sc.get("name"):
+            raise ResultsError(f"scenarios[{i}] needs a 'name'")
+        sc.setdefault("description", "")
+        sc.setdefault("parameters", {})
+        sc.setdefault("sweeps", [])
+        for j, res in enumerate(sc.setdefault("results", [])):
+            if not isinstance(res, dict) or "engine" not in res or not isinstance(res.get("metrics"), dict):
+                raise ResultsError(f"scenarios[{i}] ({sc['name']}) results[{j}] needs 'engine' and 'metrics'")
+            res.setdefault("mode", None)
+            for key, default in (("series", {}), ("checks", {}), ("notes", [])):
+                res.setdefault(key, default)
+        for j, sw in enumerate(sc["sweeps"]):
+            if not isinstance(sw, dict) or not sw.get("name") or not isinstance(sw.get("points"), list):
+                raise ResultsError(f"scenarios[{i}] ({sc['name']}) sweeps[{j}] needs 'name' and 'points'")
+            sw.setdefault("x_label", sw["name"])
+            for point in sw["points"]:
+                if not {"x", "engine", "metrics"} <= set(point):
+                    raise ResultsError(f"a point of sweep {sw['name']!r} in {sc['name']!r} needs x, engine, metrics")
+                point.setdefault("mode", None)
+    return data
