@@ -1,0 +1,214 @@
+"""What swap, prefix caching, priority and aborts do, observed through the engine's own counters,
+events and KV tensors (issue: swap / prefix caching / priority)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference_engine import SamplingParams
+from tests.conftest import greedy_params
+
+
+def _prompts(n: int, length: int, seed: int, vocab: int = 512) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _events(engine, kind: str, **match):
+    return [e for e in engine.events if e.kind == kind and all(e.data.get(k) == v for k, v in match.items())]
+
+
+def test_swapped_blocks_are_byte_identical_after_the_round_trip(make_engine, workload):
+    """Snapshot each victim's device blocks as they leave, compare with where they land on return."""
+    engine = make_engine(num_gpu_blocks_override=40, preemption_mode="swap")
+    kv, bm = engine.kv_cache, engine.block_manager
+    left: dict[int, torch.Tensor] = {}  # host block -> content of the device block it came from
+    compared = 0
+    real_out, real_in = kv.swap_out, kv.swap_in
+
+    def swap_out(mapping):
+        for device_block, host_block in mapping:
+            left[host_block] = kv.read_blocks([device_block])
+        return real_out(mapping)
+
+    def swap_in(mapping):
+        nonlocal compared
+        nbytes = real_in(mapping)
+        for host_block, device_block in mapping:
+            assert torch.equal(kv.read_blocks([device_block]), left.pop(host_block)), "KV changed in transit"
+            compared += 1
+        return nbytes
+
+    kv.swap_out, kv.swap_in = swap_out, swap_in
+    prompts, max_tokens = workload
+    engine.generate(prompts, greedy_params(max_tokens))
+    assert compared > 0 and engine.stats()["num_swap_ins"] > 0
+    assert bm.num_free_cpu_blocks == bm.num_cpu_blocks
+
+
+def test_swap_events_carry_bytes_and_time(make_engine, workload):
+    engine = make_engine(num_gpu_blocks_override=40, preemption_mode="swap")
+    prompts, max_tokens = workload
+    engine.generate(prompts, greedy_params(max_tokens))
+    outs, ins = _events(engine, "swapped_out"), _events(engine, "swapped_in")
+    assert outs and ins
+    assert all(e.data["bytes"] > 0 and e.data["seconds"] >= 0 for e in outs + ins)
+    stats = engine.stats()
+    assert stats["swapped_out_bytes"] == stats["swapped_in_bytes"] > 0
+    # swapped requests resume before new admissions and never in a step that swapped out
+    out_steps = {e.step for e in outs}
+    assert not out_steps.intersection(e.step for e in ins)
+
+
+def test_host_pool_exhaustion_falls_back_to_recompute(make_engine, workload, hf_greedy):
+    prompts, max_tokens = workload
+    engine = make_engine(num_gpu_blocks_override=40, preemption_mode="swap", num_cpu_blocks_override=6)
+    outputs = engine.generate(prompts, greedy_params(max_tokens))
+    stats = engine.stats()
+    assert stats["num_swap_fallbacks"] > 0 and stats["num_preemptions_recompute"] == stats["num_swap_fallbacks"]
+    assert _events(engine, "swap_fallback")
+    assert [o.token_ids for o in outputs] == hf_greedy
+    assert all(o.finished for o in outputs)
+
+
+def test_prefix_caching_on_equals_off_and_hits(make_engine):
+    """Shared system prompt: identical outputs with caching on and off, and hits > 0 with it on."""
+    system = _prompts(1, 100, seed=1)[0]
+    prompts = [system + p for p in _prompts(12, 30, seed=2)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    off = make_engine(num_gpu_blocks_override=512).generate(prompts, params)
+    engine = make_engine(num_gpu_blocks_override=512, enable_prefix_caching=True, max_num_seqs=4)
+    on = engine.generate(prompts, params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] >= 6 * 96  # 6 full blocks of the system prompt, later requests
+    assert sum(o.num_cached_tokens for o in on) == stats["prefix_cache_hits"]
+    assert _events(engine, "prefix_hit")
+
+
+def test_concurrent_requests_share_prefix_blocks_by_refcount(make_engine):
+    system = _prompts(1, 64, seed=3)[0]
+    a, b = (system + p for p in _prompts(2, 10, seed=4))
+    engine = make_engine(num_gpu_blocks_override=64, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine.add_request("a", a, params)
+    engine.step()  # a prefilled: its 4 full blocks are now hashed
+    engine.add_request("b", b, params)
+    engine.step()
+    shared = set(engine.block_manager.blocks_of("a")[:4])
+    assert shared == set(engine.block_manager.blocks_of("b")[:4])
+    assert all(engine.block_manager.pool.blocks[i].ref_cnt == 2 for i in shared)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_prefix_caching_makes_recompute_cheaper(make_engine, workload, hf_greedy):
+    """Same overloaded workload: with caching, recompute preemptions compute strictly fewer tokens."""
+    prompts, max_tokens = workload
+    results = {}
+    for caching in (False, True):
+        engine = make_engine(num_gpu_blocks_override=40, enable_prefix_caching=caching)
+        outputs = engine.generate(prompts, greedy_params(max_tokens))
+        assert [o.token_ids for o in outputs] == hf_greedy
+        results[caching] = engine.stats()
+    assert results[False]["num_preemptions_recompute"] > 0 and results[True]["num_preemptions_recompute"] > 0
+    assert results[True]["prefix_cache_hits"] > 0
+    assert results[True]["num_computed_tokens"] < results[False]["num_computed_tokens"]
+    assert results[True]["num_recomputed_tokens"] < results[False]["num_recomputed_tokens"]
+
+
+def test_mid_prefill_preemption_resumes_past_cached_blocks(make_engine):
+    """A long prompt preempted in the middle of a chunked prefill keeps its computed full blocks
+    (the seeds note that vLLM loses chunked-prefill progress on preemption: ours does not, while
+    the blocks survive in the cache)."""
+    engine = make_engine(num_gpu_blocks_override=16, enable_prefix_caching=True, enable_chunked_prefill=True,
+                         max_num_batched_tokens=32)
+    decoder, long_prompt = _prompts(1, 30, seed=5)[0], _prompts(1, 240, seed=6)[0]
+    engine.add_request("decoder", decoder, SamplingParams(max_tokens=60, ignore_eos=True))
+    engine.step()
+    engine.add_request("long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    while not _events(engine, "preempted"):
+        engine.step()
+    first = _events(engine, "preempted")[0]
+    # the long prompt is the latest admitted, and it was caught in the middle of its prefill
+    assert first.request_id == "long" and 0 < first.data["tokens_discarded"] < 240
+    while engine.has_unfinished_requests():
+        engine.step()
+    resumed = [e for e in _events(engine, "admitted", resumed=True) if e.request_id == "long"]
+    assert resumed and resumed[0].data["cached_tokens"] >= 16, "the resume recomputed from scratch"
+    # and the answer is still right
+    alone = make_engine(num_gpu_blocks_override=64).generate([long_prompt], SamplingParams(max_tokens=4,
+                                                                                          ignore_eos=True))
+    finished = [e for e in engine.events if e.kind == "finished" and e.request_id == "long"]
+    assert finished and finished[0].data["output_tokens"] == len(alone[0].token_ids)
+
+
+def test_priority_preemption_evicts_the_lowest_priority_running_request(make_engine):
+    engine = make_engine(num_gpu_blocks_override=18, scheduling_policy="priority")
+    prompts = _prompts(4, 60, seed=8)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for rid, prompt, prio in zip(("p0", "p2", "p1"), prompts[:3], (0, 2, 1), strict=True):
+        engine.add_request(rid, prompt, params, priority=prio)
+    engine.step()  # all three admitted: 3 x 4 blocks, 6 left
+    assert len(engine.scheduler.running) == 3
+    engine.add_request("urgent", prompts[3] + prompts[3], params, priority=0)  # 120 tokens: needs 8 blocks
+    engine.step()
+    victims = [e.request_id for e in _events(engine, "preempted")]
+    assert victims and victims[0] == "p2", victims
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_fcfs_preempts_the_latest_admitted(make_engine):
+    engine = make_engine(num_gpu_blocks_override=12)
+    prompts = _prompts(3, 60, seed=9)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=60, ignore_eos=True))
+    while not _events(engine, "preempted"):
+        engine.step()
+    assert _events(engine, "preempted")[0].request_id == "r2"
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("state", ["waiting", "running", "mid_prefill", "preempted", "swapped", "finished"])
+def test_abort_in_any_state_frees_blocks(state, make_engine):
+    mode = "swap" if state == "swapped" else "recompute"
+    engine = make_engine(num_gpu_blocks_override=12, preemption_mode=mode, enable_chunked_prefill=True,
+                         max_num_batched_tokens=32, enable_prefix_caching=True)
+    prompts = _prompts(3, 60, seed=10)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    target = {"waiting": "r2", "running": "r0", "mid_prefill": "r0", "preempted": None, "swapped": None,
+              "finished": None}[state]
+    if state == "mid_prefill":
+        engine.step()
+        assert 0 < engine.scheduler.requests["r0"].num_computed_tokens < 60
+    elif state == "running":
+        engine.step(), engine.step()
+    elif state in ("preempted", "swapped"):
+        while not _events(engine, "preempted"):
+            engine.step()
+        target = _events(engine, "preempted")[0].request_id
+        req = engine.scheduler.requests[target]
+        assert req.status.value == ("swapped" if state == "swapped" else "waiting")
+        if state == "swapped":
+            assert engine.block_manager.host_tables[target]
+    elif state == "finished":
+        while "r0" in engine.scheduler.requests:
+            engine.step()
+        assert engine.abort_request("r0") is False
+        target = None
+    if target is not None:
+        assert engine.abort_request(target)
+        outs = engine.step()
+        assert any(o.request_id == target and o.finish_reason == "abort" for o in outs)
+        assert target not in engine.block_manager.block_tables and target not in engine.block_manager.host_tables
+        assert _events(engine, "aborted")[0].data["state"] == ("waiting" if state == "preempted" else
+                                                               "running" if state == "mid_prefill" else state)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.is_whole()
