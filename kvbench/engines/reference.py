@@ -1,0 +1,195 @@
+"""The ``reference`` adapter: reference_engine in-process, white box.
+
+Every ``EngineConfig`` field is an option (``reference:preemption_mode=swap,enable_prefix_caching=true``);
+a check's :class:`~kvbench.engines.base.Knobs` override options, since that is how checks force
+pressure. Counters come straight from ``LLMEngine.stats()``, per-step records from the engine's
+queues and events, and the block manager is exposed to the stateful refcount machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from kvbench.driver import StepReport, drive
+from kvbench.engines.base import EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.trace import StepRecord, TraceRecorder
+
+_DEFAULT_KNOBS = Knobs()
+
+# Knobs field -> EngineConfig field
+_KNOB_TO_CONFIG = {
+    "block_size": "block_size", "num_gpu_blocks": "num_gpu_blocks_override",
+    "num_cpu_blocks": "num_cpu_blocks_override", "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
+    "enable_chunked_prefill": "enable_chunked_prefill", "enable_prefix_caching": "enable_prefix_caching",
+    "preemption_mode": "preemption_mode", "scheduling_policy": "scheduling_policy",
+}
+# stats() key -> kvbench counter name
+_STATS_TO_COUNTERS = {
+    "num_preemptions_recompute": "preemptions_recompute", "num_preemptions_swap": "preemptions_swap",
+    "num_swap_outs": "swap_outs", "num_swap_ins": "swap_ins", "num_swap_fallbacks": "swap_fallbacks",
+    "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
+    "num_prefill_chunks": "prefill_chunks", "num_recomputed_tokens": "recomputed_tokens",
+    "num_computed_tokens": "computed_tokens", "swapped_out_bytes": "swapped_out_bytes",
+    "swapped_in_bytes": "swapped_in_bytes", "swap_seconds": "swap_seconds",
+}
+
+
+def _config_fields() -> dict[str, Any]:
+    from reference_engine import EngineConfig
+
+    return {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+
+
+def _coerce(name: str, raw: str) -> Any:
+    """Turn an option string into the EngineConfig field's type ("true" -> True, "64" -> 64, "none" -> None)."""
+    from reference_engine import ConfigError
+
+    annotation = str(_config_fields()[name].type)
+    if raw.lower() in ("none", "null") and "None" in annotation:
+        return None
+    try:
+        if annotation.startswith("bool"):
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1", "yes")
+        if annotation.startswith("int"):
+            return int(raw)
+        if annotation.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ConfigError(name, raw, f"a value of type {annotation}") from None
+    return raw
+
+
+class ReferenceAdapter(EngineAdapter):
+    """reference_engine in-process (white box: events, counters, block introspection)."""
+
+    kind = "reference"
+    capabilities = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority",
+                              "block_introspection", "events", "sampling", "abort"})
+    option_keys = {  # noqa: RUF012
+        "block_size": "KV block size in tokens (power of two, 1-128)",
+        "num_gpu_blocks_override": "device KV pool size in blocks",
+        "num_cpu_blocks_override": "host (swap) pool size in blocks",
+        "swap_space": "host swap pool in GiB (default 4)",
+        "kv_cache_space": "device KV pool in GiB on CPU when no block override (default 0.5)",
+        "gpu_memory_utilization": "share of GPU memory for weights + KV on CUDA (default 0.9)",
+        "max_num_seqs": "most requests running at once (default 256)",
+        "max_num_batched_tokens": "token budget per step",
+        "max_model_len": "longest sequence (default: the model's)",
+        "enable_chunked_prefill": "true/false",
+        "enable_prefix_caching": "true/false",
+        "preemption_mode": "recompute or swap",
+        "scheduling_policy": "fcfs or priority",
+        "seed": "engine seed for unseeded sampling",
+        "device": "cpu, cuda or cuda:N",
+        "dtype": "float32, float16 or bfloat16",
+        "check_invariants": "run the block manager self-check after every step (slow)",
+    }
+
+    def engine_config(self, knobs: Knobs = _DEFAULT_KNOBS):
+        """The EngineConfig for these options with the knobs applied over them."""
+        from reference_engine import EngineConfig
+
+        values: dict[str, Any] = {k: _coerce(k, v) for k, v in self.options.items()}
+        for knob, value in knobs.as_dict().items():
+            values[_KNOB_TO_CONFIG[knob]] = value
+        return EngineConfig(model=self.model_dir, **values)
+
+    def build_engine(self, knobs: Knobs = _DEFAULT_KNOBS):
+        from reference_engine import LLMEngine
+
+        return LLMEngine(self.engine_config(knobs))
+
+    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = _DEFAULT_KNOBS) -> GenResult:
+        from reference_engine import SamplingParams
+
+        engine = self.build_engine(knobs)
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                 seed=r.seed, ignore_eos=r.ignore_eos) for r in requests]
+        for r, p in zip(requests, params, strict=True):
+            engine.add_request(r.request_id, r.prompt_token_ids, p, priority=r.priority)
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        outputs = [GenOutput(r.request_id, final[r.request_id].token_ids, final[r.request_id].finish_reason,
+                             final[r.request_id].num_preemptions) for r in requests]
+        return GenResult(outputs, counters_of(engine), _evidence(engine))
+
+    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = _DEFAULT_KNOBS, progress=None) -> None:
+        engine = self.build_engine(knobs)
+        requests = getattr(workload, "requests", workload)
+        drive(_Steppable(engine), requests, recorder, concurrency=getattr(workload, "concurrency", None),
+              progress=progress)
+        recorder.set_counters(counters_of(engine))
+
+
+def counters_of(engine) -> dict[str, int | float]:
+    stats = engine.stats()
+    counters = {name: stats[key] for key, name in _STATS_TO_COUNTERS.items()}
+    counters["leaked_blocks"] = (stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"]
+                                 + stats["num_cpu_blocks"] - stats["num_free_cpu_blocks"])
+    counters["num_gpu_blocks"] = stats["num_gpu_blocks"]
+    counters["num_cpu_blocks"] = stats["num_cpu_blocks"]
+    return counters
+
+
+def _evidence(engine, limit: int = 20) -> list[str]:
+    interesting = [e for e in engine.events if e.kind in ("preempted", "swap_fallback", "swapped_in", "prefix_hit")]
+    return [f"step {e.step}: {e.kind} {e.request_id} {e.data}" for e in interesting[:limit]]
+
+
+class _Steppable:
+    """reference_engine seen through the driver's SteppableEngine protocol."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._seen_events = 0
+        self._produced: dict[str, int] = {}
+
+    def submit(self, request: Any) -> None:
+        from reference_engine import SamplingParams
+
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
+                                ignore_eos=True)
+        self.engine.add_request(request.request_id, request.prompt_token_ids, params, priority=request.priority)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> StepReport:
+        outputs = self.engine.step()
+        new_tokens, finished = {}, {}
+        for out in outputs:
+            n = len(out.token_ids) - self._produced.get(out.request_id, 0)
+            if n:
+                new_tokens[out.request_id] = n
+            self._produced[out.request_id] = len(out.token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+                self._produced.pop(out.request_id, None)
+        admitted, preempted, resumed = [], [], []
+        events = self.engine.events
+        for e in events[self._seen_events :]:
+            if e.kind == "admitted":
+                (resumed if e.data.get("resumed") else admitted).append(e.request_id)
+            elif e.kind == "preempted":
+                preempted.append((e.request_id, e.data["mode"]))
+            elif e.kind == "swapped_in":
+                resumed.append(e.request_id)
+        self._seen_events = len(events)
+        stats, last = self.engine.stats(), self.engine.last_step
+        record = StepRecord(t=0.0, duration=0.0, num_running=stats["num_running"], num_waiting=stats["num_waiting"],
+                            num_swapped=stats["num_swapped"], kv_usage=stats["gpu_cache_usage"],
+                            cpu_kv_usage=stats["cpu_cache_usage"] if stats["num_cpu_blocks"] else None,
+                            num_prefill_tokens=last["num_prefill_tokens"], num_decode_tokens=last["num_decode_tokens"],
+                            num_preempted=last["num_preempted"])
+        return StepReport(new_tokens, finished, admitted, preempted, resumed, record)
