@@ -1,8 +1,123 @@
-"""The kvbench pytest plugin (entry point ``pytest11: kvbench``)."""
+"""The kvbench pytest plugin (entry point ``pytest11: kvbench``).
+
+Options (group "kvbench")::
+
+    --engine KIND[:KEY=VALUE,...]   engine under test, repeatable (default: reference)
+    --benchmark                     also run the storm benchmarks and write a report
+    --benchmark-scale quick|full    benchmark size (default quick)
+    --report-dir DIR                where runs are written (default reports/)
+    --baseline RESULTS.json         compare with a saved run; regressions fail the session
+    --threshold EXPR                regression threshold, repeatable (default: see kvbench.gate)
+    --slo EXPR                      goodput SLOs, e.g. "ttft<=0.5,tbt<=0.1"
+    --kvbench-model DIR             checkpoint to run engines on (default: the built-in tiny model)
+
+Fixtures: ``kvbench_session``, ``engine_spec`` (parametrised over ``--engine``), ``engine`` (an
+adapter, one per spec per session), ``model_dir``, ``kvbench_results``. Markers: ``conformance``,
+``benchmark`` (skipped without ``--benchmark``), ``gpu`` (skipped without CUDA).
+"""
 
 from __future__ import annotations
 
+import datetime as _dt
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+from kvbench.engines.registry import EngineSpec, EngineSpecError, make_adapter, parse_engine_spec
+
+SCALES = ("quick", "full")
+_SESSION_KEY = pytest.StashKey["KvbenchSession"]()
+
+
+@dataclass
+class KvbenchSession:
+    """Options parsed once, plus what the run produces (results, report, regressions)."""
+
+    engine_specs: list[EngineSpec]
+    benchmark: bool = False
+    scale: str = "quick"
+    report_dir: Path = Path("reports")
+    baseline: Path | None = None
+    thresholds: list[str] = field(default_factory=list)
+    slos: str | None = None
+    model: str | None = None
+    run_name: str = ""
+    results: Any = None  # kvbench.results.Results, created on first use
+    report_path: Path | None = None
+    regressions: list[Any] = field(default_factory=list)
+    gate_error: str | None = None
+
+    def get_results(self):
+        if self.results is None:
+            from kvbench.results import Results
+
+            self.results = Results()
+        return self.results
+
+
+def add_options(group: Any) -> None:
+    """The kvbench options; shared by the plugin and the CLI (both use argparse-style ``addoption``)."""
+    group.addoption("--engine", action="append", default=None, metavar="KIND[:KEY=VALUE,...]",
+                    help="engine under test, repeatable (default: reference). Kinds: reference, hf, hf-cb")
+    group.addoption("--benchmark", action="store_true", default=False,
+                    help="run the storm benchmarks too and write <report-dir>/<run>/report.html")
+    group.addoption("--benchmark-scale", choices=SCALES, default="quick",
+                    help="benchmark size: quick (minutes on 2 CPU cores) or full")
+    group.addoption("--report-dir", default="reports", metavar="DIR", help="where benchmark runs are written")
+    group.addoption("--baseline", default=None, metavar="RESULTS.json",
+                    help="compare with a saved run; a regression past a threshold fails the session")
+    group.addoption("--threshold", action="append", default=None, metavar="EXPR",
+                    help="regression threshold such as throughput:-10%% or preemptions:+0 (repeatable)")
+    group.addoption("--slo", default=None, metavar="EXPR", help='goodput SLOs, e.g. "ttft<=0.5,tbt<=0.1"')
+    group.addoption("--kvbench-model", default=None, metavar="DIR",
+                    help="Hugging Face Llama checkpoint (safetensors) to run engines on; default: built-in tiny")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser.getgroup("kvbench", "kvbench: paged-KV engine conformance and benchmarks"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in ("conformance: a kvbench conformance check of an engine",
+                 "benchmark: a kvbench storm benchmark (runs only with --benchmark)",
+                 "gpu: needs a CUDA device (skipped without one)"):
+        config.addinivalue_line("markers", line)
+    try:
+        specs = [parse_engine_spec(s) for s in (config.getoption("engine") or ["reference"])]
+    except EngineSpecError as e:
+        raise pytest.UsageError(str(e)) from None
+    if len({s.name for s in specs}) != len(specs):
+        raise pytest.UsageError("--engine: the same engine is named twice")
+    thresholds = config.getoption("threshold")
+    if thresholds:
+        from kvbench.gate import ThresholdError, parse_thresholds
+
+        try:
+            parse_thresholds(thresholds)
+        except ThresholdError as e:
+            raise pytest.UsageError(f"--threshold: {e}") from None
+    slos = config.getoption("slo")
+    if slos:
+        from kvbench.metrics import parse_slos
+
+        try:
+            parse_slos(slos)
+        except ValueError as e:
+            raise pytest.UsageError(f"--slo: {e}") from None
+    baseline = config.getoption("baseline")
+    if baseline and not Path(baseline).is_file():
+        raise pytest.UsageError(f"--baseline {baseline}: no such file")
+    config.stash[_SESSION_KEY] = KvbenchSession(
+        engine_specs=specs, benchmark=config.getoption("benchmark"), scale=config.getoption("benchmark_scale"),
+        report_dir=Path(config.getoption("report_dir")), baseline=Path(baseline) if baseline else None,
+        thresholds=list(thresholds or []), slos=slos, model=config.getoption("kvbench_model"),
+        run_name=_dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def session_of(config: pytest.Config) -> KvbenchSession:
+    return config.stash[_SESSION_KEY]
 
 
 def _cuda_available() -> bool:
@@ -13,10 +128,107 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "engine_spec" in metafunc.fixturenames:
+        specs = session_of(metafunc.config).engine_specs
+        metafunc.parametrize("engine_spec", specs, ids=[s.name for s in specs], scope="session")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _cuda_available():
-        return
+    session = session_of(config)
+    skip_bench = pytest.mark.skip(reason="storm benchmark: run with --benchmark")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    has_cuda = None
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        if "benchmark" in item.keywords and item.get_closest_marker("benchmark") and not session.benchmark:
+            item.add_marker(skip_bench)
+        if "gpu" in item.keywords and item.get_closest_marker("gpu"):
+            if has_cuda is None:
+                has_cuda = _cuda_available()
+            if not has_cuda:
+                item.add_marker(skip_gpu)
+
+
+# ---------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def kvbench_session(request: pytest.FixtureRequest) -> KvbenchSession:
+    return session_of(request.config)
+
+
+@pytest.fixture(scope="session")
+def model_dir(kvbench_session: KvbenchSession) -> str:
+    """The checkpoint engines run on: ``--kvbench-model`` or the built-in tiny model."""
+    if kvbench_session.model:
+        return kvbench_session.model
+    from kvbench.checkpoints import builtin_checkpoint
+
+    return str(builtin_checkpoint("tiny"))
+
+
+@pytest.fixture(scope="session")
+def engine(engine_spec: EngineSpec, model_dir: str):
+    """The adapter for one ``--engine`` spec, shared by every test of the session."""
+    adapter = make_adapter(engine_spec, model_dir)
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture(scope="session")
+def kvbench_results(kvbench_session: KvbenchSession):
+    """The run's :class:`kvbench.results.Results`; written to the report dir at the end."""
+    return kvbench_session.get_results()
+
+
+def require(engine: Any, *capabilities: str) -> None:
+    """Skip the calling test, naming the engine and capability, unless the engine has them all."""
+    missing = [c for c in capabilities if c not in engine.capabilities]
+    if missing:
+        pytest.skip(f"{engine.name} lacks capability {', '.join(missing)}")
+
+
+# ------------------------------------------------------------------------------- end of session
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    ks = config.stash.get(_SESSION_KEY, None)
+    if ks is None or ks.results is None or _is_xdist_worker(config) or not ks.results.scenarios:
+        return
+    from kvbench.report import write_index, write_report
+    from kvbench.results import Results
+
+    baseline = None
+    if ks.baseline is not None:
+        try:
+            baseline = Results.load(ks.baseline)
+        except Exception as e:  # a bad baseline must not lose this run's results
+            ks.gate_error = f"could not read --baseline {ks.baseline}: {e}"
+    run_dir = ks.report_dir / ks.run_name
+    ks.report_path = write_report(ks.results, run_dir, baseline=baseline)
+    write_index(ks.report_dir)
+    if baseline is not None:
+        from kvbench import gate
+
+        ks.regressions = gate.compare(ks.results, baseline, ks.thresholds or list(gate.DEFAULT_THRESHOLDS))
+        if not gate.common_keys(ks.results, baseline):
+            ks.gate_error = f"--baseline {ks.baseline} shares no (scenario, engine) with this run: nothing compared"
+    if (ks.regressions or ks.gate_error) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    ks = config.stash.get(_SESSION_KEY, None)
+    if ks is None or ks.report_path is None:
+        return
+    tr = terminalreporter
+    tr.section("kvbench")
+    tr.write_line(f"results: {ks.report_path.parent / 'results.json'}")
+    tr.write_line(f"report:  {ks.report_path}")
+    if ks.gate_error:
+        tr.write_line(f"GATE ERROR: {ks.gate_error}", red=True)
+    for reg in ks.regressions:
+        tr.write_line(f"REGRESSION: {reg.describe() if hasattr(reg, 'describe') else reg}", red=True)
+    if ks.baseline is not None and not ks.regressions and not ks.gate_error:
+        tr.write_line(f"no regression against {ks.baseline}", green=True)
