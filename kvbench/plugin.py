@@ -48,6 +48,7 @@ class KvbenchSession:
     report_path: Path | None = None
     regressions: list[Any] = field(default_factory=list)
     gate_error: str | None = None
+    near_ties: list[str] = field(default_factory=list)  # conformance divergences excused as near-ties
 
     def get_results(self):
         if self.results is None:
@@ -220,9 +221,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     ks = config.stash.get(_SESSION_KEY, None)
-    if ks is None or ks.report_path is None:
+    if ks is None:
         return
     tr = terminalreporter
+    if ks.near_ties:
+        tr.section("kvbench near-ties (not failures: divergence where the ground truth's top-2 margin is tiny)")
+        for line in ks.near_ties:
+            tr.write_line(line)
+    if ks.report_path is None:
+        return
     tr.section("kvbench")
     tr.write_line(f"results: {ks.report_path.parent / 'results.json'}")
     tr.write_line(f"report:  {ks.report_path}")

@@ -91,8 +91,9 @@ class GenOutput:
 
     request_id: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "length" | "stop" | "abort" | "rejected" | "error"
     num_preemptions: int | None = None
+    error: str | None = None  # why a request was rejected or failed, in the engine's words
 
 
 @dataclass

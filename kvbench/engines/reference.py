@@ -100,26 +100,77 @@ class ReferenceAdapter(EngineAdapter):
         return EngineConfig(model=self.model_dir, **values)
 
     def build_engine(self, knobs: Knobs = _DEFAULT_KNOBS):
+        """A fresh LLMEngine for these options and knobs."""
         from reference_engine import LLMEngine
 
         return LLMEngine(self.engine_config(knobs))
 
     def generate(self, requests: Sequence[GenRequest], knobs: Knobs = _DEFAULT_KNOBS) -> GenResult:
-        from reference_engine import SamplingParams
+        from reference_engine import RequestRejected, SamplingParams
 
         engine = self.build_engine(knobs)
         params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                  seed=r.seed, ignore_eos=r.ignore_eos) for r in requests]
+        rejected: dict[str, str] = {}
         for r, p in zip(requests, params, strict=True):
-            engine.add_request(r.request_id, r.prompt_token_ids, p, priority=r.priority)
+            try:
+                engine.add_request(r.request_id, r.prompt_token_ids, p, priority=r.priority)
+            except RequestRejected as e:  # the others are still served
+                rejected[r.request_id] = str(e)
         final = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     final[out.request_id] = out
-        outputs = [GenOutput(r.request_id, final[r.request_id].token_ids, final[r.request_id].finish_reason,
-                             final[r.request_id].num_preemptions) for r in requests]
+        outputs = []
+        for r in requests:
+            if r.request_id in rejected:
+                outputs.append(GenOutput(r.request_id, [], "rejected", 0, rejected[r.request_id]))
+            else:
+                out = final[r.request_id]
+                outputs.append(GenOutput(r.request_id, out.token_ids, out.finish_reason, out.num_preemptions))
         return GenResult(outputs, counters_of(engine), _evidence(engine))
+
+    def block_manager_factory(self):
+        """Fresh block managers for the stateful refcount machine (conformance check 5)."""
+        from kvbench.stateful import reference_block_manager
+
+        return reference_block_manager()
+
+    def swap_round_trip(self, requests: Sequence[GenRequest], knobs: Knobs) -> tuple[int, list[str]]:
+        """Run ``requests`` under ``knobs`` while comparing every swapped block's bytes when it comes
+        back with what it held when it left. Returns (blocks compared, mismatch descriptions)."""
+        import torch
+
+        from reference_engine import SamplingParams
+
+        engine = self.build_engine(knobs)
+        kv = engine.kv_cache
+        left: dict[int, Any] = {}
+        compared, mismatches = 0, []
+        swap_out, swap_in = kv.swap_out, kv.swap_in
+
+        def checked_out(mapping):
+            for device_block, host_block in mapping:
+                left[host_block] = kv.read_blocks([device_block])
+            return swap_out(mapping)
+
+        def checked_in(mapping):
+            nonlocal compared
+            nbytes = swap_in(mapping)
+            for host_block, device_block in mapping:
+                compared += 1
+                if not torch.equal(kv.read_blocks([device_block]), left.pop(host_block)):
+                    mismatches.append(f"host block {host_block} -> device block {device_block} changed in transit")
+            return nbytes
+
+        kv.swap_out, kv.swap_in = checked_out, checked_in
+        for r in requests:
+            engine.add_request(r.request_id, r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens,
+                                                                               ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        return compared, mismatches
 
     def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = _DEFAULT_KNOBS, progress=None) -> None:
         engine = self.build_engine(knobs)

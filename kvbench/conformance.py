@@ -1,0 +1,113 @@
+"""Shared machinery of the conformance suite: the seeded request sets, the ground truth, the
+equivalence verdicts and the proof that a mechanism fired.
+
+Two rules make a check honest:
+
+* **Prove it fired.** :func:`prove` asserts that an engine counter (preemptions of the right
+  mode, swap-ins, prefix hits, prefill chunks) is positive. If the engine exposes no such counter
+  the check is *skipped* with that reason: passing would prove nothing.
+* **Equal, or a documented near-tie.** The reference engine must match the ground truth token for
+  token. Other engines may diverge only where the ground truth's top-2 logit margin is below the
+  tolerance (see :mod:`kvbench.equivalence`); such near-ties are reported apart from failures.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbench.engines.base import EngineAdapter, GenRequest, GenResult
+from kvbench.equivalence import DEFAULT_TOLERANCE, Verdict, compare
+
+#: The conformance request set: long enough prompts to span many blocks, short enough to be quick.
+NUM_REQUESTS = 24
+PROMPT_LEN = (1, 200)
+OUTPUT_LEN = (1, 40)
+BLOCK_SIZE = 16
+#: A pool that holds the largest request alone (15 blocks) but far from all of them at once.
+PRESSURED_BLOCKS = 24
+ROOMY_BLOCKS = 4096
+
+
+def model_vocab(model_dir: str) -> tuple[int, int]:
+    """(vocab_size, max_position_embeddings) from the checkpoint's config.json."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 2048))
+
+
+def conformance_requests(model_dir: str, seed: int = 2024, n: int = NUM_REQUESTS, temperature: float = 0.0,
+                         shared_prefix: int = 0) -> list[GenRequest]:
+    """The seeded request set every engine gets (the same seed gives the same requests everywhere)."""
+    from kvbench.workloads import AllAtOnce, SharedPrefix, Uniform, WorkloadSpec
+
+    vocab, _ = model_vocab(model_dir)
+    spec = WorkloadSpec(
+        name="conformance", num_requests=n, input_len=Uniform(*PROMPT_LEN), output_len=Uniform(*OUTPUT_LEN),
+        arrival=AllAtOnce(), seed=seed, temperature=temperature,
+        shared_prefix=SharedPrefix(num_groups=2, prefix_len=shared_prefix) if shared_prefix else None)
+    workload = spec.build(vocab)
+    return [GenRequest(r.request_id, list(r.prompt_token_ids), r.max_tokens, temperature=r.temperature,
+                       seed=r.seed if r.seed is not None else (1000 + i if temperature > 0 else None))
+            for i, r in enumerate(workload.requests)]
+
+
+@dataclass
+class Comparison:
+    """Per-request verdicts of one engine run against the ground truth."""
+
+    label: str
+    verdicts: list[tuple[str, Verdict]] = field(default_factory=list)
+
+    @property
+    def mismatches(self) -> list[tuple[str, Verdict]]:
+        return [(rid, v) for rid, v in self.verdicts if v.status == "mismatch"]
+
+    @property
+    def near_ties(self) -> list[tuple[str, Verdict]]:
+        return [(rid, v) for rid, v in self.verdicts if v.status == "near_tie"]
+
+
+def compare_outputs(engine: EngineAdapter, result: GenResult, truth: GenResult, requests: Sequence[GenRequest],
+                    margins_of: Any, label: str, tolerance: float = DEFAULT_TOLERANCE) -> Comparison:
+    """Verdicts for every request. ``margins_of(prompt, tokens)`` gives the ground truth's top-2
+    margins (only asked for where tokens diverge). The reference engine gets no near-tie excuse."""
+    comparison = Comparison(label)
+    exact_only = engine.kind == "reference"
+    for req, got, want in zip(requests, result.outputs, truth.outputs, strict=True):
+        margins: list[float] = []
+        if got.token_ids != want.token_ids and not exact_only and got.token_ids and want.token_ids:
+            margins = margins_of(req.prompt_token_ids, want.token_ids)
+        verdict = compare(want.token_ids, got.token_ids, margins, tolerance=tolerance,
+                          expected_finish_reason=want.finish_reason, actual_finish_reason=got.finish_reason)
+        comparison.verdicts.append((req.request_id, verdict))
+    return comparison
+
+
+def assert_conforms(comparison: Comparison, near_ties: list[str] | None = None) -> None:
+    """Fail naming every mismatching request; record near-ties (they are not failures)."""
+    if near_ties is not None:
+        near_ties.extend(f"{comparison.label}: {rid}: {v.explain()}" for rid, v in comparison.near_ties)
+    bad = comparison.mismatches
+    if bad:
+        lines = "\n".join(f"  {rid}: {v.explain()}" for rid, v in bad[:10])
+        pytest.fail(f"{comparison.label}: {len(bad)} of {len(comparison.verdicts)} requests differ from the ground "
+                    f"truth:\n{lines}", pytrace=False)
+
+
+def prove(result: GenResult, engine: EngineAdapter, counter: str, what: str, minimum: float = 1) -> float:
+    """Assert the engine's ``counter`` reached ``minimum``; skip if the engine does not expose it."""
+    if counter not in result.counters:
+        pytest.skip(f"{engine.name} exposes no {counter!r} counter, so nothing could prove that {what} happened")
+    value = result.counters[counter]
+    assert value >= minimum, (f"{what} did not happen on {engine.name} ({counter}={value}): the check would pass "
+                              f"without exercising the mechanism. Evidence: {result.evidence[:5]}")
+    return value
+
+
+def greedy(requests: Sequence[GenRequest]) -> list[GenRequest]:
+    return [replace(r, temperature=0.0, seed=None) for r in requests]

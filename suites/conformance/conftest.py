@@ -1,0 +1,38 @@
+"""Fixtures of the conformance suite: the request set, and the ground truth from ``hf``."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbench.conformance import BLOCK_SIZE, ROOMY_BLOCKS, conformance_requests
+from kvbench.engines.base import GenRequest, GenResult, Knobs
+from kvbench.engines.registry import EngineSpec, make_adapter
+
+
+@pytest.fixture(scope="session")
+def requests_greedy(model_dir: str) -> list[GenRequest]:
+    return conformance_requests(model_dir)
+
+
+@pytest.fixture(scope="session")
+def truth_engine(model_dir: str):
+    """transformers' plain ``generate``: the ground truth for greedy outputs."""
+    adapter = make_adapter(EngineSpec("hf"), model_dir)
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture(scope="session")
+def truth(truth_engine, requests_greedy) -> GenResult:
+    return truth_engine.generate(requests_greedy)
+
+
+@pytest.fixture(scope="session")
+def unpressured(engine, requests_greedy) -> GenResult:
+    """The engine's own outputs with a pool large enough that nothing is preempted."""
+    return engine.generate(requests_greedy, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=ROOMY_BLOCKS))
+
+
+@pytest.fixture
+def near_ties(kvbench_session) -> list[str]:
+    return kvbench_session.near_ties
