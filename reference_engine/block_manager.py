@@ -76,7 +76,8 @@ class BlockManager:
         """The longest run of cached blocks matching the request's leading full blocks.
 
         Never the whole sequence: the last token is always computed, because its logits are
-        needed to sample the next token.
+        needed to sample the next token. A pure query: the caller counts ``prefix_queries`` /
+        ``prefix_hits`` once, when it admits the request (a lookup may be retried many times).
         """
         if not self.enable_caching:
             return []
@@ -87,8 +88,6 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
 
     def cache_full_blocks(self, request: Request) -> None:
