@@ -108,6 +108,14 @@ def _cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
+    from kvbench.demo import run_demo
+
+    if args.requests < 1 or args.blocks < 19:
+        raise CLIError("--requests must be >= 1 and --blocks >= 19 (the largest demo request needs 19 blocks)")
+    return run_demo(out, num_requests=args.requests, num_gpu_blocks=args.blocks)
+
+
 # --------------------------------------------------------------------------------------------
 # parser
 
@@ -141,11 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repeatable; default: " + " ".join(gate.DEFAULT_THRESHOLDS).replace("%", "%%"))
     p.set_defaults(handler=_cmd_compare)
 
-    # ---- extension point: more subcommands -------------------------------------------------
-    # A `demo` subcommand (run the reference engine on a tiny storm and write a report) is added
-    # here later by its owner: `p = sub.add_parser(...)`, `p.set_defaults(handler=...)`.
-    # Handlers take (args, out) and return an exit status; raise CLIError for usage/file errors.
-    # -----------------------------------------------------------------------------------------
+    p = sub.add_parser("demo", help="serve a burst on the tiny model under memory pressure, in both "
+                       "preemption modes, and print what was preempted and what it cost")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--blocks", type=int, default=48, help="device KV pool in blocks of 16 tokens")
+    p.set_defaults(handler=_cmd_demo)
     return parser
 
 
@@ -160,7 +168,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_usage(sys.stderr)
-        print("kvbench: error: a command is required (report, compare)", file=sys.stderr)
+        print("kvbench: error: a command is required (report, compare, demo)", file=sys.stderr)
         return EXIT_USAGE
     try:
         return handler(args, out)

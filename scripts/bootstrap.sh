@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs everything kvbench needs on a fresh machine: the package with its dependencies (torch
+# pinned to 2.13.0, see pyproject.toml) and, where we are root on Debian/Ubuntu, Chromium for the
+# report's browser tests. Idempotent; safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing Chromium for the report's browser tests" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "bootstrap: could not install chromium; the browser tests will be skipped" >&2
+  else
+    echo "bootstrap: chromium not found and not root: the browser tests will be skipped" >&2
+  fi
+fi
