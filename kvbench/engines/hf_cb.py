@@ -714,8 +714,11 @@ class HFContinuousBatchingAdapter(EngineAdapter):
             out = results.get(r.request_id)
             tokens = list(out.generated_tokens) if out is not None else []
             produced[r.request_id] = (len(r.prompt_token_ids), len(tokens))
-            outputs.append(GenOutput(r.request_id, tokens, _finish_reason(out, r.ignore_eos, r.max_tokens, eos),
-                                     num_preemptions=self._preemptions_of(session, r.request_id)))
+            reason = _finish_reason(out, r.ignore_eos, r.max_tokens, eos)
+            error = (out.error if out is not None and out.error else
+                     ("no output (the generation loop died)" if reason == "error" else None))
+            outputs.append(GenOutput(r.request_id, tokens, reason,
+                                     num_preemptions=self._preemptions_of(session, r.request_id), error=error))
             if out is not None and out.error:
                 evidence.append(f"hf-cb: request {r.request_id} failed: {out.error}")
             elif out is None:
