@@ -133,13 +133,15 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._copy_swapped_blocks(out)
         sampled = self.runner.execute(out)
+        # Counted before update(): appending the sampled tokens makes a decode chunk look incomplete.
+        num_prefill = out.num_prefill_tokens
         touched = self.scheduler.update(out, sampled)
         if self.config.check_invariants:
             self.block_manager.check_invariants()
         outputs, self._pending = self._pending + [RequestOutput.of(r) for r in touched], []
         self.last_step = {"seconds": time.perf_counter() - t0, "num_tokens": out.num_tokens,
-                          "num_prefill_tokens": out.num_prefill_tokens,
-                          "num_decode_tokens": out.num_tokens - out.num_prefill_tokens,
+                          "num_prefill_tokens": num_prefill,
+                          "num_decode_tokens": out.num_tokens - num_prefill,
                           "num_preempted": out.num_preempted}
         return outputs
 
