@@ -209,8 +209,12 @@ class Scheduler:
         return max(candidates, key=lambda r: r.admitted_seq)
 
     def _pick_priority_victim_for(self, req: Request) -> Request | None:
-        """Under the priority policy, a running request strictly less important than ``req``."""
-        if self.policy != "priority":
+        """Under the priority policy, a running request strictly less important than ``req``.
+
+        None in a step that swapped in: a swap-out now could take the host blocks just freed by the
+        swap-in before its copy has read them (or swap the resumed request straight back out).
+        """
+        if self.policy != "priority" or self._out.swap_in:
             return None
         lower = [r for r in self.running if r.priority_key() > req.priority_key()]
         return self._pick_victim(lower) if lower else None
