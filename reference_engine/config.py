@@ -9,6 +9,8 @@ memory minus what the weights and a profiled forward pass use.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -59,7 +61,7 @@ class EngineConfig:
         _float_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         _float_range("kv_cache_space", self.kv_cache_space, 0.0, float("inf"), low_open=True)
         _float_range("swap_space", self.swap_space, 0.0, float("inf"))
-        _optional_int("max_num_seqs", self.max_num_seqs, low=1)
+        _integer("max_num_seqs", self.max_num_seqs, low=1)
         _optional_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         _optional_int("max_model_len", self.max_model_len, low=2)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
@@ -70,7 +72,7 @@ class EngineConfig:
                 raise ConfigError(name, getattr(self, name), "True or False")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError("seed", self.seed, "an integer")
-        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError("device", self.device, "'cpu', 'cuda' or 'cuda:N'")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model", self.model, "a directory with config.json and *.safetensors")
@@ -98,6 +100,11 @@ def _positive_power_of_two(name: str, value: Any, upper: int) -> None:
         raise ConfigError(name, value, f"a power of two from 1 to {upper}")
 
 
+def _integer(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(name, value, f"an integer >= {low}")
+
+
 def _optional_int(name: str, value: Any, low: int) -> None:
     if value is None:
         return
@@ -106,12 +113,14 @@ def _optional_int(name: str, value: Any, low: int) -> None:
 
 
 def _float_range(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    # Finite only: NaN fails every comparison, and inf passed them but crashed sizing the pools.
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and value <= high
     if not ok:
         bracket = "(" if low_open else "["
-        raise ConfigError(name, value, f"a number in {bracket}{low}, {high}]")
+        closing = ")" if math.isinf(high) else "]"
+        raise ConfigError(name, value, f"a finite number in {bracket}{low}, {high}{closing}")
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

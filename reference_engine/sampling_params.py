@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -24,8 +25,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens={self.max_tokens!r} is invalid: expected an integer >= 1")
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature!r} is invalid: expected a number >= 0")
+        if (not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature)
+                or self.temperature < 0):
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r} is invalid: "
+                             "expected a finite number >= 0")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k={self.top_k!r} is invalid: expected 0 (off) or an integer >= 1")
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
