@@ -61,11 +61,14 @@ class ModelConfig:
         if act != "silu":
             raise UnsupportedModelError(f"config.json hidden_act={act!r} is not supported (only 'silu')")
         # transformers v5 moved rope settings into rope_parameters; v4 used rope_theta + rope_scaling.
+        # Both are checked: v5 still applies a rope_scaling entry over a default rope_parameters.
+        for key in ("rope_parameters", "rope_scaling"):
+            entry = cfg.get(key) or {}
+            rope_type = entry.get("rope_type", entry.get("type", "default"))
+            if rope_type not in ("default", None):
+                raise UnsupportedModelError(
+                    f"config.json {key} rope type {rope_type!r} is not supported (only the default RoPE)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise UnsupportedModelError(
-                f"config.json rope type {rope_type!r} is not supported (only the default RoPE)")
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads

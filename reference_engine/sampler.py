@@ -37,7 +37,8 @@ def sample(logits: torch.Tensor, requests: list[Request], engine_seed: int) -> l
         params = req.sampling_params
         if params.greedy:
             continue
-        scores = logits[row] / params.temperature
+        # Shifted so the best score is 0: a tiny temperature then gives -inf, never inf - inf = nan.
+        scores = (logits[row] - logits[row].max()) / params.temperature
         if params.top_k > 0:
             kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
