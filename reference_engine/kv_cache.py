@@ -25,6 +25,7 @@ class KVCache:
         self.host_cache = torch.empty((num_cpu_blocks, *self.block_shape), dtype=dtype,
                                       pin_memory=self.on_cuda and num_cpu_blocks > 0)
         self.block_bytes = self.device_cache[0].numel() * self.device_cache.element_size() if num_gpu_blocks else 0
+        self._staging: torch.Tensor | None = None
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> int:
         """Copy (device block -> host block) pairs. Returns bytes copied."""
@@ -32,13 +33,15 @@ class KVCache:
             return 0
         src = torch.tensor([d for d, _ in mapping], dtype=torch.long, device=self.device)
         dst = torch.tensor([h for _, h in mapping], dtype=torch.long)
-        gathered = self.device_cache.index_select(0, src)  # [n, ...], one gather over all layers
+        device_rows, host_rows = _rows(self.device_cache), _rows(self.host_cache)
         if self.on_cuda:
+            gathered = device_rows.index_select(0, src)  # one gather over all layers, on the device
             staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
             staging.copy_(gathered, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
-            gathered = staging
-        _scatter(self.host_cache, dst, gathered)
+            _scatter(host_rows, dst, staging)
+        else:
+            self._copy_rows(device_rows, src, host_rows, dst)
         return len(mapping) * self.block_bytes
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> int:
@@ -47,11 +50,33 @@ class KVCache:
             return 0
         src = torch.tensor([h for h, _ in mapping], dtype=torch.long)
         dst = torch.tensor([d for _, d in mapping], dtype=torch.long, device=self.device)
-        gathered = _gather(self.host_cache, src)
+        device_rows, host_rows = _rows(self.device_cache), _rows(self.host_cache)
         if self.on_cuda:
-            gathered = gathered.pin_memory().to(self.device, non_blocking=True)
-        _scatter(self.device_cache, dst, gathered)
+            staging = torch.empty((len(mapping), host_rows.shape[1]), dtype=host_rows.dtype, pin_memory=True)
+            torch.index_select(host_rows, 0, src, out=staging)
+            _scatter(device_rows, dst, staging.to(self.device, non_blocking=True))
+        else:
+            self._copy_rows(host_rows, src, device_rows, dst)
         return len(mapping) * self.block_bytes
+
+    def _copy_rows(self, src_rows: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
+                   dst: torch.Tensor) -> None:
+        """dst_rows[dst[i]] = src_rows[src[i]] in one pass when either side is a consecutive run
+        (the usual case: the host pool hands out consecutive ids), else through a reused buffer."""
+        dst_start = _contiguous_run(dst)
+        if dst_start is not None:
+            torch.index_select(src_rows, 0, src, out=dst_rows[dst_start : dst_start + dst.numel()])
+            return
+        src_start = _contiguous_run(src)
+        if src_start is not None:
+            dst_rows.index_copy_(0, dst, src_rows[src_start : src_start + src.numel()])
+            return
+        if self._staging is None or self._staging.shape[0] < src.numel():
+            # Reused across calls: freshly allocated memory costs page faults on every swap.
+            self._staging = torch.empty((src.numel(), src_rows.shape[1]), dtype=src_rows.dtype)
+        staging = self._staging[: src.numel()]
+        torch.index_select(src_rows, 0, src, out=staging)
+        dst_rows.index_copy_(0, dst, staging)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of some device blocks (for tests and debugging)."""
@@ -65,9 +90,9 @@ def _contiguous_run(ids: torch.Tensor) -> int | None:
     return first if int(ids[-1]) - first == n - 1 and bool((ids.diff() == 1).all()) else None
 
 
-def _gather(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    start = _contiguous_run(ids)
-    return src[start : start + ids.numel()] if start is not None else src.index_select(0, ids)
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """A pool as a 2-d view, one row per block: index_select over rows runs at memcpy speed."""
+    return cache.view(cache.shape[0], -1)
 
 
 def _scatter(dst: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
