@@ -80,7 +80,7 @@ def test_seeded_sampling_is_reproducible_across_preemption(mode, make_engine, wo
     params = [SamplingParams(max_tokens=m, temperature=1.0, top_k=50, top_p=0.95, seed=100 + i, ignore_eos=True)
               for i, m in enumerate(max_tokens)]
     calm = make_engine(num_gpu_blocks_override=2048).generate(prompts, params)
-    pressured_engine = make_engine(num_gpu_blocks_override=24, preemption_mode=mode)
+    pressured_engine = make_engine(num_gpu_blocks_override=32, preemption_mode=mode)
     pressured = pressured_engine.generate(prompts, params)
     assert pressured_engine.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in pressured] == [o.token_ids for o in calm]
