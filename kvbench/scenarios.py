@@ -174,6 +174,8 @@ class Scenario:
     """A named storm: ``sizes[scale]`` is its data, ``plan`` the jobs, ``judge`` the claims.
 
     ``needs``: capabilities the engine must have (the benchmark skips otherwise).
+    ``knobs_needed``: :class:`Knobs` fields the plan sets to values some engines cannot take (an
+    adapter lists those in ``unsupported_knobs``; the benchmark skips with the adapter's reason).
     ``engine_mode_matters``: False when the scenario sets the preemption mode itself (or never
     preempts), so two engine specs that differ only in ``preemption_mode`` would measure the same.
     """
@@ -183,6 +185,7 @@ class Scenario:
     title: str = ""
     description: str = ""
     needs: tuple[str, ...] = ()
+    knobs_needed: tuple[str, ...] = ()
     engine_mode_matters: bool = True
     sizes: Mapping[str, Any] = {}  # scale -> size; read-only, set by subclasses
 
@@ -548,6 +551,7 @@ class SwapVsRecompute(Scenario):
         "that recompute redoes all L tokens. Claims: every run preempted and resumed the victim exactly once, "
         "in its mode.")
     needs = ("swap", "recompute", "events")
+    knobs_needed = ("enable_chunked_prefill",)
     engine_mode_matters = False
     sizes = {  # noqa: RUF012
         "quick": CrossoverSize(lengths=(8, 16, 32, 64, 128, 256, 512, 1000), repeats=5),
@@ -755,6 +759,7 @@ class ChunkedPrefillStalls(Scenario):
                    "No preemption: the pool is roomy. Claims: unchunked prefilled a long prompt in one step "
                    "beside decodes; chunked split the long prompts and kept every step within its budget.")
     needs = ("chunked_prefill",)
+    knobs_needed = ("enable_chunked_prefill",)  # off, for the unchunked mode
     engine_mode_matters = False
     sizes = {  # noqa: RUF012
         "quick": ChunkedSize(
@@ -860,6 +865,7 @@ class PriorityOnlineOffline(Scenario):
                    "traffic preempted offline work and no online request was preempted for offline work; every "
                    "request finished.")
     needs = ("priority",)
+    knobs_needed = ("scheduling_policy",)
     sizes = {  # noqa: RUF012
         "quick": PrioritySize(
             offline=WorkloadSpec("offline", 16, Uniform(192, 320), Fixed(128), AllAtOnce(),
