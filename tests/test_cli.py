@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from trace_factory import scaled, synthetic_results
 
 from kvbench.cli import main
+from tests.trace_factory import scaled, synthetic_results
 
 
 @pytest.fixture(scope="module")

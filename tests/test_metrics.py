@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from trace_factory import make_trace, req, simulate, step
 
 from kvbench import metrics
 from kvbench.metrics import SLOError, crossover, knee, parse_slos, summarize
+from tests.trace_factory import make_trace, req, simulate, step
 
 approx = pytest.approx
 

@@ -6,12 +6,12 @@ import json
 import re
 
 import pytest
-from chromium import INSTALL_HINT, find_chromium, load_page, png_size, screenshot
-from trace_factory import relabel, scaled, synthetic_results
 
 from kvbench import report
 from kvbench.report import headline_ratios, render_report, write_index, write_report
 from kvbench.results import Results
+from tests.chromium import INSTALL_HINT, find_chromium, load_page, png_size, screenshot
+from tests.trace_factory import relabel, scaled, synthetic_results
 
 EVIL = "<script>alert(1)</script>"
 EVIL_ESCAPED = "&lt;script&gt;alert(1)&lt;/script&gt;"

@@ -6,10 +6,10 @@ import json
 import math
 
 import pytest
-from trace_factory import make_trace, req
 
 from kvbench import __version__
 from kvbench.results import SCHEMA_VERSION, Results, ResultsError, commit_info, machine_info
+from tests.trace_factory import make_trace, req
 
 
 def small_results() -> Results:
