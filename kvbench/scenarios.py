@@ -555,7 +555,7 @@ class SwapVsRecompute(Scenario):
     engine_mode_matters = False
     sizes = {  # noqa: RUF012
         "quick": CrossoverSize(lengths=(8, 16, 32, 64, 128, 256, 512, 1000), repeats=5),
-        "full": CrossoverSize(lengths=(16, 64, 256, 512, 1024, 2048, 4000), repeats=5),
+        "full": CrossoverSize(lengths=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4000), repeats=5),
     }
     modes = ("recompute", "swap")
 

@@ -169,7 +169,8 @@ def run_storm(request: pytest.FixtureRequest, bench_engine: Any, bench_model: sc
         if not scenario.engine_mode_matters:
             earlier = same_as_earlier(engine_spec, kvbench_session.engine_specs)
             if earlier is not None:
-                pytest.skip(f"{scenario.name} sets the preemption mode itself: measured already on {earlier.name}")
+                pytest.skip(f"{scenario.name} does not depend on the engine's preemption mode: measured already on "
+                            f"{earlier.name}")
         scale = kvbench_session.scale
         total = scenario.num_requests(scale, bench_model)
         with progress_bar(request.config, total, f"{scenario.name} [{bench_engine.name}]") as progress:

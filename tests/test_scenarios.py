@@ -1,0 +1,366 @@
+"""Unit tests of kvbench.scenarios: the plans build and fit, and every claim checker rejects a run
+in which nothing happened (a benchmark that passes because the storm never came is a defect)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvbench import metrics
+from kvbench import scenarios as sc
+from kvbench.engines.base import EngineAdapter, GenResult, Knobs
+from kvbench.results import Results, validate
+from tests.trace_factory import make_trace, req, step
+
+_KNOBS = Knobs()
+TINY = sc.Model("tiny-ckpt", "tiny", vocab_size=512, max_model_len=1024)
+SMALL = sc.Model("small-ckpt", "small", vocab_size=4096, max_model_len=4096)
+MODELS = {"quick": TINY, "full": SMALL}
+
+
+def _blocks(tokens: int) -> int:
+    return math.ceil(tokens / sc.BLOCK_SIZE)
+
+
+# --------------------------------------------------------------------------------------------
+# the plans
+
+
+@pytest.mark.parametrize("scale", sc.SCALES)
+@pytest.mark.parametrize("name", sorted(sc.SCENARIOS))
+def test_every_plan_builds_and_every_request_fits_its_pool_alone(name, scale):
+    scenario = sc.SCENARIOS[name]
+    model = MODELS[scale]
+    jobs = scenario.plan(scale, model)
+    assert jobs
+    for job in jobs:
+        assert job.knobs.block_size == sc.BLOCK_SIZE and job.knobs.num_gpu_blocks
+        for r in job.workload.requests:
+            assert len(r.prompt_token_ids) + r.max_tokens <= model.max_model_len
+            # the engine rejects a request that could never run, even alone
+            assert _blocks(len(r.prompt_token_ids) + r.max_tokens - 1) <= job.knobs.num_gpu_blocks, (name, r)
+            assert all(3 <= t < model.vocab_size for t in r.prompt_token_ids)
+
+
+@pytest.mark.parametrize("name", sorted(sc.SCENARIOS))
+def test_parameters_name_the_pool_the_model_and_the_scale(name):
+    params = sc.SCENARIOS[name].parameters("quick", TINY)
+    assert {"num_gpu_blocks", "block_size", "model", "scale"} <= set(params)
+    assert params["model"] == "tiny" and params["scale"] == "quick" and params["block_size"] == sc.BLOCK_SIZE
+    assert sc.SCENARIOS[name].description and sc.SCENARIOS[name].seed_doc
+
+
+def test_quick_scale_is_small_and_full_is_bigger():
+    quick = {n: s.num_requests("quick", TINY) for n, s in sc.SCENARIOS.items()}
+    full = {n: s.num_requests("full", SMALL) for n, s in sc.SCENARIOS.items()}
+    assert sum(quick.values()) <= 600, quick  # requests served per engine at quick scale, all scenarios
+    assert all(full[n] > quick[n] for n in quick), (quick, full)
+
+
+def test_plans_are_seeded():
+    a = sc.EVENING_SURGE.plan("quick", TINY)[0].workload
+    b = sc.EVENING_SURGE.plan("quick", TINY)[0].workload
+    assert a.requests == b.requests
+
+
+def test_evening_surge_wave_comes_after_the_steady_traffic_and_is_longer():
+    size = sc.EVENING_SURGE.size("quick")
+    requests = sc.EVENING_SURGE.plan("quick", TINY)[0].workload.requests
+    long_from = size.wave.input_len.bounds()[0]
+    wave = [r for r in requests if len(r.prompt_token_ids) >= long_from]
+    assert len(wave) == size.wave.num_requests
+    assert min(r.arrival_time for r in wave) >= size.wave_start_s
+
+
+def test_flash_crowd_workload_doubles_its_rate():
+    size = sc.FLASH_CROWD.size("quick")
+    w = sc.FLASH_CROWD.plan("quick", TINY)[0].workload
+    trace = make_trace(*[req(r.request_id, r.arrival_time, [r.arrival_time + 0.1]) for r in w.requests])
+    ratio = sc.arrival_rate_ratio(trace, size.surge_start_s, size.surge_end_s)
+    assert ratio is not None and ratio >= sc.DOUBLED
+
+
+def test_storm_sweeps_past_the_pool():
+    size = sc.PREEMPTION_STORM.size("quick")
+    jobs = sc.PREEMPTION_STORM.plan("quick", TINY)
+    assert [j.x for j in jobs] == [float(c) for c in size.concurrencies]
+    assert all(j.workload.requests == jobs[0].workload.requests for j in jobs)  # the same requests at every point
+    peak = max(len(r.prompt_token_ids) + r.max_tokens for r in jobs[0].workload.requests)
+    # the lowest concurrency fits the pool at peak; the highest cannot
+    assert size.concurrencies[0] * _blocks(peak) <= size.num_gpu_blocks
+    assert size.concurrencies[-1] * _blocks(peak) > size.num_gpu_blocks
+
+
+def test_crossover_pool_has_no_spare_block_and_modes_interleave():
+    jobs = sc.SWAP_VS_RECOMPUTE.plan("quick", TINY)
+    size = sc.SWAP_VS_RECOMPUTE.size("quick")
+    assert len(jobs) == len(size.lengths) * size.repeats * 2
+    assert [j.mode for j in jobs[:4]] == ["recompute", "swap", "recompute", "swap"]
+    for job in jobs:
+        holder, victim = job.workload.requests
+        assert len(holder.prompt_token_ids) == sc.BLOCK_SIZE
+        assert len(victim.prompt_token_ids) == job.x - 1
+        assert job.knobs.num_gpu_blocks == 1 + _blocks(len(victim.prompt_token_ids))
+        assert job.knobs.enable_prefix_caching is False and job.knobs.enable_chunked_prefill is False
+        assert job.knobs.preemption_mode == job.mode
+    with pytest.raises(ValueError, match="does not fit"):
+        sc.check_crossover_length(1020, size, TINY)
+
+
+def test_chunked_budgets_are_scaled_at_quick_scale():
+    quick, full = sc.CHUNKED_PREFILL.size("quick"), sc.CHUNKED_PREFILL.size("full")
+    assert full.budgets == (512, 2048)
+    assert quick.budgets == (128, 512)
+    # quick budgets keep full's ratio to the long prompts, and split them
+    assert quick.long_prompts.input_len.bounds()[0] > quick.budgets[1]
+    assert full.long_prompts.input_len.bounds()[0] > full.budgets[1]
+    knobs = {j.mode: j.knobs for j in sc.CHUNKED_PREFILL.plan("quick", TINY)}
+    assert knobs["unchunked"].enable_chunked_prefill is False and knobs["unchunked"].max_num_batched_tokens is None
+    assert knobs["chunked"].max_num_batched_tokens == 128 and knobs["chunked_large"].max_num_batched_tokens == 512
+
+
+def test_priority_classes():
+    w = sc.PRIORITY.plan("quick", TINY)[0].workload
+    size = sc.PRIORITY.size("quick")
+    high = [r for r in w.requests if r.priority == sc.HIGH]
+    assert len(high) == size.online.num_requests
+    assert all(r.arrival_time >= size.online_start_s for r in high)
+    assert {j.knobs.scheduling_policy for j in sc.PRIORITY.plan("quick", TINY)} == {"priority", "fcfs"}
+
+
+def test_scale_must_be_known():
+    with pytest.raises(ValueError, match="scale"):
+        sc.PREEMPTION_STORM.plan("huge", TINY)
+
+
+# --------------------------------------------------------------------------------------------
+# the checkers reject runs in which nothing happened
+
+
+def _quiet_trace(n: int = 4, kv: float = 0.4) -> object:
+    """Every request served in peace: no preemption, a half-empty pool."""
+    return make_trace(*[req(f"r{i:04d}", 0.0, [0.1, 0.2, 0.3], prompt_len=600 if i % 2 else 40) for i in range(n)],
+                      steps=[step(0.1, kv=kv, prefill=100, decode=0), step(0.2, kv=kv), step(0.3, kv=kv)],
+                      counters={"preemptions_recompute": 0, "preemptions_swap": 0, "recomputed_tokens": 0,
+                                "swap_outs": 0, "swap_fallbacks": 0, "prefill_chunks": 0,
+                                "prefix_cache_hits": 0, "prefix_cache_queries": 100},
+                      duration=0.3)
+
+
+def _served(scenario: sc.Scenario, traces: list) -> list[sc.Served]:
+    jobs = scenario.plan("quick", TINY)
+    return [sc.Served(job, trace) for job, trace in zip(jobs, traces, strict=True)]
+
+
+def test_storm_checker_rejects_a_storm_without_preemptions():
+    jobs = sc.PREEMPTION_STORM.plan("quick", TINY)
+    outcome = sc.PREEMPTION_STORM.judge(_served(sc.PREEMPTION_STORM, [_quiet_trace() for _ in jobs]), "quick", TINY)
+    assert "the highest concurrency preempted (a storm)" in outcome.failures()
+    assert "preemptions grew with concurrency" in outcome.failures()
+    assert "preempted work was recomputed or swapped" in outcome.failures()
+
+
+def test_storm_checker_accepts_a_storm():
+    calm = {"preemptions": 0.0, "recomputed_tokens": 0.0, "swap_outs": 0.0}
+    storm = {"preemptions": 9.0, "recomputed_tokens": 1500.0, "swap_outs": 0.0}
+    claims = sc.storm_claims([calm, storm], [_quiet_trace()])
+    assert all(claims.values()), claims
+
+
+def test_storm_checker_leaves_unexposed_counters_undecided():
+    unknown = {"preemptions": None, "recomputed_tokens": None, "swap_outs": None}
+    claims = sc.storm_claims([unknown, unknown], [_quiet_trace()])
+    assert claims["the highest concurrency preempted (a storm)"] is None
+    assert claims["preempted work was recomputed or swapped"] is None
+
+
+def test_surge_checker_rejects_a_surge_that_never_filled_the_pool():
+    outcome = sc.EVENING_SURGE.judge(_served(sc.EVENING_SURGE, [_quiet_trace(kv=0.5)]), "quick", TINY)
+    assert "the wave filled the KV pool (peak usage > 90%)" in outcome.failures()
+    assert "the wave preempted running requests" in outcome.failures()
+
+
+def test_flash_crowd_checker_rejects_flat_traffic_and_no_preemption():
+    outcome = sc.FLASH_CROWD.judge(_served(sc.FLASH_CROWD, [_quiet_trace()]), "quick", TINY)
+    failures = outcome.failures()
+    assert any("traffic doubled" in f for f in failures)
+    assert "the surge pushed concurrency over capacity (preemptions)" in failures
+
+
+def test_crossover_checker_rejects_runs_without_the_forced_preemption():
+    jobs = sc.SWAP_VS_RECOMPUTE.plan("quick", TINY)
+    outcome = sc.SWAP_VS_RECOMPUTE.judge(_served(sc.SWAP_VS_RECOMPUTE, [_quiet_trace() for _ in jobs]), "quick",
+                                         TINY)
+    assert "every run preempted the victim once, in its mode, and resumed it" in outcome.failures()
+    assert "both modes measured at every length" in outcome.failures()
+    assert not outcome.points
+
+
+def _crossover_trace(mode: str, resume_s: float) -> object:
+    victim = req(sc.VICTIM, 0.0, [0.1, 0.5, 0.6], preemptions=[(0.2, mode)], resumes=[0.5])
+    holder = req("r0000", 0.0, [0.1, 0.2, 0.3, 0.4])
+    steps = [step(0.1, 0.1, prefill=200, decode=0), step(0.2, 0.012, decode=1, preempted=1),
+             step(0.3, 0.01), step(0.4, 0.011), step(0.5, resume_s), step(0.6, 0.01)]
+    return make_trace(holder, victim, steps=steps)
+
+
+def test_resume_cost_reads_the_two_steps_against_the_fastest_decode():
+    cost = sc.resume_cost(_crossover_trace("swap", 0.015), sc.VICTIM, "swap")
+    assert cost is not None
+    assert cost.decode_step_s == pytest.approx(0.01)
+    assert cost.cost_s == pytest.approx(0.002 + 0.005)
+    assert sc.resume_cost(_crossover_trace("swap", 0.015), sc.VICTIM, "recompute") is None  # wrong mode
+
+
+def test_crossover_sweep_finds_where_the_costs_cross():
+    served = []
+    for job in sc.SWAP_VS_RECOMPUTE.plan("quick", TINY):
+        # recompute grows with the length, swap has a fixed cost: they cross at 100 tokens
+        extra = job.x * 1e-4 if job.mode == "recompute" else 0.01
+        served.append(sc.Served(job, _crossover_trace(job.mode, 0.01 + extra - 0.002)))
+    outcome = sc.SWAP_VS_RECOMPUTE.judge(served, "quick", TINY)
+    assert not outcome.failures()
+    assert {p.mode for p in outcome.points} == {"swap", "recompute"}
+    assert outcome.parameters["crossover_seq_len"] == pytest.approx(100.0)
+
+
+def test_prefix_checker_rejects_no_hits_and_no_savings():
+    same = {"preemptions": 4.0, "recomputed_tokens": 500.0, "prefix_cache_hits": 0.0}
+    claims = sc.prefix_claims(same, same)
+    assert claims["with caching, the shared prompt hit the cache"] is False
+    assert claims["caching recomputed fewer tokens"] is False
+    nothing = {"preemptions": 0.0, "recomputed_tokens": 0.0, "prefix_cache_hits": 0.0}
+    claims = sc.prefix_claims(nothing, nothing)
+    assert claims["without caching, the closed loop went past capacity (preemptions)"] is False
+    assert claims["without caching, preempted work was recomputed"] is False
+
+
+def test_chunked_checker_rejects_no_stall_and_no_split():
+    flat = make_trace(req("a", 0.0, [0.1, 0.2]), steps=[step(0.1, prefill=100, decode=0), step(0.2)],
+                      counters={"prefill_chunks": 0})
+    over = make_trace(req("a", 0.0, [0.1, 0.2]), steps=[step(0.1, prefill=300, decode=2), step(0.2)],
+                      counters={"prefill_chunks": 3})
+    claims = sc.chunked_claims(flat, {128: flat, 512: over}, long_from=700)
+    assert claims["unchunked: a long prompt was prefilled in one step beside decodes"] is False
+    assert claims["budget 128: long prompts were split into chunks"] is False
+    assert claims["budget 128: prefill chunks rode along with decodes"] is False
+    assert claims["budget 512: no step went over the budget"] is True
+    claims = sc.chunked_claims(flat, {128: over}, long_from=700)
+    assert claims["budget 128: no step went over the budget"] is False
+
+
+def test_priority_checker():
+    quiet = make_trace(req("on", 1.0, [1.1], admitted=1.05), req("off", 0.0, [0.1, 2.0]))
+    quiet.requests["on"].priority, quiet.requests["off"].priority = sc.HIGH, sc.LOW
+    assert sc.priority_claims(quiet)["online traffic preempted offline work"] is False
+    # an online request preempted while offline work kept running: the policy did not protect it
+    wrong = make_trace(req("on", 1.0, [1.1, 1.9], admitted=1.05, preemptions=[(1.5, "recompute")], resumes=[1.8]),
+                       req("off", 0.0, [0.1, 2.0], admitted=0.05, preemptions=[(1.2, "recompute")], resumes=[1.3]))
+    wrong.requests["on"].priority, wrong.requests["off"].priority = sc.HIGH, sc.LOW
+    claims = sc.priority_claims(wrong)
+    assert claims["online traffic preempted offline work"] is True
+    assert claims["no online request was preempted while offline work ran"] is False
+    figures = sc.class_figures(wrong)
+    assert figures["preemptions_high"] == 1 and figures["preemptions_low"] == 1
+    assert figures["ttft_p50_high"] == pytest.approx(0.1) and figures["ttft_p50_low"] == pytest.approx(0.1)
+
+
+def test_exhaustion_checker_rejects_a_small_pool_that_never_ran_out():
+    ample = {"preemptions_swap": 8.0, "swap_fallbacks": 0.0}
+    claims = sc.exhaustion_claims(ample, ample)
+    assert claims["small host pool: swap fell back to recompute"] is False
+    assert claims["ample host pool: never fell back to recompute"] is True
+
+
+def test_first_fallback_is_the_first_recompute_preemption():
+    trace = make_trace(req("a", 0.0, [0.1, 0.9], preemptions=[(0.2, "swap"), (0.6, "recompute")]),
+                       req("b", 0.0, [0.1, 0.9], preemptions=[(0.3, "swap")]),
+                       steps=[step(0.2, cpu_kv=0.4), step(0.5, cpu_kv=0.9), step(0.7, cpu_kv=0.2)])
+    fb = sc.first_fallback(trace)
+    assert fb == {"first_fallback_s": 0.6, "swaps_before_first_fallback": 2.0, "cpu_kv_usage_at_first_fallback": 0.9}
+
+
+def test_all_finished_rejects_errors_and_unfinished():
+    assert sc.all_finished(make_trace(req("a", 0.0, [0.1])))
+    assert not sc.all_finished(make_trace(req("a", 0.0, [0.1], reason="error")))
+    assert not sc.all_finished(make_trace(req("a", 0.0, [0.1], finished=None)))
+    assert not sc.all_finished(make_trace())
+
+
+# --------------------------------------------------------------------------------------------
+# the runner end to end, on an engine that serves everything in peace
+
+
+class CalmAdapter(EngineAdapter):
+    """Serves every request at once, one token per 10 ms, never preempting: the storm never comes."""
+
+    kind = "calm"
+    capabilities = frozenset({"recompute"})
+
+    def generate(self, requests, knobs=_KNOBS) -> GenResult:  # pragma: no cover - not used
+        raise NotImplementedError
+
+    def serve(self, workload, recorder, knobs=_KNOBS) -> None:
+        recorder.restart_clock()
+        for r in workload.requests:
+            recorder.arrived(r.request_id, r.arrival_time, len(r.prompt_token_ids), r.max_tokens, r.priority)
+            recorder.admitted(r.request_id, r.arrival_time)
+            for i in range(r.max_tokens):
+                recorder.tokens(r.request_id, r.arrival_time + 0.01 * (i + 1))
+            recorder.finished(r.request_id, r.arrival_time + 0.01 * r.max_tokens, "length")
+        recorder.set_counters({"preemptions_recompute": 0, "preemptions_swap": 0, "recomputed_tokens": 0,
+                               "swap_outs": 0})
+
+
+def test_run_and_record_a_calm_storm_fails_its_claims_but_is_recorded():
+    progress: list[int] = []
+    outcome = sc.run(sc.PREEMPTION_STORM, CalmAdapter("none"), TINY, "quick", progress.append)
+    assert sum(progress) == sc.PREEMPTION_STORM.num_requests("quick", TINY)
+    assert "the highest concurrency preempted (a storm)" in outcome.failures()
+    assert "highest concurrency preempted" in outcome.explain()
+    results = Results()
+    sc.record(outcome, results, CalmAdapter("none").describe())
+    validate(results.to_dict())
+    scenario = results.scenario("preemption_storm")
+    assert scenario["parameters"]["num_gpu_blocks"] == sc.PREEMPTION_STORM.size("quick").num_gpu_blocks
+    (entry,) = scenario["results"]
+    assert entry["checks"]["the highest concurrency preempted (a storm)"] is False
+    assert entry["metrics"]["knee_concurrency"] is not None
+    (sweep,) = scenario["sweeps"]
+    assert len(sweep["points"]) == len(sc.PREEMPTION_STORM.size("quick").concurrencies)
+    assert all("output_throughput" in p["metrics"] for p in sweep["points"])
+
+
+def test_serve_ends_the_duration_at_the_last_event():
+    job = sc.FLASH_CROWD.plan("quick", TINY)[0]
+    trace = sc.serve(CalmAdapter("none"), job, "flash_crowd")
+    assert trace.duration == pytest.approx(sc.last_event(trace))
+    assert metrics.summarize(trace)["duration_s"] == pytest.approx(trace.duration)
+
+
+# --------------------------------------------------------------------------------------------
+# on the reference engine: the forced preemption of the crossover really happens
+
+
+def test_crossover_forces_exactly_one_preemption_on_the_reference_engine(tiny_ckpt):
+    from kvbench.engines.reference import ReferenceAdapter
+
+    model = sc.Model.from_dir(tiny_ckpt, "tiny")
+    scenario = sc.SwapVsRecompute()
+    scenario.sizes = {"quick": sc.CrossoverSize(lengths=(40, 300), repeats=1)}
+    outcome = sc.run(scenario, ReferenceAdapter(model.path), model, "quick")
+    assert not outcome.failures(), outcome.explain()
+    costs = {(p.mode, p.x): p.metrics for p in outcome.points}
+    assert set(costs) == {("recompute", 40.0), ("swap", 40.0), ("recompute", 300.0), ("swap", 300.0)}
+
+
+def test_reference_steps_tell_decodes_from_prefills(tiny_ckpt):
+    """Step records count decode tokens as decode (the chunked-prefill claims rely on it)."""
+    from kvbench.engines.reference import ReferenceAdapter
+
+    model = sc.Model.from_dir(tiny_ckpt, "tiny")
+    job = sc.SWAP_VS_RECOMPUTE.plan("quick", model)[0]
+    trace = sc.serve(ReferenceAdapter(model.path), job, "x")
+    assert trace.steps[0].num_prefill_tokens > 0 and trace.steps[0].num_decode_tokens == 0
+    assert any(s.num_prefill_tokens == 0 and s.num_decode_tokens > 0 for s in trace.steps)
