@@ -149,7 +149,9 @@ def _storm_headline(results: Results, ref: str | None) -> dict[str, Any]:
             lines.append((r, tp))
     if not lines:
         return _headline(title, None, "the other engines report no throughput")
-    r, tp = lines[0]
+    # "Other engine" first means another kind of engine, not the reference in another mode.
+    ref_kind = (results.engine(ref) or {}).get("kind")
+    r, tp = next(((o, t) for o, t in lines if (results.engine(o["engine"]) or {}).get("kind") != ref_kind), lines[0])
     detail = "; ".join(f"{_label(o['engine'], o.get('mode'))} {fmt_metric('output_throughput', t)}"
                        for o, t in lines)
     return _headline(title, fmt_ratio(tp / ref_tp),

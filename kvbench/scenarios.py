@@ -201,7 +201,7 @@ class Scenario:
         """What results files and the report show about the setup (pool size and block size included)."""
         size = self.size(scale)
         return {"scale": scale, "model": model.preset, "block_size": BLOCK_SIZE,
-                "num_gpu_blocks": size.num_gpu_blocks, "seed_doc": self.seed_doc}
+                "num_gpu_blocks": size.num_gpu_blocks, "source": f"seed {self.seed_doc}"}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
         raise NotImplementedError
@@ -218,10 +218,41 @@ def _build(spec: WorkloadSpec, model: Model) -> Workload:
     return spec.build(model.vocab_size, max_prompt_len=model.max_model_len - 1)
 
 
-def _spec_dict(spec: WorkloadSpec) -> dict[str, Any]:
-    d = spec.to_dict()
-    return {k: d[k] for k in ("num_requests", "input_len", "output_len", "arrival", "shared_prefix", "priorities")
-            if d.get(k) is not None}
+def describe_spec(spec: WorkloadSpec) -> str:
+    """A workload spec in words, for the report's parameter chips (its JSON form is in the spec)."""
+    parts = [f"{spec.num_requests} requests", f"prompts {_lengths(spec.input_len)}",
+             f"outputs {_lengths(spec.output_len)}", _arrivals(spec.arrival)]
+    if spec.shared_prefix is not None:
+        sp = spec.shared_prefix
+        parts[1] = f"prompts {sp.prefix_len} shared + {_lengths(spec.input_len)}"
+        if sp.num_groups > 1:
+            parts[1] += f" ({sp.num_groups} prefixes)"
+    if spec.priorities is not None and len(spec.priorities.levels) == 1:
+        parts.append(f"priority {spec.priorities.levels[0]}")
+    return ", ".join(p for p in parts if p)
+
+
+def _lengths(dist: Any) -> str:
+    if isinstance(dist, Fixed):
+        return str(dist.n)
+    if isinstance(dist, Uniform):
+        return f"{dist.low}-{dist.high}"
+    if isinstance(dist, Explicit):
+        return "/".join(str(v) for v in dist.values)
+    low, high = dist.bounds()
+    return f"{dist.kind} {low}-{high}"
+
+
+def _arrivals(arrival: Any) -> str:
+    if isinstance(arrival, Poisson):
+        return f"Poisson {arrival.rate:g}/s"
+    if isinstance(arrival, StepSurge):
+        return "then ".join(f"{rate:g}/s for {d:g}s " for d, rate in arrival.phases).strip()
+    if isinstance(arrival, AllAtOnce):
+        return "all at t=0"
+    if isinstance(arrival, ClosedLoop):
+        return "closed loop"
+    return str(arrival.to_dict())
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,7 +384,7 @@ class EveningSurge(Scenario):
 
     def parameters(self, scale: str, model: Model) -> dict[str, Any]:
         s = self.size(scale)
-        return {**super().parameters(scale, model), "steady": _spec_dict(s.steady), "wave": _spec_dict(s.wave),
+        return {**super().parameters(scale, model), "steady": describe_spec(s.steady), "wave": describe_spec(s.wave),
                 "wave_start_s": s.wave_start_s}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
@@ -417,7 +448,7 @@ class FlashCrowd(Scenario):
 
     def parameters(self, scale: str, model: Model) -> dict[str, Any]:
         s = self.size(scale)
-        return {**super().parameters(scale, model), "workload": _spec_dict(s.spec), "surge_start_s": s.surge_start_s}
+        return {**super().parameters(scale, model), "workload": describe_spec(s.spec), "surge_start_s": s.surge_start_s}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
         (run_,) = served
@@ -485,7 +516,7 @@ class PreemptionStorm(Scenario):
 
     def parameters(self, scale: str, model: Model) -> dict[str, Any]:
         s = self.size(scale)
-        return {**super().parameters(scale, model), "workload": _spec_dict(s.spec),
+        return {**super().parameters(scale, model), "workload": describe_spec(s.spec),
                 "concurrencies": list(s.concurrencies)}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
@@ -706,7 +737,7 @@ class PrefixCachingRecompute(Scenario):
 
     def parameters(self, scale: str, model: Model) -> dict[str, Any]:
         s = self.size(scale)
-        return {**super().parameters(scale, model), "workload": _spec_dict(s.spec), "preemption_mode": "recompute"}
+        return {**super().parameters(scale, model), "workload": describe_spec(s.spec), "preemption_mode": "recompute"}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
         out = self.outcome(scale, model)
@@ -793,8 +824,8 @@ class ChunkedPrefillStalls(Scenario):
 
     def parameters(self, scale: str, model: Model) -> dict[str, Any]:
         s = self.size(scale)
-        return {**super().parameters(scale, model), "decoders": _spec_dict(s.decoders),
-                "long_prompts": _spec_dict(s.long_prompts), "budget_chunked": s.budgets[0],
+        return {**super().parameters(scale, model), "decoders": describe_spec(s.decoders),
+                "long_prompts": describe_spec(s.long_prompts), "budget_chunked": s.budgets[0],
                 "budget_chunked_large": s.budgets[1], "budgets_note": s.budget_note}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
@@ -890,8 +921,8 @@ class PriorityOnlineOffline(Scenario):
 
     def parameters(self, scale: str, model: Model) -> dict[str, Any]:
         s = self.size(scale)
-        return {**super().parameters(scale, model), "offline": _spec_dict(s.offline), "online": _spec_dict(s.online),
-                "online_start_s": s.online_start_s}
+        return {**super().parameters(scale, model), "offline": describe_spec(s.offline),
+                "online": describe_spec(s.online), "online_start_s": s.online_start_s}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
         out = self.outcome(scale, model)
@@ -978,7 +1009,7 @@ class SwapSpaceExhaustion(Scenario):
 
     def parameters(self, scale: str, model: Model) -> dict[str, Any]:
         s = self.size(scale)
-        return {**super().parameters(scale, model), "workload": _spec_dict(s.spec), "preemption_mode": "swap",
+        return {**super().parameters(scale, model), "workload": describe_spec(s.spec), "preemption_mode": "swap",
                 "num_cpu_blocks_ample": s.ample_cpu_blocks, "num_cpu_blocks_small": s.small_cpu_blocks}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:

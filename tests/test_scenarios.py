@@ -364,3 +364,48 @@ def test_reference_steps_tell_decodes_from_prefills(tiny_ckpt):
     trace = sc.serve(ReferenceAdapter(model.path), job, "x")
     assert trace.steps[0].num_prefill_tokens > 0 and trace.steps[0].num_decode_tokens == 0
     assert any(s.num_prefill_tokens == 0 and s.num_decode_tokens > 0 for s in trace.steps)
+
+
+# --------------------------------------------------------------------------------------------
+# the report reads what the scenarios record
+
+
+def _steady_trace(tokens_per_s: float, n: int = 4, preempt: bool = False) -> object:
+    gap = 1.0 / tokens_per_s * n
+    reqs = [req(f"r{i:04d}", 0.0, [gap * (k + 1) for k in range(10)],
+                preemptions=[(gap, "recompute")] if preempt and i == 0 else []) for i in range(n)]
+    return make_trace(*reqs, steps=[step(gap * (k + 1), gap) for k in range(10)],
+                      counters={"preemptions_recompute": 1 if preempt else 0, "recomputed_tokens": 10})
+
+
+def test_the_report_headlines_are_filled_from_recorded_outcomes():
+    from kvbench.report import headline_ratios
+
+    results = Results()
+    engines = [{"name": "reference", "kind": "reference"},
+               {"name": "reference:preemption_mode=swap", "kind": "reference"},
+               {"name": "hf-cb", "kind": "hf-cb"}]
+    for engine, tps in zip(engines, (1000.0, 1100.0, 500.0), strict=True):
+        storm = sc.PREEMPTION_STORM
+        jobs = storm.plan("quick", TINY)
+        traces = [_steady_trace(tps * (1 if j.x >= 8 else j.x / 8), preempt=j.x >= 8) for j in jobs]
+        sc.record(storm.judge([sc.Served(j, t) for j, t in zip(jobs, traces, strict=True)], "quick", TINY),
+                  results, engine)
+    served = [sc.Served(j, _crossover_trace(j.mode, 0.008 + (j.x * 1e-4 if j.mode == "recompute" else 0.01)))
+              for j in sc.SWAP_VS_RECOMPUTE.plan("quick", TINY)]
+    sc.record(sc.SWAP_VS_RECOMPUTE.judge(served, "quick", TINY), results, engines[0])
+    chunked = sc.Outcome(sc.CHUNKED_PREFILL, "quick", {"num_gpu_blocks": 512, "block_size": 16}, entries=[
+        sc.ResultEntry(_steady_trace(100.0), mode="unchunked"), sc.ResultEntry(_steady_trace(200.0), mode="chunked")])
+    sc.record(chunked, results, engines[0])
+    prefix = sc.Outcome(sc.PREFIX_CACHING, "quick", {"num_gpu_blocks": 96, "block_size": 16}, entries=[
+        sc.ResultEntry(make_trace(req("a", 0.0, [0.1]), counters={"recomputed_tokens": 400}), mode="no_prefix_caching"),
+        sc.ResultEntry(make_trace(req("a", 0.0, [0.1]), counters={"recomputed_tokens": 100}), mode="prefix_caching")])
+    sc.record(prefix, results, engines[0])
+
+    storm_h, cross_h, chunk_h, prefix_h = headline_ratios(results)
+    assert all(h["measured"] for h in (storm_h, cross_h, chunk_h, prefix_h)), [h["caption"] for h in
+                                                                              (storm_h, cross_h, chunk_h, prefix_h)]
+    assert "hf-cb" in storm_h["caption"]  # another engine, not the reference in another mode
+    assert storm_h["value"].startswith("0.5")
+    assert cross_h["value"] == "100"
+    assert prefix_h["value"] == "75%"
