@@ -1,0 +1,124 @@
+"""The seeds' storm scenarios as data, with one small runner and a claim checker per scenario.
+
+A scenario is a plan (the workloads to serve and the knobs to serve them under, at a ``quick``
+or ``full`` scale) plus a judge (what the run must have shown, and the figures it adds). Running
+one is always the same: serve every planned :class:`Job` on an engine adapter, then judge::
+
+    outcome = run(PREEMPTION_STORM, adapter, model, "quick", progress)
+    record(outcome, results, adapter.describe())        # results entries, sweeps, checks
+    assert not outcome.failures(), outcome.explain()    # the scenario did what it claims
+
+Contracts:
+
+* **Claims are about what happened, never about time.** A storm must have preempted, a surge must
+  have filled the pool, a crossover sweep must hold both modes at every length. Times are
+  measured and reported, never asserted. A claim the engine cannot show (it does not expose the
+  counter) is ``None``: reported as a note, neither passed nor failed.
+* **Same seed, same requests, every engine.** Workloads come from seeded
+  :class:`~kvbench.workloads.WorkloadSpec`; pressure comes from engine-neutral
+  :class:`~kvbench.engines.base.Knobs` (pool size, block size, budgets, modes).
+* **Modes of one engine are measured side by side in one test** (swap vs recompute, chunked vs
+  unchunked, caching on vs off), so their ratio never mixes machines or moments.
+* **A run's duration ends at its last token or finish**, for every engine alike: an adapter's
+  teardown after the last request (a thread join, a garbage collection) is not serving time.
+
+Scales: ``quick`` runs on the built-in ``tiny`` checkpoint (1,024 positions) and fits, all
+scenarios on three engines, in under ten minutes on two CPU cores; ``full`` is sized for the
+``small`` checkpoint (4,096 positions) and takes much longer. Sizes are in the tables below.
+
+Modules: :mod:`~kvbench.scenarios.base` (models, jobs, outcomes, the runner, recording, shared
+claims), :mod:`~kvbench.scenarios.surges` (evening surge, flash crowd),
+:mod:`~kvbench.scenarios.storms` (preemption storm, swap-space exhaustion),
+:mod:`~kvbench.scenarios.crossover` (swap vs recompute), :mod:`~kvbench.scenarios.mechanisms`
+(prefix caching, chunked prefill, priority). Everything public is re-exported here.
+"""
+
+from __future__ import annotations
+
+from kvbench.scenarios.base import (
+    BLOCK_SIZE,
+    DOUBLED,
+    FULL_POOL,
+    MODEL_PRESETS,
+    SCALES,
+    Job,
+    Model,
+    Outcome,
+    Progress,
+    ResultEntry,
+    Scenario,
+    Served,
+    SweepPoint,
+    all_finished,
+    build_workload,
+    describe_spec,
+    last_event,
+    percentile,
+    positive,
+    preemptions_between,
+    record,
+    run,
+    serve,
+    ttft_by,
+)
+from kvbench.scenarios.crossover import (
+    VICTIM,
+    CrossoverSize,
+    ResumeCost,
+    SwapVsRecompute,
+    check_crossover_length,
+    resume_cost,
+    summarize_costs,
+)
+from kvbench.scenarios.mechanisms import (
+    HIGH,
+    LOW,
+    ChunkedPrefillStalls,
+    ChunkedSize,
+    PrefixCachingRecompute,
+    PrefixSize,
+    PriorityOnlineOffline,
+    PrioritySize,
+    chunked_claims,
+    class_figures,
+    prefix_claims,
+    priority_claims,
+    stall_steps,
+)
+from kvbench.scenarios.storms import (
+    ExhaustionSize,
+    PreemptionStorm,
+    StormSize,
+    SwapSpaceExhaustion,
+    exhaustion_claims,
+    first_fallback,
+    storm_claims,
+)
+from kvbench.scenarios.surges import EveningSurge, FlashCrowd, FlashSize, SurgeSize, arrival_rate_ratio
+
+EVENING_SURGE = EveningSurge()
+FLASH_CROWD = FlashCrowd()
+PREEMPTION_STORM = PreemptionStorm()
+SWAP_VS_RECOMPUTE = SwapVsRecompute()
+PREFIX_CACHING = PrefixCachingRecompute()
+CHUNKED_PREFILL = ChunkedPrefillStalls()
+PRIORITY = PriorityOnlineOffline()
+SWAP_EXHAUSTION = SwapSpaceExhaustion()
+
+#: every scenario by name, in the order the seeds tell the story
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    EVENING_SURGE, FLASH_CROWD, PREEMPTION_STORM, SWAP_VS_RECOMPUTE, PREFIX_CACHING, CHUNKED_PREFILL, PRIORITY,
+    SWAP_EXHAUSTION)}
+
+__all__ = [
+    "BLOCK_SIZE", "CHUNKED_PREFILL", "DOUBLED", "EVENING_SURGE", "FLASH_CROWD", "FULL_POOL", "HIGH", "LOW",
+    "MODEL_PRESETS", "PREEMPTION_STORM", "PREFIX_CACHING", "PRIORITY", "SCALES", "SCENARIOS", "SWAP_EXHAUSTION",
+    "SWAP_VS_RECOMPUTE", "VICTIM", "ChunkedPrefillStalls", "ChunkedSize", "CrossoverSize", "EveningSurge",
+    "ExhaustionSize", "FlashCrowd", "FlashSize", "Job", "Model", "Outcome", "PreemptionStorm", "PrefixCachingRecompute",
+    "PrefixSize", "PriorityOnlineOffline", "PrioritySize", "Progress", "ResultEntry", "ResumeCost", "Scenario",
+    "Served", "StormSize", "SurgeSize", "SwapSpaceExhaustion", "SwapVsRecompute", "SweepPoint", "all_finished",
+    "arrival_rate_ratio", "build_workload", "check_crossover_length", "chunked_claims", "class_figures",
+    "describe_spec", "exhaustion_claims", "first_fallback", "last_event", "percentile", "positive",
+    "preemptions_between", "prefix_claims", "priority_claims", "record", "resume_cost", "run", "serve",
+    "stall_steps", "storm_claims", "summarize_costs", "ttft_by",
+]

@@ -1,0 +1,317 @@
+"""The machinery every scenario shares: models, jobs, outcomes, the Scenario base class, serving,
+recording into results, and the claims more than one scenario makes (see :mod:`kvbench.scenarios`)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvbench import metrics
+from kvbench.engines.base import EngineAdapter, Knobs
+from kvbench.trace import Trace, TraceRecorder
+from kvbench.workloads import (
+    AllAtOnce,
+    ClosedLoop,
+    Explicit,
+    Fixed,
+    Poisson,
+    StepSurge,
+    Uniform,
+    Workload,
+    WorkloadSpec,
+)
+
+SCALES = ("quick", "full")
+BLOCK_SIZE = 16
+#: the built-in checkpoint each scale runs on when ``--kvbench-model`` is not given
+MODEL_PRESETS = {"quick": "tiny", "full": "small"}
+#: KV usage above which a pool counts as filled (seed 000: usage "approaches the limit")
+FULL_POOL = 0.9
+#: arrival-rate ratio from which a step surge counts as "traffic doubled" (Poisson noise allowed)
+DOUBLED = 1.6
+
+Progress = Callable[[int], None]
+
+
+# --------------------------------------------------------------------------------------------
+# models, jobs, outcomes
+
+
+@dataclass(frozen=True)
+class Model:
+    """The checkpoint a scenario runs on: where it is and the two numbers the plans need."""
+
+    path: str
+    preset: str  # "tiny", "small", or "custom" for --kvbench-model
+    vocab_size: int
+    max_model_len: int
+
+    @classmethod
+    def from_dir(cls, path: str | Path, preset: str = "custom") -> Model:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        return cls(str(path), preset, int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 2048)))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One workload a scenario serves, under ``knobs``; ``mode`` names the variant in results
+    (``"chunked"``, ``"swap"``...), ``x`` its place on a sweep (concurrency, sequence length)."""
+
+    workload: Workload
+    knobs: Knobs
+    mode: str | None = None
+    x: float | None = None
+
+
+@dataclass
+class Served:
+    """A job and what serving it produced."""
+
+    job: Job
+    trace: Trace
+    _metrics: dict[str, float | None] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def metrics(self) -> dict[str, float | None]:
+        """``metrics.summarize`` of the trace, computed once."""
+        if self._metrics is None:
+            self._metrics = metrics.summarize(self.trace)
+        return self._metrics
+
+
+@dataclass
+class ResultEntry:
+    """One results entry: a run's trace in a mode, with figures the judge adds to the summary."""
+
+    trace: Trace
+    mode: str | None = None
+    extra: dict[str, float | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SweepPoint:
+    sweep: str
+    x_label: str
+    x: float
+    metrics: dict[str, float | None]
+    mode: str | None = None
+
+
+@dataclass
+class Outcome:
+    """What a scenario run showed: results entries, sweep points and its claims.
+
+    ``claims`` maps a claim, worded as a statement, to True (shown), False (not shown: the
+    benchmark fails) or None (the engine does not expose what it takes to tell).
+    """
+
+    scenario: Scenario
+    scale: str
+    parameters: dict[str, Any]
+    entries: list[ResultEntry] = field(default_factory=list)
+    points: list[SweepPoint] = field(default_factory=list)
+    claims: dict[str, bool | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def failures(self) -> list[str]:
+        return [claim for claim, held in self.claims.items() if held is False]
+
+    def explain(self) -> str:
+        lines = [f"{self.scenario.name} ({self.scale}): claims not shown:"]
+        lines += [f"  - {c}" for c in self.failures()]
+        lines += [f"  note: {n}" for n in self.notes]
+        for e in self.entries:
+            m = metrics.summarize(e.trace)
+            lines.append(f"  [{e.mode or '-'}] " + ", ".join(
+                f"{k}={m.get(k)}" for k in ("requests_finished", "preemptions", "recomputed_tokens", "swap_fallbacks",
+                                             "kv_usage_max", "prefix_cache_hits", "prefill_chunks")))
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# the scenario base class
+
+
+class Scenario:
+    """A named storm: ``sizes[scale]`` is its data, ``plan`` the jobs, ``judge`` the claims.
+
+    ``needs``: capabilities the engine must have (the benchmark skips otherwise).
+    ``knobs_needed``: :class:`Knobs` fields the plan sets to values some engines cannot take (an
+    adapter lists those in ``unsupported_knobs``; the benchmark skips with the adapter's reason).
+    ``engine_mode_matters``: False when the scenario sets the preemption mode itself (or never
+    preempts), so two engine specs that differ only in ``preemption_mode`` would measure the same.
+    """
+
+    name: str = ""
+    seed_doc: str = ""
+    title: str = ""
+    description: str = ""
+    needs: tuple[str, ...] = ()
+    knobs_needed: tuple[str, ...] = ()
+    engine_mode_matters: bool = True
+    sizes: Mapping[str, Any] = {}  # scale -> size; read-only, set by subclasses
+
+    def size(self, scale: str) -> Any:
+        if scale not in SCALES:
+            raise ValueError(f"scale {scale!r} is not one of {SCALES}")
+        return self.sizes[scale]
+
+    def plan(self, scale: str, model: Model) -> list[Job]:
+        raise NotImplementedError
+
+    def parameters(self, scale: str, model: Model) -> dict[str, Any]:
+        """What results files and the report show about the setup (pool size and block size included)."""
+        size = self.size(scale)
+        return {"scale": scale, "model": model.preset, "block_size": BLOCK_SIZE,
+                "num_gpu_blocks": size.num_gpu_blocks, "source": f"seed {self.seed_doc}"}
+
+    def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
+        raise NotImplementedError
+
+    def num_requests(self, scale: str, model: Model) -> int:
+        """How many requests ``plan`` serves in all (a progress bar's total)."""
+        return sum(len(job.workload) for job in self.plan(scale, model))
+
+    def outcome(self, scale: str, model: Model) -> Outcome:
+        return Outcome(self, scale, self.parameters(scale, model))
+
+
+def build_workload(spec: WorkloadSpec, model: Model) -> Workload:
+    return spec.build(model.vocab_size, max_prompt_len=model.max_model_len - 1)
+
+
+def describe_spec(spec: WorkloadSpec) -> str:
+    """A workload spec in words, for the report's parameter chips (its JSON form is in the spec)."""
+    parts = [f"{spec.num_requests} requests", f"prompts {_lengths(spec.input_len)}",
+             f"outputs {_lengths(spec.output_len)}", _arrivals(spec.arrival)]
+    if spec.shared_prefix is not None:
+        sp = spec.shared_prefix
+        parts[1] = f"prompts {sp.prefix_len} shared + {_lengths(spec.input_len)}"
+        if sp.num_groups > 1:
+            parts[1] += f" ({sp.num_groups} prefixes)"
+    if spec.priorities is not None and len(spec.priorities.levels) == 1:
+        parts.append(f"priority {spec.priorities.levels[0]}")
+    return ", ".join(p for p in parts if p)
+
+
+def _lengths(dist: Any) -> str:
+    if isinstance(dist, Fixed):
+        return str(dist.n)
+    if isinstance(dist, Uniform):
+        return f"{dist.low}-{dist.high}"
+    if isinstance(dist, Explicit):
+        return "/".join(str(v) for v in dist.values)
+    low, high = dist.bounds()
+    return f"{dist.kind} {low}-{high}"
+
+
+def _arrivals(arrival: Any) -> str:
+    if isinstance(arrival, Poisson):
+        return f"Poisson {arrival.rate:g}/s"
+    if isinstance(arrival, StepSurge):
+        return "then ".join(f"{rate:g}/s for {d:g}s " for d, rate in arrival.phases).strip()
+    if isinstance(arrival, AllAtOnce):
+        return "all at t=0"
+    if isinstance(arrival, ClosedLoop):
+        return "closed loop"
+    return str(arrival.to_dict())
+
+
+# --------------------------------------------------------------------------------------------
+# serving
+
+
+def _accepts_progress(adapter: EngineAdapter) -> bool:
+    try:
+        return "progress" in inspect.signature(adapter.serve).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+
+
+def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | None = None) -> Trace:
+    """Serve one job and return its trace, its duration ending at the last token or finish.
+
+    Progress is reported per finished request when the adapter can (``serve(progress=...)``),
+    else all at once when the workload is done.
+    """
+    recorder = TraceRecorder(adapter.name, scenario)
+    if progress is not None and _accepts_progress(adapter):
+        adapter.serve(job.workload, recorder, job.knobs, progress=progress)  # type: ignore[call-arg]
+    else:
+        adapter.serve(job.workload, recorder, job.knobs)
+        if progress is not None:
+            progress(len(job.workload))
+    trace = recorder.finish()
+    trace.duration = last_event(trace) or trace.duration
+    return trace
+
+
+def last_event(trace: Trace) -> float:
+    """The time of the last token, finish or step of a trace (0 for an empty one)."""
+    times = [t for r in trace.requests.values() for t in (*r.token_times[-1:], r.finished or 0.0)]
+    times += [s.t for s in trace.steps[-1:]]
+    return max(times, default=0.0)
+
+
+def run(scenario: Scenario, adapter: EngineAdapter, model: Model, scale: str,
+        progress: Progress | None = None) -> Outcome:
+    """Serve every job of ``scenario.plan`` on ``adapter`` in order, then judge the runs."""
+    served = [Served(job, serve(adapter, job, scenario.name, progress)) for job in scenario.plan(scale, model)]
+    return scenario.judge(served, scale, model)
+
+
+def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
+           slos: str | Mapping[str, float] | None = None) -> None:
+    """Add an outcome to a :class:`~kvbench.results.Results`: one entry per result (summary +
+    the judge's extra figures + timelines), every sweep point, and the claims as checks.
+    Claims the engine could not show (None) become notes rather than checks."""
+    checks = {c: bool(v) for c, v in outcome.claims.items() if v is not None}
+    unknown = [f"not measurable on this engine: {c}" for c, v in outcome.claims.items() if v is None]
+    params = {**outcome.parameters}
+    for entry in outcome.entries:
+        summary = {**metrics.summarize(entry.trace, slos), **entry.extra}
+        results.add_scenario_result(outcome.scenario.name, engine, summary, series=metrics.series(entry.trace),
+                                    checks=checks, notes=[*entry.notes, *outcome.notes, *unknown], mode=entry.mode,
+                                    parameters=params, description=outcome.scenario.description)
+    if not outcome.entries:
+        results.scenario(outcome.scenario.name, create=True, parameters=params,
+                         description=outcome.scenario.description)
+    for p in outcome.points:
+        results.add_sweep_point(outcome.scenario.name, p.sweep, p.x, engine, p.metrics, mode=p.mode,
+                                x_label=p.x_label)
+
+
+# --------------------------------------------------------------------------------------------
+# claims shared by scenarios
+
+
+def all_finished(trace: Trace) -> bool:
+    """Every request finished, none with an error (an engine that drops requests has not served them)."""
+    return bool(trace.requests) and all(r.finished is not None and r.finish_reason != "error"
+                                        for r in trace.requests.values())
+
+
+def positive(value: float | None) -> bool | None:
+    return None if value is None else value > 0
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return float(np.percentile(vals, q)) if vals else None
+
+
+def ttft_by(trace: Trace, keep: Callable[[Any], bool]) -> list[float]:
+    """TTFTs of the requests ``keep`` selects (requests without a token are left out)."""
+    return [r.token_times[0] - r.arrival for r in trace.requests.values() if keep(r) and r.token_times]
+
+
+def preemptions_between(trace: Trace, t0: float, t1: float) -> int:
+    return sum(1 for r in trace.requests.values() for t, _ in r.preemptions if t0 <= t < t1)

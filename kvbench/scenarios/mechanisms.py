@@ -1,0 +1,309 @@
+"""One mechanism each, on and off, side by side: prefix caching under recompute, chunked prefill
+and decode stalls, priority scheduling of online beside offline work."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbench.engines.base import Knobs
+from kvbench.scenarios.base import (
+    BLOCK_SIZE,
+    Job,
+    Model,
+    Outcome,
+    ResultEntry,
+    Scenario,
+    Served,
+    all_finished,
+    build_workload,
+    describe_spec,
+    percentile,
+    positive,
+    ttft_by,
+)
+from kvbench.trace import Trace
+from kvbench.workloads import (
+    AllAtOnce,
+    ClosedLoop,
+    Fixed,
+    Poisson,
+    Priorities,
+    SharedPrefix,
+    Uniform,
+    WorkloadSpec,
+    combine,
+)
+
+# --------------------------------------------------------------------------------------------
+# 5. prefix caching and recompute (seed 004, section 3.4)
+
+
+@dataclass(frozen=True)
+class PrefixSize:
+    spec: WorkloadSpec  # shared system prompt, closed loop past capacity
+    num_gpu_blocks: int
+
+
+class PrefixCachingRecompute(Scenario):
+    name = "prefix_caching_recompute"
+    seed_doc = "004"
+    title = "Prefix caching and recompute"
+    description = ("Every request starts with the same system prompt; closed-loop concurrency past capacity, "
+                   "preemption by recompute, with and without prefix caching (seed 004, 3.4: a recompute that "
+                   "hits the cached prefix only redoes the tail). Claims: without caching the "
+                   "engine preempted and recomputed; with caching the shared prompt hit the cache and fewer tokens "
+                   "were recomputed (caching also shrinks what each request holds, so it may preempt less).")
+    needs = ("prefix_caching", "recompute")
+    engine_mode_matters = False
+    sizes = {  # noqa: RUF012
+        "quick": PrefixSize(WorkloadSpec("prefix", 32, Uniform(32, 96), Fixed(64), ClosedLoop(12),
+                                         shared_prefix=SharedPrefix(1, 256), seed=5), num_gpu_blocks=96),
+        "full": PrefixSize(WorkloadSpec("prefix", 96, Uniform(64, 256), Fixed(256), ClosedLoop(24),
+                                        shared_prefix=SharedPrefix(1, 1024), seed=5), num_gpu_blocks=512),
+    }
+    modes = ("no_prefix_caching", "prefix_caching")
+
+    def plan(self, scale: str, model: Model) -> list[Job]:
+        s = self.size(scale)
+        workload = build_workload(s.spec, model)
+        return [Job(workload, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=s.num_gpu_blocks, preemption_mode="recompute",
+                                    enable_prefix_caching=mode == "prefix_caching"), mode=mode)
+                for mode in self.modes]
+
+    def parameters(self, scale: str, model: Model) -> dict[str, Any]:
+        s = self.size(scale)
+        return {**super().parameters(scale, model), "workload": describe_spec(s.spec), "preemption_mode": "recompute"}
+
+    def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
+        out = self.outcome(scale, model)
+        by_mode = {sv.job.mode: sv for sv in served}
+        off, on = by_mode["no_prefix_caching"].metrics, by_mode["prefix_caching"].metrics
+        for sv in served:
+            out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode))
+        out.claims = prefix_claims(off, on)
+        out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
+        if off["recomputed_tokens"] and on["recomputed_tokens"] is not None:
+            out.notes.append(f"prefix caching recomputed {on['recomputed_tokens']:,.0f} tokens against "
+                             f"{off['recomputed_tokens']:,.0f} without "
+                             f"({1 - on['recomputed_tokens'] / off['recomputed_tokens']:.0%} fewer)")
+        return out
+
+
+def prefix_claims(off: Mapping[str, float | None], on: Mapping[str, float | None]) -> dict[str, bool | None]:
+    """Claims of the prefix-caching scenario from the metrics without (``off``) and with (``on``) caching."""
+    rec_off, rec_on = off.get("recomputed_tokens"), on.get("recomputed_tokens")
+    return {
+        "without caching, the closed loop went past capacity (preemptions)": positive(off["preemptions"]),
+        "without caching, preempted work was recomputed": positive(rec_off),
+        "with caching, the shared prompt hit the cache": positive(on.get("prefix_cache_hits")),
+        "caching recomputed fewer tokens": None if rec_off is None or rec_on is None else rec_on < rec_off,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# 6. chunked prefill and decode stalls (seeds 000 and 004, section 3.3)
+
+
+@dataclass(frozen=True)
+class ChunkedSize:
+    decoders: WorkloadSpec  # short prompts, long outputs, at t=0
+    long_prompts: WorkloadSpec  # long prompts arriving while the decoders run
+    long_start_s: float
+    budgets: tuple[int, int]  # (the ITL budget, the throughput budget) in tokens per step
+    num_gpu_blocks: int
+    budget_note: str = ""
+
+
+class ChunkedPrefillStalls(Scenario):
+    name = "chunked_prefill_stalls"
+    seed_doc = "000, 004"
+    title = "Chunked prefill and decode stalls"
+    description = ("Requests decoding while long prompts arrive. Unchunked, a long prefill takes a whole step and "
+                   "every decode waits for it (a TBT spike); chunked, the prefill is split under a token budget "
+                   "and decodes ride along every step (seed 000: 512 tokens favours inter-token latency, 2048 and "
+                   "up throughput). Modes: unchunked, chunked (the small budget), chunked_large (the large one). "
+                   "No preemption: the pool is roomy. Claims: unchunked prefilled a long prompt in one step "
+                   "beside decodes; chunked split the long prompts and kept every step within its budget.")
+    needs = ("chunked_prefill",)
+    knobs_needed = ("enable_chunked_prefill",)  # off, for the unchunked mode
+    engine_mode_matters = False
+    sizes = {  # noqa: RUF012
+        "quick": ChunkedSize(
+            decoders=WorkloadSpec("decoders", 6, Uniform(16, 32), Fixed(400), AllAtOnce(), seed=6),
+            long_prompts=WorkloadSpec("long", 6, Uniform(704, 832), Fixed(4), Poisson(8.0), seed=7),
+            long_start_s=0.1, budgets=(128, 512), num_gpu_blocks=512,
+            budget_note="512 and 2048 at full scale (3,072-token prompts) scaled by 1/4 to the tiny model's "
+                        "768-token prompts: 128 and 512"),
+        "full": ChunkedSize(
+            decoders=WorkloadSpec("decoders", 16, Uniform(64, 128), Fixed(1000), AllAtOnce(), seed=6),
+            long_prompts=WorkloadSpec("long", 8, Uniform(2816, 3328), Fixed(8), Poisson(2.0), seed=7),
+            long_start_s=1.0, budgets=(512, 2048), num_gpu_blocks=2048,
+            budget_note="512 (vLLM's chunked-prefill default, tuned for ITL) and 2048 (its advice for throughput)"),
+    }
+    modes = ("unchunked", "chunked", "chunked_large")
+
+    def budget_of(self, mode: str, scale: str) -> int | None:
+        small, large = self.size(scale).budgets
+        return {"unchunked": None, "chunked": small, "chunked_large": large}[mode]
+
+    def plan(self, scale: str, model: Model) -> list[Job]:
+        s = self.size(scale)
+        long_prompts = build_workload(s.long_prompts, model).shifted(s.long_start_s)
+        workload = combine(self.name, build_workload(s.decoders, model), long_prompts)
+        jobs = []
+        for mode in self.modes:
+            budget = self.budget_of(mode, scale)
+            jobs.append(Job(workload, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=s.num_gpu_blocks,
+                                            enable_chunked_prefill=budget is not None, max_num_batched_tokens=budget,
+                                            enable_prefix_caching=False), mode=mode))
+        return jobs
+
+    def parameters(self, scale: str, model: Model) -> dict[str, Any]:
+        s = self.size(scale)
+        return {**super().parameters(scale, model), "decoders": describe_spec(s.decoders),
+                "long_prompts": describe_spec(s.long_prompts), "budget_chunked": s.budgets[0],
+                "budget_chunked_large": s.budgets[1], "budgets_note": s.budget_note}
+
+    def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
+        s = self.size(scale)
+        out = self.outcome(scale, model)
+        long_from = s.long_prompts.input_len.bounds()[0]
+        by_mode = {sv.job.mode: sv for sv in served}
+        for sv in served:
+            budget = self.budget_of(sv.job.mode or "", scale)
+            steps = sv.trace.steps
+            extra = {"budget": float(budget) if budget else None,
+                     "max_step_tokens": float(max((st.num_prefill_tokens + st.num_decode_tokens for st in steps),
+                                                  default=0)),
+                     "stall_steps": float(len(stall_steps(sv.trace, long_from)))}
+            out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode, extra=extra))
+        out.claims = chunked_claims(by_mode["unchunked"].trace,
+                                    {self.budget_of(m, scale) or 0: by_mode[m].trace for m in self.modes[1:]},
+                                    long_from)
+        out.claims["no preemption muddied the comparison"] = all(
+            sv.metrics["preemptions"] in (0, None) for sv in served)
+        out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
+        return out
+
+
+def stall_steps(trace: Trace, long_from: int) -> list[int]:
+    """Indexes of steps that prefilled at least ``long_from`` tokens while other requests decoded."""
+    return [i for i, s in enumerate(trace.steps) if s.num_prefill_tokens >= long_from and s.num_decode_tokens > 0]
+
+
+def chunked_claims(unchunked: Trace, chunked: Mapping[int, Trace], long_from: int) -> dict[str, bool | None]:
+    """Claims from the unchunked run and the chunked runs by budget (steps must carry token counts)."""
+    claims: dict[str, bool | None] = {
+        "unchunked: a long prompt was prefilled in one step beside decodes": bool(stall_steps(unchunked, long_from)),
+    }
+    for budget, trace in chunked.items():
+        chunks = trace.counters.get("prefill_chunks")
+        claims[f"budget {budget}: long prompts were split into chunks"] = (
+            None if chunks is None else chunks > 0)
+        claims[f"budget {budget}: no step went over the budget"] = bool(trace.steps) and all(
+            s.num_prefill_tokens + s.num_decode_tokens <= budget for s in trace.steps)
+        claims[f"budget {budget}: prefill chunks rode along with decodes"] = any(
+            s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 for s in trace.steps)
+    return claims
+
+
+# --------------------------------------------------------------------------------------------
+# 7. priority: online traffic beside offline batch work (seed 001)
+
+
+@dataclass(frozen=True)
+class PrioritySize:
+    offline: WorkloadSpec  # priority 1, all at t=0: a batch job that fills the pool
+    online: WorkloadSpec  # priority 0, Poisson arrivals while the batch runs
+    online_start_s: float
+    num_gpu_blocks: int
+
+
+HIGH, LOW = 0, 1  # vLLM's convention: lower is more important
+
+
+class PriorityOnlineOffline(Scenario):
+    name = "priority_online_offline"
+    seed_doc = "001"
+    title = "Priority: online beside offline"
+    description = ("A batch of offline work (priority 1) fills the pool; online requests (priority 0) arrive while "
+                   "it runs (seed 001: preemption as the means of fairness). Modes: the priority policy, and FCFS "
+                   "as the control. Figures: TTFT of each class. Claims: under the priority policy online "
+                   "traffic preempted offline work and no online request was preempted for offline work; every "
+                   "request finished.")
+    needs = ("priority",)
+    knobs_needed = ("scheduling_policy",)
+    sizes = {  # noqa: RUF012
+        "quick": PrioritySize(
+            offline=WorkloadSpec("offline", 16, Uniform(192, 320), Fixed(128), AllAtOnce(),
+                                 priorities=Priorities((LOW,), (1.0,)), seed=8),
+            online=WorkloadSpec("online", 20, Uniform(32, 96), Fixed(32), Poisson(5.0),
+                                priorities=Priorities((HIGH,), (1.0,)), seed=9),
+            online_start_s=0.3, num_gpu_blocks=96),
+        "full": PrioritySize(
+            offline=WorkloadSpec("offline", 64, Uniform(1024, 2048), Fixed(512), AllAtOnce(),
+                                 priorities=Priorities((LOW,), (1.0,)), seed=8),
+            online=WorkloadSpec("online", 120, Uniform(64, 256), Fixed(128), Poisson(2.0),
+                                priorities=Priorities((HIGH,), (1.0,)), seed=9),
+            online_start_s=5.0, num_gpu_blocks=1024),
+    }
+    modes = ("priority", "fcfs")
+
+    def plan(self, scale: str, model: Model) -> list[Job]:
+        s = self.size(scale)
+        online = build_workload(s.online, model).shifted(s.online_start_s)
+        workload = combine(self.name, build_workload(s.offline, model), online)
+        return [Job(workload, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=s.num_gpu_blocks, scheduling_policy=mode),
+                    mode=mode) for mode in self.modes]
+
+    def parameters(self, scale: str, model: Model) -> dict[str, Any]:
+        s = self.size(scale)
+        return {**super().parameters(scale, model), "offline": describe_spec(s.offline),
+                "online": describe_spec(s.online), "online_start_s": s.online_start_s}
+
+    def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
+        out = self.outcome(scale, model)
+        for sv in served:
+            out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode, extra=class_figures(sv.trace)))
+        prio = next(sv for sv in served if sv.job.mode == "priority")
+        out.claims = priority_claims(prio.trace)
+        out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
+        return out
+
+
+def class_figures(trace: Trace) -> dict[str, float | None]:
+    """TTFT percentiles and preemptions of each priority class, and the high/low TTFT ratio."""
+    out: dict[str, float | None] = {}
+    for name, level in (("high", HIGH), ("low", LOW)):
+        ttfts = ttft_by(trace, lambda r, level=level: r.priority == level)
+        out[f"ttft_p50_{name}"] = percentile(ttfts, 50)
+        out[f"ttft_p99_{name}"] = percentile(ttfts, 99)
+        out[f"preemptions_{name}"] = float(sum(len(r.preemptions) for r in trace.requests.values()
+                                               if r.priority == level))
+    hi, lo = out["ttft_p50_high"], out["ttft_p50_low"]
+    out["ttft_p50_high_over_low"] = hi / lo if hi is not None and lo else None
+    return out
+
+
+def priority_claims(trace: Trace) -> dict[str, bool | None]:
+    """Claims of the priority-policy run (per-request preemption records required)."""
+    if "preemptions" in trace.not_exposed or "events" in trace.not_exposed:
+        return {"online traffic preempted offline work": None,
+                "no online request was preempted while offline work ran": None}
+    low = [t for r in trace.requests.values() if r.priority == LOW for t, _ in r.preemptions]
+    high = [t for r in trace.requests.values() if r.priority == HIGH for t, _ in r.preemptions]
+    return {"online traffic preempted offline work": bool(low),
+            # A high-priority victim is legitimate only when nothing of low priority was left running.
+            "no online request was preempted while offline work ran": not any(
+                any(_running_at(r, t) for r in trace.requests.values() if r.priority == LOW) for t in high)}
+
+
+def _running_at(r: Any, t: float) -> bool:
+    """Whether request ``r`` held the engine at ``t``: admitted, not finished, not preempted then."""
+    if r.admitted is None or r.admitted > t or (r.finished is not None and r.finished <= t):
+        return False
+    out_since = [p for p, _ in r.preemptions if p <= t]
+    back_since = [x for x in r.resumes if x <= t]
+    return len(back_since) >= len(out_since)

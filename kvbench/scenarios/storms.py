@@ -1,0 +1,178 @@
+"""Past capacity: the preemption storm swept by concurrency (seed 004) and swap-space exhaustion
+(seeds 001 and 004)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvbench import metrics
+from kvbench.engines.base import Knobs
+from kvbench.scenarios.base import (
+    BLOCK_SIZE,
+    Job,
+    Model,
+    Outcome,
+    ResultEntry,
+    Scenario,
+    Served,
+    SweepPoint,
+    all_finished,
+    build_workload,
+    describe_spec,
+    positive,
+)
+from kvbench.trace import Trace
+from kvbench.workloads import (
+    ClosedLoop,
+    Fixed,
+    Uniform,
+    WorkloadSpec,
+)
+
+# --------------------------------------------------------------------------------------------
+# 3. preemption storm (seed 004)
+
+
+@dataclass(frozen=True)
+class StormSize:
+    spec: WorkloadSpec  # its arrival process is replaced by ClosedLoop(c) for each concurrency c
+    concurrencies: tuple[int, ...]
+    num_gpu_blocks: int
+
+
+class PreemptionStorm(Scenario):
+    name = "preemption_storm"
+    seed_doc = "004"
+    title = "Preemption storm"
+    description = ("Closed-loop concurrency swept past what the KV pool holds (seed 004, section 4.3): throughput "
+                   "rises, then preemption and recomputation eat the gain. The same requests at every point. "
+                   "The result shown is the top of the sweep; the knee is where throughput stops rising. "
+                   "Claims: no preemption at the lowest concurrency, preemptions at the highest, growing with "
+                   "concurrency, and preempted work redone or swapped.")
+    sizes = {  # noqa: RUF012
+        "quick": StormSize(WorkloadSpec("storm", 16, Uniform(32, 128), Fixed(192), ClosedLoop(1), seed=3),
+                           concurrencies=(2, 4, 6, 8, 12, 16), num_gpu_blocks=128),
+        "full": StormSize(WorkloadSpec("storm", 96, Uniform(512, 1536), Fixed(384), ClosedLoop(1), seed=3),
+                          concurrencies=(2, 4, 8, 12, 16, 24, 32, 48), num_gpu_blocks=1024),
+    }
+
+    def plan(self, scale: str, model: Model) -> list[Job]:
+        s = self.size(scale)
+        knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=s.num_gpu_blocks)
+        return [Job(build_workload(dataclasses.replace(s.spec, arrival=ClosedLoop(c)), model), knobs, x=float(c))
+                for c in s.concurrencies]
+
+    def parameters(self, scale: str, model: Model) -> dict[str, Any]:
+        s = self.size(scale)
+        return {**super().parameters(scale, model), "workload": describe_spec(s.spec),
+                "concurrencies": list(s.concurrencies)}
+
+    def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
+        out = self.outcome(scale, model)
+        points = sorted(served, key=lambda sv: sv.job.x or 0.0)
+        xs = [sv.job.x or 0.0 for sv in points]
+        knee = metrics.knee(xs, [sv.metrics["output_throughput"] for sv in points])
+        for sv in points:
+            out.points.append(SweepPoint("concurrency", "concurrent requests", sv.job.x or 0.0, sv.metrics))
+        top = points[-1]
+        extra = {"knee_concurrency": knee, "concurrency": top.job.x}
+        out.entries.append(ResultEntry(top.trace, extra=extra, notes=[
+            f"the storm at concurrency {top.job.x:g}; throughput stops rising at {knee:g}" if knee is not None
+            else f"the storm at concurrency {top.job.x:g}"]))
+        out.claims = storm_claims([sv.metrics for sv in points], [sv.trace for sv in points])
+        return out
+
+
+def storm_claims(sweep: Sequence[Mapping[str, float | None]], traces: Sequence[Trace]) -> dict[str, bool | None]:
+    """Claims of a concurrency sweep, given each point's metrics (lowest concurrency first)."""
+    low, top = sweep[0], sweep[-1]
+    pre_low, pre_top = low["preemptions"], top["preemptions"]
+    waste = [top.get("recomputed_tokens"), top.get("swap_outs")]
+    waste_known = [w for w in waste if w is not None]
+    return {
+        "the lowest concurrency ran without preemption": None if pre_low is None else pre_low == 0,
+        "the highest concurrency preempted (a storm)": positive(pre_top),
+        "preemptions grew with concurrency": None if pre_low is None or pre_top is None else pre_top > pre_low,
+        "preempted work was recomputed or swapped": None if not waste_known else sum(waste_known) > 0,
+        "every request finished at every point": all(all_finished(t) for t in traces),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# 8. swap-space exhaustion (seeds 001 and 004)
+
+
+@dataclass(frozen=True)
+class ExhaustionSize:
+    spec: WorkloadSpec  # closed loop past capacity
+    num_gpu_blocks: int
+    ample_cpu_blocks: int
+    small_cpu_blocks: int  # a quarter of the device pool: room for two or three victims
+
+
+class SwapSpaceExhaustion(Scenario):
+    name = "swap_space_exhaustion"
+    seed_doc = "001, 004"
+    title = "Swap-space exhaustion"
+    description = ("A preemption storm in swap mode with the host (swap) pool ample, then too small (seed 001: "
+                   "when swap space runs out the scheduler falls back to recompute, and the preemption pattern "
+                   "changes abruptly). The moment of the first fallback and the swaps before it are reported. "
+                   "Claims: ample, it swapped and never fell back; too small, it swapped first, then fell back.")
+    needs = ("swap",)
+    engine_mode_matters = False
+    sizes = {  # noqa: RUF012
+        "quick": ExhaustionSize(WorkloadSpec("exhaustion", 24, Uniform(64, 192), Fixed(128), ClosedLoop(16), seed=10),
+                                num_gpu_blocks=96, ample_cpu_blocks=1024, small_cpu_blocks=24),
+        "full": ExhaustionSize(WorkloadSpec("exhaustion", 96, Uniform(256, 768), Fixed(512), ClosedLoop(32), seed=10),
+                               num_gpu_blocks=512, ample_cpu_blocks=8192, small_cpu_blocks=128),
+    }
+    modes = ("ample_swap_space", "exhausted_swap_space")
+
+    def plan(self, scale: str, model: Model) -> list[Job]:
+        s = self.size(scale)
+        workload = build_workload(s.spec, model)
+        return [Job(workload, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=s.num_gpu_blocks, preemption_mode="swap",
+                                    num_cpu_blocks=cpu), mode=mode)
+                for mode, cpu in zip(self.modes, (s.ample_cpu_blocks, s.small_cpu_blocks), strict=True)]
+
+    def parameters(self, scale: str, model: Model) -> dict[str, Any]:
+        s = self.size(scale)
+        return {**super().parameters(scale, model), "workload": describe_spec(s.spec), "preemption_mode": "swap",
+                "num_cpu_blocks_ample": s.ample_cpu_blocks, "num_cpu_blocks_small": s.small_cpu_blocks}
+
+    def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
+        out = self.outcome(scale, model)
+        by_mode = {sv.job.mode: sv for sv in served}
+        for sv in served:
+            out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode, extra={
+                **first_fallback(sv.trace), "num_cpu_blocks": float(sv.job.knobs.num_cpu_blocks or 0)}))
+        out.claims = exhaustion_claims(by_mode["ample_swap_space"].metrics, by_mode["exhausted_swap_space"].metrics)
+        out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
+        return out
+
+
+def first_fallback(trace: Trace) -> dict[str, float | None]:
+    """When swap first fell back to recompute in a swap-mode run (its first recompute preemption),
+    how many swaps came before, and how full the host pool was just before it."""
+    marks = sorted((t, mode) for r in trace.requests.values() for t, mode in r.preemptions)
+    t_first = next((t for t, mode in marks if mode == "recompute"), None)
+    if t_first is None:
+        return {"first_fallback_s": None, "swaps_before_first_fallback": float(len(marks)),
+                "cpu_kv_usage_at_first_fallback": None}
+    usage = [s.cpu_kv_usage for s in trace.steps if s.t < t_first and s.cpu_kv_usage is not None]
+    return {"first_fallback_s": t_first, "swaps_before_first_fallback": float(sum(1 for t, m in marks
+                                                                                  if m == "swap" and t < t_first)),
+            "cpu_kv_usage_at_first_fallback": usage[-1] if usage else None}
+
+
+def exhaustion_claims(ample: Mapping[str, float | None], small: Mapping[str, float | None]) -> dict[str, bool | None]:
+    fb_ample, fb_small = ample.get("swap_fallbacks"), small.get("swap_fallbacks")
+    return {
+        "ample host pool: preempted by swap": positive(ample.get("preemptions_swap")),
+        "ample host pool: never fell back to recompute": None if fb_ample is None else fb_ample == 0,
+        "small host pool: swapped before it ran out": positive(small.get("preemptions_swap")),
+        "small host pool: swap fell back to recompute": positive(fb_small),
+    }

@@ -1,0 +1,169 @@
+"""Traffic surges: the evening wave of long-context requests (seed 000) and the flash crowd (seed 001)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvbench.engines.base import Knobs
+from kvbench.scenarios.base import (
+    BLOCK_SIZE,
+    DOUBLED,
+    FULL_POOL,
+    Job,
+    Model,
+    Outcome,
+    ResultEntry,
+    Scenario,
+    Served,
+    all_finished,
+    build_workload,
+    describe_spec,
+    percentile,
+    positive,
+    preemptions_between,
+    ttft_by,
+)
+from kvbench.trace import Trace
+from kvbench.workloads import (
+    Poisson,
+    StepSurge,
+    Uniform,
+    WorkloadSpec,
+    combine,
+)
+
+# --------------------------------------------------------------------------------------------
+# 1. evening surge (seed 000)
+
+
+@dataclass(frozen=True)
+class SurgeSize:
+    steady: WorkloadSpec
+    wave: WorkloadSpec
+    wave_start_s: float
+    num_gpu_blocks: int
+
+
+class EveningSurge(Scenario):
+    name = "evening_surge"
+    seed_doc = "000"
+    title = "Evening surge"
+    description = ("Steady short traffic, then a wave of long-context requests (seed 000): the wave fills the KV "
+                   "pool and the scheduler starts preempting. Claims: KV usage peaks above 90%, the wave "
+                   "preempted running requests, every request finished.")
+    sizes = {  # noqa: RUF012
+        "quick": SurgeSize(
+            steady=WorkloadSpec("steady", 40, Uniform(32, 128), Uniform(32, 64), Poisson(8.0), seed=0),
+            wave=WorkloadSpec("wave", 12, Uniform(512, 768), Uniform(96, 160), Poisson(10.0), seed=1),
+            wave_start_s=3.0, num_gpu_blocks=128),
+        "full": SurgeSize(
+            steady=WorkloadSpec("steady", 300, Uniform(64, 512), Uniform(64, 256), Poisson(5.0), seed=0),
+            wave=WorkloadSpec("wave", 60, Uniform(2048, 3072), Uniform(512, 1000), Poisson(1.0), seed=1),
+            wave_start_s=45.0, num_gpu_blocks=1024),
+    }
+
+    def plan(self, scale: str, model: Model) -> list[Job]:
+        s = self.size(scale)
+        wave = build_workload(s.wave, model).shifted(s.wave_start_s)
+        workload = combine(self.name, build_workload(s.steady, model), wave)
+        return [Job(workload, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=s.num_gpu_blocks))]
+
+    def parameters(self, scale: str, model: Model) -> dict[str, Any]:
+        s = self.size(scale)
+        return {**super().parameters(scale, model), "steady": describe_spec(s.steady), "wave": describe_spec(s.wave),
+                "wave_start_s": s.wave_start_s}
+
+    def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
+        (run_,) = served
+        s, m, trace = self.size(scale), run_.metrics, run_.trace
+        long_from = s.wave.input_len.bounds()[0]
+        out = self.outcome(scale, model)
+        wave, steady = ttft_by(trace, lambda r: r.prompt_len >= long_from), ttft_by(trace, lambda r: r.prompt_len
+                                                                                   < long_from)
+        extra = {"ttft_p50_steady": percentile(steady, 50), "ttft_p99_steady": percentile(steady, 99),
+                 "ttft_p50_wave": percentile(wave, 50), "ttft_p99_wave": percentile(wave, 99),
+                 "preemptions_before_wave": float(preemptions_between(trace, 0.0, s.wave_start_s))}
+        out.entries.append(ResultEntry(trace, extra=extra))
+        kv = m["kv_usage_max"]
+        out.claims = {
+            f"the wave filled the KV pool (peak usage > {FULL_POOL:.0%})": None if kv is None else kv > FULL_POOL,
+            "the wave preempted running requests": positive(m["preemptions"]),
+            "every request finished": all_finished(trace),
+        }
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# 2. flash crowd (seed 001)
+
+
+@dataclass(frozen=True)
+class FlashSize:
+    spec: WorkloadSpec  # arrival: a StepSurge whose second phase doubles the first's rate
+    num_gpu_blocks: int
+
+    @property
+    def surge_start_s(self) -> float:
+        assert isinstance(self.spec.arrival, StepSurge)
+        return float(self.spec.arrival.phases[0][0])
+
+    @property
+    def surge_end_s(self) -> float:
+        assert isinstance(self.spec.arrival, StepSurge)
+        return float(sum(d for d, _ in self.spec.arrival.phases[:2]))
+
+
+class FlashCrowd(Scenario):
+    name = "flash_crowd"
+    seed_doc = "001"
+    title = "Flash crowd"
+    description = ("Traffic doubles within a minute (seed 001: a marketing pop-up at 10am), a step surge whose "
+                   "second phase pushes concurrency just over what the KV pool holds. Claims: arrivals doubled, "
+                   "the engine preempted, every request finished. Preemptions before vs after the step tell a "
+                   "safety net (only at the peak) from a structural capacity gap (throughout).")
+    sizes = {  # noqa: RUF012
+        "quick": FlashSize(WorkloadSpec("flash", 72, Uniform(64, 256), Uniform(32, 96),
+                                        StepSurge(((6.0, 4.0), (6.0, 8.0))), seed=2), num_gpu_blocks=64),
+        "full": FlashSize(WorkloadSpec("flash", 360, Uniform(256, 1024), Uniform(128, 512),
+                                       StepSurge(((60.0, 2.0), (60.0, 4.0))), seed=2), num_gpu_blocks=512),
+    }
+
+    def plan(self, scale: str, model: Model) -> list[Job]:
+        s = self.size(scale)
+        return [Job(build_workload(s.spec, model), Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=s.num_gpu_blocks))]
+
+    def parameters(self, scale: str, model: Model) -> dict[str, Any]:
+        s = self.size(scale)
+        return {**super().parameters(scale, model), "workload": describe_spec(s.spec), "surge_start_s": s.surge_start_s}
+
+    def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
+        (run_,) = served
+        s, trace, m = self.size(scale), run_.trace, run_.metrics
+        t_surge = s.surge_start_s
+        out = self.outcome(scale, model)
+        before, after = preemptions_between(trace, 0.0, t_surge), preemptions_between(trace, t_surge, math.inf)
+        extra = {"preemptions_before_surge": float(before), "preemptions_after_surge": float(after),
+                 "arrival_rate_ratio": arrival_rate_ratio(trace, t_surge, s.surge_end_s)}
+        notes = []
+        if m["preemptions"]:
+            notes.append("preemptions only after the surge: the safety net at work" if before == 0 else
+                         f"{before} preemptions before the surge: a structural capacity gap (seed 001)")
+        out.entries.append(ResultEntry(trace, extra=extra, notes=notes))
+        ratio = extra["arrival_rate_ratio"]
+        out.claims = {
+            f"traffic doubled at t={t_surge:g}s (arrival rate x{DOUBLED} or more)": ratio is not None
+            and ratio >= DOUBLED,
+            "the surge pushed concurrency over capacity (preemptions)": positive(m["preemptions"]),
+            "every request finished": all_finished(trace),
+        }
+        return out
+
+
+def arrival_rate_ratio(trace: Trace, t_step: float, t_end: float) -> float | None:
+    """Arrivals per second in ``[t_step, t_end)`` over arrivals per second in ``[0, t_step)``."""
+    arrivals = [r.arrival for r in trace.requests.values()]
+    before = sum(1 for a in arrivals if a < t_step) / t_step
+    after = sum(1 for a in arrivals if t_step <= a < t_end) / (t_end - t_step)
+    return after / before if before > 0 else None
