@@ -110,7 +110,7 @@ class SwapVsRecompute(Scenario):
         by_mode = {mode: {p.x: p.metrics["cost_s"] for p in out.points if p.mode == mode} for mode in self.modes}
         cross = metrics.crossover(lengths, [by_mode["swap"].get(x) for x in lengths],
                                   [by_mode["recompute"].get(x) for x in lengths])
-        out.parameters["crossover_seq_len"] = cross
+        out.parameters["crossover_seq_len"] = None if cross is None else round(cross, 1)
         if bad:
             out.notes.append("runs without exactly one preemption and resume of the victim: " + ", ".join(bad))
         out.claims = {
