@@ -4,7 +4,7 @@ Choices made here, once for every benchmark:
 
 * **Model.** ``--kvbench-model`` if given; else the built-in ``tiny`` checkpoint at ``quick`` scale
   and ``small`` at ``full`` (:data:`kvbench.scenarios.MODEL_PRESETS`). Measured on the 2-core CI
-  machine: a batch-8 decode step takes about 12 ms on ``tiny`` and 127 ms on ``small``, so the quick
+  machine: a batch-8 decode step takes 9-12 ms on ``tiny`` and 123-127 ms on ``small``, so the quick
   suite on ``small`` would blow its ten-minute budget several times over.
 * **Threads.** torch's intra-op threads are pinned for the benchmarks (restored afterwards):
   ``KVBENCH_TORCH_THREADS`` if set, else 1 at ``quick`` scale on CPU (on a shared 2-core machine
