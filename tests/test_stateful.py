@@ -96,7 +96,7 @@ class CountingReference(ReferenceBlockManager):
 def test_every_mechanism_fires() -> None:
     counts: Counter[str] = Counter()
     machine = make_state_machine(lambda: CountingReference(counts))
-    run_state_machine_as_test(machine, settings=quick_settings(max_examples=50, phases=[Phase.generate]))
+    run_state_machine_as_test(machine, settings=quick_settings(max_examples=150, phases=[Phase.generate]))
     mechanisms = ["admitted", "admission refused", "prefix hit", "hit on an unreferenced cached block",
                   "hit on a block another request holds", "chunked admission", "eviction",
                   "allocate_slots refused", "recompute", "swap out refused", "swap out", "swap in"]
