@@ -31,6 +31,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, Q, K] bool: True where a query may attend to a key
     flat_rows: torch.Tensor  # [num valid queries] long: token_index[query_valid]
     flat_blocks: torch.Tensor  # [B * max_blocks] long: block_tables flattened, for one index_select
+    seq_lens: torch.Tensor  # [B] long: keys each sequence attends to (its last query position + 1)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [num_tokens] long: block that receives each new token's K/V
     slot_offsets: torch.Tensor  # [num_tokens] long: offset inside that block
     groups: list[AttentionGroup]
+    backend: str = "torch"  # "triton": the decode group runs triton_attention.paged_decode_attention
 
 
 def build_group(token_index: torch.Tensor, query_positions: torch.Tensor, query_valid: torch.Tensor,
@@ -47,7 +49,7 @@ def build_group(token_index: torch.Tensor, query_positions: torch.Tensor, query_
     key_positions = torch.arange(num_keys, device=block_tables.device)
     mask = key_positions.view(1, 1, -1) <= query_positions.unsqueeze(-1)  # [B, Q, K]
     return AttentionGroup(token_index, query_valid, block_tables, mask.unsqueeze(1), token_index[query_valid],
-                          block_tables.reshape(-1))
+                          block_tables.reshape(-1), query_positions.max(dim=1).values + 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
@@ -64,6 +66,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     v_rows = v_cache.reshape(num_blocks, -1)
     out = torch.empty_like(q)
     for g in meta.groups:
+        if meta.backend == "triton" and g.token_index.shape[1] == 1:  # the decode group: one query per sequence
+            from reference_engine import triton_attention  # imports triton only when it is used
+
+            out[g.flat_rows] = triton_attention.paged_decode_attention(q[g.flat_rows], kv_cache, layer,
+                                                                       g.block_tables, g.seq_lens)
+            continue
         batch = g.block_tables.shape[0]
         qg = q[g.token_index].transpose(1, 2)  # [B, Hq, Q, D]
         kg = k_rows.index_select(0, g.flat_blocks).view(batch, -1, num_kv_heads, head_dim)  # [B, K, Hkv, D]

@@ -28,6 +28,7 @@ class ConfigError(ValueError):
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GiB = 1 << 30
 
 
@@ -53,6 +54,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     check_invariants: bool = False  # run the block manager's self-check after every step (slow)
+    attention_backend: str = "auto"  # decode attention: "torch", "triton", or "auto" = triton on CUDA if importable
 
     def __post_init__(self) -> None:
         _positive_power_of_two("block_size", self.block_size, upper=128)
@@ -67,6 +69,7 @@ class EngineConfig:
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("dtype", self.dtype, DTYPES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "True or False")

@@ -27,6 +27,7 @@ from reference_engine.request import Request, RequestStatus
 from reference_engine.runner import ModelRunner
 from reference_engine.sampling_params import SamplingParams
 from reference_engine.scheduler import Scheduler
+from reference_engine.triton_attention import resolve_attention_backend
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,7 +62,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, config.seed)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, config.seed,
+                                  self.attention_backend)
         self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step()
         self._ids = itertools.count()
         self._swap = {"swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_seconds": 0.0}

@@ -24,13 +24,14 @@ from reference_engine.scheduler import ScheduledChunk, SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_manager: BlockManager,
-                 device: torch.device, engine_seed: int):
+                 device: torch.device, engine_seed: int, attention_backend: str = "torch"):
         self.model = model
         self.kv = kv_cache
         self.bm = block_manager
         self.device = device
         self.block_size = block_manager.block_size
         self.engine_seed = engine_seed
+        self.attention_backend = attention_backend  # "torch" or "triton", already resolved for the device
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -58,7 +59,7 @@ class ModelRunner:
         slot_blocks = _pad_tables(tables)[chunk_of_token, positions // self.block_size]
         meta = AttentionMetadata(
             slot_blocks=self._t(slot_blocks), slot_offsets=self._t(positions % self.block_size),
-            groups=self._groups(lens, starts, offsets, tables))
+            groups=self._groups(lens, starts, offsets, tables), backend=self.attention_backend)
         return self._t(np.asarray(tokens)), self._t(positions), meta, self._t(offsets + lens - 1)
 
     def _flatten(self, chunks: list[ScheduledChunk]) -> tuple[list[int], np.ndarray, np.ndarray]:
