@@ -88,6 +88,7 @@ class ReferenceAdapter(EngineAdapter):
         "device": "cpu, cuda or cuda:N",
         "dtype": "float32, float16 or bfloat16",
         "check_invariants": "run the block manager self-check after every step (slow)",
+        "attention_backend": "decode attention: auto (triton on CUDA), torch or triton",
     }
 
     def engine_config(self, knobs: Knobs = _DEFAULT_KNOBS):
