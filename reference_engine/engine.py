@@ -96,6 +96,8 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestRejected(f"request id {request_id!r} is invalid: expected a non-empty string")
         if not isinstance(params, SamplingParams):
             raise RequestRejected(f"request {request_id!r}: sampling_params must be a SamplingParams")
         if request_id in self.scheduler.requests:

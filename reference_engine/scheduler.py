@@ -148,6 +148,9 @@ class Scheduler:
                 self._add_chunk(req, num_new)
 
     def _schedule_swapped(self) -> None:
+        if self.policy == "priority" and len(self.swapped) > 1:
+            # Resume the most important first (stable: equal keys keep their swap-out order).
+            self.swapped = deque(sorted(self.swapped, key=Request.priority_key))
         while self.swapped and self._budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             remaining = req.num_tokens - req.num_computed_tokens

@@ -244,3 +244,12 @@ def test_pickle_only_checkpoint_is_refused_and_never_unpickled(tiny_ckpt: str, t
     message = str(info.value)
     assert "no *.safetensors" in message and str(model_dir) in message and "pickle" in message
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("bad_id", [7, "", None])
+def test_request_id_must_be_a_non_empty_string(make_engine, bad_id):
+    from reference_engine import RequestRejected, SamplingParams
+
+    engine = make_engine(num_gpu_blocks_override=32)
+    with pytest.raises(RequestRejected, match="request id"):
+        engine.add_request(bad_id, [5, 6, 7], SamplingParams(max_tokens=2))

@@ -582,3 +582,32 @@ def test_abort_in_every_queue_frees_everything(state: str) -> None:
     assert sched.abort("never-added") is None
     model.run()
     assert sched.bm.is_whole()
+
+
+def test_priority_policy_resumes_swapped_requests_most_important_first():
+    """Swapped requests come back in priority order, not in the order they were swapped out."""
+    from reference_engine.block_manager import BlockManager
+    from reference_engine.request import Request
+    from reference_engine.sampling_params import SamplingParams
+    from reference_engine.scheduler import Scheduler
+
+    bm = BlockManager(num_gpu_blocks=8, num_cpu_blocks=8, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                      preemption_mode="swap", scheduling_policy="priority")
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    low = Request("low", [1] * 4, params, arrival_time=0.0, priority=5)
+    high = Request("high", [2] * 4, params, arrival_time=1.0, priority=0)
+    for req in (low, high):
+        sched.add(req)
+        out = sched.schedule()
+        sched.update(out, {c.request.request_id: 7 for c in out.chunks if c.completes})
+    # swap both out by hand, the low-priority one last, then let the scheduler resume one
+    for req in (high, low):
+        sched._budget, sched._scheduled, sched._out = 0, {}, type(out)(0)
+        sched._preempt(req)
+    assert [r.request_id for r in sched.swapped] == ["high", "low"]
+    sched.swapped.reverse()  # as if "low" had been swapped out first
+    sched.max_num_seqs = 1
+    out = sched.schedule()
+    assert out.swapped_in_requests == ["high"]
+    bm.check_invariants()
