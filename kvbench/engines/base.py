@@ -126,9 +126,14 @@ class EngineAdapter(abc.ABC):
     unsupported_knobs: dict[str, str] = {}  # noqa: RUF012
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
+        """Raises ValueError naming any option not in ``option_keys``."""
         self.model_dir = model_dir
         self.options = dict(options or {})
         self.name = name or self.kind
+        unknown = set(self.options) - set(self.option_keys)
+        if unknown:
+            raise ValueError(f"engine {self.kind!r}: unknown option(s) {sorted(unknown)}; "
+                             f"allowed: {sorted(self.option_keys)}")
 
     def describe(self) -> dict[str, Any]:
         """Engine identity and configuration for results files."""

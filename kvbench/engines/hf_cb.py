@@ -606,10 +606,6 @@ class HFContinuousBatchingAdapter(EngineAdapter):
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
-        unknown = set(self.options) - set(self.option_keys)
-        if unknown:
-            raise ValueError(f"engine {self.kind!r}: unknown option(s) {sorted(unknown)}; "
-                             f"allowed: {sorted(self.option_keys)}")
         self.device = check_device(self.options.get("device", "cpu"))
         # None = transformers' default (sdpa), the same cache key as ``hf``'s: one model in memory for both
         self.attn_implementation = self.options.get("attn_implementation")
