@@ -137,13 +137,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         self.rope = rope
+        self.qkv: nn.Linear | None = None  # q, k and v in one matmul, set by fuse_projections()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
-        k = self.rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is not None:
+            qkv = self.qkv(x)  # [num_tokens, (hq + 2 * hkv) * d]
+            qk = self.rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), positions)  # RoPE once for q and k
+            q, k = qk[:, :hq], qk[:, hq:]
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        else:
+            q = self.rope(self.q_proj(x).view(t, hq, d), positions)
+            k = self.rope(self.k_proj(x).view(t, hkv, d), positions)
+            v = self.v_proj(x).view(t, hkv, d)
         out = paged_attention(q, k, v, kv_cache, self.layer, meta)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(t, -1))
 
@@ -155,8 +162,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up: nn.Linear | None = None  # gate and up in one matmul, set by fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(nn.functional.silu(gate) * up)
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -197,8 +208,38 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, kv_cache, meta)
         return self.model.norm(x)
 
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Serve q/k/v and gate/up each from one matmul (fewer, larger kernels per layer).
+
+        The fused weight owns the storage and the original ``q_proj.weight`` etc. become views
+        into it, so memory is not doubled and the state dict keeps Hugging Face's names.
+        """
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+            mlp.gate_up = _fused_linear(mlp.gate_proj, mlp.up_proj)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def _fused_linear(*parts: nn.Linear) -> nn.Linear:
+    weight = torch.cat([p.weight for p in parts])
+    has_bias = parts[0].bias is not None
+    bias = torch.cat([p.bias for p in parts]) if has_bias else None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    row = 0
+    for p in parts:  # the originals now alias slices of the fused storage
+        n = p.weight.shape[0]
+        p.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            p.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return fused
 
 
 def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
@@ -231,4 +272,6 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = 
     rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
     model.model.rotary_emb.cos = rope.cos
     model.model.rotary_emb.sin = rope.sin
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.fuse_projections()
+    return model
