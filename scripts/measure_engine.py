@@ -65,9 +65,12 @@ def paged_vs_dense(context: int, repeats: int, batch: int = 64) -> tuple[float, 
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.rope(attn.q_proj(h).view(batch, mc.num_heads, mc.head_dim), positions)
-            k = attn.rope(attn.k_proj(h).view(batch, mc.num_kv_heads, mc.head_dim), positions)
-            v = attn.v_proj(h).view(batch, mc.num_kv_heads, mc.head_dim)
+            # the same fused q/k/v matmul and single RoPE call as the paged model: only the cache differs
+            hq, hkv, d = mc.num_heads, mc.num_kv_heads, mc.head_dim
+            qkv = attn.qkv(h)
+            qk = attn.rope(qkv[:, : (hq + hkv) * d].view(batch, hq + hkv, d), positions)
+            q, k = qk[:, :hq], qk[:, hq:]
+            v = qkv[:, (hq + hkv) * d :].view(batch, hkv, d)
             dense_k[i][:, context] = k
             dense_v[i][:, context] = v
             o = F.scaled_dot_product_attention(q.unsqueeze(2), dense_k[i].transpose(1, 2),
