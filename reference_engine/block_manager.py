@@ -90,6 +90,11 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def record_prefix_query(self, num_tokens: int, hit_tokens: int) -> None:
+        """Count one admission's lookup (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += hit_tokens
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the hashes of blocks whose KV is now fully computed. Call after the model ran."""
         if not self.enable_caching:

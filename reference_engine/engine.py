@@ -27,7 +27,6 @@ from reference_engine.request import Request, RequestStatus
 from reference_engine.runner import ModelRunner
 from reference_engine.sampling_params import SamplingParams
 from reference_engine.scheduler import Scheduler
-from reference_engine.triton_attention import resolve_attention_backend
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -62,7 +61,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.attention_backend = _attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, config.seed,
                                   self.attention_backend)
         self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step()
@@ -88,7 +87,7 @@ class LLMEngine:
         try:
             self._validate(request_id, prompt_token_ids, sampling_params)
         except RequestRejected as e:
-            self.scheduler._event("rejected", str(request_id), reason=str(e))
+            self.scheduler.record_event("rejected", str(request_id), reason=str(e))
             raise
         eos = self.model.config.eos_token_ids[0] if self.model.config.eos_token_ids else None
         req = Request(request_id, list(prompt_token_ids), sampling_params,
@@ -138,19 +137,19 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._copy_swapped_blocks(out)
         sampled = self.runner.execute(out)
-        # Counted before update(): appending the sampled tokens makes a decode chunk look incomplete.
-        num_prefill = out.num_prefill_tokens
         touched = self.scheduler.update(out, sampled)
         if self.config.check_invariants:
             self.block_manager.check_invariants()
         outputs, self._pending = self._pending + [RequestOutput.of(r) for r in touched], []
         self.last_step = {"seconds": time.perf_counter() - t0, "num_tokens": out.num_tokens,
-                          "num_prefill_tokens": num_prefill,
-                          "num_decode_tokens": out.num_tokens - num_prefill,
+                          "num_prefill_tokens": out.num_prefill_tokens,
+                          "num_decode_tokens": out.num_tokens - out.num_prefill_tokens,
                           "num_preempted": out.num_preempted}
         return outputs
 
     def _copy_swapped_blocks(self, out) -> None:
+        """One batched copy per direction; each request's event gets its own blocks and bytes, and the
+        seconds of the step's whole copy (``requests`` says how many shared it)."""
         # Swap-outs first: their freed device blocks may be rewritten by this very step.
         for kind, mapping, requests in (("swapped_out", out.swap_out, out.swapped_out_requests),
                                         ("swapped_in", out.swap_in, out.swapped_in_requests)):
@@ -162,9 +161,9 @@ class LLMEngine:
             seconds = time.perf_counter() - t0
             self._swap[f"{kind}_bytes"] += nbytes
             self._swap["swap_seconds"] += seconds
-            for rid in requests:
-                self.scheduler._event(kind, rid, blocks=len(mapping), bytes=nbytes, seconds=seconds,
-                                      requests=len(requests))
+            for rid, blocks in requests.items():
+                self.scheduler.record_event(kind, rid, blocks=blocks, bytes=blocks * self.kv_cache.block_bytes,
+                                            seconds=seconds, requests=len(requests))
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
@@ -207,6 +206,16 @@ class LLMEngine:
             "num_recomputed_tokens": c["recomputed_tokens"], "num_generated_tokens": c["generated_tokens"],
             "num_evicted_blocks": bm.pool.num_evictions, "num_steps": s.step_index,
         }
+
+
+def _attention_backend(choice: str, device: torch.device) -> str:
+    """"torch" or "triton" for this device. Triton is imported only when it could be used, so CPU
+    engines (and every ``import reference_engine``) do not pay for importing it."""
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return "torch"
+    from reference_engine.triton_attention import resolve_attention_backend
+
+    return resolve_attention_backend(choice, device)
 
 
 __all__ = ["LLMEngine", "RequestRejected", "RequestStatus"]

@@ -44,7 +44,6 @@ class Request:
     num_recomputed_tokens: int = 0
     num_prefix_hit_tokens: int = 0  # summed over admissions
     admitted_seq: int = -1  # increases with every admission: the FCFS victim is the largest
-    swapped_block_count: int = 0  # device blocks a swapped request needs back
 
     @property
     def all_token_ids(self) -> list[int]:

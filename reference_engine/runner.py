@@ -51,32 +51,18 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                               torch.Tensor]:
         """Flat ``input_ids``, ``positions``, attention metadata and each chunk's last flat row."""
-        tokens, positions, offsets = self._flatten(chunks)
-        tables = [self.bm.blocks_of(c.request.request_id) for c in chunks]
         starts = np.array([c.start for c in chunks], dtype=np.int64)
         lens = np.array([c.num_tokens for c in chunks], dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))  # first flat row of each chunk
         chunk_of_token = np.repeat(np.arange(len(chunks)), lens)
+        positions = np.arange(int(lens.sum()), dtype=np.int64) - offsets[chunk_of_token] + starts[chunk_of_token]
+        tokens = _tokens(chunks)
+        tables = [self.bm.blocks_of(c.request.request_id) for c in chunks]
         slot_blocks = _pad_tables(tables)[chunk_of_token, positions // self.block_size]
         meta = AttentionMetadata(
             slot_blocks=self._t(slot_blocks), slot_offsets=self._t(positions % self.block_size),
             groups=self._groups(lens, starts, offsets, tables), backend=self.attention_backend)
         return self._t(np.asarray(tokens)), self._t(positions), meta, self._t(offsets + lens - 1)
-
-    def _flatten(self, chunks: list[ScheduledChunk]) -> tuple[list[int], np.ndarray, np.ndarray]:
-        tokens: list[int] = []
-        for c in chunks:
-            req = c.request
-            if c.num_tokens == 1:
-                p = c.start
-                n_prompt = req.num_prompt_tokens
-                tokens.append(req.prompt_token_ids[p] if p < n_prompt else req.output_token_ids[p - n_prompt])
-            else:
-                tokens.extend(req.all_token_ids[c.start : c.start + c.num_tokens])
-        lens = np.array([c.num_tokens for c in chunks], dtype=np.int64)
-        offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))  # first flat row of each chunk
-        starts = np.array([c.start for c in chunks], dtype=np.int64)
-        positions = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(offsets, lens) + np.repeat(starts, lens)
-        return tokens, positions, offsets
 
     def _groups(self, lens: np.ndarray, starts: np.ndarray, offsets: np.ndarray,
                 tables: list[list[int]]) -> list[AttentionGroup]:
@@ -97,6 +83,19 @@ class ModelRunner:
 
     def _t(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+def _tokens(chunks: list[ScheduledChunk]) -> list[int]:
+    """The token ids the chunks compute, flattened (a decode reads one id without concatenating lists)."""
+    tokens: list[int] = []
+    for c in chunks:
+        req = c.request
+        if c.num_tokens == 1:
+            p, n_prompt = c.start, req.num_prompt_tokens
+            tokens.append(req.prompt_token_ids[p] if p < n_prompt else req.output_token_ids[p - n_prompt])
+        else:
+            tokens.extend(req.all_token_ids[c.start : c.start + c.num_tokens])
+    return tokens
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

@@ -31,18 +31,18 @@ from reference_engine.events import EngineEvent
 from reference_engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``request`` starting at position ``start`` are computed this step."""
+    """``num_tokens`` tokens of ``request`` starting at position ``start`` are computed this step.
+
+    ``completes`` (the chunk reaches the end of the sequence, so a token is sampled) is fixed when the
+    chunk is scheduled: after ``update`` appends the sampled token the request is one token longer.
+    """
 
     request: Request
     start: int
     num_tokens: int
-
-    @property
-    def completes(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so a token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    completes: bool
 
 
 @dataclass
@@ -51,8 +51,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    swapped_out_requests: list[str] = field(default_factory=list)
-    swapped_in_requests: list[str] = field(default_factory=list)
+    swapped_out_requests: dict[str, int] = field(default_factory=dict)  # request id -> blocks moved
+    swapped_in_requests: dict[str, int] = field(default_factory=dict)
     num_preempted: int = 0
 
     @property
@@ -109,7 +109,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def _event(self, kind: str, request_id: str, **data) -> None:
+    def record_event(self, kind: str, request_id: str, **data) -> None:
         self.events.append(EngineEvent(kind, request_id, self.step_index, self.clock(), data))
 
     # ------------------------------------------------------------------ schedule
@@ -157,15 +157,17 @@ class Scheduler:
             if not self.chunked and remaining > self._budget:
                 return
             num_new = min(remaining, self._budget)
-            extra = self.bm.blocks_needed(req.num_computed_tokens + num_new) - req.swapped_block_count
+            held = len(self.bm.host_tables[req.request_id])
+            extra = self.bm.blocks_needed(req.num_computed_tokens + num_new) - held
             if not self.bm.can_swap_in(req.request_id, max(extra, 0)):
                 return
             self.swapped.popleft()
             mapping = self.bm.swap_in(req)
             self._out.swap_in.extend(mapping)
-            self._out.swapped_in_requests.append(req.request_id)
+            self._out.swapped_in_requests[req.request_id] = len(mapping)
             self.counters["swap_ins"] += 1
-            assert self.bm.allocate_slots(req, num_new), "swap-in checked capacity"
+            allocated = self.bm.allocate_slots(req, num_new)
+            assert allocated, "can_swap_in checked the capacity"
             self._make_running(req)
             self._add_chunk(req, num_new)
 
@@ -187,11 +189,10 @@ class Scheduler:
             req.num_computed_tokens = cached
             req.num_cached_tokens = cached
             req.num_prefix_hit_tokens += cached
-            self.bm.prefix_queries += req.num_tokens
-            self.bm.prefix_hits += cached
+            self.bm.record_prefix_query(req.num_tokens, cached)
             if cached:
-                self._event("prefix_hit", req.request_id, tokens=cached)
-            self._event("admitted", req.request_id, cached_tokens=cached, resumed=req.num_preemptions > 0)
+                self.record_event("prefix_hit", req.request_id, tokens=cached)
+            self.record_event("admitted", req.request_id, cached_tokens=cached, resumed=req.num_preemptions > 0)
             self._make_running(req)
             self._add_chunk(req, num_new)
 
@@ -202,7 +203,8 @@ class Scheduler:
         self.running.append(req)
 
     def _add_chunk(self, req: Request, num_new: int) -> None:
-        self._scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, num_new)
+        start = req.num_computed_tokens
+        self._scheduled[req.request_id] = ScheduledChunk(req, start, num_new, start + num_new == req.num_tokens)
         self._budget -= num_new
 
     # ------------------------------------------------------------------ preemption
@@ -232,23 +234,23 @@ class Scheduler:
         num_blocks = len(self.bm.block_tables.get(victim.request_id, []))
         if self.preemption_mode == "swap":
             if self.bm.can_swap_out(victim.request_id):
-                victim.swapped_block_count = num_blocks
                 self._out.swap_out.extend(self.bm.swap_out(victim.request_id))
-                self._out.swapped_out_requests.append(victim.request_id)
+                self._out.swapped_out_requests[victim.request_id] = num_blocks
                 victim.status = RequestStatus.SWAPPED
                 self.swapped.append(victim)
                 self.counters["preemptions_swap"] += 1
                 self.counters["swap_outs"] += 1
-                self._event("preempted", victim.request_id, mode="swap", blocks=num_blocks)
+                self.record_event("preempted", victim.request_id, mode="swap", blocks=num_blocks)
                 return
             self.counters["swap_fallbacks"] += 1
-            self._event("swap_fallback", victim.request_id, blocks=num_blocks,
+            self.record_event("swap_fallback", victim.request_id, blocks=num_blocks,
                         free_cpu_blocks=self.bm.num_free_cpu_blocks)
         discarded = victim.num_computed_tokens
         self.bm.free(victim.request_id)
         victim.num_computed_tokens = 0
         self.counters["preemptions_recompute"] += 1
-        self._event("preempted", victim.request_id, mode="recompute", blocks=num_blocks, tokens_discarded=discarded)
+        self.record_event("preempted", victim.request_id, mode="recompute", blocks=num_blocks,
+                          tokens_discarded=discarded)
         self._enqueue_waiting(victim, front=True)
 
     # ------------------------------------------------------------------ after the model ran
@@ -300,9 +302,9 @@ class Scheduler:
         self.bm.forget(req.request_id)
         self.requests.pop(req.request_id, None)
         if status is RequestStatus.FINISHED_ABORTED:
-            self._event("aborted", req.request_id, state=previous.value)
+            self.record_event("aborted", req.request_id, state=previous.value)
         else:
-            self._event("finished", req.request_id, reason=status.value, output_tokens=len(req.output_token_ids))
+            self.record_event("finished", req.request_id, reason=status.value, output_tokens=len(req.output_token_ids))
 
     def abort(self, request_id: str) -> Request | None:
         """Abort a request in any state, freeing its device and host blocks. None if unknown."""

@@ -43,6 +43,9 @@ def test_swap_events_carry_bytes_and_time(make_engine, workload):
     assert all(e.data["bytes"] > 0 and e.data["seconds"] >= 0 for e in outs + ins)
     stats = engine.stats()
     assert stats["swapped_out_bytes"] == stats["swapped_in_bytes"] > 0
+    # each event carries its own request's bytes: they add up to the engine's totals
+    assert sum(e.data["bytes"] for e in outs) == stats["swapped_out_bytes"]
+    assert sum(e.data["bytes"] for e in ins) == stats["swapped_in_bytes"]
     # swapped requests resume before new admissions and never in a step that swapped out
     out_steps = {e.step for e in outs}
     assert not out_steps.intersection(e.step for e in ins)

@@ -70,6 +70,10 @@ class Knobs:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
+#: "Every knob at the engine's default", shared as the default argument of adapter methods.
+DEFAULT_KNOBS = Knobs()
+
+
 @dataclass(frozen=True)
 class GenRequest:
     """One request for batch generation."""
@@ -141,10 +145,10 @@ class EngineAdapter(abc.ABC):
                 "capabilities": sorted(self.capabilities)}
 
     @abc.abstractmethod
-    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = Knobs()) -> GenResult:
+    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
         """Run all requests to completion (all submitted before the engine steps)."""
 
-    def serve(self, workload: Sequence[WorkloadRequest], recorder: TraceRecorder, knobs: Knobs = Knobs()) -> None:
+    def serve(self, workload: Sequence[WorkloadRequest], recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS) -> None:
         """Serve a timed workload, reporting to ``recorder``. Default: not supported."""
         raise NotImplementedError(f"engine {self.kind!r} does not support timed serving")
 

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvbench.engines.base import EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
 
 # torch and transformers are imported inside functions: kvbench is a pytest plugin and importing this
 # module must stay cheap.
@@ -42,7 +42,6 @@ from kvbench.engines.base import EngineAdapter, GenOutput, GenRequest, GenResult
 _MODEL_CACHE: dict[tuple[str, str, str | None], Any] = {}
 _MODEL_CACHE_LOCK = threading.Lock()
 
-_DEFAULT_KNOBS = Knobs()
 _NO_POOL = "hf runs each request alone with a contiguous DynamicCache: no block pool, no batching, no preemption"
 
 
@@ -116,7 +115,7 @@ class HFAdapter(EngineAdapter):
         """The cached ``LlamaForCausalLM`` (loaded on first use)."""
         return load_model(self.model_dir, self.device, self.attn_implementation)
 
-    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = _DEFAULT_KNOBS) -> GenResult:
+    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
         """Run each request alone, in order. ``knobs`` are ignored (see the module docstring)."""
         outputs = [self._generate_one(r) for r in requests]
         evidence = [f"hf: {len(requests)} requests run one at a time through transformers generate "

@@ -120,7 +120,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvbench.engines.base import EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
 from kvbench.engines.hf import check_device, eos_token_ids, load_model
 from kvbench.trace import StepRecord
 
@@ -128,7 +128,6 @@ if TYPE_CHECKING:
     from kvbench.trace import TraceRecorder
     from kvbench.workloads import WorkloadRequest
 
-_DEFAULT_KNOBS = Knobs()
 _LOGGER_NAME = "ContinuousBatchingLogger"
 _GIB = 1024**3
 #: log lines worth quoting in evidence (substrings of ContinuousBatchingLogger messages)
@@ -676,7 +675,7 @@ class HFContinuousBatchingAdapter(EngineAdapter):
 
     # -- generate --------------------------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = _DEFAULT_KNOBS) -> GenResult:
+    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
         """Submit every request, then collect final outputs, in request order, with the probe's counters.
 
         A request the engine failed (e.g. the loop died because one request alone exceeds the pool)
@@ -743,7 +742,7 @@ class HFContinuousBatchingAdapter(EngineAdapter):
 
     # -- serve -----------------------------------------------------------------------------------------
 
-    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = _DEFAULT_KNOBS) -> None:
+    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS) -> None:
         """Serve a timed workload on the wall clock, recording to ``recorder`` from this thread only.
 
         ``workload`` is duck-typed: ``.requests`` (each with ``request_id``, ``prompt_token_ids``,

@@ -13,10 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvbench.driver import StepReport, drive
-from kvbench.engines.base import EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
 from kvbench.trace import StepRecord, TraceRecorder
-
-_DEFAULT_KNOBS = Knobs()
 
 # Knobs field -> EngineConfig field
 _KNOB_TO_CONFIG = {
@@ -91,7 +89,7 @@ class ReferenceAdapter(EngineAdapter):
         "attention_backend": "decode attention: auto (triton on CUDA), torch or triton",
     }
 
-    def engine_config(self, knobs: Knobs = _DEFAULT_KNOBS):
+    def engine_config(self, knobs: Knobs = DEFAULT_KNOBS):
         """The EngineConfig for these options with the knobs applied over them."""
         from reference_engine import EngineConfig
 
@@ -100,13 +98,13 @@ class ReferenceAdapter(EngineAdapter):
             values[_KNOB_TO_CONFIG[knob]] = value
         return EngineConfig(model=self.model_dir, **values)
 
-    def build_engine(self, knobs: Knobs = _DEFAULT_KNOBS):
+    def build_engine(self, knobs: Knobs = DEFAULT_KNOBS):
         """A fresh LLMEngine for these options and knobs."""
         from reference_engine import LLMEngine
 
         return LLMEngine(self.engine_config(knobs))
 
-    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = _DEFAULT_KNOBS) -> GenResult:
+    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
         from reference_engine import RequestRejected, SamplingParams
 
         engine = self.build_engine(knobs)
@@ -173,7 +171,7 @@ class ReferenceAdapter(EngineAdapter):
             engine.step()
         return compared, mismatches
 
-    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = _DEFAULT_KNOBS, progress=None) -> None:
+    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:
         engine = self.build_engine(knobs)
         requests = getattr(workload, "requests", workload)
         drive(_Steppable(engine), requests, recorder, concurrency=getattr(workload, "concurrency", None),
