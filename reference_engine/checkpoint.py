@@ -2,9 +2,10 @@
 
 ``write_checkpoint(out_dir, preset="tiny", seed=0)`` writes ``config.json`` and ``model.safetensors``
 (float32, safetensors only: never pickle) that ``transformers.LlamaForCausalLM.from_pretrained(out_dir)``
-loads with no missing or unexpected keys. The same (preset, seed, overrides) always gives byte-identical
-files on a given torch version: every tensor is drawn from one explicitly seeded ``torch.Generator`` in a
-fixed order, and no global RNG is touched.
+loads with no missing or unexpected keys, and a word-level tokenizer (``reference_engine.tokenizer``)
+that ``transformers.AutoTokenizer`` and ``tokenizers.Tokenizer.from_file`` load. The same (preset,
+seed, overrides) always gives byte-identical files on a given torch version: every tensor is drawn
+from one explicitly seeded ``torch.Generator`` in a fixed order, and no global RNG is touched.
 
 Why the weights are not Hugging Face's default init (std 0.02 everywhere): random weights give flat
 logits, and greedy decoding then sits on near-ties that float32 noise (different kernels, batch shapes,
@@ -52,6 +53,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from reference_engine.tokenizer import write_tokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -321,11 +324,13 @@ def _break_repeat_fixed_points(config: dict[str, Any], weights: dict[str, torch.
 def write_checkpoint(
     out_dir: str | pathlib.Path, preset: str = "tiny", seed: int = 0, **overrides: Any
 ) -> pathlib.Path:
-    """Write ``config.json`` and ``model.safetensors`` for ``preset`` into ``out_dir``; return its path.
+    """Write ``config.json``, ``model.safetensors`` and a tokenizer (``tokenizer.json``,
+    ``tokenizer_config.json``, ``special_tokens_map.json``: see ``reference_engine.tokenizer``) for
+    ``preset`` into ``out_dir``; return its path.
 
     ``overrides`` replace preset fields (e.g. ``tie_word_embeddings=True``, ``num_hidden_layers=1``); an
     unknown key or preset raises ``ValueError`` naming the allowed ones. ``out_dir`` is created if needed
-    and the two files are overwritten. Same arguments -> byte-identical files (same torch version).
+    and the files are overwritten. Same arguments -> byte-identical files (same torch version).
     """
     config = build_config(preset, seed, **overrides)
     weights = build_weights(config)
@@ -334,6 +339,8 @@ def write_checkpoint(
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     # Metadata "format: pt" is what transformers expects of a torch-written safetensors file.
     save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    # A tokenizer (t<id> words) lets text prompts reach the model through the server; weights unchanged.
+    write_tokenizer(out, config)
     return out
 
 
