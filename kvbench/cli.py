@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from kvbench import __version__, gate
-from kvbench.results import Results, ResultsError
+from kvbench import __version__
+from kvbench.bench import gate
+from kvbench.bench.results import Results, ResultsError
 
 EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
 
@@ -44,7 +45,7 @@ def _load(path: str, what: str) -> Results:
 
 
 def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.report import render_report  # jinja2 and the charts load only when needed
+    from kvbench.report.render import render_report  # jinja2 and the charts load only when needed
 
     results = _load(args.results, "results file")
     baseline = _load(args.baseline, "baseline file") if args.baseline else None

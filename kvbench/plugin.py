@@ -7,7 +7,7 @@ Options (group "kvbench")::
     --benchmark-scale quick|full    benchmark size (default quick)
     --report-dir DIR                where runs are written (default reports/)
     --baseline RESULTS.json         compare with a saved run; regressions fail the session
-    --threshold EXPR                regression threshold, repeatable (default: see kvbench.gate)
+    --threshold EXPR                regression threshold, repeatable (default: see kvbench.bench.gate)
     --slo EXPR                      goodput SLOs, e.g. "ttft<=0.5,tbt<=0.1"
     --kvbench-model DIR             checkpoint to run engines on (default: the built-in tiny model)
 
@@ -44,7 +44,7 @@ class KvbenchSession:
     slos: str | None = None
     model: str | None = None
     run_name: str = ""
-    results: Any = None  # kvbench.results.Results, created on first use
+    results: Any = None  # kvbench.bench.results.Results, created on first use
     report_path: Path | None = None
     regressions: list[Any] = field(default_factory=list)
     gate_error: str | None = None
@@ -52,7 +52,7 @@ class KvbenchSession:
 
     def get_results(self):
         if self.results is None:
-            from kvbench.results import Results
+            from kvbench.bench.results import Results
 
             self.results = Results()
         return self.results
@@ -93,7 +93,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError("--engine: the same engine is named twice")
     thresholds = config.getoption("threshold")
     if thresholds:
-        from kvbench.gate import ThresholdError, parse_thresholds
+        from kvbench.bench.gate import ThresholdError, parse_thresholds
 
         try:
             parse_thresholds(thresholds)
@@ -101,7 +101,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--threshold: {e}") from None
     slos = config.getoption("slo")
     if slos:
-        from kvbench.metrics import parse_slos
+        from kvbench.bench.metrics import parse_slos
 
         try:
             parse_slos(slos)
@@ -176,7 +176,7 @@ def engine(engine_spec: EngineSpec, model_dir: str):
 
 @pytest.fixture(scope="session")
 def kvbench_results(kvbench_session: KvbenchSession):
-    """The run's :class:`kvbench.results.Results`; written to the report dir at the end."""
+    """The run's :class:`kvbench.bench.results.Results`; written to the report dir at the end."""
     return kvbench_session.get_results()
 
 
@@ -197,8 +197,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     ks = config.stash.get(_SESSION_KEY, None)
     if ks is None or ks.results is None or _is_xdist_worker(config) or not ks.results.scenarios:
         return
-    from kvbench.report import write_index, write_report
-    from kvbench.results import Results
+    from kvbench.bench.results import Results
+    from kvbench.report.render import write_index, write_report
 
     baseline = None
     if ks.baseline is not None:
@@ -210,7 +210,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     ks.report_path = write_report(ks.results, run_dir, baseline=baseline)
     write_index(ks.report_dir)
     if baseline is not None:
-        from kvbench import gate
+        from kvbench.bench import gate
 
         ks.regressions = gate.compare(ks.results, baseline, ks.thresholds or list(gate.DEFAULT_THRESHOLDS))
         if not gate.common_keys(ks.results, baseline):

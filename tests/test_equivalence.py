@@ -1,10 +1,10 @@
-"""Unit tests of the near-tie equivalence rule (kvbench.equivalence)."""
+"""Unit tests of the near-tie equivalence rule (kvbench.conformance.equivalence)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvbench.equivalence import DEFAULT_TOLERANCE, Verdict, compare
+from kvbench.conformance.equivalence import DEFAULT_TOLERANCE, Verdict, compare
 
 
 def test_identical_tokens_are_exact():

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from kvbench import gate
-from kvbench.gate import Regression, ThresholdError, compare, parse_threshold
-from kvbench.results import Results
+from kvbench.bench import gate
+from kvbench.bench.gate import Regression, ThresholdError, compare, parse_threshold
+from kvbench.bench.results import Results
 
 
 def run(**by_key: dict) -> Results:
@@ -97,7 +97,7 @@ def test_deltas_list_every_compared_metric():
 
 
 def test_every_short_name_resolves_to_a_metric_key():
-    from kvbench.metrics import METRIC_KEYS
+    from kvbench.bench.metrics import METRIC_KEYS
 
     for short, key in gate.SHORT_NAMES.items():
         assert gate.resolve_metric(short) == key and key in METRIC_KEYS

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvbench.bench.workloads import Workload, WorkloadRequest
+from kvbench.conformance.equivalence import compare
+from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import GenRequest, Knobs
 from kvbench.engines.hf import HFAdapter
 from kvbench.engines.hf_cb import HFContinuousBatchingAdapter, map_knobs
-from kvbench.equivalence import compare
-from kvbench.trace import TraceRecorder
-from kvbench.workloads import Workload, WorkloadRequest
 from reference_engine.checkpoint import write_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -109,7 +109,7 @@ def test_hf_rejects_unknown_options(ckpt_dir: str):
 
 
 def test_adapters_import_without_transformers():
-    code = ("import sys, kvbench.engines.hf, kvbench.engines.hf_cb, kvbench.equivalence; "
+    code = ("import sys, kvbench.engines.hf, kvbench.engines.hf_cb, kvbench.conformance.equivalence; "
             "print('transformers' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

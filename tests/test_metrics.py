@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvbench import metrics
-from kvbench.metrics import SLOError, crossover, knee, parse_slos, summarize
+from kvbench.bench import metrics
+from kvbench.bench.metrics import SLOError, crossover, knee, parse_slos, summarize
 from tests.trace_factory import make_trace, req, simulate, step
 
 approx = pytest.approx

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from kvbench import report
-from kvbench.report import headline_ratios, render_report, write_index, write_report
-from kvbench.results import Results
+from kvbench.bench.results import Results
+from kvbench.report import render as report
+from kvbench.report.render import headline_ratios, render_report, write_index, write_report
 from tests.chromium import INSTALL_HINT, find_chromium, load_page, png_size, screenshot
 from tests.trace_factory import relabel, scaled, synthetic_results
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from kvbench import __version__
-from kvbench.results import SCHEMA_VERSION, Results, ResultsError, commit_info, machine_info
+from kvbench.bench.results import SCHEMA_VERSION, Results, ResultsError, commit_info, machine_info
 from tests.trace_factory import make_trace, req
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of kvbench.scenarios: the plans build and fit, and every claim checker rejects a run
+"""Unit tests of kvbench.bench.scenarios: the plans build and fit, and every claim checker rejects a run
 in which nothing happened (a benchmark that passes because the storm never came is a defect)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from kvbench import metrics
-from kvbench import scenarios as sc
+from kvbench.bench import metrics
+from kvbench.bench import scenarios as sc
+from kvbench.bench.results import Results, validate
 from kvbench.engines.base import EngineAdapter, GenResult, Knobs
-from kvbench.results import Results, validate
 from tests.trace_factory import make_trace, req, step
 
 _KNOBS = Knobs()
@@ -379,7 +379,7 @@ def _steady_trace(tokens_per_s: float, n: int = 4, preempt: bool = False) -> obj
 
 
 def test_the_report_headlines_are_filled_from_recorded_outcomes():
-    from kvbench.report import headline_ratios
+    from kvbench.report.render import headline_ratios
 
     results = Results()
     engines = [{"name": "reference", "kind": "reference"},

@@ -17,16 +17,15 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvbench.stateful import (
+from kvbench.conformance.stateful import (
     PROFILES,
     BlockManagerMachine,
     BlockManagerUnderTest,
-    ReferenceBlockManager,
     machine_settings,
     make_state_machine,
-    reference_block_manager,
     register_profiles,
 )
+from kvbench.engines.reference_blocks import ReferenceBlockManager, reference_block_manager
 from reference_engine.block_manager import BlockManager
 from reference_engine.request import Request
 
@@ -214,5 +213,5 @@ def test_profiles_can_be_registered_for_the_pytest_option() -> None:
 
 
 def test_importing_the_machine_does_not_import_the_reference_engine() -> None:
-    code = "import sys, kvbench.stateful; sys.exit('reference_engine' in sys.modules)"
+    code = "import sys, kvbench.conformance.stateful; sys.exit('reference_engine' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

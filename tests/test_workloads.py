@@ -1,4 +1,4 @@
-"""Tests of kvbench.workloads: reproducibility, distributions, arrival processes, validation."""
+"""Tests of kvbench.bench.workloads: reproducibility, distributions, arrival processes, validation."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.workloads import (
+from kvbench.bench.workloads import (
     Aborts,
     AllAtOnce,
     ClosedLoop,

@@ -17,9 +17,9 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvbench import metrics
-from kvbench.results import Results
-from kvbench.trace import RequestTrace, StepRecord, Trace
+from kvbench.bench import metrics
+from kvbench.bench.results import Results
+from kvbench.core.trace import RequestTrace, StepRecord, Trace
 
 
 def req(rid: str, arrival: float = 0.0, tokens: Sequence[float] = (), *, prompt_len: int = 10,

@@ -8,7 +8,7 @@ An adapter wraps one engine (in-process or remote) and offers two things:
   prove that the mechanism it is about actually fired.
 * ``serve(workload, recorder, knobs)``: timed serving for benchmarks. Requests are released at
   their arrival times on the wall clock and the adapter reports what happened to a
-  :class:`kvbench.trace.TraceRecorder`.
+  :class:`kvbench.core.trace.TraceRecorder`.
 
 Pressure is forced through :class:`Knobs`, kvbench's engine-neutral names for the levers every
 paged-KV engine has. Each adapter maps them onto its own configuration and lists the knobs it
@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+# The protocol's vocabulary lives in kvbench.core; it is re-exported here so that an adapter needs
+# one import.
+from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
+from kvbench.core.requests import GenOutput, GenRequest, GenResult, WorkloadRequest
+
 if TYPE_CHECKING:
-    from kvbench.trace import TraceRecorder
-    from kvbench.workloads import WorkloadRequest
+    from kvbench.core.trace import TraceRecorder
 
 #: Capabilities an adapter may declare. A check needing one the engine lacks is skipped.
 CAPABILITIES = frozenset(
@@ -41,80 +44,6 @@ CAPABILITIES = frozenset(
     }
 )
 
-
-@dataclass(frozen=True)
-class Knobs:
-    """Engine-neutral configuration. ``None`` means "the engine's default".
-
-    Fields follow vLLM's names. ``num_gpu_blocks`` is the size of the device KV pool in blocks,
-    ``num_cpu_blocks`` the host (swap / offload) pool in blocks.
-    """
-
-    block_size: int | None = None
-    num_gpu_blocks: int | None = None
-    num_cpu_blocks: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool | None = None
-    enable_prefix_caching: bool | None = None
-    preemption_mode: str | None = None  # "recompute" | "swap"
-    scheduling_policy: str | None = None  # "fcfs" | "priority"
-
-    def merged(self, other: Knobs) -> Knobs:
-        """``other``'s non-None fields win over ours."""
-        updates = {f.name: getattr(other, f.name) for f in fields(other) if getattr(other, f.name) is not None}
-        return replace(self, **updates)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
-
-#: "Every knob at the engine's default", shared as the default argument of adapter methods.
-DEFAULT_KNOBS = Knobs()
-
-
-@dataclass(frozen=True)
-class GenRequest:
-    """One request for batch generation."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = True
-    priority: int = 0
-
-
-@dataclass
-class GenOutput:
-    """What one request produced. ``num_preemptions`` is None if the engine cannot tell."""
-
-    request_id: str
-    token_ids: list[int]
-    finish_reason: str | None  # "length" | "stop" | "abort" | "rejected" | "error"
-    num_preemptions: int | None = None
-    error: str | None = None  # why a request was rejected or failed, in the engine's words
-
-
-@dataclass
-class GenResult:
-    """Outputs in request order, plus the engine's counters after the run.
-
-    ``counters`` uses these names where the engine can tell (absent keys mean "not exposed"):
-    ``preemptions_recompute``, ``preemptions_swap``, ``swap_outs``, ``swap_ins``, ``swap_fallbacks``,
-    ``prefix_cache_queries``, ``prefix_cache_hits`` (tokens), ``prefill_chunks``,
-    ``recomputed_tokens``, ``computed_tokens``, ``swapped_out_bytes``, ``swapped_in_bytes``,
-    ``leaked_blocks`` (device blocks still held after everything finished).
-    ``evidence`` lists free-text lines (log lines, event summaries) a check may quote.
-    """
-
-    outputs: list[GenOutput]
-    counters: dict[str, int | float] = field(default_factory=dict)
-    evidence: list[str] = field(default_factory=list)
 
 
 class EngineAdapter(abc.ABC):
@@ -154,3 +83,7 @@ class EngineAdapter(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, servers, device memory)."""
+
+
+__all__ = ["CAPABILITIES", "DEFAULT_KNOBS", "EngineAdapter", "GenOutput", "GenRequest", "GenResult", "Knobs",
+           "WorkloadRequest"]

@@ -3,7 +3,7 @@
 No paging, no batching, no preemption: each request runs alone through ``LlamaForCausalLM.generate``
 with a contiguous ``DynamicCache`` and no padding (a batch of one needs none), so nothing but the model
 itself decides its tokens. Conformance checks compare other engines' greedy outputs with these, under
-the near-tie rule of :mod:`kvbench.equivalence`, using :meth:`HFAdapter.top2_margins`.
+the near-tie rule of :mod:`kvbench.conformance.equivalence`, using :meth:`HFAdapter.top2_margins`.
 
 Contracts:
 

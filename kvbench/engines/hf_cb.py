@@ -120,13 +120,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvbench.core.trace import StepRecord
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
 from kvbench.engines.hf import check_device, eos_token_ids, load_model
-from kvbench.trace import StepRecord
 
 if TYPE_CHECKING:
-    from kvbench.trace import TraceRecorder
-    from kvbench.workloads import WorkloadRequest
+    from kvbench.core.requests import WorkloadRequest
+    from kvbench.core.trace import TraceRecorder
 
 _LOGGER_NAME = "ContinuousBatchingLogger"
 _GIB = 1024**3

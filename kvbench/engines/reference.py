@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from kvbench.driver import StepReport, drive
+from kvbench.core.stepping import StepReport, drive
+from kvbench.core.trace import StepRecord, TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
-from kvbench.trace import StepRecord, TraceRecorder
 
 # Knobs field -> EngineConfig field
 _KNOB_TO_CONFIG = {
@@ -132,7 +132,7 @@ class ReferenceAdapter(EngineAdapter):
 
     def block_manager_factory(self):
         """Fresh block managers for the stateful refcount machine (conformance check 5)."""
-        from kvbench.stateful import reference_block_manager
+        from kvbench.engines.reference_blocks import reference_block_manager
 
         return reference_block_manager()
 

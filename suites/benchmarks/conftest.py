@@ -3,7 +3,7 @@
 Choices made here, once for every benchmark:
 
 * **Model.** ``--kvbench-model`` if given; else the built-in ``tiny`` checkpoint at ``quick`` scale
-  and ``small`` at ``full`` (:data:`kvbench.scenarios.MODEL_PRESETS`). Measured on the 2-core CI
+  and ``small`` at ``full`` (:data:`kvbench.bench.scenarios.MODEL_PRESETS`). Measured on the 2-core CI
   machine: a batch-8 decode step takes 9-12 ms on ``tiny`` and 123-127 ms on ``small``, so the quick
   suite on ``small`` would blow its ten-minute budget several times over.
 * **Threads.** torch's intra-op threads are pinned for the benchmarks (restored afterwards):
@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from kvbench import scenarios as sc
+from kvbench.bench import scenarios as sc
 from kvbench.engines.registry import EngineSpec, make_adapter
 from kvbench.plugin import require
 

@@ -3,7 +3,7 @@
 Each test serves its scenario (sizes from ``--benchmark-scale``), records every run into the
 session's results (the report, the baseline gate), then asserts that the scenario did what it
 claims: the storm preempted, the surge filled the pool, the crossover holds both modes... never a
-time. What each scenario serves and claims is in :mod:`kvbench.scenarios`; the fixtures (model,
+time. What each scenario serves and claims is in :mod:`kvbench.bench.scenarios`; the fixtures (model,
 threads, progress bar, de-duplication of equivalent engines) in this folder's ``conftest.py``.
 
 Run with ``pytest suites/benchmarks --benchmark``; without ``--benchmark`` every test here is skipped.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench import scenarios as sc
+from kvbench.bench import scenarios as sc
 
 pytestmark = pytest.mark.benchmark
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.conformance import BLOCK_SIZE, ROOMY_BLOCKS, conformance_requests
+from kvbench.conformance.prove import BLOCK_SIZE, ROOMY_BLOCKS, conformance_requests
 from kvbench.engines.base import GenRequest, GenResult, Knobs
 from kvbench.engines.registry import EngineSpec, make_adapter
 

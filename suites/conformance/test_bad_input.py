@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.conformance import BLOCK_SIZE, PRESSURED_BLOCKS, ROOMY_BLOCKS, model_vocab, prove
+from kvbench.conformance.prove import BLOCK_SIZE, PRESSURED_BLOCKS, ROOMY_BLOCKS, model_vocab, prove
 from kvbench.engines.base import GenRequest, Knobs
 from kvbench.plugin import require
 

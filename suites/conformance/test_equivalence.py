@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvbench.conformance import (
+from kvbench.conformance.prove import (
     BLOCK_SIZE,
     PRESSURED_BLOCKS,
     ROOMY_BLOCKS,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.conformance import BLOCK_SIZE, PRESSURED_BLOCKS, model_vocab
+from kvbench.bench.workloads import Aborts, Poisson, Uniform, WorkloadSpec
+from kvbench.conformance.prove import BLOCK_SIZE, PRESSURED_BLOCKS, model_vocab
+from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import Knobs
 from kvbench.plugin import require
-from kvbench.trace import TraceRecorder
-from kvbench.workloads import Aborts, Poisson, Uniform, WorkloadSpec
 
 pytestmark = pytest.mark.conformance
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvbench.conformance.stateful import machine_settings, make_state_machine
 from kvbench.plugin import require
-from kvbench.stateful import machine_settings, make_state_machine
 
 pytestmark = pytest.mark.conformance
 

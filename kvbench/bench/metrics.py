@@ -1,4 +1,4 @@
-"""Every figure kvbench reports, computed from a :class:`~kvbench.trace.Trace`.
+"""Every figure kvbench reports, computed from a :class:`~kvbench.core.trace.Trace`.
 
 Contracts
 ---------
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from kvbench.trace import Trace
+from kvbench.core.trace import Trace
 
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
 DEFAULT_SPIKE_FACTOR = 5.0
@@ -420,7 +420,7 @@ def _starvation(trace: Trace) -> dict[str, float | None]:
 
 
 def step_frame(trace: Trace) -> pd.DataFrame:
-    """One row per step, sorted by time (columns are :class:`~kvbench.trace.StepRecord` fields)."""
+    """One row per step, sorted by time (columns are :class:`~kvbench.core.trace.StepRecord` fields)."""
     columns = ["t", "duration", "num_running", "num_waiting", "num_swapped", "kv_usage", "cpu_kv_usage",
                "num_prefill_tokens", "num_decode_tokens", "num_preempted"]
     df = pd.DataFrame([vars(s) for s in trace.steps], columns=columns)

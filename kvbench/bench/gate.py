@@ -11,7 +11,7 @@ Relative changes are ``(current - baseline) / |baseline|``. A baseline of 0 with
 current value is an infinite relative change (so ``preemptions:+50%`` fails when 0 becomes 3).
 A metric that is missing or None on either side is not compared.
 
-NAME is a short name from :data:`SHORT_NAMES` or any key of :func:`kvbench.metrics.summarize`
+NAME is a short name from :data:`SHORT_NAMES` or any key of :func:`kvbench.bench.metrics.summarize`
 (``pNN_name`` is also read as ``name_pNN``). Short names:
 
 ==================  ===========================  ============
@@ -45,8 +45,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvbench.metrics import GOODPUT_KEYS, METRIC_KEYS
-from kvbench.results import Results
+from kvbench.bench.metrics import GOODPUT_KEYS, METRIC_KEYS
+from kvbench.bench.results import Results
 
 SHORT_NAMES: dict[str, str] = {
     "throughput": "output_throughput",
@@ -93,7 +93,7 @@ def resolve_metric(name: str) -> str:
     if m and f"{m['base']}_p{m['pct']}" in _KNOWN:
         return f"{m['base']}_p{m['pct']}"
     raise ThresholdError(f"unknown metric {name!r}; use a short name ({', '.join(sorted(SHORT_NAMES))}), "
-                         "pNN_<ttft|tbt|tpot|e2e>, or a metric key from kvbench.metrics.METRIC_KEYS")
+                         "pNN_<ttft|tbt|tpot|e2e>, or a metric key from kvbench.bench.metrics.METRIC_KEYS")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Requests are released at their workload arrival times on the wall clock (open lo
 ``concurrency`` in flight (closed loop: a request "arrives" when a slot frees). Between steps the
 driver aborts requests whose ``abort_at`` has passed. After each step it records tokens,
 admissions, preemptions, resumes and finishes per request, and queue lengths, KV usage and
-tokens scheduled per step, into a :class:`~kvbench.trace.TraceRecorder`.
+tokens scheduled per step, into a :class:`~kvbench.core.trace.TraceRecorder`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvbench.trace import StepRecord, TraceRecorder
+from kvbench.core.trace import StepRecord, TraceRecorder
 
 
 @dataclass

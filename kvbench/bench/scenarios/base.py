@@ -1,5 +1,5 @@
 """The machinery every scenario shares: models, jobs, outcomes, the Scenario base class, serving,
-recording into results, and the claims more than one scenario makes (see :mod:`kvbench.scenarios`)."""
+recording into results, and the claims more than one scenario makes (see :mod:`kvbench.bench.scenarios`)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbench import metrics
-from kvbench.engines.base import EngineAdapter, Knobs
-from kvbench.trace import Trace, TraceRecorder
-from kvbench.workloads import (
+from kvbench.bench import metrics
+from kvbench.bench.workloads import (
     AllAtOnce,
     ClosedLoop,
     Explicit,
@@ -27,6 +25,8 @@ from kvbench.workloads import (
     Workload,
     WorkloadSpec,
 )
+from kvbench.core.trace import Trace, TraceRecorder
+from kvbench.engines.base import EngineAdapter, Knobs
 
 SCALES = ("quick", "full")
 BLOCK_SIZE = 16
@@ -270,7 +270,7 @@ def run(scenario: Scenario, adapter: EngineAdapter, model: Model, scale: str,
 
 def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
            slos: str | Mapping[str, float] | None = None) -> None:
-    """Add an outcome to a :class:`~kvbench.results.Results`: one entry per result (summary +
+    """Add an outcome to a :class:`~kvbench.bench.results.Results`: one entry per result (summary +
     the judge's extra figures + timelines), every sweep point, and the claims as checks.
     Claims the engine could not show (None) become notes rather than checks."""
     checks = {c: bool(v) for c, v in outcome.claims.items() if v is not None}

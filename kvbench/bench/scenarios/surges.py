@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.engines.base import Knobs
-from kvbench.scenarios.base import (
+from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     DOUBLED,
     FULL_POOL,
@@ -25,14 +24,15 @@ from kvbench.scenarios.base import (
     preemptions_between,
     ttft_by,
 )
-from kvbench.trace import Trace
-from kvbench.workloads import (
+from kvbench.bench.workloads import (
     Poisson,
     StepSurge,
     Uniform,
     WorkloadSpec,
     combine,
 )
+from kvbench.core.trace import Trace
+from kvbench.engines.base import Knobs
 
 # --------------------------------------------------------------------------------------------
 # 1. evening surge (seed 000)

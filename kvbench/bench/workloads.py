@@ -26,10 +26,12 @@ rebuilds a spec from its ``to_dict()``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+
+from kvbench.core.requests import WorkloadRequest
 
 # The key of each aspect's sub-stream is its index here. Append new aspects at the end and never
 # reorder: a changed key would silently change every workload built from an existing seed.
@@ -73,36 +75,6 @@ def _request_id(index: int) -> str:
 # --------------------------------------------------------------------------------------------
 # Requests and workloads
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkloadRequest:
-    """One request of a workload. Treat ``prompt_token_ids`` as read-only.
-
-    ``arrival_time`` is in seconds from the start of the run (0.0 in closed-loop workloads, where
-    the driver submits a request when a slot frees). ``abort_at`` is in seconds after the request
-    is submitted. ``priority``: lower is more important, as in vLLM.
-    """
-
-    request_id: str
-    # Excluded from the hash (a list is unhashable); equality still compares the tokens.
-    prompt_token_ids: list[int] = field(hash=False)
-    max_tokens: int
-    arrival_time: float
-    priority: int = 0
-    abort_at: float | None = None
-    temperature: float = 0.0
-    seed: int | None = None
-    group: str | None = None
-
-    def __post_init__(self) -> None:
-        where = f"WorkloadRequest {self.request_id!r}"
-        _check(len(self.prompt_token_ids) >= 1, f"{where}: prompt_token_ids must not be empty")
-        _check(self.max_tokens >= 1, f"{where}: max_tokens must be >= 1, got {self.max_tokens}")
-        _check(self.arrival_time >= 0, f"{where}: arrival_time must be >= 0, got {self.arrival_time}")
-        _check(self.abort_at is None or self.abort_at >= 0,
-               f"{where}: abort_at must be None or >= 0, got {self.abort_at}")
-        _check(self.temperature >= 0, f"{where}: temperature must be >= 0, got {self.temperature}")
 
 
 @dataclass(frozen=True)

@@ -201,8 +201,8 @@ class Results:
 
     def add_trace(self, trace: Any, *, engine: Mapping[str, Any] | str | None = None,
                   slos: str | Mapping[str, float] | None = None, **kwargs: Any) -> dict[str, Any]:
-        """Summarize a :class:`~kvbench.trace.Trace` and add it under its scenario and engine."""
-        from kvbench import metrics  # local: results files are read without numpy-heavy work
+        """Summarize a :class:`~kvbench.core.trace.Trace` and add it under its scenario and engine."""
+        from kvbench.bench import metrics  # local: results files are read without numpy-heavy work
 
         return self.add_scenario_result(trace.scenario, engine or trace.engine, metrics.summarize(trace, slos),
                                         series=metrics.series(trace), **kwargs)

@@ -10,9 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbench import metrics
-from kvbench.engines.base import Knobs
-from kvbench.scenarios.base import (
+from kvbench.bench import metrics
+from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     Job,
     Model,
@@ -22,12 +21,13 @@ from kvbench.scenarios.base import (
     SweepPoint,
     build_workload,
 )
-from kvbench.trace import Trace
-from kvbench.workloads import (
+from kvbench.bench.workloads import (
     AllAtOnce,
     Explicit,
     WorkloadSpec,
 )
+from kvbench.core.trace import Trace
+from kvbench.engines.base import Knobs
 
 # --------------------------------------------------------------------------------------------
 # 4. swap vs recompute crossover

@@ -8,9 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench import metrics
-from kvbench.engines.base import Knobs
-from kvbench.scenarios.base import (
+from kvbench.bench import metrics
+from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     Job,
     Model,
@@ -24,13 +23,14 @@ from kvbench.scenarios.base import (
     describe_spec,
     positive,
 )
-from kvbench.trace import Trace
-from kvbench.workloads import (
+from kvbench.bench.workloads import (
     ClosedLoop,
     Fixed,
     Uniform,
     WorkloadSpec,
 )
+from kvbench.core.trace import Trace
+from kvbench.engines.base import Knobs
 
 # --------------------------------------------------------------------------------------------
 # 3. preemption storm (seed 004)

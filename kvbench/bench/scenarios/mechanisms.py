@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.engines.base import Knobs
-from kvbench.scenarios.base import (
+from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     Job,
     Model,
@@ -23,8 +22,7 @@ from kvbench.scenarios.base import (
     positive,
     ttft_by,
 )
-from kvbench.trace import Trace
-from kvbench.workloads import (
+from kvbench.bench.workloads import (
     AllAtOnce,
     ClosedLoop,
     Fixed,
@@ -35,6 +33,8 @@ from kvbench.workloads import (
     WorkloadSpec,
     combine,
 )
+from kvbench.core.trace import Trace
+from kvbench.engines.base import Knobs
 
 # --------------------------------------------------------------------------------------------
 # 5. prefix caching and recompute (seed 004, section 3.4)

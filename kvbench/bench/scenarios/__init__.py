@@ -15,7 +15,7 @@ Contracts:
   measured and reported, never asserted. A claim the engine cannot show (it does not expose the
   counter) is ``None``: reported as a note, neither passed nor failed.
 * **Same seed, same requests, every engine.** Workloads come from seeded
-  :class:`~kvbench.workloads.WorkloadSpec`; pressure comes from engine-neutral
+  :class:`~kvbench.bench.workloads.WorkloadSpec`; pressure comes from engine-neutral
   :class:`~kvbench.engines.base.Knobs` (pool size, block size, budgets, modes).
 * **Modes of one engine are measured side by side in one test** (swap vs recompute, chunked vs
   unchunked, caching on vs off), so their ratio never mixes machines or moments.
@@ -26,16 +26,16 @@ Scales: ``quick`` runs on the built-in ``tiny`` checkpoint (1,024 positions) and
 scenarios on three engines, in under ten minutes on two CPU cores; ``full`` is sized for the
 ``small`` checkpoint (4,096 positions) and takes much longer. Sizes are in the tables below.
 
-Modules: :mod:`~kvbench.scenarios.base` (models, jobs, outcomes, the runner, recording, shared
-claims), :mod:`~kvbench.scenarios.surges` (evening surge, flash crowd),
-:mod:`~kvbench.scenarios.storms` (preemption storm, swap-space exhaustion),
-:mod:`~kvbench.scenarios.crossover` (swap vs recompute), :mod:`~kvbench.scenarios.mechanisms`
+Modules: :mod:`~kvbench.bench.scenarios.base` (models, jobs, outcomes, the runner, recording, shared
+claims), :mod:`~kvbench.bench.scenarios.surges` (evening surge, flash crowd),
+:mod:`~kvbench.bench.scenarios.storms` (preemption storm, swap-space exhaustion),
+:mod:`~kvbench.bench.scenarios.crossover` (swap vs recompute), :mod:`~kvbench.bench.scenarios.mechanisms`
 (prefix caching, chunked prefill, priority). Everything public is re-exported here.
 """
 
 from __future__ import annotations
 
-from kvbench.scenarios.base import (
+from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     DOUBLED,
     FULL_POOL,
@@ -61,7 +61,7 @@ from kvbench.scenarios.base import (
     serve,
     ttft_by,
 )
-from kvbench.scenarios.crossover import (
+from kvbench.bench.scenarios.crossover import (
     VICTIM,
     CrossoverSize,
     ResumeCost,
@@ -70,7 +70,7 @@ from kvbench.scenarios.crossover import (
     resume_cost,
     summarize_costs,
 )
-from kvbench.scenarios.mechanisms import (
+from kvbench.bench.scenarios.mechanisms import (
     HIGH,
     LOW,
     ChunkedPrefillStalls,
@@ -85,7 +85,7 @@ from kvbench.scenarios.mechanisms import (
     priority_claims,
     stall_steps,
 )
-from kvbench.scenarios.storms import (
+from kvbench.bench.scenarios.storms import (
     ExhaustionSize,
     PreemptionStorm,
     StormSize,
@@ -94,7 +94,7 @@ from kvbench.scenarios.storms import (
     first_fallback,
     storm_claims,
 )
-from kvbench.scenarios.surges import EveningSurge, FlashCrowd, FlashSize, SurgeSize, arrival_rate_ratio
+from kvbench.bench.scenarios.surges import EveningSurge, FlashCrowd, FlashSize, SurgeSize, arrival_rate_ratio
 
 EVENING_SURGE = EveningSurge()
 FLASH_CROWD = FlashCrowd()

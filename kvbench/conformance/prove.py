@@ -8,7 +8,7 @@ Two rules make a check honest:
   the check is *skipped* with that reason: passing would prove nothing.
 * **Equal, or a documented near-tie.** The reference engine must match the ground truth token for
   token. Other engines may diverge only where the ground truth's top-2 logit margin is below the
-  tolerance (see :mod:`kvbench.equivalence`); such near-ties are reported apart from failures.
+  tolerance (see :mod:`kvbench.conformance.equivalence`); such near-ties are reported apart from failures.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
+from kvbench.conformance.equivalence import DEFAULT_TOLERANCE, Verdict, compare
 from kvbench.engines.base import EngineAdapter, GenRequest, GenResult
-from kvbench.equivalence import DEFAULT_TOLERANCE, Verdict, compare
 
 #: The conformance request set: long enough prompts to span many blocks, short enough to be quick.
 NUM_REQUESTS = 24
@@ -43,7 +43,7 @@ def model_vocab(model_dir: str) -> tuple[int, int]:
 def conformance_requests(model_dir: str, seed: int = 2024, n: int = NUM_REQUESTS, temperature: float = 0.0,
                          shared_prefix: int = 0) -> list[GenRequest]:
     """The seeded request set every engine gets (the same seed gives the same requests everywhere)."""
-    from kvbench.workloads import AllAtOnce, SharedPrefix, Uniform, WorkloadSpec
+    from kvbench.bench.workloads import AllAtOnce, SharedPrefix, Uniform, WorkloadSpec
 
     vocab, _ = model_vocab(model_dir)
     spec = WorkloadSpec(

@@ -8,10 +8,11 @@ and that engine and model agree; at teardown it frees everything and asserts the
 
 An engine takes part through :class:`BlockManagerUnderTest`, a small adapter protocol keyed by
 request id (the engine keeps its own request objects). :class:`ReferenceBlockManager` adapts
-``reference_engine``'s block manager; it is the only place this module touches
-``reference_engine``, and only lazily, so other engines need not install it::
+``reference_engine``'s block manager (``kvbench.engines.reference_blocks``, the only place that touches
+``reference_engine``, lazily, so other engines need not install it)::
 
-    from kvbench.stateful import make_state_machine, machine_settings, reference_block_manager
+    from kvbench.conformance.stateful import make_state_machine, machine_settings
+    from kvbench.engines.reference_blocks import reference_block_manager
 
     Machine = make_state_machine(reference_block_manager(num_gpu_blocks=12, block_size=4))
     TestReferenceBlocks = Machine.TestCase
@@ -46,189 +47,22 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from hypothesis import HealthCheck, event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvbench.core.block_introspection import BlockManagerUnderTest
+
 __all__ = [
     "PROFILES",
     "BlockManagerMachine",
     "BlockManagerUnderTest",
-    "ReferenceBlockManager",
     "machine_settings",
     "make_state_machine",
-    "reference_block_manager",
     "register_profiles",
 ]
-
-
-# ---------------------------------------------------------------------------- the protocol
-@runtime_checkable
-class BlockManagerUnderTest(Protocol):
-    """What the machine needs from an engine's block manager. Every call is keyed by request id.
-
-    The adapter owns the engine's request objects: it tracks each request's tokens and its count
-    of computed tokens exactly as the engine's scheduler would.
-    """
-
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    prefix_caching: bool
-
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        """Create a waiting request (no blocks, nothing computed)."""
-
-    def admit(self, request_id: str, max_new_tokens: int) -> tuple[list[int], bool]:
-        """Admit a waiting request: look up its cached prefix (``h`` hit blocks, never the whole
-        sequence), then give it blocks for ``h * block_size + min(remaining, max_new_tokens)``
-        tokens, sharing the hits. On success its computed tokens become ``h * block_size``.
-        Returns ``(hit block ids, admitted)``; when not admitted nothing changed."""
-
-    def allocate_slots(self, request_id: str, num_new_tokens: int) -> bool:
-        """Grow a running request's table to cover ``computed + num_new_tokens`` tokens.
-        False, changing nothing, when the pool is short."""
-
-    def compute(self, request_id: str, num_tokens: int) -> None:
-        """The model ran over the next ``num_tokens`` tokens: advance computed tokens and
-        register the blocks that are now full (after compute, never before)."""
-
-    def append_token(self, request_id: str, token_id: int) -> None:
-        """Append a sampled output token (no allocation: the next ``allocate_slots`` does that)."""
-
-    def preempt_recompute(self, request_id: str) -> None:
-        """Free a running request's device blocks and reset its computed tokens to zero."""
-
-    def can_swap_out(self, request_id: str) -> bool:
-        """True when the host pool has room for all of the request's device blocks."""
-
-    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
-        """Move a running request's blocks to the host pool: ``(device id, host id)`` pairs in
-        block-table order. Its computed tokens are kept."""
-
-    def can_swap_in(self, request_id: str) -> bool:
-        """True when the device pool has room for all of a swapped request's host blocks."""
-
-    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
-        """Bring a swapped request back: ``(host id, device id)`` pairs in block-table order."""
-
-    def finish(self, request_id: str) -> None:
-        """Drop the request in any state, freeing its device and host blocks."""
-
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's device block ids in order (empty when it holds none)."""
-
-    def host_table(self, request_id: str) -> list[int]:
-        """The request's host block ids in order (empty when it holds none)."""
-
-    def num_free_gpu_blocks(self) -> int:
-        """Device blocks that can be handed out, cached-but-unreferenced ones included."""
-
-    def num_free_cpu_blocks(self) -> int:
-        """Host blocks that can be handed out."""
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError when the engine's own bookkeeping is inconsistent."""
-
-    def is_whole(self) -> bool:
-        """True when no request holds any block."""
-
-
-# ---------------------------------------------------------------------------- the reference adapter
-class ReferenceBlockManager:
-    """:class:`BlockManagerUnderTest` over ``reference_engine.block_manager.BlockManager``.
-
-    ``manager_cls`` substitutes a subclass (the tests use deliberately broken ones to prove the
-    machine finds bugs). ``reference_engine`` is imported here, lazily, and nowhere else in kvbench.
-    """
-
-    def __init__(self, num_gpu_blocks: int = 12, num_cpu_blocks: int = 6, block_size: int = 4,
-                 enable_caching: bool = True, manager_cls: Callable[..., Any] | None = None):
-        from reference_engine.block_manager import BlockManager
-        from reference_engine.request import Request
-        from reference_engine.sampling_params import SamplingParams
-
-        self._make_request = partial(Request, sampling_params=SamplingParams(), arrival_time=0.0)
-        self.manager = (manager_cls or BlockManager)(num_gpu_blocks, num_cpu_blocks, block_size,
-                                                     enable_caching=enable_caching)
-        self.block_size = block_size
-        self.num_gpu_blocks = num_gpu_blocks
-        self.num_cpu_blocks = num_cpu_blocks
-        self.prefix_caching = enable_caching
-        self.requests: dict[str, Any] = {}
-
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        self.requests[request_id] = self._make_request(request_id=request_id, prompt_token_ids=list(prompt_token_ids))
-
-    def admit(self, request_id: str, max_new_tokens: int) -> tuple[list[int], bool]:
-        req = self.requests[request_id]
-        hits = self.manager.find_cached_prefix(req)
-        cached = len(hits) * self.block_size
-        num_new = min(req.num_tokens - cached, max_new_tokens)
-        if not self.manager.allocate_slots(req, num_new, hits):
-            return [b.block_id for b in hits], False
-        req.num_computed_tokens = cached
-        return [b.block_id for b in hits], True
-
-    def allocate_slots(self, request_id: str, num_new_tokens: int) -> bool:
-        return self.manager.allocate_slots(self.requests[request_id], num_new_tokens)
-
-    def compute(self, request_id: str, num_tokens: int) -> None:
-        req = self.requests[request_id]
-        req.num_computed_tokens += num_tokens
-        self.manager.cache_full_blocks(req)
-
-    def append_token(self, request_id: str, token_id: int) -> None:
-        self.requests[request_id].output_token_ids.append(token_id)
-
-    def preempt_recompute(self, request_id: str) -> None:
-        self.manager.free(request_id)
-        self.requests[request_id].num_computed_tokens = 0
-
-    def can_swap_out(self, request_id: str) -> bool:
-        return self.manager.can_swap_out(request_id)
-
-    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
-        return self.manager.swap_out(request_id)
-
-    def can_swap_in(self, request_id: str) -> bool:
-        return self.manager.can_swap_in(request_id)
-
-    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
-        return self.manager.swap_in(self.requests[request_id])
-
-    def finish(self, request_id: str) -> None:
-        self.manager.forget(request_id)
-        del self.requests[request_id]
-
-    def block_table(self, request_id: str) -> list[int]:
-        return self.manager.blocks_of(request_id)
-
-    def host_table(self, request_id: str) -> list[int]:
-        return list(self.manager.host_tables.get(request_id, []))
-
-    def num_free_gpu_blocks(self) -> int:
-        return self.manager.num_free_gpu_blocks
-
-    def num_free_cpu_blocks(self) -> int:
-        return self.manager.num_free_cpu_blocks
-
-    def check_invariants(self) -> None:
-        self.manager.check_invariants()
-
-    def is_whole(self) -> bool:
-        return self.manager.is_whole()
-
-
-def reference_block_manager(num_gpu_blocks: int = 12, num_cpu_blocks: int = 6, block_size: int = 4,
-                            enable_caching: bool = True,
-                            manager_cls: Callable[..., Any] | None = None) -> Callable[[], ReferenceBlockManager]:
-    """A factory of fresh reference adapters. The defaults (12 device blocks of 4 tokens, 6 host
-    blocks, prompts up to 5 blocks, up to 6 live requests) keep the pool under constant pressure."""
-    return partial(ReferenceBlockManager, num_gpu_blocks, num_cpu_blocks, block_size, enable_caching, manager_cls)
 
 
 # ---------------------------------------------------------------------------- settings

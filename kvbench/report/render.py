@@ -1,10 +1,10 @@
 """The HTML report: one self-contained file per run, rendered from a results file alone.
 
-Contract: :func:`render_report` takes :class:`~kvbench.results.Results` (and optionally a baseline)
+Contract: :func:`render_report` takes :class:`~kvbench.bench.results.Results` (and optionally a baseline)
 and returns one HTML document with inline CSS, inline SVG charts and a few lines of inline script
 (sortable tables); it references no URL at all, so it opens offline and leaks nothing. jinja2 runs
 with autoescape on; names from the command line reach the page only escaped (the charts escape
-their own text, see :mod:`kvbench.report_charts`), and the results JSON embedded for reuse goes
+their own text, see :mod:`kvbench.report.charts`), and the results JSON embedded for reuse goes
 through ``|tojson``, which escapes ``<``, ``>``, ``&`` and ``'``.
 
 The figures here only *read* results: headline ratios, side-by-side tables, the diagnosis and the
@@ -23,11 +23,12 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-from kvbench import __version__, gate, metrics
-from kvbench import report_charts as rc
-from kvbench.report_diagnosis import cost_curves, diagnose, reference_engine, swap_crossover
-from kvbench.report_format import fmt_metric, fmt_ratio, fmt_time, metric_label
-from kvbench.results import Results
+from kvbench import __version__
+from kvbench.bench import gate, metrics
+from kvbench.bench.results import Results
+from kvbench.report.diagnosis import baseline_engine_name, cost_curves, diagnose, swap_crossover
+from kvbench.report.formatting import fmt_metric, fmt_ratio, fmt_time, metric_label
+from kvbench.report import charts as rc
 
 #: columns of the summary table (the most telling figure of each family)
 SUMMARY_COLUMNS: tuple[str, ...] = (
@@ -49,7 +50,7 @@ NOCACHE_MODES = ("no_prefix_caching", "nocache", "no_cache", "uncached")
 
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("kvbench", "templates"),
+        loader=jinja2.PackageLoader("kvbench.report", "templates"),
         autoescape=jinja2.select_autoescape(enabled_extensions=("html", "htm", "xml"), default=True),
         undefined=jinja2.StrictUndefined,  # a typo in the template fails loudly, not as an empty cell
         trim_blocks=True,
@@ -129,7 +130,7 @@ def _headline(title: str, value: str | None, caption: str, detail: str = "") -> 
 
 def headline_ratios(results: Results) -> list[dict[str, Any]]:
     """The four ratios of the first screen, each "not measured" when the results lack its inputs."""
-    ref = reference_engine(results)
+    ref = baseline_engine_name(results)
     return [_storm_headline(results, ref), _crossover_headline(results, ref), _chunked_headline(results, ref),
             _prefix_headline(results, ref)]
 
@@ -236,7 +237,7 @@ def summary_table(results: Results) -> dict[str, Any]:
 def side_by_side(results: Results) -> list[dict[str, Any]]:
     """Per scenario run by two or more engines: metrics x results, and each other engine's ratio to
     the reference engine *in the same mode* (chunked vs chunked, never chunked vs unchunked)."""
-    ref = reference_engine(results)
+    ref = baseline_engine_name(results)
     tables = []
     for sc in results.scenarios:
         res = sc["results"]
@@ -548,7 +549,7 @@ def render_report(results: Results, baseline: Results | None = None) -> str:
         "machine": results.machine,
         "commit": results.data.get("commit") or {},
         "engines": results.engines,
-        "reference": reference_engine(results),
+        "reference": baseline_engine_name(results),
         "headlines": headline_ratios(results),
         "diagnosis": diagnose(results),
         "summary": summary_table(results),
@@ -605,7 +606,7 @@ def write_index(report_dir: str | os.PathLike[str]) -> Path:
             run.update(error=str(e), created="", sort="")
             runs.append(run)
             continue
-        ref = reference_engine(res)
+        ref = baseline_engine_name(res)
         storm = _find_scenario(res, "storm")
         tp = None
         if storm and ref:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvbench import metrics
-from kvbench.report_format import fmt_metric, fmt_ratio, fmt_time
-from kvbench.results import COST_METRICS, Results
+from kvbench.bench import metrics
+from kvbench.bench.results import COST_METRICS, Results
+from kvbench.report.formatting import fmt_metric, fmt_ratio, fmt_time
 
 OK, WATCH, PROBLEM, NOT_MEASURED = "ok", "watch", "problem", "not measured"
 
@@ -32,7 +32,7 @@ def _num(value: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def reference_engine(results: Results) -> str | None:
+def baseline_engine_name(results: Results) -> str | None:
     """The engine others are compared with: kind "reference" first, then a name starting with
     "reference", else the first engine listed."""
     engines = results.engines
@@ -291,7 +291,7 @@ def _check_swap(results: Results, engine: str, rows: list) -> dict[str, Any]:
 
 def diagnose(results: Results) -> list[dict[str, Any]]:
     """One entry per engine (the reference first): ``{engine, checks: [5 checks], worst}``."""
-    ref = reference_engine(results)
+    ref = baseline_engine_name(results)
     names = results.engine_names()
     ordered = ([ref] if ref in names else []) + [n for n in names if n != ref]
     out = []

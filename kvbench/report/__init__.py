@@ -1,0 +1,1 @@
+"""The HTML report: rendering, charts, diagnosis and number formatting. Reads results only."""

@@ -1,0 +1,94 @@
+"""The layout's one direction, checked from the source: report -> bench -> engines -> core,
+conformance -> engines/core (and the workloads), and reference_engine never imports kvbench.
+
+Imports inside functions count too: a lazy import is still an arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: part -> the kvbench parts it may import (itself always allowed)
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "engines": {"core"},
+    "bench": {"core", "engines"},
+    "conformance": {"core", "engines", "bench.workloads"},
+    "report": {"core", "bench"},
+}
+#: modules of kvbench allowed to import reference_engine (the adapters, the built-in checkpoints, the demo)
+REFERENCE_ENGINE_USERS = ("kvbench.engines.", "kvbench.checkpoints", "kvbench.demo")
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            # "from kvbench import metrics" names a submodule through the package
+            names += [f"{node.module}.{a.name}" for a in node.names
+                      if node.module == "kvbench" and not a.name.startswith("__")]
+    return names
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def _part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "kvbench" else None
+
+
+def _allowed(source_part: str, target: str) -> bool:
+    target_rest = target.removeprefix("kvbench.")
+    allowed = ALLOWED[source_part] | {source_part}
+    return any(target_rest == a or target_rest.startswith(a + ".") for a in allowed)
+
+
+KVBENCH_FILES = sorted((ROOT / "kvbench").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", KVBENCH_FILES, ids=lambda p: _module(p))
+def test_kvbench_imports_point_one_way(path: Path) -> None:
+    module = _module(path)
+    part = _part(module)
+    bad = []
+    for target in _imports(path):
+        if target.startswith("reference_engine") and not module.startswith(REFERENCE_ENGINE_USERS):
+            bad.append(target)
+        if part in ALLOWED and target.startswith("kvbench.") and _part(target + ".x") and not _allowed(part, target):
+            bad.append(target)
+    assert not bad, f"{module} ({part}) imports against the layout's direction: {bad}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "reference_engine").rglob("*.py")), ids=lambda p: _module(p))
+def test_reference_engine_never_imports_kvbench(path: Path) -> None:
+    assert not [t for t in _imports(path) if t == "kvbench" or t.startswith("kvbench.")]
+
+
+def test_every_kvbench_module_belongs_to_a_part_or_is_a_face() -> None:
+    faces = {"kvbench", "kvbench.__main__", "kvbench.cli", "kvbench.plugin", "kvbench.checkpoints", "kvbench.demo",
+             "kvbench.__init__"}
+    loose = [_module(p) for p in KVBENCH_FILES if _part(_module(p)) is None and _module(p) not in faces]
+    assert not loose, f"modules outside core/engines/bench/conformance/report: {loose}"
+
+
+def test_no_name_shadows_a_package() -> None:
+    """A function or class named like a top-level package (``reference_engine``, ``kvbench``, ``torch``...)
+    hides that package from readers of the module."""
+    shadowed = {"reference_engine", "kvbench", "torch", "pandas", "numpy", "jinja2", "pytest", "transformers"}
+    hits = []
+    for path in KVBENCH_FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name in shadowed:
+                hits.append(f"{_module(path)}.{node.name}")
+    assert not hits
