@@ -1,0 +1,212 @@
+"""The HTTP client kvbench speaks to an OpenAI-compatible server with: ``/v1/completions`` (streamed
+and not), ``/metrics``, ``/health``, ``/v1/models``.
+
+Requests go out as token ids (``prompt: [ids]``, as vLLM, SGLang and the reference server accept) with
+vLLM's extra fields (``ignore_eos``, ``top_k``, ``seed``, ``priority``, ``return_token_ids``), and the
+output's token ids are read back exactly from ``choices[0].token_ids`` (vLLM's ``return_token_ids``).
+A server that returns only text gets its text tokenised with the checkpoint's own ``tokenizer.json``
+(``TextTokens``): exact for the built-in checkpoints, whose tokenizer round-trips.
+
+Errors: an HTTP error with OpenAI's envelope ``{"error": {"message": ...}}`` becomes a
+:class:`Completion` with ``finish_reason="rejected"`` (4xx) or ``"error"`` (5xx, transport) and the
+server's message, so one bad request never hides the others' outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+#: (arrival clock time of the chunk, token ids it carried) for every streamed chunk with tokens
+OnTokens = Callable[[float, list[int]], None]
+
+
+@dataclass
+class Completion:
+    """What one request produced, as the server said it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "rejected" | "error"
+    error: str | None = None
+    status: int | None = None  # the HTTP status
+    ids_from_text: bool = False  # token ids were recovered by tokenising the returned text
+
+
+class TextTokens:
+    """Text -> token ids with a checkpoint's ``tokenizer.json`` (the fallback when a server returns
+    no ids). Loaded on first use; raises FileNotFoundError naming the file if it is missing."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._tok: Any = None
+
+    def encode(self, text: str) -> list[int]:
+        if self._tok is None:
+            if not self.path.is_file():
+                raise FileNotFoundError(f"the server returned no token ids and {self.path} does not exist to "
+                                        "tokenise its text with")
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(str(self.path))
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+
+def completion_body(model: str | None, prompt_token_ids: list[int], max_tokens: int, *, stream: bool,
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                    ignore_eos: bool = True, priority: int = 0,
+                    stop_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """The JSON body of one ``/v1/completions`` request. Fields at their neutral value are left out,
+    so a server that lacks a vLLM extra still takes the request unless the request needs it."""
+    body: dict[str, Any] = {"prompt": list(prompt_token_ids), "max_tokens": max_tokens, "temperature": temperature,
+                            "stream": stream, "return_token_ids": True, "ignore_eos": ignore_eos}
+    if model:
+        body["model"] = model
+    if top_p != 1.0:
+        body["top_p"] = top_p
+    if top_k:
+        body["top_k"] = top_k
+    if seed is not None:
+        body["seed"] = seed
+    if priority:
+        body["priority"] = priority
+    if stop_token_ids:
+        body["stop_token_ids"] = list(stop_token_ids)
+    return body
+
+
+def error_message(response: httpx.Response, body: bytes | None = None) -> str:
+    """The server's own words for an HTTP error (OpenAI envelope, FastAPI ``detail``, or the raw body)."""
+    raw = response.content if body is None else body
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return f"HTTP {response.status_code}: {raw[:500].decode('utf-8', 'replace')}"
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return f"HTTP {response.status_code}: {err['message']}"
+        if isinstance(err, str):
+            return f"HTTP {response.status_code}: {err}"
+        if "detail" in data:
+            return f"HTTP {response.status_code}: {data['detail']}"
+    return f"HTTP {response.status_code}: {str(data)[:500]}"
+
+
+def _failed(response: httpx.Response, body: bytes | None = None) -> Completion:
+    reason = "rejected" if 400 <= response.status_code < 500 else "error"
+    return Completion(finish_reason=reason, error=error_message(response, body), status=response.status_code)
+
+
+def _choice(data: dict[str, Any]) -> dict[str, Any]:
+    choices = data.get("choices") or [{}]
+    return choices[0] or {}
+
+
+class CompletionClient:
+    """Async calls to one server. Share one ``httpx.AsyncClient`` (made by :meth:`session`) across
+    concurrent requests: its pool holds every connection open at once (no limit), so N concurrent
+    requests are N connections, all in flight together."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
+                 text_tokens: TextTokens | None = None, timeout: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.model = model
+        self.text_tokens = text_tokens
+        self.timeout = timeout
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def session(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        return httpx.AsyncClient(base_url=self.base_url, headers=self.headers(), limits=limits,
+                                 timeout=httpx.Timeout(self.timeout, connect=30.0))
+
+    def _ids(self, choice: dict[str, Any], completion: Completion) -> list[int]:
+        ids = choice.get("token_ids")
+        if ids is not None:
+            return [int(t) for t in ids]
+        text = choice.get("text") or ""
+        if not text:
+            return []
+        if self.text_tokens is None:
+            raise ValueError("the server returned text without token_ids (return_token_ids unsupported) and no "
+                             "tokenizer.json was given to recover the ids")
+        completion.ids_from_text = True
+        return self.text_tokens.encode(text)
+
+    async def complete(self, http: httpx.AsyncClient, body: dict[str, Any]) -> Completion:
+        """One non-streamed completion."""
+        try:
+            response = await http.post("/v1/completions", json={**body, "stream": False})
+        except httpx.HTTPError as e:
+            return Completion(finish_reason="error", error=f"{type(e).__name__}: {e}")
+        if response.status_code != 200:
+            return _failed(response)
+        data = response.json()
+        out = Completion(status=200)
+        choice = _choice(data)
+        out.token_ids = self._ids(choice, out)
+        out.finish_reason = choice.get("finish_reason")
+        return out
+
+    async def stream(self, http: httpx.AsyncClient, body: dict[str, Any], on_tokens: OnTokens,
+                     clock: Callable[[], float] = time.perf_counter) -> Completion:
+        """One streamed completion (Server-Sent Events). ``on_tokens(t, ids)`` is called as each chunk
+        with tokens arrives, ``t`` read from ``clock`` right after the chunk's line is complete.
+        Cancelling the calling task closes the connection (how a client aborts a request)."""
+        out = Completion()
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            out.status = response.status_code
+            if response.status_code != 200:
+                return _failed(response, await response.aread())
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                t = clock()
+                data = json.loads(payload)
+                if "error" in data:  # an error after the stream began (vLLM sends it as an event)
+                    out.finish_reason, out.error = "error", str(data["error"])
+                    break
+                choice = _choice(data)
+                ids = self._ids(choice, out)
+                if ids:
+                    out.token_ids.extend(ids)
+                    on_tokens(t, ids)
+                if choice.get("finish_reason"):
+                    out.finish_reason = choice["finish_reason"]
+        return out
+
+    # --- plain GETs (sync: used outside the event loop, between runs)
+
+    def get(self, path: str, timeout: float = 10.0) -> httpx.Response:
+        return httpx.get(self.base_url + path, headers=self.headers(), timeout=timeout)
+
+    def metrics_text(self) -> str | None:
+        """``/metrics`` as text, or None when the server has none (404)."""
+        response = self.get("/metrics")
+        if response.status_code == 404:
+            return None
+        response.raise_for_status()
+        return response.text
+
+    def served_model(self) -> str | None:
+        """The first model ``/v1/models`` lists (the name requests must carry), or None."""
+        try:
+            response = self.get("/v1/models")
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        data = response.json().get("data") or []
+        return data[0].get("id") if data else None

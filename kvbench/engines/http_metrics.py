@@ -1,0 +1,214 @@
+"""A server's ``/metrics`` (Prometheus text) read as kvbench's counters, knobs and queue samples.
+
+Which metric feeds which counter of the contract (:mod:`kvbench.core.counters`)::
+
+    contract counter        metric (first one present wins)                          note
+    ----------------------  -------------------------------------------------------  --------------------------
+    preemptions_recompute   reference_engine:preemptions_total{mode="recompute"}     else vllm:num_preemptions_
+    preemptions_swap        reference_engine:preemptions_total{mode="swap"}          total when the caller says
+                                                                                     which mode it counts
+    swap_outs / swap_ins    reference_engine:swap_outs_total / swap_ins_total        requests, not blocks
+    swap_fallbacks          reference_engine:swap_fallbacks_total
+    swapped_out/in_bytes    reference_engine:swapped_out_bytes_total / _in_
+    prefix_cache_queries    vllm:prefix_cache_queries_total                          tokens
+    prefix_cache_hits       vllm:prefix_cache_hits_total                             tokens
+    prefill_chunks          reference_engine:prefill_chunks_total
+    computed_tokens         reference_engine:computed_tokens_total
+    recomputed_tokens       reference_engine:recomputed_tokens_total
+    generated_tokens        vllm:generation_tokens_total
+    aborts                  vllm:request_success_total{finished_reason="abort"}
+    num_gpu_blocks          vllm:cache_config_info{num_gpu_blocks}                   else reference_engine:
+                                                                                     num_gpu_blocks
+    num_cpu_blocks          vllm:cache_config_info{num_cpu_blocks}
+    leaked_blocks           blocks in use once the server is idle: (num_gpu_blocks - reference_engine:
+                            num_free_gpu_blocks), else round(vllm:kv_cache_usage_perc x num_gpu_blocks);
+                            plus round(reference_engine:cpu_cache_usage_perc x num_cpu_blocks)
+
+A metric the server does not publish leaves its counter ``None`` ("not exposed"), never 0. The
+reference server publishes swapped *blocks* (``reference_engine:swap_out_blocks_total``); those are
+not requests, so they do not feed ``swap_outs``/``swap_ins``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvbench.core.counters import Counters
+from kvbench.core.trace import StepRecord
+
+#: contract counter -> cumulative metric sample name (and label filter)
+_SIMPLE: dict[str, tuple[str, dict[str, str]]] = {
+    "swap_outs": ("reference_engine:swap_outs_total", {}),
+    "swap_ins": ("reference_engine:swap_ins_total", {}),
+    "swap_fallbacks": ("reference_engine:swap_fallbacks_total", {}),
+    "swapped_out_bytes": ("reference_engine:swapped_out_bytes_total", {}),
+    "swapped_in_bytes": ("reference_engine:swapped_in_bytes_total", {}),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", {}),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits_total", {}),
+    "prefill_chunks": ("reference_engine:prefill_chunks_total", {}),
+    "computed_tokens": ("reference_engine:computed_tokens_total", {}),
+    "recomputed_tokens": ("reference_engine:recomputed_tokens_total", {}),
+    "generated_tokens": ("vllm:generation_tokens_total", {}),
+    "aborts": ("vllm:request_success_total", {"finished_reason": "abort"}),
+}
+_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second is vLLM v0's name
+CONFIG_INFO = "vllm:cache_config_info"
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """One scrape: sample name -> [(labels, value)]. Sample names keep their ``_total`` suffix."""
+
+    samples: Mapping[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> MetricsSnapshot:
+        """Parse Prometheus text exposition; a malformed body raises ValueError saying so."""
+        samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+        try:
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+        except Exception as e:  # the parser raises bare ValueError/IndexError on bad lines
+            raise ValueError(f"/metrics is not Prometheus text: {e}") from e
+        return cls(samples)
+
+    def has(self, name: str) -> bool:
+        return name in self.samples
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """Sum of the samples of ``name`` whose labels include ``labels``; None if none match."""
+        matched = [v for lab, v in self.samples.get(name, ()) if all(lab.get(k) == w for k, w in labels.items())]
+        return sum(matched) if matched else None
+
+    def labels(self, name: str) -> dict[str, str] | None:
+        """The labels of the first sample of ``name`` (info metrics), or None."""
+        rows = self.samples.get(name)
+        return dict(rows[0][0]) if rows else None
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+def cumulative_counters(snap: MetricsSnapshot, preemptions_are: str | None = None) -> Counters:
+    """The contract's counters as the server's cumulative totals (subtract a before-scrape with
+    :meth:`Counters.minus`). ``preemptions_are`` ("recompute"|"swap") says which mode
+    ``vllm:num_preemptions_total`` counts on a server that does not split preemptions by mode
+    (vLLM v1 only recomputes); without it that total feeds no counter."""
+    values: dict[str, Any] = {name: _int(snap.value(metric, **lab)) for name, (metric, lab) in _SIMPLE.items()}
+    by_mode = "reference_engine:preemptions_total"
+    if snap.has(by_mode):
+        values["preemptions_recompute"] = _int(snap.value(by_mode, mode="recompute")) or 0
+        values["preemptions_swap"] = _int(snap.value(by_mode, mode="swap")) or 0
+    elif preemptions_are in ("recompute", "swap") and snap.has("vllm:num_preemptions_total"):
+        values[f"preemptions_{preemptions_are}"] = _int(snap.value("vllm:num_preemptions_total"))
+        # a server that cannot preempt the other way exposes that mode as a true zero
+        values["preemptions_swap" if preemptions_are == "recompute" else "preemptions_recompute"] = 0
+    blocks = pool_sizes(snap)
+    values["num_gpu_blocks"], values["num_cpu_blocks"] = blocks
+    return Counters(**{k: v for k, v in values.items() if v is not None})
+
+
+def pool_sizes(snap: MetricsSnapshot) -> tuple[int | None, int | None]:
+    """(device blocks, host blocks) from ``vllm:cache_config_info`` labels, else the reference extras."""
+    info = snap.labels(CONFIG_INFO) or {}
+    gpu = _label_int(info.get("num_gpu_blocks")) or _int(snap.value("reference_engine:num_gpu_blocks"))
+    return gpu, _label_int(info.get("num_cpu_blocks"))
+
+
+def _label_int(raw: str | None) -> int | None:
+    try:
+        return int(raw) if raw not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def blocks_in_use(snap: MetricsSnapshot) -> int | None:
+    """Device + host blocks held right now (the leak gauge when the server is idle); None if not exposed.
+
+    Evictable prefix-cache blocks count as free, as they do in the server's own free count."""
+    gpu, cpu = pool_sizes(snap)
+    free = snap.value("reference_engine:num_free_gpu_blocks")
+    usage = next((snap.value(n) for n in _USAGE if snap.has(n)), None)
+    if gpu is not None and free is not None:
+        used = gpu - round(free)
+    elif gpu is not None and usage is not None:
+        used = round(usage * gpu)
+    else:
+        return None
+    cpu_usage = snap.value("reference_engine:cpu_cache_usage_perc")
+    if cpu and cpu_usage is not None:
+        used += round(cpu_usage * cpu)
+    return used
+
+
+def in_flight(snap: MetricsSnapshot) -> int | None:
+    """Requests the server holds (running + waiting + swapped); None without the queue gauges."""
+    running, waiting = snap.value("vllm:num_requests_running"), snap.value("vllm:num_requests_waiting")
+    if running is None or waiting is None:
+        return None
+    return round(running + waiting + (snap.value("reference_engine:num_requests_swapped") or 0))
+
+
+#: cache_config_info label -> (Knobs field, type)
+_KNOB_LABELS: dict[str, tuple[str, type]] = {
+    "block_size": ("block_size", int), "num_gpu_blocks": ("num_gpu_blocks", int),
+    "num_cpu_blocks": ("num_cpu_blocks", int), "max_num_seqs": ("max_num_seqs", int),
+    "max_num_batched_tokens": ("max_num_batched_tokens", int), "max_model_len": ("max_model_len", int),
+    "enable_chunked_prefill": ("enable_chunked_prefill", bool),
+    "enable_prefix_caching": ("enable_prefix_caching", bool),
+    "preemption_mode": ("preemption_mode", str), "scheduling_policy": ("scheduling_policy", str),
+}
+
+
+def parse_knob(name: str, raw: str) -> Any:
+    """A knob value from text (a label or an ``--engine`` option); ValueError naming the knob otherwise."""
+    kind = next((k for label, (field_, k) in _KNOB_LABELS.items() if field_ == name), None)
+    if kind is None:
+        raise ValueError(f"{name!r} is not a knob; knobs: {', '.join(f for f, _ in _KNOB_LABELS.values())}")
+    if kind is bool:
+        if raw.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"knob {name}: expected true or false, got {raw!r}")
+        return raw.lower() in ("true", "1")
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"knob {name}: expected an integer, got {raw!r}") from None
+    return raw
+
+
+def knobs_from_config_info(snap: MetricsSnapshot) -> dict[str, Any]:
+    """The knobs a server says it runs with (``vllm:cache_config_info`` labels); absent or unparsable
+    labels are left out, so they read as "unknown", never as a default."""
+    info = snap.labels(CONFIG_INFO) or {}
+    knobs: dict[str, Any] = {}
+    for label, (name, _) in _KNOB_LABELS.items():
+        raw = info.get(label)
+        if raw in (None, "", "None"):
+            continue
+        try:
+            knobs[name] = parse_knob(name, raw)
+        except ValueError:
+            continue
+    return knobs
+
+
+def sampled_step(snap: MetricsSnapshot, t: float, since_last: float) -> StepRecord | None:
+    """A queue/KV sample as a :class:`StepRecord` (``duration`` = time since the previous sample, so
+    duration-weighted means are time-weighted); None without the queue gauges. Samples carry no
+    token counts or preemptions: the adapter says so in the trace's ``not_exposed``."""
+    running, waiting = snap.value("vllm:num_requests_running"), snap.value("vllm:num_requests_waiting")
+    if running is None or waiting is None:
+        return None
+    usage = next((snap.value(n) for n in _USAGE if snap.has(n)), None)
+    _, cpu = pool_sizes(snap)
+    cpu_usage = snap.value("reference_engine:cpu_cache_usage_perc") if cpu else None
+    return StepRecord(t=t, duration=since_last, num_running=round(running), num_waiting=round(waiting),
+                      num_swapped=round(snap.value("reference_engine:num_requests_swapped") or 0),
+                      kv_usage=usage, cpu_kv_usage=cpu_usage)

@@ -1,0 +1,136 @@
+"""A server process kvbench started: launched in its own process group, waited for until ``/health``
+answers, and stopped with its whole group, never leaving an orphan.
+
+* Start: ``start_new_session=True``, so the server and everything it forks (uvicorn workers, engine
+  cores) share one process group that kvbench alone signals. stdout and stderr go to a log file kept
+  as evidence.
+* Ready: ``GET /health`` answers 200 within ``startup_timeout``; if the process exits first, or the time
+  runs out, :class:`ServerStartError` quotes the log's last lines (a server that refuses a bad
+  configuration says why there).
+* Stop: SIGTERM to the group, wait; SIGKILL to the group if it is still there; wait again (bounded).
+  Every started server is also stopped at interpreter exit (``atexit``), which covers a failing test,
+  an exception in a fixture and Ctrl-C (KeyboardInterrupt unwinds to a normal exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+_LIVE: set[ServerProcess] = set()
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or stayed silent before ``/health`` answered. The message holds its log tail."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else (cannot be ours)
+        return True
+    return True
+
+
+class ServerProcess:
+    """One launched server. ``argv`` is the full command; ``log_path`` receives its output."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pgid: int | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"$ {shlex.join(self.argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env=self.env)
+        self.pgid = self.proc.pid  # a new session's leader: its pid is the group id
+        _LIVE.add(self)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_healthy(self, base_url: str, timeout: float) -> None:
+        """Return once ``GET base_url/health`` answers 200; else stop the server and raise."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self.stop()
+                raise ServerStartError(f"the server exited with status {code} before /health answered.\n"
+                                       f"command: {shlex.join(self.argv)}\nlog {self.log_path}, last lines:\n"
+                                       f"{self.log_tail()}")
+            try:
+                if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(f"/health did not answer within {timeout:.0f} s (startup_timeout).\n"
+                                       f"command: {shlex.join(self.argv)}\nlog {self.log_path}, last lines:\n"
+                                       f"{self.log_tail()}")
+            time.sleep(0.1)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, term_timeout: float = 10.0, kill_timeout: float = 5.0) -> None:
+        """SIGTERM the whole group, then SIGKILL what is left; reap the leader. Idempotent."""
+        if self.proc is None or self.pgid is None:
+            return
+        try:
+            if group_alive(self.pgid):
+                os.killpg(self.pgid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=term_timeout)
+            # children may outlive a leader that exited on SIGTERM: give them a moment, then SIGKILL the rest
+            grace = time.monotonic() + 1.0
+            while group_alive(self.pgid) and time.monotonic() < grace:
+                time.sleep(0.05)
+            if group_alive(self.pgid):
+                os.killpg(self.pgid, signal.SIGKILL)
+            self.proc.wait(timeout=kill_timeout)
+            end = time.monotonic() + kill_timeout
+            while group_alive(self.pgid) and time.monotonic() < end:
+                time.sleep(0.05)
+        except ProcessLookupError:
+            pass
+        finally:
+            _LIVE.discard(self)
+
+
+@atexit.register
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped (at exit, whatever the cause)."""
+    for server in list(_LIVE):
+        server.stop(term_timeout=5.0, kill_timeout=5.0)

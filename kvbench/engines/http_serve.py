@@ -1,0 +1,159 @@
+"""The timed HTTP driver: a workload served over streamed ``/v1/completions``, measured from the client.
+
+Every request is released at its arrival time (open loop) or when one of ``concurrency`` slots frees
+(closed loop) on its own asyncio task and connection, and streamed. The time each chunk of tokens
+arrives is read from the recorder's clock as soon as its SSE line is complete, so TTFT and every
+inter-token gap are what a client saw (network and server queueing included). A request whose
+``abort_at`` passes is aborted by closing its stream, as a user closing a tab would. Meanwhile a poller
+samples ``/metrics`` (default 10 Hz) into :class:`~kvbench.core.trace.StepRecord` samples of queue
+lengths and KV usage.
+
+What a client cannot see (admission, per-request preemptions, per-step token counts) is named in the
+trace's ``not_exposed``. :class:`DriverStats` says how far the driver itself lagged behind the
+workload's clock, so a late driver is visible instead of being blamed on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvbench.core.trace import TraceRecorder
+from kvbench.engines.http_client import Completion, CompletionClient, completion_body
+from kvbench.engines.http_metrics import MetricsSnapshot, sampled_step
+
+#: what a client-side trace never holds, and why (shown by the report instead of zeros)
+CLIENT_SIDE_BLIND_SPOTS = {
+    "admission": "over HTTP the client sees the first token, not when the server admitted the request",
+    "per_request_preemptions": "over HTTP preemptions are counted from /metrics for the whole run, not per request",
+    "engine_steps": "queue and KV-usage records are /metrics samples taken by a poller, not engine steps: "
+                    "they carry no token counts, preemptions or step durations",
+}
+
+
+@dataclass
+class DriverStats:
+    """How the driver kept up. ``max_release_lag`` is the latest a request went out after its
+    arrival time (seconds); ``samples`` counts /metrics samples taken."""
+
+    requests: int = 0
+    tokens: int = 0
+    max_release_lag: float = 0.0
+    samples: int = 0
+    sample_errors: int = 0
+
+
+def _body(client: CompletionClient, req: Any, stream: bool) -> dict[str, Any]:
+    return completion_body(client.model, req.prompt_token_ids, req.max_tokens, stream=stream,
+                           temperature=getattr(req, "temperature", 0.0), seed=getattr(req, "seed", None),
+                           ignore_eos=getattr(req, "ignore_eos", True), priority=getattr(req, "priority", 0))
+
+
+async def _poll_metrics(http: httpx.AsyncClient, recorder: TraceRecorder, interval: float, stats: DriverStats,
+                        stop: asyncio.Event) -> None:
+    last = recorder.now()
+    while not stop.is_set():
+        try:
+            response = await http.get("/metrics", timeout=max(1.0, 5 * interval))
+            t = recorder.now()
+            record = sampled_step(MetricsSnapshot.parse(response.text), t, t - last) \
+                if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            stats.sample_errors += 1
+            record = None
+        if record is not None:
+            recorder.step(record)
+            stats.samples += 1
+            last = record.t
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+
+
+async def _serve_one(client: CompletionClient, http: httpx.AsyncClient, req: Any, arrival: float,
+                     recorder: TraceRecorder, stats: DriverStats) -> None:
+    rid = req.request_id
+    stats.max_release_lag = max(stats.max_release_lag, recorder.now() - arrival)
+    recorder.arrived(rid, arrival, len(req.prompt_token_ids), req.max_tokens, getattr(req, "priority", 0))
+
+    def on_tokens(t: float, ids: list[int]) -> None:
+        recorder.tokens(rid, t, len(ids))
+        stats.tokens += len(ids)
+
+    task = asyncio.ensure_future(client.stream(http, _body(client, req, True), on_tokens, clock=recorder.now))
+    abort_at = getattr(req, "abort_at", None)
+    timeout = None if abort_at is None else max(0.0, arrival + abort_at - recorder.now())
+    try:
+        done: Completion = await asyncio.wait_for(asyncio.shield(task), timeout=timeout)
+    except TimeoutError:
+        task.cancel()  # closes the connection: the server must abort the request and free its blocks
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await task
+        recorder.finished(rid, recorder.now(), "abort")
+        return
+    except httpx.HTTPError as e:
+        done = Completion(finish_reason="error", error=f"{type(e).__name__}: {e}")
+    recorder.finished(rid, recorder.now(), done.finish_reason or "error")
+    stats.requests += 1
+
+
+async def serve_workload(client: CompletionClient, requests: Sequence[Any], recorder: TraceRecorder, *,
+                         concurrency: int | None = None, poll_interval: float | None = 0.1,
+                         progress: Callable[[int], None] | None = None) -> DriverStats:
+    """Serve ``requests`` (WorkloadRequest-like) against the server; every request ends finished in the
+    trace (with its reason, "abort" for the ones aborted here, "error"/"rejected" for failures)."""
+    stats = DriverStats()
+    pending = sorted(requests, key=lambda r: r.arrival_time)
+    stop = asyncio.Event()
+    async with client.session() as http:
+        recorder.restart_clock()
+        poller = (asyncio.ensure_future(_poll_metrics(http, recorder, poll_interval, stats, stop))
+                  if poll_interval else None)
+
+        async def one(req: Any, arrival: float) -> None:
+            await _serve_one(client, http, req, arrival, recorder, stats)
+            if progress is not None:
+                progress(1)
+
+        try:
+            if concurrency is None:
+                async def released(req: Any) -> None:
+                    await asyncio.sleep(max(0.0, req.arrival_time - recorder.now()))
+                    await one(req, req.arrival_time)
+
+                await asyncio.gather(*(released(r) for r in pending))
+            else:
+                queue = list(reversed(pending))
+
+                async def worker() -> None:
+                    while queue:
+                        await one(queue.pop(), recorder.now())
+
+                await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+        finally:
+            stop.set()
+            if poller is not None:
+                await poller
+    return stats
+
+
+def run_serve(client: CompletionClient, requests: Sequence[Any], recorder: TraceRecorder, **kwargs: Any) -> DriverStats:
+    """:func:`serve_workload` on a fresh event loop (callers are synchronous), and the blind spots noted."""
+    for what, why in CLIENT_SIDE_BLIND_SPOTS.items():
+        recorder.not_exposed(what, why)
+    return asyncio.run(serve_workload(client, requests, recorder, **kwargs))
+
+
+def timestamp_overhead(recorder: TraceRecorder | None = None, n: int = 100_000) -> float:
+    """Seconds the driver spends per token on its own bookkeeping (clock read + trace append), measured."""
+    recorder = recorder or TraceRecorder("overhead", "overhead")
+    recorder.arrived("x", 0.0, 1, n)
+    start = time.perf_counter()
+    for _ in range(n):
+        recorder.tokens("x", recorder.now(), 1)
+    return (time.perf_counter() - start) / n

@@ -1,0 +1,201 @@
+"""Adapter ``openai``: an OpenAI-compatible server that is already running
+(``--engine openai:url=http://127.0.0.1:8000[,api_key=...,model=...]``): vLLM, SGLang, TGI,
+``transformers serve``, ``python -m reference_engine.serve``.
+
+Knobs are what the server was started with; this adapter cannot change them. It reads them from
+``vllm:cache_config_info``'s labels where the server publishes them (vLLM: ``block_size``,
+``num_gpu_blocks``...; the reference server adds every knob), else from this adapter's options (the
+same names: ``openai:url=...,block_size=16,num_gpu_blocks=24``). A check asking for a knob value the
+server does not run with, or one nobody stated, is skipped saying so (:class:`KnobsNotSettable`); use
+the ``server`` adapter to have kvbench start a server per knob set.
+
+Counters come from ``/metrics`` scraped before and after a run (:mod:`kvbench.engines.http_metrics`):
+the difference is what the run did, provided nothing else uses the server meanwhile. After the last
+response the adapter waits until the server's queues are empty and its counters stop moving (the
+server may publish its numbers a step after the last token), then reads ``leaked_blocks``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbench.core.counters import Counters
+from kvbench.core.trace import TraceRecorder
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.engines.http_client import CompletionClient, TextTokens, completion_body
+from kvbench.engines.http_metrics import (
+    MetricsSnapshot,
+    blocks_in_use,
+    cumulative_counters,
+    in_flight,
+    knobs_from_config_info,
+    parse_knob,
+)
+from kvbench.engines.http_serve import run_serve
+
+_KNOB_NAMES = tuple(Knobs().__dataclass_fields__)
+#: capabilities a remote server is assumed to have until a check proves otherwise: every one of
+#: them is proved by a counter (or skipped for want of one), so assuming costs no false pass
+REMOTE_CAPABILITIES = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority", "sampling",
+                                 "abort"})
+
+
+class KnobsNotSettable(pytest.skip.Exception):  # type: ignore[misc,name-defined]
+    """A check needs a knob value this engine cannot be set to: the check is skipped, saying so.
+
+    A skip, not an error, and deliberately not an ``Exception``: a check that expects the engine to
+    refuse a bad knob (``pytest.raises(Exception)``) must not take the adapter's "cannot set it" for
+    the engine's refusal."""
+
+    def __init__(self, message: str):
+        super().__init__(msg=message)
+
+
+class OpenAIAdapter(EngineAdapter):
+    """An OpenAI-compatible server already running at ``url`` (knobs as it was started)."""
+
+    kind = "openai"
+    capabilities = REMOTE_CAPABILITIES
+    option_keys = {  # noqa: RUF012
+        "url": "base URL of the server, e.g. http://127.0.0.1:8000 (required)",
+        "api_key": "bearer token, if the server demands one",
+        "model": "model name to put in requests (default: the first of /v1/models)",
+        "tokenizer": "tokenizer.json to turn returned text into ids when the server cannot return ids "
+                     "(default: the checkpoint's)",
+        "preemptions_are": "recompute or swap: the mode vllm:num_preemptions_total counts on a server that does "
+                           "not split preemptions by mode (vLLM v1: recompute)",
+        "timeout": "seconds one request may take (default 600)",
+        "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
+        **{k: "the server's value of this knob, where /metrics does not publish it" for k in _KNOB_NAMES},
+    }
+    unsupported_knobs = {k: "fixed by the running server (use the server adapter to vary it)"  # noqa: RUF012
+                         for k in _KNOB_NAMES}
+
+    def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
+        super().__init__(model_dir, options, name)
+        if not self.options.get("url"):
+            raise ValueError(f"engine {self.kind!r}: option url is required (e.g. url=http://127.0.0.1:8000)")
+        preempt = self.options.get("preemptions_are")
+        if preempt not in (None, "recompute", "swap"):
+            raise ValueError(f"engine {self.kind!r}: preemptions_are must be recompute or swap, got {preempt!r}")
+        self.declared_knobs = {k: parse_knob(k, v) for k, v in self.options.items() if k in _KNOB_NAMES}
+        self.client = self._client(self.options["url"])
+        self.evidence: list[str] = []
+
+    def _client(self, url: str) -> CompletionClient:
+        tokenizer = self.options.get("tokenizer") or str(Path(self.model_dir) / "tokenizer.json")
+        return CompletionClient(url, api_key=self.options.get("api_key"), model=self.options.get("model"),
+                                text_tokens=TextTokens(tokenizer), timeout=float(self.options.get("timeout", 600)))
+
+    # --- knobs
+
+    def scrape(self) -> MetricsSnapshot | None:
+        """One ``/metrics`` scrape, or None when the server publishes none."""
+        text = self.client.metrics_text()
+        return None if text is None else MetricsSnapshot.parse(text)
+
+    def server_knobs(self, snap: MetricsSnapshot | None = None) -> dict[str, Any]:
+        """The knobs the server runs with: published labels win over declared options."""
+        published = knobs_from_config_info(snap) if snap is not None else {}
+        return {**self.declared_knobs, **published}
+
+    def check_knobs(self, knobs: Knobs, snap: MetricsSnapshot | None) -> None:
+        """Raise :class:`KnobsNotSettable` unless every knob the check sets is what the server runs with."""
+        running = self.server_knobs(snap)
+        problems = []
+        for name, wanted in knobs.as_dict().items():
+            if name not in running:
+                problems.append(f"{name}={wanted} (the server does not publish {name} and no option states it)")
+            elif running[name] != wanted:
+                problems.append(f"{name}={wanted} (the server runs {name}={running[name]})")
+        if problems:
+            raise KnobsNotSettable(f"{self.name} cannot set knobs: needs {'; '.join(problems)}")
+
+    # --- runs
+
+    def _ensure_model(self) -> None:
+        if self.client.model is None:
+            self.client.model = self.client.served_model()
+
+    def _settle(self) -> MetricsSnapshot | None:
+        """Wait until the server holds no request and two scrapes agree; the last scrape (None without
+        /metrics). Gives up after ``settle_timeout`` seconds, noting it in the evidence."""
+        deadline = time.monotonic() + float(self.options.get("settle_timeout", 30))
+        previous = self.scrape()
+        if previous is None:
+            return None
+        while True:
+            time.sleep(0.05)
+            snap = self.scrape()
+            assert snap is not None
+            busy = in_flight(snap)
+            if (busy is None or busy == 0) and snap.samples == previous.samples:
+                return snap
+            if time.monotonic() > deadline:
+                self.evidence.append(f"the server still held {busy} request(s) or kept counting "
+                                     f"{self.options.get('settle_timeout', 30)} s after the run")
+                return snap
+            previous = snap
+
+    def _counters(self, before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> Counters:
+        if before is None or after is None:
+            return Counters()
+        preempt = self.options.get("preemptions_are")
+        delta = cumulative_counters(after, preempt).minus(cumulative_counters(before, preempt))
+        leaked = blocks_in_use(after) if in_flight(after) == 0 else None
+        values = {k: v for k, v in delta.to_dict().items() if v is not None}
+        if leaked is not None:
+            values["leaked_blocks"] = leaked
+        else:
+            values.pop("leaked_blocks", None)
+        return Counters.from_dict(values)
+
+    def prepare(self, knobs: Knobs) -> MetricsSnapshot | None:
+        """Before a run: the server's model name, its knobs checked, the before-scrape."""
+        self._ensure_model()
+        snap = self.scrape()
+        self.check_knobs(knobs, snap)
+        return snap
+
+    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
+        """All requests sent at once, each on its own connection; outputs in request order."""
+        before = self.prepare(knobs)
+        self.evidence = []
+        completions = asyncio.run(self._generate(requests))
+        counters = self._counters(before, self._settle())
+        outputs = []
+        for req, done in zip(requests, completions, strict=True):
+            outputs.append(GenOutput(req.request_id, done.token_ids, done.finish_reason, None, done.error))
+            if done.ids_from_text:
+                self.evidence.append(f"{req.request_id}: token ids recovered from the returned text")
+        return GenResult(outputs, counters, [*self.evidence, *self.describe_evidence()])
+
+    async def _generate(self, requests: Sequence[GenRequest]):
+        async with self.client.session() as http:
+            bodies = [completion_body(self.client.model, r.prompt_token_ids, r.max_tokens, stream=False,
+                                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed,
+                                      ignore_eos=r.ignore_eos, priority=r.priority) for r in requests]
+            return await asyncio.gather(*(self.client.complete(http, b) for b in bodies))
+
+    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:
+        """Stream every request at its arrival time, timing tokens client-side (see ``http_serve``)."""
+        before = self.prepare(knobs)
+        self.evidence = []
+        requests = getattr(workload, "requests", workload)
+        stats = run_serve(self.client, requests, recorder, concurrency=getattr(workload, "concurrency", None),
+                          poll_interval=0.1 if before is not None else None, progress=progress)
+        self.evidence.append(f"driver: {stats.requests} requests, {stats.tokens} tokens streamed, "
+                             f"released at most {stats.max_release_lag * 1e3:.1f} ms late, "
+                             f"{stats.samples} /metrics samples")
+        if before is None:
+            recorder.not_exposed("counters", f"{self.name} publishes no /metrics")
+        recorder.set_counters(self._counters(before, self._settle()))
+
+    def describe_evidence(self) -> list[str]:
+        return [f"server: {self.client.base_url}"]

@@ -1,0 +1,126 @@
+"""Adapter ``server``: kvbench starts an OpenAI-compatible server itself, once per distinct knob set
+a check needs, and talks to it as the ``openai`` adapter does.
+
+``--engine server:preset=reference`` (or ``transformers``, ``vllm``, ``sglang``: see
+:mod:`kvbench.engines.server_presets`), or ``server:cmd=my-server --model {model} --port {port}`` for
+anything else (then no knob can be set: a check needing one is skipped), or both: ``cmd`` replaces the
+preset's command and keeps its knob flags. ``args=...`` appends flags (space-separated) to every launch.
+
+For each ``generate``/``serve`` call: the knobs become flags; a knob the preset cannot set to the asked
+value skips the check, naming it; if the running server was started with other knobs it is stopped and
+a new one started on a free port of 127.0.0.1; kvbench waits for ``/health`` (``startup_timeout``), runs,
+and keeps the server for the next call with the same knobs. ``close()`` (and interpreter exit, whatever
+the cause) stops it with its whole process group (:mod:`kvbench.engines.http_process`). Each server's
+log is kept (``log_dir``, default a fresh temporary directory); its path is in the run's evidence.
+"""
+
+from __future__ import annotations
+
+import shlex
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvbench.core.trace import TraceRecorder
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenRequest, GenResult, Knobs
+from kvbench.engines.http_process import ServerProcess, free_port
+from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter
+from kvbench.engines.server_presets import CUSTOM, PRESETS, Preset
+
+_PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are")
+
+
+class ServerAdapter(EngineAdapter):
+    """A server kvbench launches per knob set, from a preset or a command template."""
+
+    kind = "server"
+    option_keys = {  # noqa: RUF012
+        "preset": f"one of {', '.join(PRESETS)}: the command and how knobs map onto its flags",
+        "cmd": "command template ({python} {model} {port} are filled in; the server must bind 127.0.0.1:{port})",
+        "args": "extra flags appended to every launch, space-separated (e.g. args=--dtype float32)",
+        "startup_timeout": "seconds to wait for /health (default 300)",
+        "log_dir": "directory for the servers' logs (default: a new temporary directory)",
+        "api_key": "bearer token, if the command makes the server demand one",
+        "model": "model name to put in requests (default: the first of /v1/models)",
+        "tokenizer": "tokenizer.json to recover ids from text (default: the checkpoint's)",
+        "timeout": "seconds one request may take (default 600)",
+        "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
+        "preemptions_are": "recompute or swap: what vllm:num_preemptions_total counts (default: the preset's)",
+    }
+
+    def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
+        super().__init__(model_dir, options, name)
+        preset_name, cmd = self.options.get("preset"), self.options.get("cmd")
+        if not preset_name and not cmd:
+            raise ValueError(f"engine {self.kind!r}: give preset=({'|'.join(PRESETS)}) or cmd=COMMAND")
+        if preset_name and preset_name not in PRESETS:
+            raise ValueError(f"engine {self.kind!r}: unknown preset {preset_name!r}; presets: {', '.join(PRESETS)}")
+        self.preset: Preset = PRESETS[preset_name] if preset_name else CUSTOM
+        self.command = tuple(shlex.split(cmd)) if cmd else None
+        if self.command is not None and not any("{port}" in part for part in self.command):
+            raise ValueError(f"engine {self.kind!r}: cmd must contain {{port}} (kvbench picks a free port)")
+        self.capabilities = self.preset.capabilities
+        self.unsupported_knobs = dict(self.preset.unsupported) if preset_name else {
+            k: "cmd= without a preset: kvbench does not know the server's flags" for k in Knobs().__dataclass_fields__}
+        self.extra = shlex.split(self.options.get("args", ""))
+        self.startup_timeout = float(self.options.get("startup_timeout", 300))
+        self.log_dir = Path(self.options.get("log_dir") or tempfile.mkdtemp(prefix="kvbench-servers-"))
+        self.logs: list[str] = []
+        self._server: ServerProcess | None = None
+        self._remote: OpenAIAdapter | None = None
+        self._knobs: dict[str, Any] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "preset": self.preset.name, "server_logs": list(self.logs)}
+
+    def argv(self, knobs: Knobs, port: int) -> list[str]:
+        """The launch command for ``knobs``; :class:`KnobsNotSettable` names any knob the preset cannot set."""
+        try:
+            return self.preset.argv(self.model_dir, port, knobs.as_dict(), self.extra, self.command)
+        except ValueError as e:
+            raise KnobsNotSettable(f"{self.name} cannot set knobs: {e}") from None
+
+    def server_for(self, knobs: Knobs) -> OpenAIAdapter:
+        """A healthy server started with exactly ``knobs`` (reused when the last one was)."""
+        wanted = knobs.as_dict()
+        if self._remote is not None and self._knobs == wanted and self._server is not None and self._server.running():
+            return self._remote
+        self.stop_server()
+        port = free_port()
+        argv = self.argv(knobs, port)
+        log = self.log_dir / f"{self.preset.name}-{len(self.logs) + 1:03d}-port{port}.log"
+        server = ServerProcess(argv, log)
+        self.logs.append(str(log))
+        server.start()
+        self._server = server
+        server.wait_healthy(f"http://127.0.0.1:{port}", self.startup_timeout)
+        options = {k: v for k, v in self.options.items() if k in _PASSED_ON}
+        if self.preset.preemptions_are and "preemptions_are" not in options:
+            options["preemptions_are"] = self.preset.preemptions_are
+        # what it was started with is declared, so a knob the server does not publish still counts as set;
+        # a published label that disagrees (the server adjusted the value) wins and skips the check
+        options.update({k: str(v) for k, v in wanted.items()})
+        options["url"] = f"http://127.0.0.1:{port}"
+        self._remote = OpenAIAdapter(self.model_dir, options, name=self.name)
+        self._knobs = wanted
+        return self._remote
+
+    def stop_server(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        self._server, self._remote, self._knobs = None, None, None
+
+    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
+        remote = self.server_for(knobs)
+        result = remote.generate(requests, knobs)
+        result.evidence.append(f"server log: {self.logs[-1]}")
+        if self._server is not None and not self._server.running():
+            result.evidence.append(f"the server died during the run; log tail:\n{self._server.log_tail(10)}")
+        return result
+
+    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:
+        self.server_for(knobs).serve(workload, recorder, knobs, progress=progress)
+
+    def close(self) -> None:
+        self.stop_server()

@@ -1,0 +1,164 @@
+"""How to start each known server, and how kvbench's knobs become its command-line flags.
+
+A preset is a command template (``{python}``, ``{model}``, ``{port}`` are filled in; the host is always
+127.0.0.1) and a rule per knob. A knob a preset cannot map is either *fixed* (the engine always behaves
+that way, so a check asking for exactly that value needs no flag: vLLM v1 always preempts by
+recompute) or *unsupported* (with the reason; a check needing it is skipped saying so).
+
+Flag names were checked against each server's own documentation or ``--help``:
+
+* ``reference``: ``python -m reference_engine.serve`` (this project; every ``EngineConfig`` field is a
+  flag named as ``vllm serve`` names it). Tested here.
+* ``transformers``: ``transformers serve --continuous-batching`` (transformers 5.24 ``--help``:
+  ``--cb-block-size``, ``--cb-num-blocks``, ``--cb-max-batch-tokens``, ``--host``, ``--port``; the model is
+  the positional ``FORCE_MODEL``). Runs on CPU. It publishes no ``/metrics``, so no mechanism can be proved.
+* ``vllm``: ``vllm serve MODEL`` (``--block-size``, ``--num-gpu-blocks-override``, ``--max-num-seqs``,
+  ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
+  ``--[no-]enable-chunked-prefill``, ``--scheduling-policy``). Documented, not run here (needs a GPU).
+* ``sglang``: ``python -m sglang.launch_server --model-path MODEL`` (``--page-size``, ``--max-total-tokens``
+  in tokens, ``--max-running-requests``, ``--chunked-prefill-size`` (-1 = off), ``--disable-radix-cache``,
+  ``--context-length``, ``--schedule-policy``, ``--enable-metrics``). Documented, not run here. Its metrics
+  use ``sglang:`` names, which kvbench does not read: counters stay "not exposed".
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: (value, all knobs of the run) -> flags
+FlagRule = Callable[[Any, dict[str, Any]], list[str]]
+
+
+def value_flag(flag: str) -> FlagRule:
+    return lambda v, _: [flag, str(v)]
+
+
+def switch(on: str, off: str) -> FlagRule:
+    return lambda v, _: [on if v else off]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One server kind: its command, its knob rules, what it always does, and what it cannot do."""
+
+    name: str
+    command: tuple[str, ...]
+    rules: dict[str, FlagRule] = field(default_factory=dict)
+    fixed: dict[str, Any] = field(default_factory=dict)
+    unsupported: dict[str, str] = field(default_factory=dict)
+    capabilities: frozenset[str] = frozenset()
+    #: which mode vllm:num_preemptions_total counts when the server does not split it by mode
+    preemptions_are: str | None = None
+
+    def flags(self, knobs: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+        """(flags for ``knobs``, {knob: why not} for those this preset cannot set to the asked value)."""
+        out: list[str] = []
+        refused: dict[str, str] = {}
+        for name, value in knobs.items():
+            if name in self.rules:
+                out += self.rules[name](value, knobs)
+            elif name in self.fixed:
+                if self.fixed[name] != value:
+                    refused[name] = f"{self.name} always runs {name}={self.fixed[name]}, not {value}"
+            else:
+                refused[name] = self.unsupported.get(name, f"preset {self.name} has no flag for {name}")
+        return out, refused
+
+    def argv(self, model: str, port: int, knobs: dict[str, Any], extra: list[str] | None = None,
+             command: tuple[str, ...] | None = None) -> list[str]:
+        """The full command line. Raises ValueError naming the knobs this preset cannot set."""
+        flags, refused = self.flags(knobs)
+        if refused:
+            raise ValueError("; ".join(f"{k}: {why}" for k, why in refused.items()))
+        values = {"python": sys.executable, "model": model, "port": str(port)}
+        return [part.format(**values) for part in (command or self.command)] + flags + list(extra or [])
+
+
+_ALL = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority", "sampling", "abort"})
+
+REFERENCE = Preset(
+    "reference",
+    ("{python}", "-m", "reference_engine.serve", "--model", "{model}", "--host", "127.0.0.1", "--port", "{port}"),
+    rules={
+        "block_size": value_flag("--block-size"),
+        "num_gpu_blocks": value_flag("--num-gpu-blocks-override"),
+        "num_cpu_blocks": value_flag("--num-cpu-blocks-override"),
+        "max_num_seqs": value_flag("--max-num-seqs"),
+        "max_num_batched_tokens": value_flag("--max-num-batched-tokens"),
+        "max_model_len": value_flag("--max-model-len"),
+        "enable_chunked_prefill": switch("--enable-chunked-prefill", "--no-enable-chunked-prefill"),
+        "enable_prefix_caching": switch("--enable-prefix-caching", "--no-enable-prefix-caching"),
+        "preemption_mode": value_flag("--preemption-mode"),
+        "scheduling_policy": value_flag("--scheduling-policy"),
+    },
+    capabilities=_ALL,
+)
+
+TRANSFORMERS = Preset(
+    "transformers",
+    ("transformers", "serve", "{model}", "--continuous-batching", "--host", "127.0.0.1", "--port", "{port}"),
+    rules={
+        "block_size": value_flag("--cb-block-size"),
+        "num_gpu_blocks": value_flag("--cb-num-blocks"),
+        "max_num_batched_tokens": value_flag("--cb-max-batch-tokens"),
+    },
+    # what transformers' continuous batching always does (see kvbench/engines/hf_cb.py)
+    fixed={"enable_chunked_prefill": True, "scheduling_policy": "fcfs", "preemption_mode": "recompute"},
+    unsupported={
+        "num_cpu_blocks": "transformers serve has no flag for the CPU offload pool",
+        "max_num_seqs": "transformers serve has no flag for the most requests per batch",
+        "max_model_len": "transformers serve has no per-request length cap",
+        "enable_prefix_caching": "transformers serve has no flag for block sharing",
+    },
+    capabilities=frozenset({"recompute", "chunked_prefill", "sampling", "abort"}),
+)
+
+VLLM = Preset(
+    "vllm",
+    ("vllm", "serve", "{model}", "--host", "127.0.0.1", "--port", "{port}"),
+    rules={
+        "block_size": value_flag("--block-size"),
+        "num_gpu_blocks": value_flag("--num-gpu-blocks-override"),
+        "max_num_seqs": value_flag("--max-num-seqs"),
+        "max_num_batched_tokens": value_flag("--max-num-batched-tokens"),
+        "max_model_len": value_flag("--max-model-len"),
+        "enable_chunked_prefill": switch("--enable-chunked-prefill", "--no-enable-chunked-prefill"),
+        "enable_prefix_caching": switch("--enable-prefix-caching", "--no-enable-prefix-caching"),
+        "scheduling_policy": value_flag("--scheduling-policy"),
+    },
+    fixed={"preemption_mode": "recompute"},
+    unsupported={"num_cpu_blocks": "vLLM v1 preempts by recompute only; --swap-space (GiB) feeds no swap pool"},
+    capabilities=_ALL - {"swap"},
+    preemptions_are="recompute",
+)
+
+
+def _sglang_pool(blocks: int, knobs: dict[str, Any]) -> list[str]:
+    return ["--max-total-tokens", str(blocks * int(knobs.get("block_size") or 1))]  # tokens, not pages
+
+
+SGLANG = Preset(
+    "sglang",
+    ("{python}", "-m", "sglang.launch_server", "--model-path", "{model}", "--host", "127.0.0.1", "--port", "{port}",
+     "--enable-metrics"),
+    rules={
+        "block_size": value_flag("--page-size"),
+        "num_gpu_blocks": _sglang_pool,
+        "max_num_seqs": value_flag("--max-running-requests"),
+        "max_num_batched_tokens": value_flag("--chunked-prefill-size"),
+        "max_model_len": value_flag("--context-length"),
+        "enable_chunked_prefill": lambda v, k: [] if v else ["--chunked-prefill-size", "-1"],
+        "enable_prefix_caching": lambda v, k: [] if v else ["--disable-radix-cache"],
+    },
+    fixed={"preemption_mode": "recompute", "scheduling_policy": "fcfs"},
+    unsupported={"num_cpu_blocks": "SGLang retracts requests (recompute); it has no swap pool"},
+    capabilities=_ALL - {"swap", "priority"},
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (REFERENCE, TRANSFORMERS, VLLM, SGLANG)}
+
+#: ``cmd=...`` alone: nothing is known about the server, so no knob can be set
+CUSTOM = Preset("cmd", (), unsupported={}, capabilities=_ALL)
