@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from reference_engine.sampling_params import SamplingParams
+from reference_engine.sampling_params import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -44,6 +44,8 @@ class Request:
     num_recomputed_tokens: int = 0
     num_prefix_hit_tokens: int = 0  # summed over admissions
     admitted_seq: int = -1  # increases with every admission: the FCFS victim is the largest
+    # One entry per output token when sampling_params.logprobs is set (appended where the token is sampled).
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -18,7 +18,7 @@ from reference_engine.attention import AttentionGroup, AttentionMetadata, build_
 from reference_engine.block_manager import BlockManager
 from reference_engine.kv_cache import KVCache
 from reference_engine.model import LlamaForCausalLM
-from reference_engine.sampler import sample
+from reference_engine.sampler import sample, token_logprobs
 from reference_engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -46,6 +46,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last_rows[finishing]])
         requests = [out.chunks[i].request for i in finishing]
         sampled = sample(logits, requests, self.engine_seed)
+        # Each output token is sampled exactly once (a recompute recomputes KV, never a sampled token),
+        # so appending here keeps output_logprobs aligned with output_token_ids.
+        for req, lp in zip(requests, token_logprobs(logits, requests, sampled), strict=True):
+            if lp is not None:
+                req.output_logprobs.append(lp)
         return {req.request_id: tok for req, tok in zip(requests, sampled, strict=True)}
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,

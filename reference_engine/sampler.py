@@ -12,6 +12,7 @@ import zlib
 import torch
 
 from reference_engine.request import Request
+from reference_engine.sampling_params import TokenLogprobs
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices over the seed space
 
@@ -52,3 +53,21 @@ def sample(logits: torch.Tensor, requests: list[Request], engine_seed: int) -> l
         g = token_generator(request_seed(req, engine_seed), len(req.output_token_ids), logits.device)
         tokens[row] = int(torch.multinomial(probs, 1, generator=g))
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[TokenLogprobs | None]:
+    """Per request: the sampled token's log-probability and the top ``sampling_params.logprobs``, or None
+    for requests that did not ask. Reads ``logits`` only, so sampling is untouched."""
+    wanted = [row for row, req in enumerate(requests) if req.sampling_params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(requests)
+    if not wanted:
+        return out
+    logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)  # [len(wanted), vocab]
+    k = min(max(requests[row].sampling_params.logprobs for row in wanted), logprobs.shape[-1])
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    chosen = logprobs.gather(1, torch.tensor([tokens[row] for row in wanted], device=logits.device)[:, None])
+    for i, row in enumerate(wanted):
+        n = requests[row].sampling_params.logprobs
+        top = tuple(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist(), strict=True))
+        out[row] = TokenLogprobs(tokens[row], float(chosen[i, 0]), top)
+    return out

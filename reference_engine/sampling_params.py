@@ -21,6 +21,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Top-k log-probabilities to return per output token (vLLM's ``logprobs``): None = none. Raw
+    # log-softmax of the model's logits (vLLM's default ``raw_logprobs``), before temperature/top-k/top-p.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -35,8 +38,21 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p={self.top_p!r} is invalid: expected a number in (0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed={self.seed!r} is invalid: expected None or an integer")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
+            raise ValueError(f"SamplingParams.logprobs={self.logprobs!r} is invalid: expected None or an integer >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one output position: the sampled token's, and the ``logprobs`` most likely
+    tokens' as ``(token_id, logprob)`` pairs, most likely first (ties: lower id first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
