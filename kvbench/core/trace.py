@@ -45,6 +45,8 @@ class StepRecord:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_preempted: int = 0  # preemptions that happened in this step
+    # the step clock's time when this step ran (step index x step_seconds); None on the wall clock
+    virtual_t: float | None = None
 
 
 @dataclass
@@ -56,6 +58,9 @@ class Trace:
     counters: dict[str, float] = field(default_factory=dict)  # engine's own cumulative counters at the end
     not_exposed: dict[str, str] = field(default_factory=dict)  # what the engine could not report, and why
     duration: float = 0.0
+    # set when arrivals and aborts were released by engine step (kvbench.core.stepping): virtual
+    # seconds per step. Times above stay on the wall clock; StepRecord.virtual_t maps them back.
+    step_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +75,7 @@ class Trace:
         steps = [StepRecord(**s) for s in data.get("steps", [])]
         return cls(engine=data["engine"], scenario=data["scenario"], requests=requests, steps=steps,
                    counters=dict(data.get("counters", {})), not_exposed=dict(data.get("not_exposed", {})),
-                   duration=float(data.get("duration", 0.0)))
+                   duration=float(data.get("duration", 0.0)), step_seconds=data.get("step_seconds"))
 
 
 class TraceRecorder:

@@ -1,0 +1,81 @@
+"""Repeated measurements of one timed point: the median and a robust spread of each metric.
+
+A benchmark serves every timed point ``--benchmark-repeats`` times (3 by default). Results keep
+every repeat's values, their median (what the report shows and the gate compares) and their
+spread (what the gate's noise floor is made of, see :mod:`kvbench.bench.gate`).
+
+Spread is an estimate of one measurement's standard deviation that a single outlier cannot
+shrink to nothing:
+
+* 5 or more values: 1.4826 x the median absolute deviation (the MAD scaled to a normal's sigma);
+* 2 to 4 values: half the range. The MAD of three values is the smaller of two gaps and often
+  near zero by chance, which would make a noise floor that flaps;
+* fewer than 2 values: 0 (no information: the gate then falls back to the threshold alone).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+#: scales the MAD of normally distributed values to their standard deviation
+MAD_TO_SIGMA = 1.4826
+
+#: metrics fixed by the schedule alone (what was admitted, preempted, swapped, hit, computed, per
+#: step), not by how long anything took: identical on every step-clock run of a deterministic
+#: engine, so the gate compares them exactly. Every other metric of
+#: :data:`kvbench.bench.metrics.METRIC_KEYS` depends on the wall clock (latencies, rates, shares of
+#: time, duration-weighted means, spikes found from gaps) and is compared with statistics.
+COUNT_METRICS: frozenset[str] = frozenset({
+    "requests", "requests_finished", "prompt_tokens", "output_tokens", "prompt_len_mean", "prompt_len_max",
+    "output_len_mean", "preemptions", "preemptions_recompute", "preemptions_swap", "preempted_request_share",
+    "max_preemptions_per_request", "swap_outs", "swap_ins", "swap_fallbacks", "recomputed_tokens",
+    "computed_tokens", "recomputed_share", "swapped_out_bytes", "swapped_in_bytes", "prefix_cache_queries",
+    "prefix_cache_hits", "prefix_hit_rate", "prefill_chunks", "kv_usage_max", "cpu_kv_usage_max", "running_max",
+    "waiting_max", "swapped_max", "steps",
+})
+
+
+def is_count(metric: str) -> bool:
+    """True for a metric the schedule alone fixes (see :data:`COUNT_METRICS`)."""
+    return metric in COUNT_METRICS
+
+
+def _numbers(values: Sequence[float | None]) -> list[float]:
+    return [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    """The median of the values that are numbers; None when there are none."""
+    nums = _numbers(values)
+    return float(statistics.median(nums)) if nums else None
+
+
+def spread(values: Sequence[float | None]) -> float:
+    """A robust estimate of one value's standard deviation (see the module docstring)."""
+    nums = _numbers(values)
+    if len(nums) < 2:
+        return 0.0
+    if len(nums) < 5:
+        return (max(nums) - min(nums)) / 2.0
+    mid = statistics.median(nums)
+    return MAD_TO_SIGMA * float(statistics.median(abs(v - mid) for v in nums))
+
+
+def aggregate(repeats: Sequence[Mapping[str, float | None]]) -> tuple[dict[str, float | None], dict[str, float]]:
+    """Per-repeat metric dicts -> (median per metric, spread per metric), over the union of keys.
+
+    A metric that is None in every repeat stays None (not exposed), with spread 0.
+    """
+    keys: list[str] = []
+    for rep in repeats:
+        keys += [k for k in rep if k not in keys]
+    medians = {k: median([rep.get(k) for rep in repeats]) for k in keys}
+    spreads = {k: spread([rep.get(k) for rep in repeats]) for k in keys}
+    return medians, spreads
+
+
+def differing(repeats: Sequence[Mapping[str, float | None]], keys: Sequence[str]) -> list[str]:
+    """The ``keys`` whose values differ between repeats (an empty list: all identical)."""
+    return [k for k in keys if len({rep.get(k) for rep in repeats}) > 1]
