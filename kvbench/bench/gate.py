@@ -1,6 +1,29 @@
 """The regression gate: compare a run against a baseline with thresholds written as expressions.
 
-Syntax: ``NAME:[+|-]NUMBER[%]``
+What is compared, and how (:func:`gate`):
+
+* **Counts exactly.** A count the schedule alone fixes (:data:`kvbench.bench.repeats.COUNT_METRICS`:
+  preemptions, recomputed tokens, swaps, prefix hits...) measured on the step clock in both runs
+  (``clock.exact_counts``) is identical run to run on a deterministic engine, so its threshold is
+  applied to the values as they are: ``preemptions:+0`` fails on one preemption more.
+* **Times with statistics.** Every other figure, and the counts of engines that cannot be stepped
+  from outside (servers, engines with their own loop thread), is compared median to median; a
+  change is a regression only if it crosses the threshold **and** exceeds the noise floor
+  ``noise_k x sqrt((spread_baseline**2 + spread_current**2) / 2)`` (spreads of the repeats,
+  :mod:`kvbench.bench.repeats`; ``noise_k`` 3 by default). A result without repeats has spread 0:
+  the threshold alone decides.
+* **Ratios by default.** A time is gated as a same-run ratio: the engine's median over the
+  reference engine's median in the same scenario and mode of the same run (the reference engine is
+  the one named ``reference``, else the first of kind ``reference``). A slower or busier machine
+  moves both and cancels out. The reference engine's own times are therefore not gated, nor times
+  in a run without a reference engine. Absolute times are gated only when asked: ``absolute=True``
+  (``--gate-absolute``), or per threshold with the prefix ``abs:`` (``abs:throughput:-10%``), or a
+  threshold in the metric's unit (no ``%``: ``abs`` is implied, since seconds are not a ratio).
+* **Nothing missing.** Every result of the baseline (scenario, engine, mode) must be in the current
+  run, and every thresholded metric the baseline has must have a value; anything missing fails the
+  gate and is named. Results only in the current run are listed, not failed.
+
+Syntax: ``[abs:]NAME:[+|-]NUMBER[%]``
 
 * ``throughput:-10%``  fail if the metric *drops* by more than 10% of the baseline
 * ``p99_tbt:+20%``     fail if it *rises* by more than 20%
@@ -9,7 +32,8 @@ Syntax: ``NAME:[+|-]NUMBER[%]``
 
 Relative changes are ``(current - baseline) / |baseline|``. A baseline of 0 with a different
 current value is an infinite relative change (so ``preemptions:+50%`` fails when 0 becomes 3).
-A metric that is missing or None on either side is not compared.
+A metric None in the baseline is not compared; None in the current run while the baseline has it
+is a missing result (:class:`Missing`).
 
 NAME is a short name from :data:`SHORT_NAMES` or any key of :func:`kvbench.bench.metrics.summarize`
 (``pNN_name`` is also read as ``name_pNN``). Short names:
@@ -42,10 +66,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvbench.bench.metrics import GOODPUT_KEYS, METRIC_KEYS
+from kvbench.bench.repeats import is_count
+from kvbench.bench.repeats import spread as repeat_spread
 from kvbench.bench.results import Results
 
 SHORT_NAMES: dict[str, str] = {
@@ -68,13 +95,16 @@ HIGHER_IS_BETTER = frozenset({
     "swap_bandwidth", "prefix_hit_rate", "prefix_cache_hits",
 })
 
-#: used by ``kvbench compare`` when no ``--threshold`` is given (timing noise on shared CI
-#: machines makes tighter defaults flaky; preemption counts vary with timing too)
-DEFAULT_THRESHOLDS: tuple[str, ...] = ("throughput:-10%", "p99_ttft:+20%", "p99_tbt:+20%")
+#: used when no ``--threshold`` is given: times as same-run ratios with a noise floor, counts
+#: exactly (on the step clock) - one preemption, recomputed token or swap more, one prefix hit fewer
+DEFAULT_THRESHOLDS: tuple[str, ...] = ("throughput:-10%", "p99_ttft:+20%", "p99_tbt:+20%", "preemptions:+0",
+                                       "recompute:+0", "swap_outs:+0", "prefix_cache_hits:-0")
+#: how many pooled spreads a change of a time must exceed to count (see the module docstring)
+NOISE_K = 3.0
 
 _KNOWN = frozenset(METRIC_KEYS) | frozenset(GOODPUT_KEYS)
-_EXPR_RE = re.compile(r"^\s*(?P<name>[A-Za-z0-9_]+)\s*:\s*(?P<sign>[+-])?(?P<number>\d+(?:\.\d+)?|\.\d+)"
-                      r"\s*(?P<pct>%)?\s*$")
+_EXPR_RE = re.compile(r"^\s*(?P<abs>abs\s*:\s*)?(?P<name>[A-Za-z0-9_]+)\s*:\s*"
+                      r"(?P<sign>[+-])?(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?P<pct>%)?\s*$")
 _PCT_NAME_RE = re.compile(r"^p(?P<pct>\d{2})_(?P<base>[a-z0-9]+)$")
 
 
@@ -98,13 +128,15 @@ def resolve_metric(name: str) -> str:
 
 @dataclass(frozen=True)
 class Threshold:
-    """``direction`` is +1 (fail when the metric rises past ``limit``) or -1 (fail when it drops)."""
+    """``direction`` is +1 (fail when the metric rises past ``limit``) or -1 (fail when it drops).
+    ``absolute``: a time gated on its own value rather than as a ratio to the reference engine."""
 
     expression: str
     metric: str
     direction: int
     limit: float
     relative: bool
+    absolute: bool = False
 
     def change(self, baseline: float, current: float) -> float:
         """Relative (fraction) or absolute change from baseline to current."""
@@ -127,13 +159,15 @@ def parse_threshold(expression: str) -> Threshold:
     """Parse ``NAME:[+|-]NUMBER[%]`` (see the module docstring). Raises ThresholdError."""
     m = _EXPR_RE.match(expression)
     if m is None:
-        raise ThresholdError(f"bad threshold {expression!r}: expected NAME:[+|-]NUMBER[%], "
+        raise ThresholdError(f"bad threshold {expression!r}: expected [abs:]NAME:[+|-]NUMBER[%], "
                              "e.g. 'throughput:-10%', 'p99_tbt:+20%', 'preemptions:+0'")
     metric = resolve_metric(m["name"])
     # no sign: the metric's bad direction
     bad_direction = -1 if metric in HIGHER_IS_BETTER else 1
     direction = {"+": 1, "-": -1}.get(m["sign"] or "", bad_direction)
-    return Threshold(expression.strip(), metric, direction, float(m["number"]), bool(m["pct"]))
+    relative = bool(m["pct"])
+    return Threshold(expression.strip(), metric, direction, float(m["number"]), relative,
+                     absolute=bool(m["abs"]) or not relative)
 
 
 def parse_thresholds(expressions: Iterable[str | Threshold]) -> list[Threshold]:
@@ -142,7 +176,13 @@ def parse_thresholds(expressions: Iterable[str | Threshold]) -> list[Threshold]:
 
 @dataclass(frozen=True)
 class Delta:
-    """One metric of one (scenario, engine, mode) compared with the baseline."""
+    """One metric of one (scenario, engine, mode) compared with the baseline.
+
+    ``basis`` says how: ``"exact"`` (a step-clock count), ``"absolute"`` (medians with a noise
+    floor) or ``"ratio to <engine>"`` (same-run ratios with a noise floor; ``baseline`` and
+    ``current`` are then the ratios). ``noise`` is the noise floor in the compared values' unit
+    (0 for exact counts and results without repeats).
+    """
 
     scenario: str
     engine: str
@@ -153,15 +193,75 @@ class Delta:
     change: float  # relative (fraction) when the threshold is relative, else absolute
     threshold: Threshold
     regressed: bool
+    basis: str = "absolute"
+    noise: float = 0.0
+
+    @property
+    def within_noise(self) -> bool:
+        """The threshold was crossed but the change is inside the noise floor (not a regression)."""
+        return not self.regressed and self.threshold.violated(self.baseline, self.current)
 
     def describe(self) -> str:
         where = f"{self.scenario} / {self.engine}" + (f" [{self.mode}]" if self.mode else "")
-        return (f"{where}: {self.metric} {format_value(self.baseline)} -> {format_value(self.current)} "
-                f"({format_change(self)}; threshold {self.threshold})")
+        what = self.metric if self.basis in ("absolute", "exact") else f"{self.metric} ({self.basis})"
+        noise = f", noise floor {format_value(self.noise)}" if self.noise else ""
+        return (f"{where}: {what} {format_value(self.baseline)} -> {format_value(self.current)} "
+                f"({format_change(self)}; threshold {self.threshold}{noise})")
 
 
-#: A regression is a :class:`Delta` that crossed its threshold.
+#: A regression is a :class:`Delta` that crossed its threshold (and the noise floor).
 Regression = Delta
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A baseline result (``metric`` None) or one of its thresholded metrics absent from the current run."""
+
+    scenario: str
+    engine: str
+    mode: str | None
+    metric: str | None = None
+
+    def describe(self) -> str:
+        where = f"{self.scenario} / {self.engine}" + (f" [{self.mode}]" if self.mode else "")
+        if self.metric is None:
+            return f"missing from the current run: {where} (in the baseline)"
+        return f"missing from the current run: {where}: {self.metric} (has a value in the baseline)"
+
+
+@dataclass
+class Verdict:
+    """What the gate found: every comparison, the regressions among them, what was missing, notes."""
+
+    deltas: list[Delta] = field(default_factory=list)
+    missing: list[Missing] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def regressions(self) -> list[Delta]:
+        return [d for d in self.deltas if d.regressed]
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.regressions or self.missing)
+
+    def failure_lines(self) -> list[str]:
+        """One line per regression and per missing result, naming it."""
+        return ([f"REGRESSION {d.describe()}" for d in self.regressions]
+                + [f"MISSING {m.describe()}" for m in self.missing])
+
+    def summary(self) -> str:
+        """One line: what failed, or what passed."""
+        if not self.failed:
+            exact = sum(d.basis == "exact" for d in self.deltas)
+            return f"no regression ({len(self.deltas)} comparisons, {exact} exact counts)"
+        parts = []
+        if self.regressions:
+            n = len(self.regressions)
+            parts.append(f"{n} regression{'s' if n != 1 else ''}")
+        if self.missing:
+            parts.append(f"{len(self.missing)} missing result{'s' if len(self.missing) != 1 else ''}")
+        return "regression gate failed: " + ", ".join(parts)
 
 
 def format_value(value: float) -> str:
@@ -174,33 +274,128 @@ def format_change(delta: Delta) -> str:
     return f"{delta.change:+.4g}"
 
 
-def _keyed(results: Results) -> dict[tuple[str, str, str | None], dict]:
-    return {(sc["name"], res["engine"], res.get("mode")): res.get("metrics", {}) for sc, res in results.iter_results()}
+Key = tuple[str, str, "str | None"]
 
 
-def deltas(current: Results, baseline: Results, thresholds: Sequence[str | Threshold]) -> list[Delta]:
-    """Every thresholded metric of every (scenario, engine, mode) present in both runs."""
+def _results(results: Results) -> dict[Key, dict[str, Any]]:
+    return {(sc["name"], res["engine"], res.get("mode")): res for sc, res in results.iter_results()}
+
+
+def _keyed(results: Results) -> dict[Key, dict]:
+    return {k: res.get("metrics", {}) for k, res in _results(results).items()}
+
+
+def reference_engine(results: Results) -> str | None:
+    """The engine same-run ratios divide by: the one named ``reference``, else the first of kind
+    ``reference``, else None."""
+    names = results.engine_names()
+    if "reference" in names:
+        return "reference"
+    return next((e["name"] for e in results.engines if e.get("kind") == "reference"), None)
+
+
+def _spread(res: Mapping[str, Any], metric: str) -> float:
+    """A result's spread of ``metric``: from its repeats when it has them, else its stored spread, else 0."""
+    values = [r.get(metric) for r in res.get("repeats") or []]
+    if values:
+        return repeat_spread(values)
+    return float((res.get("spread") or {}).get(metric) or 0.0)
+
+
+def _exact(res: Mapping[str, Any]) -> bool:
+    clock = res.get("clock") or {}
+    return clock.get("clock") == "step" and bool(clock.get("exact_counts"))
+
+
+def _value(res: Mapping[str, Any] | None, metric: str) -> float | None:
+    if res is None:
+        return None
+    v = res.get("metrics", {}).get(metric)
+    return None if v is None else float(v)
+
+
+def _pooled(a: float, b: float) -> float:
+    return math.sqrt((a * a + b * b) / 2.0)
+
+
+def _ratio_and_spread(res: Mapping[str, Any], ref: Mapping[str, Any], metric: str) -> tuple[float, float] | None:
+    """(engine median / reference median, that ratio's spread by relative error propagation)."""
+    v, r = _value(res, metric), _value(ref, metric)
+    if v is None or r is None or r == 0:
+        return None
+    ratio = v / r
+    rel_v = _spread(res, metric) / abs(v) if v else 0.0
+    rel_r = _spread(ref, metric) / abs(r)
+    return ratio, abs(ratio) * math.hypot(rel_v, rel_r)
+
+
+def gate(current: Results, baseline: Results, thresholds: Sequence[str | Threshold], *, absolute: bool = False,
+         noise_k: float = NOISE_K) -> Verdict:
+    """Compare ``current`` with ``baseline`` (see the module docstring): every baseline result must be
+    present, counts from step-clock runs compared exactly, times as same-run ratios (or absolute when
+    ``absolute`` or the threshold says so) beyond a noise floor of ``noise_k`` pooled spreads.
+    Raises ValueError for a negative ``noise_k``."""
+    if noise_k < 0 or not math.isfinite(noise_k):
+        raise ValueError(f"noise_k must be a finite number >= 0, got {noise_k}")
     parsed = parse_thresholds(thresholds)
-    base = _keyed(baseline)
-    out = []
-    for key, metrics in _keyed(current).items():
-        if key not in base:
+    base, cur = _results(baseline), _results(current)
+    ref_name = reference_engine(baseline)
+    verdict = Verdict()
+    skipped_ratio: set[str] = set()
+    for key, b_res in base.items():
+        c_res = cur.get(key)
+        if c_res is None:
+            verdict.missing.append(Missing(*key))
             continue
+        scenario, engine, mode = key
         for th in parsed:
-            b, c = base[key].get(th.metric), metrics.get(th.metric)
-            if b is None or c is None:
+            b, c = _value(b_res, th.metric), _value(c_res, th.metric)
+            if b is None:
                 continue
-            b, c = float(b), float(c)
-            out.append(Delta(*key, th.metric, b, c, th.change(b, c), th, th.violated(b, c)))
-    return out
+            if c is None:
+                verdict.missing.append(Missing(*key, th.metric))
+                continue
+            if is_count(th.metric) and _exact(b_res) and _exact(c_res):
+                verdict.deltas.append(Delta(*key, th.metric, b, c, th.change(b, c), th, th.violated(b, c), "exact"))
+                continue
+            basis = "absolute"
+            sb, sc = _spread(b_res, th.metric), _spread(c_res, th.metric)
+            if not is_count(th.metric) and not (absolute or th.absolute):
+                if engine == ref_name or ref_name is None:
+                    skipped_ratio.add(engine if ref_name else "(no reference engine)")
+                    continue
+                b_pair = _ratio_and_spread(b_res, base.get((scenario, ref_name, mode)) or {}, th.metric)
+                c_pair = _ratio_and_spread(c_res, cur.get((scenario, ref_name, mode)) or {}, th.metric)
+                if b_pair is None or c_pair is None:
+                    continue  # the reference lacks this figure here (its own absence is reported as missing)
+                (b, sb), (c, sc) = b_pair, c_pair
+                basis = f"ratio to {ref_name}"
+            noise = noise_k * _pooled(sb, sc)
+            regressed = th.violated(b, c) and abs(c - b) > noise
+            verdict.deltas.append(Delta(*key, th.metric, b, c, th.change(b, c), th, regressed, basis, noise))
+    for name in sorted(skipped_ratio):
+        verdict.notes.append(f"times of {name} are not gated: ratios divide by the reference engine "
+                             "(--gate-absolute or abs:NAME:... gates absolute times)")
+    only_current = sorted(set(cur) - set(base), key=str)
+    verdict.notes += [f"only in the current run (not gated): {s} / {e}" + (f" [{m}]" if m else "")
+                      for s, e, m in only_current]
+    return verdict
 
 
-def compare(current: Results, baseline: Results, thresholds: Sequence[str | Threshold]) -> list[Regression]:
-    """The regressions of ``current`` against ``baseline``, matched per (scenario, engine, mode)."""
-    return [d for d in deltas(current, baseline, thresholds) if d.regressed]
+def deltas(current: Results, baseline: Results, thresholds: Sequence[str | Threshold], *, absolute: bool = False,
+           noise_k: float = NOISE_K) -> list[Delta]:
+    """Every thresholded metric of every (scenario, engine, mode) present in both runs (see :func:`gate`)."""
+    return gate(current, baseline, thresholds, absolute=absolute, noise_k=noise_k).deltas
 
 
-def common_keys(current: Results, baseline: Results) -> list[tuple[str, str, str | None]]:
+def compare(current: Results, baseline: Results, thresholds: Sequence[str | Threshold], *, absolute: bool = False,
+            noise_k: float = NOISE_K) -> list[Regression]:
+    """The regressions of ``current`` against ``baseline``, matched per (scenario, engine, mode).
+    Missing results are not regressions: use :func:`gate` for the whole verdict."""
+    return gate(current, baseline, thresholds, absolute=absolute, noise_k=noise_k).regressions
+
+
+def common_keys(current: Results, baseline: Results) -> list[Key]:
     """The (scenario, engine, mode) keys present in both runs: what the gate compares."""
     base = _keyed(baseline)
     return [k for k in _keyed(current) if k in base]

@@ -57,6 +57,10 @@ class EngineAdapter(abc.ABC):
     option_keys: dict[str, str] = {}  # noqa: RUF012 - read-only class-level table
     #: Knobs fields this adapter cannot map, with the reason
     unsupported_knobs: dict[str, str] = {}  # noqa: RUF012
+    #: True when kvbench drives the engine's steps itself, so ``serve`` accepts ``step_seconds`` and
+    #: releases arrivals by engine step (deterministic counts, see kvbench.core.stepping). Servers and
+    #: engines with their own loop thread are not steppable: their counts are gated like times.
+    steppable: bool = False
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         """Raises ValueError naming any option not in ``option_keys``."""

@@ -68,6 +68,8 @@ class ReferenceAdapter(EngineAdapter):
     kind = "reference"
     capabilities = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority",
                               "block_introspection", "events", "sampling", "abort"})
+    #: kvbench steps this engine itself, so ``serve`` can run on the step clock (deterministic counts)
+    steppable = True
     option_keys = {  # noqa: RUF012
         "block_size": "KV block size in tokens (power of two, 1-128)",
         "num_gpu_blocks_override": "device KV pool size in blocks",
@@ -171,11 +173,14 @@ class ReferenceAdapter(EngineAdapter):
             engine.step()
         return compared, mismatches
 
-    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:
+    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None,
+              step_seconds: float | None = None) -> None:
+        """Serve ``workload`` on a fresh engine; ``step_seconds`` puts arrivals and aborts on the step
+        clock (:func:`kvbench.core.stepping.drive`), None on the wall clock."""
         engine = self.build_engine(knobs)
         requests = getattr(workload, "requests", workload)
         drive(_Steppable(engine), requests, recorder, concurrency=getattr(workload, "concurrency", None),
-              progress=progress)
+              progress=progress, step_seconds=step_seconds)
         recorder.set_counters(counters_of(engine))
 
 
