@@ -1,0 +1,395 @@
+"""The FastAPI application: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+
+Errors follow OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``. Bad input is a 400
+whose ``param`` and message name the field (malformed JSON: ``body``; unknown field: that field; an
+over-long prompt or an id outside the vocabulary: ``prompt``; ...), an oversized body a 413 naming the
+limit, a missing or wrong API key a 401. None of them touches the engine's other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from reference_engine.engine import RequestRejected
+from reference_engine.outputs import RequestOutput
+from reference_engine.sampling_params import SamplingParams, TokenLogprobs
+from reference_engine.serve.detokenize import TextCodec, load_codec
+from reference_engine.serve.disconnect import AbortOnDisconnectStream, ClientGone, race_disconnect
+from reference_engine.serve.engine_loop import EngineFailure, EngineLoop
+from reference_engine.serve.metrics import ServerMetrics
+from reference_engine.serve.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UnsupportedField,
+    Usage,
+    error_body,
+    refuse_unsupported,
+)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~100k token ids as JSON, far above max_model_len of these models
+
+
+class BadRequest(Exception):
+    def __init__(self, param: str | None, message: str, code: int = 400, type_: str = "BadRequestError"):
+        super().__init__(message)
+        self.param, self.message, self.code, self.type = param, message, code, type_
+
+
+def _error(param: str | None, message: str, code: int = 400, type_: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(error_body(message, param, code, type_), status_code=code)
+
+
+class _Guard:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide disconnects from the handlers):
+    the API key on every path but ``/health``, and a cap on the request body size."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"] != "/health":
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                await _error("authorization", "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                             401, "AuthenticationError")(scope, receive, send)
+                return
+        limit = self.max_body_bytes
+        too_big = _error("max_body_bytes", f"request body larger than the server's limit of {limit} bytes "
+                                           "(--max-body-bytes)", 413, "RequestTooLarge")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            await too_big(scope, receive, send)
+            return
+        # Chunked bodies carry no length: count as they arrive.
+        received = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await too_big(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def build_app(engine, *, served_model_name: str | None = None, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None) -> ServeApp:
+    """The ASGI application serving ``engine`` (an ``LLMEngine`` that nothing else may touch from now on).
+
+    Its engine loop starts and stops with the app's lifespan (run it under uvicorn, or under
+    ``starlette.testclient.TestClient`` as a context manager). ``on_ready()`` is called once the
+    engine loop runs (the CLI prints its "listening" line there). Text prompts use the
+    ``tokenizer.json`` of the model directory, if it has one.
+    """
+    model_dir = engine.config.model
+    served_model_name = served_model_name or model_dir
+    codec = load_codec(model_dir)
+    engine_loop = EngineLoop(engine)
+    metrics = engine_loop.metrics = ServerMetrics(served_model_name, engine.config,
+                                                  engine.block_manager.num_gpu_blocks,
+                                                  engine.block_manager.num_cpu_blocks, snapshot=engine_loop.stats)
+    vocab_size = engine.model.config.vocab_size
+    max_model_len = engine.config.max_model_len
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine_loop.start(asyncio.get_running_loop())
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            # The engine thread runs a step at a time; joining it off the event loop keeps shutdown responsive.
+            await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="reference_engine.serve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(*_describe_validation_error(exc))
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(exc.param, exc.message, exc.code, exc.type)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        return _error(None, str(exc.detail), exc.status_code, type_)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": created, "owned_by": "reference_engine",
+            "root": model_dir, "parent": None, "max_model_len": max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        try:
+            refuse_unsupported(body)
+        except UnsupportedField as e:
+            raise BadRequest(e.field, str(e)) from None
+        if body.model is not None and body.model not in (served_model_name, model_dir):
+            raise BadRequest("model", f"The model `{body.model}` does not exist: this server serves "
+                                      f"`{served_model_name}`", 404, "NotFoundError")
+        prompt_ids = _prompt_ids(body.prompt, codec, vocab_size)
+        params = _sampling_params(body, vocab_size)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        abort = _once(lambda: engine_loop.abort(request_id))
+        try:
+            outputs = await race_disconnect(
+                request, engine_loop.add(request_id, prompt_ids, params, priority=body.priority), abort)
+        except RequestRejected as e:
+            raise BadRequest("prompt", str(e)) from None
+        except EngineFailure as e:
+            raise BadRequest(None, str(e), 503, "ServiceUnavailableError") from None
+        except ClientGone:
+            return Response(status_code=499)
+        render = _Renderer(body, prompt_ids, codec)
+        reply = dict(id=request_id, created=int(time.time()), model=served_model_name)
+        if body.stream:
+            return AbortOnDisconnectStream(_sse(outputs, render, reply, body, abort), on_close=abort,
+                                           media_type="text/event-stream")
+        try:
+            final = await race_disconnect(request, _until_finished(outputs), abort)
+        except ClientGone:
+            return Response(status_code=499)
+        except EngineFailure as e:
+            raise BadRequest(None, str(e), 500, "InternalServerError") from None
+        abort.disarm()
+        choice = render.choice(final.token_ids, final, final=True)
+        response = CompletionResponse(**reply, choices=[choice], usage=render.usage(final))
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    return ServeApp(_Guard(app, api_key, max_body_bytes), engine_loop, metrics)
+
+
+class ServeApp:
+    """The ASGI app plus the parts tests and the CLI look at."""
+
+    def __init__(self, asgi: ASGIApp, engine_loop: EngineLoop, metrics: ServerMetrics):
+        self.asgi, self.engine_loop, self.metrics = asgi, engine_loop, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.asgi(scope, receive, send)
+
+
+class _once:
+    """A callable that runs ``fn`` at most once, and not at all once disarmed (the request finished)."""
+
+    def __init__(self, fn):
+        self.fn, self.armed = fn, True
+
+    def __call__(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.fn()
+
+    def disarm(self) -> None:
+        self.armed = False
+
+
+async def _until_finished(outputs: asyncio.Queue) -> RequestOutput:
+    while True:
+        item = await outputs.get()
+        if isinstance(item, EngineFailure):
+            raise item
+        if item.finished:
+            return item
+
+
+async def _sse(outputs: asyncio.Queue, render: _Renderer, reply: dict[str, Any], body: CompletionRequest,
+               abort: _once) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per step that produced tokens, the finish reason on the last one,
+    then usage (if ``stream_options.include_usage``) and ``[DONE]``. ``abort`` is disarmed once the
+    request is over, so closing the stream afterwards aborts nothing."""
+    sent = 0
+    while True:
+        item = await outputs.get()
+        if isinstance(item, EngineFailure):
+            abort.disarm()  # the engine loop has aborted it already
+            yield _event(error_body(str(item), None, 500, "InternalServerError"))
+            break
+        new = item.token_ids[sent:]
+        if new or item.finished:
+            choice = render.choice(new, item, final=item.finished)
+            if sent == 0 and body.return_token_ids:
+                choice.prompt_token_ids = render.prompt_ids
+            chunk = CompletionResponse(**reply, choices=[choice])
+            yield _event(chunk.model_dump(exclude_none=True))
+            sent = len(item.token_ids)
+        if item.finished:
+            abort.disarm()
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield _event(CompletionResponse(**reply, choices=[], usage=render.usage(item)).model_dump(
+                    exclude_none=True))
+            break
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Renderer:
+    """Builds choices from engine outputs: text deltas, logprobs, token ids, finish reasons.
+
+    Keeps the text already produced, so streamed deltas concatenate to exactly the non-streamed text.
+    """
+
+    def __init__(self, body: CompletionRequest, prompt_ids: list[int], codec: TextCodec | None):
+        self.body, self.prompt_ids, self.codec = body, prompt_ids, codec
+        self.ids: list[int] = []
+        self.text = ""
+
+    def _text_of(self, ids: list[int]) -> str:
+        return self.codec.continuation(self.prompt_ids, ids) if self.codec is not None else ""
+
+    def choice(self, new_ids: list[int], out: RequestOutput, final: bool) -> CompletionChoice:
+        start = len(self.ids)
+        logprobs = None
+        if self.body.logprobs is not None:
+            entries = (out.logprobs or [])[start:start + len(new_ids)]
+            logprobs = self._logprobs(new_ids, entries)
+        self.ids = self.ids + list(new_ids)
+        text = self._text_of(self.ids)
+        delta, self.text = text[len(self.text):] if text.startswith(self.text) else text, text
+        choice = CompletionChoice(index=0, text=delta, logprobs=logprobs,
+                                  finish_reason=out.finish_reason if final else None)
+        if self.body.return_token_ids:
+            choice.token_ids = list(new_ids)
+            if not self.body.stream:
+                choice.prompt_token_ids = self.prompt_ids
+        return choice
+
+    def _logprobs(self, new_ids: list[int], entries: list[TokenLogprobs]) -> CompletionLogprobs:
+        """OpenAI's completions format. A token's text is what it adds to the text before it, so
+        ``"".join(tokens)`` is the completion text and ``text_offset`` indexes into it; the keys of
+        ``top_logprobs`` are the candidates' texts in the same position."""
+        result = CompletionLogprobs()
+        before_ids, before_text = list(self.ids), self._text_of(self.ids)
+        for token, entry in zip(new_ids, entries, strict=False):
+            result.tokens.append(self._text_after(before_ids, before_text, token))
+            result.token_logprobs.append(entry.logprob)
+            result.top_logprobs.append({self._text_after(before_ids, before_text, t): lp for t, lp in entry.top})
+            result.text_offset.append(len(before_text))
+            before_ids.append(token)
+            before_text = before_text + result.tokens[-1]
+        return result
+
+    def _text_after(self, before_ids: list[int], before_text: str, candidate: int) -> str:
+        """The text ``candidate`` would add after ``before_ids`` (whose text is ``before_text``)."""
+        if self.codec is None:
+            return f"token_id:{candidate}"  # vLLM's spelling for a token it cannot decode
+        full = self._text_of([*before_ids, candidate])
+        return full[len(before_text):] if full.startswith(before_text) else full
+
+    def usage(self, out: RequestOutput) -> Usage:
+        n_prompt, n_out = len(self.prompt_ids), len(out.token_ids)
+        return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+
+
+def _prompt_ids(prompt: str | list[int], codec: TextCodec | None, vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        if codec is None:
+            raise BadRequest("prompt", "this model directory has no tokenizer.json: send the prompt as a list "
+                                       "of token ids")
+        try:
+            ids = codec.encode(prompt)
+        except ValueError as e:
+            raise BadRequest("prompt", f"prompt text could not be tokenised: {e}") from None
+    else:
+        ids = list(prompt)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest("prompt", f"prompt token id {bad[0]} is out of vocabulary: expected integers in "
+                                   f"[0, {vocab_size})")
+    if not ids:
+        raise BadRequest("prompt", "the prompt is empty: expected at least one token")
+    return ids
+
+
+def _sampling_params(body: CompletionRequest, vocab_size: int) -> SamplingParams:
+    stop_ids = tuple(body.stop_token_ids or ())
+    bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest("stop_token_ids", f"stop_token_ids: id {bad[0]} is out of vocabulary: expected integers in "
+                                           f"[0, {vocab_size})")
+    try:
+        return SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature,
+                              top_k=max(body.top_k, 0),  # vLLM's -1 means off, as our 0
+                              top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos,
+                              stop_token_ids=stop_ids, logprobs=body.logprobs)
+    except ValueError as e:
+        # SamplingParams names the field: "SamplingParams.<field>=..."
+        message = str(e)
+        field = message.split("=", 1)[0].removeprefix("SamplingParams.") if message.startswith("Sampling") else None
+        raise BadRequest(field, message) from None
+
+
+def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str]:
+    """(param, message) for the first pydantic error, naming the field."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return "body", f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
+    if not loc:
+        if kind == "missing":
+            return "body", "request body is missing: expected a JSON object"
+        return "body", f"invalid request body: {err.get('msg')}"
+    # A union (prompt: str | list[int]) reports its branch in the location; name the field itself.
+    field = loc[0]
+    path = ".".join(p for p in loc if p not in ("str", "list[int]", "int"))
+    if kind == "extra_forbidden":
+        return path, f"unknown field '{path}': this server refuses fields it does not know"
+    if kind == "missing":
+        return path, f"field '{path}' is required"
+    return field if field == "prompt" else path, f"invalid value for '{path}': {err.get('msg')}"

@@ -1,0 +1,124 @@
+"""``python -m reference_engine.serve --model DIR [flags]``.
+
+Every ``EngineConfig`` field is a flag named as ``vllm serve`` names it (``--block-size``,
+``--num-gpu-blocks-override``, ``--preemption-mode``, ``--enable-prefix-caching`` /
+``--no-enable-prefix-caching``, ...): the flags are generated from the dataclass, so a new field is a new
+flag. Values are checked by ``EngineConfig`` itself, and a bad one exits with status 2 and its
+``ConfigError`` message, which names the field. Server flags: ``--host`` (default 127.0.0.1: binding
+every interface is a choice to make explicitly), ``--port`` (0 = a free port, printed), ``--api-key``,
+``--served-model-name``, ``--max-body-bytes``, ``--access-log``.
+
+Once the engine is loaded and the socket listens, one line is printed to stdout::
+
+    reference_engine.serve: listening on http://127.0.0.1:PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import socket
+import sys
+from typing import Any
+
+from reference_engine.config import ConfigError, EngineConfig
+from reference_engine.serve.app import DEFAULT_MAX_BODY_BYTES
+
+READY_PREFIX = "reference_engine.serve: listening on "
+_SCALARS = {"int": int, "float": float, "str": str}
+
+
+def _flag_type(annotation: str) -> tuple[Any, bool]:
+    """(argparse type, is_bool) for a field annotation such as ``"int | None"`` (annotations are strings
+    under ``from __future__ import annotations``)."""
+    parts = [p.strip() for p in annotation.split("|") if p.strip() != "None"]
+    if parts == ["bool"]:
+        return None, True
+    if len(parts) != 1 or parts[0] not in _SCALARS:
+        raise TypeError(f"EngineConfig field of type {annotation!r} has no flag type: extend _SCALARS")
+    return _SCALARS[parts[0]], False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m reference_engine.serve",
+        description="OpenAI-compatible server (/v1/completions, /v1/models, /health, /metrics) for reference_engine.")
+    engine = parser.add_argument_group("engine (EngineConfig fields, vLLM's names)")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind, is_bool = _flag_type(str(f.type))
+        default = None if f.default is dataclasses.MISSING else f.default
+        if is_bool:
+            engine.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=f"EngineConfig.{f.name} (default: {default})")
+        else:
+            engine.add_argument(flag, dest=f.name, type=kind, default=default, required=f.name == "model",
+                                metavar=f.name.upper(), help=f"EngineConfig.{f.name} (default: {default})")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, local only)")
+    server.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 = any free port)")
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    server.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help=f"largest request body accepted (default: {DEFAULT_MAX_BODY_BYTES})")
+    server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                        help="log every request (default: off)")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` the flags describe; raises ``ConfigError`` naming a bad field."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port={args.port} is invalid: expected 0..65535")
+    if args.max_body_bytes < 1:
+        parser.error(f"--max-body-bytes={args.max_body_bytes} is invalid: expected an integer >= 1")
+    try:
+        config = engine_config(args)
+    except ConfigError as e:
+        parser.error(str(e))
+
+    # Imported here so that --help and flag errors are quick (torch is not loaded for them).
+    import uvicorn
+
+    from reference_engine.engine import LLMEngine
+    from reference_engine.serve.app import build_app
+
+    try:
+        engine = LLMEngine(config)
+    except ConfigError as e:  # fields that relate to the model (max_model_len, budgets) are checked here
+        parser.error(str(e))
+    except (OSError, ValueError, KeyError) as e:
+        parser.error(f"--model {config.model!r} could not be loaded: {type(e).__name__}: {e}")
+
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        parser.error(f"--host {args.host} --port {args.port}: cannot bind: {e}")
+    sock.listen(2048)  # listening now: connections made before uvicorn starts wait in the backlog
+    host, port = sock.getsockname()[:2]
+    shown_host = f"[{host}]" if ":" in host else host
+
+    def ready() -> None:
+        print(f"{READY_PREFIX}http://{shown_host}:{port}", flush=True)
+
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
+                    max_body_bytes=args.max_body_bytes, on_ready=ready)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=args.access_log,
+                                           timeout_graceful_shutdown=5, lifespan="on", backlog=2048))
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
