@@ -3,9 +3,10 @@
 Both commands read results files only; nothing re-runs an engine.
 
     kvbench report RESULTS.json [--baseline B.json] [-o OUT.html]
-    kvbench compare BASELINE.json CURRENT.json [--threshold EXPR ...]
+    kvbench compare BASELINE.json CURRENT.json [--threshold EXPR ...] [--gate-absolute] [--noise-k K]
 
-Exit status: 0 success (no regression); 1 ``compare`` found regressions (each is named);
+Exit status: 0 success (no regression); 1 ``compare`` found regressions or baseline results missing
+from the current run (each is named);
 2 usage or file errors (message on stderr).
 """
 
@@ -80,30 +81,31 @@ def _cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
         thresholds = gate.parse_thresholds(expressions)
     except gate.ThresholdError as e:
         raise CLIError(str(e)) from e
+    if args.noise_k < 0:
+        raise CLIError(f"--noise-k must be >= 0, got {args.noise_k}")
     baseline = _load(args.baseline, "baseline file")
     current = _load(args.current, "current results file")
-    only_cur, only_base = gate.unmatched(current, baseline)
-    deltas = gate.deltas(current, baseline, thresholds)
     if not gate.common_keys(current, baseline):  # a gate that compares nothing must not pass silently
         raise CLIError(f"nothing to compare: {args.baseline} and {args.current} share no (scenario, engine)")
-    rows = [[d.scenario, d.engine + (f" [{d.mode}]" if d.mode else ""), d.metric, gate.format_value(d.baseline),
-             gate.format_value(d.current), gate.format_change(d), str(d.threshold),
-             "REGRESSION" if d.regressed else "ok"] for d in deltas]
-    print(f"baseline: {args.baseline}\ncurrent:  {args.current}\nthresholds: {', '.join(map(str, thresholds))}\n",
-          file=out)
+    verdict = gate.gate(current, baseline, thresholds, absolute=args.gate_absolute, noise_k=args.noise_k)
+    rows = [[d.scenario, d.engine + (f" [{d.mode}]" if d.mode else ""), d.metric, d.basis,
+             gate.format_value(d.baseline), gate.format_value(d.current), gate.format_change(d),
+             gate.format_value(d.noise) if d.noise else "-", str(d.threshold),
+             "REGRESSION" if d.regressed else ("noise" if d.within_noise else "ok")] for d in verdict.deltas]
+    print(f"baseline: {args.baseline}\ncurrent:  {args.current}\nthresholds: {', '.join(map(str, thresholds))}"
+          f"\ntimes: {'absolute' if args.gate_absolute else 'same-run ratios to the reference engine'}; "
+          f"noise floor {args.noise_k:g} x pooled spread of repeats\n", file=out)
     if rows:
-        print(format_table(rows, ["scenario", "engine", "metric", "baseline", "current", "change", "threshold",
-                                  "status"]), file=out)
+        print(format_table(rows, ["scenario", "engine", "metric", "basis", "baseline", "current", "change", "noise",
+                                  "threshold", "status"]), file=out)
     else:
         print("no thresholded metric is present in both files", file=out)
-    for label, keys in (("only in current", only_cur), ("only in baseline", only_base)):
-        for s, e, m in keys:
-            print(f"note: {label}: {s} / {e}" + (f" [{m}]" if m else ""), file=out)
-    regressions = [d for d in deltas if d.regressed]
-    if regressions:
-        print(f"\n{len(regressions)} regression{'s' if len(regressions) != 1 else ''}:", file=out)
-        for d in regressions:
-            print(f"  REGRESSION {d.describe()}", file=out)
+    for note in verdict.notes:
+        print(f"note: {note}", file=out)
+    if verdict.failed:
+        print(f"\n{verdict.summary()}:", file=out)
+        for line in verdict.failure_lines():
+            print(f"  {line}", file=out)
         return EXIT_REGRESSION
     print("\nno regressions", file=out)
     return EXIT_OK
@@ -138,16 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_report)
 
     p = sub.add_parser("compare", help="gate: compare two results files against thresholds",
-                       description="Compare CURRENT against BASELINE, matched per (scenario, engine, mode). "
-                                   "Exit 1 if any threshold is crossed.",
+                       description="Compare CURRENT against BASELINE, matched per (scenario, engine, mode): "
+                                   "counts from step-clock runs exactly, times as same-run ratios to the reference "
+                                   "engine beyond a noise floor. Exit 1 if any threshold is crossed or a baseline "
+                                   "result is missing from CURRENT.",
                        epilog="Threshold syntax NAME:[+|-]NUMBER[%], e.g. throughput:-10% (fail if it drops "
                               "more than 10%), p99_tbt:+20% (fail if it rises more than 20%), preemptions:+0 "
                               "(fail on any increase). Short names: " + ", ".join(sorted(gate.SHORT_NAMES))
-                              + "; pNN_ttft/tbt/tpot/e2e and any metric key also work.")
+                              + "; pNN_ttft/tbt/tpot/e2e and any metric key also work. Prefix abs: (abs:throughput:"
+                              "-10%%) gates that time on its absolute value.")
     p.add_argument("baseline", metavar="BASELINE.json", help="the reference run (A)")
     p.add_argument("current", metavar="CURRENT.json", help="the run under test (B)")
     p.add_argument("-t", "--threshold", action="append", metavar="EXPR",
                    help="repeatable; default: " + " ".join(gate.DEFAULT_THRESHOLDS).replace("%", "%%"))
+    p.add_argument("--gate-absolute", action="store_true",
+                   help="gate times on their absolute values, not as ratios to the reference engine of the same run")
+    p.add_argument("--noise-k", type=float, default=gate.NOISE_K, metavar="K",
+                   help="a change of a time must exceed K pooled spreads of the repeats (default %(default)g)")
     p.set_defaults(handler=_cmd_compare)
 
     p = sub.add_parser("demo", help="serve a burst on the tiny model under memory pressure, in both "

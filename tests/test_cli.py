@@ -36,12 +36,32 @@ def test_compare_without_regression_exits_0(files):
 
 def test_compare_names_each_regression_and_exits_1(files):
     _, fast, slow = files
-    code, out = run("compare", str(fast), str(slow), "--threshold", "throughput:-10%", "-t", "p99_tbt:+20%")
+    code, out = run("compare", str(fast), str(slow), "--threshold", "throughput:-10%", "-t", "p99_tbt:+20%",
+                    "--gate-absolute")
     assert code == 1
     lines = [ln for ln in out.splitlines() if ln.strip().startswith("REGRESSION ")]
     assert lines and all("threshold" in ln for ln in lines)
     assert any("preemption_storm / reference: output_throughput" in ln for ln in lines)
     assert "scenario" in out and "baseline" in out and "change" in out  # the table header
+
+
+def test_a_uniformly_slower_machine_is_not_a_regression_of_same_run_ratios(files):
+    """Every engine 20% slower: absolute times regress, the engines' ratios to the reference do not."""
+    _, fast, slow = files
+    code, out = run("compare", str(fast), str(slow), "-t", "throughput:-10%", "-t", "p99_tbt:+20%")
+    assert code == 0 and "ratio to reference" in out and "times of reference are not gated" in out
+
+
+def test_a_result_missing_from_current_exits_1_naming_it(files, tmp_path):
+    from kvbench.bench.results import Results
+
+    _, fast, _ = files
+    partial = Results.load(fast)
+    partial.data["scenarios"][0]["results"] = [r for r in partial.data["scenarios"][0]["results"]
+                                               if r["engine"] != "other"]
+    path = partial.save(tmp_path / "partial.json")
+    code, out = run("compare", str(fast), str(path))
+    assert code == 1 and "MISSING missing from the current run:" in out and "/ other" in out
 
 
 def test_compare_the_other_way_round_is_an_improvement(files):
@@ -93,6 +113,7 @@ def test_report_writes_html_next_to_results_or_to_output(files, tmp_path):
 
 def test_python_dash_m_kvbench(files):
     _, fast, slow = files
-    done = subprocess.run([sys.executable, "-m", "kvbench", "compare", str(fast), str(slow)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "kvbench", "compare", str(fast), str(slow), "--gate-absolute"],
+                          capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 1 and "REGRESSION" in done.stdout
