@@ -2,7 +2,7 @@
 
 Both commands read results files only; nothing re-runs an engine.
 
-    kvbench report RESULTS.json [--baseline B.json] [-o OUT.html]
+    kvbench report RESULTS.json [--baseline B.json] [-o OUT.html] [--force]
     kvbench compare BASELINE.json CURRENT.json [--threshold EXPR ...] [--gate-absolute] [--noise-k K]
 
 Exit status: 0 success (no regression); 1 ``compare`` found regressions or baseline results missing
@@ -46,17 +46,21 @@ def _load(path: str, what: str) -> Results:
 
 
 def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.report.render import render_report  # jinja2 and the charts load only when needed
+    from kvbench.report.render import render_report, write_text_file  # jinja2 and charts load only when needed
 
     results = _load(args.results, "results file")
     baseline = _load(args.baseline, "baseline file") if args.baseline else None
     target = Path(args.output) if args.output else Path(args.results).with_name("report.html")
+    if target.exists() and not args.force:  # a report is often the only copy of a run's rendering: ask first
+        raise CLIError(f"{target} exists; pass --force to overwrite it, or -o to write elsewhere")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(render_report(results, baseline), encoding="utf-8")
+        html = render_report(results, baseline)
+        write_text_file(target, html)
     except OSError as e:
         raise CLIError(f"cannot write report {str(target)!r}: {e}") from e
-    print(f"report written to {target}", file=out)
+    print(f"report written to {target} ({len(html.encode('utf-8')) / 1024:,.0f} KiB, from {args.results}"
+          + (f", baseline {args.baseline}" if args.baseline else "") + ")", file=out)
     return EXIT_OK
 
 
@@ -137,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", metavar="RESULTS.json")
     p.add_argument("--baseline", metavar="B.json", help="also show deltas against this results file")
     p.add_argument("-o", "--output", metavar="OUT.html", help="default: report.html next to RESULTS.json")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite OUT.html if it exists")
     p.set_defaults(handler=_cmd_report)
 
     p = sub.add_parser("compare", help="gate: compare two results files against thresholds",

@@ -135,11 +135,12 @@ class _Pipe:
 
 
 def load_page(binary: str, url: str, expressions: dict[str, str] | None = None, settle: float = 1.0,
-              timeout: float = 60) -> PageReport:
+              timeout: float = 60, width: int = 1400, height: int = 2400) -> PageReport:
     """Open ``url`` in headless Chromium over the DevTools pipe and report what happened.
 
     ``expressions`` ({name: JavaScript}) are evaluated after the load event; their values land in
-    ``PageReport.evaluated``. ``settle`` seconds after the load catch late errors and requests.
+    ``PageReport.evaluated``. ``settle`` seconds after the load catch late errors and requests. The
+    window is ``width`` x ``height`` CSS pixels.
     """
     cmd_r, cmd_w = os.pipe()  # we write commands, the browser reads them on fd 3
     ev_r, ev_w = os.pipe()  # the browser writes on fd 4, we read
@@ -153,7 +154,7 @@ def load_page(binary: str, url: str, expressions: dict[str, str] | None = None, 
 
     with tempfile.TemporaryDirectory(prefix="kvbench-chromium-") as profile:
         proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-pipe",
-                                 "--window-size=1400,2400", "about:blank"],
+                                 f"--window-size={width},{height}", "about:blank"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 pass_fds=(3, 4), preexec_fn=child_fds)
         os.close(cmd_r)

@@ -185,7 +185,46 @@ def test_flash_crowd_checker_rejects_flat_traffic_and_no_preemption():
     outcome = sc.FLASH_CROWD.judge(_served(sc.FLASH_CROWD, [_quiet_trace()]), "quick", TINY)
     failures = outcome.failures()
     assert any("traffic doubled" in f for f in failures)
-    assert "the surge pushed concurrency over capacity (preemptions)" in failures
+    assert "the surge pushed concurrency over capacity (preemptions after it began)" in failures
+
+
+def test_surge_claims_count_only_preemptions_after_the_surge_began():
+    """An engine that preempted only before the surge (a capacity gap, not the surge) fails the claim."""
+    t_surge = sc.FLASH_CROWD.size("quick").surge_start_s
+    early = make_trace(req("a", 0.0, [0.5, 1.0], preemptions=[(0.4, "recompute")], resumes=[0.45]),
+                       req("b", t_surge + 0.5, [t_surge + 1.0]),
+                       steps=[step(0.4, kv=0.95), step(t_surge + 1.0, kv=0.95)], duration=t_surge + 1.0)
+    outcome = sc.FLASH_CROWD.judge(_served(sc.FLASH_CROWD, [early]), "quick", TINY)
+    assert "the surge pushed concurrency over capacity (preemptions after it began)" in outcome.failures()
+    (entry,) = outcome.entries
+    assert entry.extra["preemptions_before_surge"] == 1 and entry.extra["preemptions_after_surge"] == 0
+    late = make_trace(req("a", 0.0, [0.5, t_surge + 1.0], preemptions=[(t_surge + 0.2, "recompute")],
+                          resumes=[t_surge + 0.5]), steps=[step(t_surge + 1.0)], duration=t_surge + 1.0)
+    claims = sc.FLASH_CROWD.judge(_served(sc.FLASH_CROWD, [late]), "quick", TINY).claims
+    assert claims["the surge pushed concurrency over capacity (preemptions after it began)"] is True
+    # an engine without per-request preemption records cannot tell before from after: undecided
+    blind = make_trace(req("a", 0.0, [0.5]), not_exposed={"preemptions": "no events"})
+    blind_claims = sc.FLASH_CROWD.judge(_served(sc.FLASH_CROWD, [blind]), "quick", TINY).claims
+    assert blind_claims["the surge pushed concurrency over capacity (preemptions after it began)"] is None
+    wave_at = sc.EVENING_SURGE.size("quick").wave_start_s
+    before_wave = make_trace(req("a", 0.0, [0.5], preemptions=[(0.2, "recompute")], resumes=[0.3]),
+                             steps=[step(0.5, kv=0.99)])
+    ev = sc.EVENING_SURGE.judge(_served(sc.EVENING_SURGE, [before_wave]), "quick", TINY)
+    assert "the wave preempted running requests" in ev.failures() and wave_at > 0.2
+
+
+def test_storm_knee_is_none_within_the_sweep_when_throughput_still_rises():
+    assert sc.knee_within([2, 4, 8, 16], [100, 200, 400, 800]) is None
+    assert sc.knee_within([2, 4, 8, 16], [100, 200, 205, 150]) == 4
+
+
+def test_a_benchmark_whose_every_claim_is_undecidable_says_why():
+    outcome = sc.Outcome(sc.PREEMPTION_STORM, "quick", {}, claims={"the highest concurrency preempted (a storm)": None,
+                                                                     "every request finished at every point": True})
+    reason = outcome.undecided_reason()
+    assert reason and "undecidable" in reason and "highest concurrency" in reason
+    outcome.claims["preemptions grew with concurrency"] = False
+    assert outcome.undecided_reason() is None
 
 
 def test_crossover_checker_rejects_runs_without_the_forced_preemption():
@@ -264,6 +303,34 @@ def test_priority_checker():
     figures = sc.class_figures(wrong)
     assert figures["preemptions_high"] == 1 and figures["preemptions_low"] == 1
     assert figures["ttft_p50_high"] == pytest.approx(0.1) and figures["ttft_p50_low"] == pytest.approx(0.1)
+
+
+def _prio_trace(online_first_token_step: int) -> object:
+    """An offline request decoding from t=0 and an online one arriving at step 2 whose first token comes
+    at step ``online_first_token_step`` (steps every 0.1 s)."""
+    t_on = 0.1 * online_first_token_step
+    trace = make_trace(req("off", 0.0, [0.1 * k for k in range(1, 11)]),
+                       req("on", 0.2, [t_on, t_on + 0.1, t_on + 0.3], admitted=0.2),
+                       steps=[step(0.1 * k) for k in range(1, 14)])
+    trace.requests["on"].priority, trace.requests["off"].priority = sc.HIGH, sc.LOW
+    return trace
+
+
+def test_priority_claims_compare_with_the_fcfs_control_run():
+    fast, slow = _prio_trace(3), _prio_trace(9)
+    better = sc.priority_vs_fcfs_claims(fast, slow)
+    assert list(better.values()) == [True, True]
+    # a priority policy that does nothing for online traffic: no better than FCFS, the claims fail
+    same = sc.priority_vs_fcfs_claims(slow, slow)
+    assert list(same.values()) == [False, False]
+    assert all("FCFS" in c for c in same)
+    figures = sc.class_figures(fast)
+    assert figures["ttft_steps_p50_high"] == 1 and sc.class_figures(slow)["ttft_steps_p50_high"] == 7
+    assert figures["tbt_p50_high"] == pytest.approx(0.15) and figures["tbt_p99_low"] == pytest.approx(0.1)
+    # no step records: undecidable, not passed
+    bare = make_trace(req("on", 0.2, [0.3]))
+    bare.requests["on"].priority = sc.HIGH
+    assert set(sc.priority_vs_fcfs_claims(bare, bare).values()) == {None}
 
 
 def test_exhaustion_checker_rejects_a_small_pool_that_never_ran_out():

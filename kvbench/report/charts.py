@@ -65,6 +65,7 @@ class Chart:
     y_min: float | None = 0.0
     y_max: float | None = None
     log_x: bool = False
+    y_integer: bool = False  # counts (requests, preemptions): whole-number ticks only
     width: int = 620
     height: int = 280
     subtitle: str = ""
@@ -80,15 +81,19 @@ def tag(name: str, content: str | Markup = "", **attrs: object) -> Markup:
     return Markup(f"<{name}{_attrs(attrs)}>{escape(content)}</{name}>")
 
 
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """About ``n`` round tick values covering [lo, hi] (1, 2, 2.5, 5 x 10^k steps)."""
+def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
+    """About ``n`` round tick values covering [lo, hi] (1, 2, 2.5, 5 x 10^k steps; with ``integer``,
+    whole numbers only: steps of 1, 2, 5 x 10^k and never below 1, so a queue never ticks at 2.5)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return [0.0]
     if hi <= lo:
         hi = lo + (abs(lo) or 1.0)
     raw = (hi - lo) / max(1, n)
     mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    mults = (1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)
+    step = next(m * mag for m in mults if m * mag >= raw)
+    if integer:
+        step = max(1.0, float(round(step)))
     start = math.floor(lo / step) * step
     ticks, v = [], start
     while v <= hi + step * 1e-9:
@@ -100,7 +105,7 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def _log_ticks(lo: float, hi: float) -> list[float]:
-    ticks = []
+    ticks: list[float] = []
     k = math.floor(math.log10(lo))
     while 10**k <= hi * 1.0001:
         for m in (1, 2, 5):
@@ -144,7 +149,8 @@ def render(chart: Chart, uid: str | None = None) -> Markup:
             return left + (x - x0) / (x1 - x0 or 1.0) * pw
     y_lo = chart.y_min if chart.y_min is not None else min(ys)
     y_hi = chart.y_max if chart.y_max is not None else max(ys)
-    yt = nice_ticks(min(y_lo, min(ys)) if chart.y_min is None else y_lo, max(y_hi, y_lo + 1e-12), 5)
+    yt = nice_ticks(min(y_lo, min(ys)) if chart.y_min is None else y_lo, max(y_hi, y_lo + 1e-12), 5,
+                    integer=chart.y_integer)
     if chart.y_max is not None:
         yt = [t for t in yt if t <= chart.y_max + 1e-12] or yt
     y0, y1 = yt[0], max(yt[-1], chart.y_max or yt[-1])
@@ -163,7 +169,9 @@ def render(chart: Chart, uid: str | None = None) -> Markup:
         parts.append(tag("text", chart.x_format(t), x=f"{sx(t):.1f}", y=top + ph + 17, class_="c-tick",
                          text_anchor="middle"))
     parts.append(tag("line", x1=left, x2=left + pw, y1=top + ph, y2=top + ph, class_="c-axis"))
-    parts.append(tag("text", chart.x_label, x=left + pw / 2, y=h - 6, class_="c-label", text_anchor="middle"))
+    # a log axis says so: 2, 4, 8, 16 evenly spaced reads as linear otherwise
+    x_label = chart.x_label if not chart.log_x or "log scale" in chart.x_label else f"{chart.x_label} (log scale)"
+    parts.append(tag("text", x_label, x=left + pw / 2, y=h - 6, class_="c-label", text_anchor="middle"))
     parts.append(tag("text", chart.y_label, x=14, y=top + ph / 2, class_="c-label", text_anchor="middle",
                      transform=f"rotate(-90 14 {top + ph / 2:.1f})"))
 
@@ -181,8 +189,12 @@ def render(chart: Chart, uid: str | None = None) -> Markup:
         ly = y - 4 if y - top > 14 else y + 13
         labels.append(tag("text", hl.label, x=left + pw - 4, y=f"{ly:.1f}", class_="c-reflabel",
                           text_anchor="end", fill=hl.color))
+    thin = [ln for ln in chart.lines if not ln.area]
     for ln in chart.lines:
-        plot.extend(_line(ln, sx, sy, top + ph))
+        # Lines drawn earlier are drawn wider: where two series coincide, the one beneath still shows as a
+        # band around the one on top (with their dash patterns, the legend tells them apart).
+        extra = 1.6 * (len(thin) - 1 - thin.index(ln)) if ln in thin and len(thin) > 1 else 0.0
+        plot.extend(_line(ln, sx, sy, top + ph, extra, buckets=max(40, int(pw // 7))))
     parts.append(tag("g", Markup("").join(plot), clip_path=f"url(#{clip})"))
     parts.extend(labels)
     placed: list[float] = []
@@ -238,19 +250,45 @@ def _segments(ln: Line) -> list[list[tuple[float, float]]]:
     return [s for s in segs if s]
 
 
-def _line(ln: Line, sx: Callable[[float], float], sy: Callable[[float], float], base: float) -> list[Markup]:
+def decimate(seg: list[tuple[float, float]], sx: Callable[[float], float], buckets: int) -> list[tuple[float, float]]:
+    """At most two points per bucket of a few pixels (its lowest and highest, in x order) plus the ends,
+    when a segment has more than that: the drawing looks the same at the chart's size, spikes included,
+    and a quick run's report stays under 1 MB (a hundred charts of ~300 points each made it 2 MB)."""
+    if len(seg) <= 2 * buckets:
+        return seg
+    x0, x1 = sx(seg[0][0]), sx(seg[-1][0])
+    width = (x1 - x0) or 1.0
+    groups: dict[int, list[tuple[float, float]]] = {}
+    for pt in seg:
+        groups.setdefault(min(buckets - 1, int((sx(pt[0]) - x0) / width * buckets)), []).append(pt)
+    out: list[tuple[float, float]] = []
+    for _, pts in sorted(groups.items()):
+        keep = {min(range(len(pts)), key=lambda i: pts[i][1]), max(range(len(pts)), key=lambda i: pts[i][1])}
+        out.extend(pts[i] for i in sorted(keep))
+    if out[0] != seg[0]:
+        out.insert(0, seg[0])
+    if out[-1] != seg[-1]:
+        out.append(seg[-1])
+    return out
+
+
+def _line(ln: Line, sx: Callable[[float], float], sy: Callable[[float], float], base: float, extra: float = 0.0,
+          buckets: int = 300) -> list[Markup]:
     out = []
     for seg in _segments(ln):
+        if not ln.step:  # a step line (a CDF) must keep each step's corner
+            seg = decimate(seg, sx, buckets)
         pts = []
         for i, (x, y) in enumerate(seg):
+            # whole viewBox units (about a pixel each): a decimal per coordinate was a third of the file
             if ln.step and i:
-                pts.append(f"{sx(x):.1f},{sy(seg[i - 1][1]):.1f}")
-            pts.append(f"{sx(x):.1f},{sy(y):.1f}")
+                pts.append(f"{sx(x):.0f},{sy(seg[i - 1][1]):.0f}")
+            pts.append(f"{sx(x):.0f},{sy(y):.0f}")
         if ln.area:
-            poly = f"{sx(seg[0][0]):.1f},{base:.1f} " + " ".join(pts) + f" {sx(seg[-1][0]):.1f},{base:.1f}"
+            poly = f"{sx(seg[0][0]):.0f},{base:.0f} " + " ".join(pts) + f" {sx(seg[-1][0]):.0f},{base:.0f}"
             out.append(tag("polygon", points=poly, fill=ln.color, class_="c-area"))
         out.append(tag("polyline", tag("title", ln.name), points=" ".join(pts), stroke=ln.color,
-                       stroke_width=ln.width, stroke_dasharray=ln.dash, class_="c-line"))
+                       stroke_width=f"{ln.width + extra:g}", stroke_dasharray=ln.dash, class_="c-line"))
         if ln.dots:
             for x, y in seg:
                 out.append(tag("circle", tag("title", f"{ln.name}: x={x:g}, y={y:.4g}"), cx=f"{sx(x):.1f}",
@@ -279,9 +317,22 @@ class Bar:
     tip: str = ""
 
 
+#: average advance of a character of the charts' 12 px label font (system-ui), in px: text width estimates
+CHAR_W = 7.0
+
+
+def text_width(text: str, size: float = 12.0) -> float:
+    """A generous estimate of ``text``'s rendered width (SVG has no layout before a browser draws it)."""
+    return len(text) * CHAR_W * size / 12.0
+
+
 def ratio_bars(title: str, bars: Sequence[Bar], subtitle: str = "", width: int = 900) -> Markup:
-    """Horizontal bars of ratios on a log scale centred on 1× (0.25× .. 4×, clipped beyond)."""
-    row_h, label_w, top = 22, 320, 44 if subtitle else 30
+    """Horizontal bars of ratios on a log scale centred on 1× (0.25× .. 4×, clipped beyond).
+
+    The label column is as wide as the longest label (never clipped); a value is written beside its
+    bar's end, or beside the 1× axis when the bar runs so far left that it would cover the labels."""
+    row_h, top = 22, 44 if subtitle else 30
+    label_w = int(min(width * 0.55, max([120.0] + [text_width(b.label) + 22 for b in bars])))
     h = top + row_h * max(1, len(bars)) + 28
     left, right = label_w, width - 70
     span = math.log2(4.0)
@@ -310,8 +361,11 @@ def ratio_bars(title: str, bars: Sequence[Bar], subtitle: str = "", width: int =
         color = "#8a94a6" if bar.good is None else ("#2e9d6a" if bar.good else "#d9434e")
         parts.append(tag("rect", tag("title", bar.tip or f"{bar.label}: {bar.ratio:.2f}×"), x=f"{x0:.1f}",
                          y=y + 4, width=f"{max(x1 - x0, 1.5):.1f}", height=row_h - 8, rx=3, fill=color))
-        tx = sx(bar.ratio) + (6 if bar.ratio >= 1 else -6)
-        parts.append(tag("text", f"{bar.ratio:.2f}×", x=f"{tx:.1f}", y=y + row_h / 2 + 4, class_="c-value",
-                         text_anchor="start" if bar.ratio >= 1 else "end", fill=color))
+        value = f"{bar.ratio:.2f}×"
+        tx, anchor = sx(bar.ratio) + (6 if bar.ratio >= 1 else -6), "start" if bar.ratio >= 1 else "end"
+        if anchor == "end" and tx - text_width(value, 11) < label_w + 2:
+            tx, anchor = sx(1.0) + 6, "start"  # no room left of the bar: write it right of the 1× axis
+        parts.append(tag("text", value, x=f"{tx:.1f}", y=y + row_h / 2 + 4, class_="c-value",
+                         text_anchor=anchor, fill=color))
     svg = Markup(f'<svg class="chart" viewBox="0 0 {width} {h}" role="img" aria-label="{escape(title)}">')
     return tag("figure", svg + Markup("").join(parts) + Markup("</svg>"), class_="chart-fig")

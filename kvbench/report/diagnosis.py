@@ -8,8 +8,16 @@ Order (seed 004, section 5, and seed 001's reading of storms):
 4. Starvation: how long do preempted requests wait?
 5. Swap bandwidth: is swap slow against recompute, or running out of host space?
 
-Each check returns a status (``ok``, ``watch``, ``problem``, ``not measured``), what it found,
-with numbers, and the knob to try. The thresholds below are rules of thumb, stated where used.
+Judged against expectation: every scenario declares the pressure it creates on purpose
+(:class:`~kvbench.bench.scenarios.declare.Pressure`: preemptions, a pinned pool, waiting victims, a
+forced preemption mode). A storm that preempts is doing its job, not a problem; what the diagnosis
+reports is a deviation: pressure where none was declared, none where it was (better than expected),
+or an engine doing markedly worse than the other engines on the same scenario.
+
+Each check returns a status (``ok``, ``better than expected``, ``watch``, ``problem``, ``not
+measured``), what it found with numbers, and a knob to try only when something is wrong, and only
+a knob that applies to the engine's preemption mode (no swap-bandwidth advice to a recompute
+engine). The thresholds below are rules of thumb, stated where used.
 """
 
 from __future__ import annotations
@@ -18,10 +26,15 @@ import math
 from typing import Any
 
 from kvbench.bench import metrics
+from kvbench.bench.formatting import fmt_metric, fmt_ratio, fmt_time
 from kvbench.bench.results import COST_METRICS, Results
-from kvbench.report.formatting import fmt_metric, fmt_ratio, fmt_time
+from kvbench.bench.scenarios.declare import NOISE_FLOOR_S, Pressure, plural
+from kvbench.report.verdict import pressure_of
 
-OK, WATCH, PROBLEM, NOT_MEASURED = "ok", "watch", "problem", "not measured"
+OK, BETTER, WATCH, PROBLEM, NOT_MEASURED = "ok", "better than expected", "watch", "problem", "not measured"
+RANK = {PROBLEM: 4, WATCH: 3, BETTER: 2, OK: 1, NOT_MEASURED: 0}
+#: "markedly worse than another engine on the same scenario": this many times its count, and by 3 or more
+WORSE_FACTOR = 1.5
 
 
 def _num(value: Any) -> float | None:
@@ -84,7 +97,8 @@ def swap_crossover(results: Results, engine: str) -> dict[str, Any] | None:
 
 
 def concurrency_knee(results: Results, engine: str) -> tuple[float | None, str]:
-    """Knee of the first sweep of ``engine`` with throughput points (not a swap/recompute sweep)."""
+    """Knee of the first sweep of ``engine`` with throughput points (not a swap/recompute sweep); None
+    when throughput still rose at the top of the sweep (no knee within it)."""
     for sc in results.scenarios:
         for sw in sc["sweeps"]:
             pts = [p for p in sw["points"] if p["engine"] == engine and p.get("mode") not in ("swap",)]
@@ -92,26 +106,22 @@ def concurrency_knee(results: Results, engine: str) -> tuple[float | None, str]:
                 continue
             pts = [p for p in pts if _num(p["metrics"].get("output_throughput")) is not None]
             if len(pts) >= 2:
-                k = metrics.knee([p["x"] for p in pts], [p["metrics"]["output_throughput"] for p in pts])
-                return k, f"{sw['x_label']} ({sc['name']})"
+                xs = [p["x"] for p in pts]
+                k = metrics.knee(xs, [p["metrics"]["output_throughput"] for p in pts])
+                return (None if k == max(xs) else k), f"{sw['x_label']} ({sc['name']})"
     return None, ""
 
 
 # --------------------------------------------------------------------------------------------
 # the checks
 
+Row = tuple[dict[str, Any], dict[str, Any]]  # (scenario, result) of one engine
+
 
 def _check(n: int, title: str, status: str, finding: str, knob: str) -> dict[str, Any]:
-    return {"n": n, "title": title, "status": status, "finding": finding, "knob": knob}
-
-
-def _worst(rows: list[tuple[dict, dict]], key: str) -> tuple[float | None, dict | None, dict | None]:
-    best: tuple[float | None, dict | None, dict | None] = (None, None, None)
-    for sc, res in rows:
-        v = _num(res["metrics"].get(key))
-        if v is not None and (best[0] is None or v > best[0]):
-            best = (v, sc, res)
-    return best
+    # advice only where something is wrong: an "ok" item carries no "Try:"
+    return {"n": n, "title": title, "status": status, "finding": finding,
+            "knob": knob if status in (WATCH, PROBLEM) else ""}
 
 
 def _where(sc: dict | None, res: dict | None) -> str:
@@ -120,41 +130,89 @@ def _where(sc: dict | None, res: dict | None) -> str:
     return sc["name"] + (f" [{res['mode']}]" if res.get("mode") else "")
 
 
-def _check_preemptions(results: Results, engine: str, rows: list) -> dict[str, Any]:
+def engine_mode(results: Results, engine: str) -> str:
+    """How ``engine`` preempts when a scenario does not force it: its ``preemption_mode`` option, else
+    what its preemptions in unforced scenarios were, else recompute (vLLM's default; hf-cb's soft reset)."""
+    e = results.engine(engine) or {}
+    mode = (e.get("options") or {}).get("preemption_mode")
+    if mode in ("swap", "recompute"):
+        return str(mode)
+    swaps = recomputes = 0.0
+    for sc, res in results.iter_results():
+        p = pressure_of(sc)
+        if res["engine"] == engine and not (p and p.forced_mode):
+            swaps += _num(res["metrics"].get("preemptions_swap")) or 0
+            recomputes += _num(res["metrics"].get("preemptions_recompute")) or 0
+    return "swap" if swaps > recomputes else "recompute"
+
+
+def _peers(results: Results, sc: dict, res: dict, key: str) -> list[tuple[str, float]]:
+    """Other engines' values of ``key`` on the same scenario and mode."""
+    return [(r["engine"], v) for r in sc["results"] if r["engine"] != res["engine"] and r.get("mode") == res.get("mode")
+            and (v := _num(r["metrics"].get(key))) is not None]
+
+
+def _worse_than_peers(results: Results, sc: dict, res: dict, key: str, value: float) -> str:
+    """"worse than X (a vs b)" when markedly worse than the best other engine here, else ""."""
+    peers = _peers(results, sc, res, key)
+    if not peers:
+        return ""
+    best_engine, best = min(peers, key=lambda p: p[1])
+    if value >= best * WORSE_FACTOR and value - best >= 3:
+        return f"worse than {best_engine} on {_where(sc, res)} ({value:,.0f} vs {best:,.0f})"
+    return ""
+
+
+def _check_preemptions(results: Results, engine: str, rows: list[Row]) -> dict[str, Any]:
     title = "Is the preemption count growing?"
-    knob_base = ("Lower max_num_seqs toward the knee; give the KV pool more blocks (gpu_memory_utilization, "
-                 "num_gpu_blocks).")
-    rate, sc, res = _worst(rows, "preemptions_per_s")
-    if rate is None:
-        total, sc, res = _worst(rows, "preemptions")
-        if total is None:
-            return _check(1, title, NOT_MEASURED, "The engine does not expose preemptions.", knob_base)
-    m = res["metrics"]  # type: ignore[index]
-    total = _num(m.get("preemptions")) or 0.0
-    if total == 0:
-        return _check(1, title, OK, "No preemptions in any scenario: the pool never ran dry.",
-                      "Nothing to do; raise max_num_seqs if you want more throughput and watch this count.")
-    active = _num(m.get("preemption_active_share"))
-    share = _num(m.get("preempted_request_share"))
-    finding = (f"{total:,.0f} preemptions in {_where(sc, res)} ({fmt_metric('preemptions_per_s', rate)}; "
-               f"recompute {fmt_metric('preemptions', m.get('preemptions_recompute'))}, "
-               f"swap {fmt_metric('preemptions', m.get('preemptions_swap'))}).")
-    if share is not None:
-        finding += (f" {share * 100:.0f}% of requests were preempted, one of them "
-                    f"{fmt_metric('preemptions', m.get('max_preemptions_per_request'))} times.")
+    knob = ("Lower max_num_seqs toward the knee; give the KV pool more blocks (gpu_memory_utilization, "
+            "num_gpu_blocks).")
+    known = [(sc, res, v) for sc, res in rows if (v := _num(res["metrics"].get("preemptions"))) is not None]
+    if not known:
+        return _check(1, title, NOT_MEASURED, "The engine does not expose preemptions.", "")
+    unexpected, structural, missing, worse, facts = [], [], [], [], []
+    for sc, res, v in known:
+        p = pressure_of(sc)
+        m = res["metrics"]
+        before = _num(m.get("preemptions_before_surge"))
+        if p is not None and not p.preemptions and v > 0:
+            unexpected.append(f"preempted {plural(v, 'time')} in {_where(sc, res)}, which declares no preemption")
+        elif p is not None and p.preemptions and v == 0:
+            missing.append(_where(sc, res))
+        if before:
+            structural.append(f"{plural(before, 'preemption')} in {_where(sc, res)} before the surge began (seed 001: "
+                              "a structural capacity gap, not the safety net)")
+        if p is None and (_num(m.get("preemption_active_share")) or 0) >= 0.5:
+            structural.append(f"preemptions through {(_num(m.get('preemption_active_share')) or 0) * 100:.0f}% of "
+                              f"{_where(sc, res)} (seed 001: a structural capacity gap)")
+        if v > 0 and (w := _worse_than_peers(results, sc, res, "preemptions", v)):
+            worse.append(w)
+    top_sc, top_res, top = max(known, key=lambda k: k[2])
+    if top > 0:
+        m = top_res["metrics"]
+        fact = (f"Most in {_where(top_sc, top_res)}: {plural(top, 'preemption')} "
+                f"(recompute {fmt_metric('preemptions', m.get('preemptions_recompute'))}, "
+                f"swap {fmt_metric('preemptions', m.get('preemptions_swap'))})")
+        most = _num(m.get("max_preemptions_per_request"))
+        if most:
+            fact += f"; one request was preempted {plural(most, 'time')}"
+        facts.append(fact + ".")
     growth = _sweep_growth(results, engine)
     if growth:
-        finding += " " + growth
-    # Seed 001: preemptions only at the peak are the safety net working; throughout the run, a
-    # capacity gap that tuning cannot close.
-    if active is not None:
-        finding += f" Preemptions occur in {active * 100:.0f}% of the run."
-    structural = active is not None and active >= 0.5
-    status = PROBLEM if structural or (share is not None and share > 0.25) else WATCH
-    knob = knob_base
-    if structural:
-        knob += " Preempting through most of the run is a structural capacity gap: add capacity or rate-limit."
-    return _check(1, title, status, finding, knob)
+        facts.append(growth)
+    if unexpected or structural:
+        return _check(1, title, PROBLEM, " ".join([s[0].upper() + s[1:] + "." for s in unexpected + structural]
+                                                   + facts), knob)
+    if worse:
+        return _check(1, title, WATCH, "Within the declared pressure, but " + "; ".join(worse) + ". " + " ".join(facts),
+                      knob)
+    if missing:
+        return _check(1, title, BETTER, f"No preemption in {', '.join(missing)}, although the scenario declares "
+                      "pressure: the engine kept up (or its pool is larger than the knobs asked for). "
+                      + " ".join(facts), "")
+    if top == 0:
+        return _check(1, title, OK, "No preemptions in any scenario.", "")
+    return _check(1, title, OK, "Preemptions only where the scenarios create them on purpose. " + " ".join(facts), "")
 
 
 def _sweep_growth(results: Results, engine: str) -> str:
@@ -170,20 +228,28 @@ def _sweep_growth(results: Results, engine: str) -> str:
     return ""
 
 
-def _check_kv(rows: list) -> dict[str, Any]:
+def _check_kv(results: Results, rows: list[Row]) -> dict[str, Any]:
     title = "Is KV usage pinned near 100%?"
     knob = ("More KV blocks (gpu_memory_utilization, num_gpu_blocks); fewer concurrent sequences "
             "(max_num_seqs); cap max_model_len if long-context bursts fill the pool.")
-    pinned, sc, res = _worst(rows, "kv_usage_time_over_95")
-    if pinned is None:
-        return _check(2, title, NOT_MEASURED, "The engine does not expose KV usage.", knob)
-    m = res["metrics"]  # type: ignore[index]
-    finding = (f"In {_where(sc, res)} the device pool was above 95% for {pinned * 100:.0f}% of the time "
-               f"(mean {fmt_metric('kv_usage_mean', m.get('kv_usage_mean'))}, "
-               f"peak {fmt_metric('kv_usage_max', m.get('kv_usage_max'))}).")
-    # Rules of thumb: pinned for half the run means the pool is the bottleneck, a tenth is worth watching.
-    status = PROBLEM if pinned > 0.5 else WATCH if pinned > 0.1 else OK
-    return _check(2, title, status, finding, knob)
+    known = [(sc, res, v) for sc, res in rows if (v := _num(res["metrics"].get("kv_usage_time_over_95"))) is not None]
+    if not known:
+        return _check(2, title, NOT_MEASURED, "The engine does not expose KV usage.", "")
+    # Rules of thumb: pinned for a tenth of a run is worth watching, for half of it the pool is the bottleneck.
+    bad = []
+    for sc, res, v in known:
+        p = pressure_of(sc)
+        if v > 0.1 and (p is None or not p.kv_pinned):
+            bad.append((sc, res, v, p is None))
+    if bad:
+        sc, res, v, undeclared = max(bad, key=lambda b: b[2])
+        status = PROBLEM if v > 0.5 else WATCH
+        why = "" if undeclared else ", which does not declare a full pool"
+        return _check(2, title, status, f"In {_where(sc, res)}{why} the device pool was above 95% for {v * 100:.0f}% "
+                      f"of the time (peak {fmt_metric('kv_usage_max', res['metrics'].get('kv_usage_max'))}).", knob)
+    sc, res, v = max(known, key=lambda k: k[2])
+    return _check(2, title, OK, f"Pinned only where a scenario fills the pool on purpose: at most {v * 100:.0f}% of "
+                  f"the time above 95% ({_where(sc, res)}).", "")
 
 
 def _capacity_tokens(params: dict[str, Any]) -> float | None:
@@ -193,11 +259,11 @@ def _capacity_tokens(params: dict[str, Any]) -> float | None:
     return _num(params.get("capacity_tokens"))
 
 
-def _check_concurrency(results: Results, engine: str, rows: list) -> dict[str, Any]:
+def _check_concurrency(results: Results, engine: str, rows: list[Row]) -> dict[str, Any]:
     title = "Concurrency and input lengths (max_num_seqs vs capacity)"
     knee, knee_where = concurrency_knee(results, engine)
     eng_opts = (results.engine(engine) or {}).get("options", {})
-    facts, status, fits_min = [], OK, None
+    facts, over, fits_min = [], [], None
     for sc, res in rows:
         m, params = res["metrics"], sc.get("parameters", {})
         cap = _capacity_tokens(params)
@@ -207,90 +273,137 @@ def _check_concurrency(results: Results, engine: str, rows: list) -> dict[str, A
             continue
         fits = cap / per_req
         fits_min = fits if fits_min is None else min(fits, fits_min)
-        fact = (f"{_where(sc, res)}: the pool holds ~{cap:,.0f} tokens ≈ {fits:.1f} requests of {per_req:,.0f} "
-                f"tokens (prompt mean {m.get('prompt_len_mean') or 0:,.0f}, max {m.get('prompt_len_max') or 0:,.0f})")
-        if seqs:
-            fact += f"; max_num_seqs = {seqs:g}"
-            if seqs > fits and (_num(m.get("preemptions")) or 0) > 0:
-                status = PROBLEM
-                fact += " (over capacity)"
-        fact += (f"; up to {fmt_metric('running_max', m.get('running_max'))} ran at once, "
-                 f"{fmt_metric('waiting_max', m.get('waiting_max'))} waited.")
-        facts.append(fact)
+        p = pressure_of(sc)
+        if seqs and seqs > fits and (_num(m.get("preemptions")) or 0) > 0 and (p is None or not p.preemptions):
+            over.append(f"{_where(sc, res)}: max_num_seqs = {seqs:g} but the pool holds ≈ {fits:.1f} requests of "
+                        f"{per_req:,.0f} tokens, and it preempted")
+        elif len(facts) < 2:
+            facts.append(f"{_where(sc, res)}: the pool holds ≈ {fits:.1f} requests of {per_req:,.0f} tokens; up to "
+                         f"{fmt_metric('running_max', m.get('running_max'))} ran at once, "
+                         f"{fmt_metric('waiting_max', m.get('waiting_max'))} waited.")
     if knee is not None:
         facts.append(f"Throughput stops rising at {knee:g} on the {knee_where} sweep (gain < 5% beyond).")
-    if not facts:
+    elif knee_where:
+        facts.append(f"No knee within the {knee_where} sweep: throughput still rose at its top.")
+    if not facts and not over:
         return _check(3, title, NOT_MEASURED, "Scenario parameters lack the pool size (num_gpu_blocks, block_size) "
-                      "and no concurrency sweep was run.", "Run the preemption storm sweep.")
+                      "and no concurrency sweep was run.", "")
     targets = [v for v in (knee, math.floor(fits_min) if fits_min else None) if v]
-    target = f" ≤ {min(targets):g}" if targets else ""
-    knob = (f"Set max_num_seqs{target}; for long prompts enable chunked prefill and size max_num_batched_tokens "
-            "(512–2048) so one prefill cannot take a whole step.")
-    return _check(3, title, status, " ".join(facts[:3]), knob)
+    knob = (f"Set max_num_seqs ≤ {min(targets):g}" if targets else "Lower max_num_seqs") + (
+        "; for long prompts enable chunked prefill and size max_num_batched_tokens (512–2048) so one prefill "
+        "cannot take a whole step.")
+    if over:
+        return _check(3, title, PROBLEM, "; ".join(over) + ". " + " ".join(facts), knob)
+    return _check(3, title, OK, " ".join(facts), knob)
 
 
-def _check_starvation(rows: list) -> dict[str, Any]:
+def _check_starvation(results: Results, rows: list[Row]) -> dict[str, Any]:
     title = "Starvation: how long do preempted requests wait?"
-    knob = ("Priority scheduling for latency-sensitive traffic; lower max_num_seqs so victims resume sooner; "
-            "preemption_mode=swap keeps their progress (no re-prefill).")
-    wait, sc, res = _worst(rows, "starvation_max_s")
-    if wait is None:
-        return _check(4, title, NOT_MEASURED, "The engine does not record preemption and resume times.", knob)
-    if wait == 0:
-        return _check(4, title, OK, "No preempted request waited.", knob)
-    m = res["metrics"]  # type: ignore[index]
-    e2e = _num(m.get("e2e_p50"))
-    repeat = _num(m.get("max_preemptions_per_request")) or 0
-    finding = (f"In {_where(sc, res)} a preempted request waited up to {fmt_time(wait)} "
-               f"(mean {fmt_time(m.get('starvation_mean_s'))}) before resuming")
-    finding += f", against a median end-to-end time of {fmt_time(e2e)}." if e2e else "."
-    if repeat:
-        finding += f" One request was preempted {repeat:,.0f} times."
-    # A wait longer than a typical whole request, or a request bounced three times, is starvation.
-    status = PROBLEM if (e2e and wait > e2e) or repeat >= 3 else WATCH
-    return _check(4, title, status, finding, knob)
+    knob = "Priority scheduling for latency-sensitive traffic; lower max_num_seqs so victims resume sooner."
+    known = [(sc, res, v) for sc, res in rows if (v := _num(res["metrics"].get("starvation_max_s"))) is not None]
+    if not known:
+        return _check(4, title, NOT_MEASURED, "The engine does not record preemption and resume times.", "")
+    worst: list[tuple[str, str]] = []  # (status, finding)
+    for sc, res, wait in known:
+        if not wait:
+            continue
+        m, p = res["metrics"], pressure_of(sc)
+        e2e = _num(m.get("e2e_p50"))
+        repeat = _num(m.get("max_preemptions_per_request")) or 0
+        # A wait longer than a typical whole request, or a request bounced three times, is starvation.
+        starving = (e2e and wait > e2e) or repeat >= 3
+        if not starving:
+            continue
+        text = (f"in {_where(sc, res)} a preempted request waited up to {fmt_time(wait)} against a median "
+                f"end-to-end time of {fmt_time(e2e)}" + (f"; one was preempted {plural(repeat, 'time')}" if repeat
+                                                         else ""))
+        if p is not None and p.starvation:
+            continue  # waiting victims are what this scenario declares
+        peers = _peers(results, sc, res, "starvation_max_s")
+        if p is not None and p.preemptions:
+            best = min(peers, key=lambda q: q[1]) if peers else None
+            if best and wait > 2 * best[1] and wait - best[1] > NOISE_FLOOR_S:
+                worst.append((WATCH, f"{text}, over twice as long as {best[0]} ({fmt_time(best[1])})"))
+        else:
+            worst.append((PROBLEM, text))
+    if worst:
+        status = max((s for s, _ in worst), key=lambda s: RANK[s])
+        return _check(4, title, status, "; ".join(t for _, t in worst).capitalize() + ".", knob)
+    sc, res, wait = max(known, key=lambda k: k[2])
+    if not wait:
+        return _check(4, title, OK, "No preempted request waited.", "")
+    return _check(4, title, OK, f"Waits stay within what the scenarios create on purpose: longest "
+                  f"{fmt_time(wait)} in {_where(sc, res)}.", "")
 
 
-def _check_swap(results: Results, engine: str, rows: list) -> dict[str, Any]:
+def _check_swap(results: Results, engine: str, rows: list[Row]) -> dict[str, Any]:
     title = "Swap bandwidth: is swap slow against recompute?"
-    knob = ("swap_space (host GiB) if swap falls back to recompute; preemption_mode=swap for sequences longer "
-            "than the crossover, recompute below it; prefix caching shrinks what recompute redoes.")
-    facts, status = [], OK
-    bw, sc, res = _worst(rows, "swap_bandwidth")
-    if bw is not None:
-        m = res["metrics"]  # type: ignore[index]
+    mode = engine_mode(results, engine)
+    facts: list[str] = []
+    bw_rows = [(sc, res, v) for sc, res in rows if (v := _num(res["metrics"].get("swap_bandwidth"))) is not None]
+    if bw_rows:
+        sc, res, bw = max(bw_rows, key=lambda r: r[2])
+        m = res["metrics"]
         moved = (_num(m.get("swapped_out_bytes")) or 0) + (_num(m.get("swapped_in_bytes")) or 0)
         facts.append(f"{_where(sc, res)}: swap moved {fmt_metric('swapped_out_bytes', moved)} at "
                      f"{fmt_metric('swap_bandwidth', bw)} ({fmt_time(m.get('swap_seconds'))} spent copying).")
-    fallbacks, fsc, fres = _worst(rows, "swap_fallbacks")
-    if fallbacks:
-        status = PROBLEM
-        facts.append(f"{_where(fsc, fres)}: host swap space ran out {fallbacks:,.0f} times (fell back to recompute).")
     cx = swap_crossover(results, engine)
+    quiet = cx is not None and cx["x"] is not None and _cx_within_noise(cx)
     if cx:
         ratio = cx["swap"][-1] / cx["recompute"][-1] if cx["recompute"][-1] else None
         if cx["x"] is None:
-            cheaper = "swap" if cx["swap"][0] < cx["recompute"][0] else "recompute"
+            cheaper = "swap" if cx["swap"][-1] < cx["recompute"][-1] else "recompute"
             facts.append(f"{cheaper.capitalize()} is cheaper at every {cx['x_label']} measured "
                          f"(swap costs {fmt_ratio(ratio)} of recompute at {cx['xs'][-1]:g}).")
+        elif quiet:
+            facts.append(f"The cost curves cross near {cx['x']:,.0f} tokens, where both cost under "
+                         f"{fmt_time(NOISE_FLOOR_S)}: within noise (swap costs {fmt_ratio(ratio)} of recompute at "
+                         f"{cx['xs'][-1]:g}).")
         else:
             above = "swap" if cx["swap"][-1] < cx["recompute"][-1] else "recompute"
             facts.append(f"Swap and recompute cost the same at {cx['x_label']} ≈ {cx['x']:,.0f}; {above} is cheaper "
                          f"above it (swap costs {fmt_ratio(ratio)} of recompute at {cx['xs'][-1]:g}).")
-            lens = [_num(r["metrics"].get("prompt_len_mean")) for _, r in rows]
-            lens = [v for v in lens if v]
-            if lens and status == OK:
-                typical = sorted(lens)[len(lens) // 2]
-                side = "above" if typical > cx["x"] else "below"
-                better = above if side == "above" else ("recompute" if above == "swap" else "swap")
-                facts.append(f"Your prompts average {typical:,.0f} tokens, {side} the crossover: {better} suits them.")
+    exposed = any(_num(res["metrics"].get(k)) is not None for _, res in rows
+                  for k in ("preemptions_swap", "preemptions_recompute", "preemptions"))
+    if not facts and not exposed:
+        return _check(5, title, NOT_MEASURED, "No preemption counts, swap activity or swap-vs-recompute sweep for "
+                      "this engine.", "")
+    if mode != "swap":
+        # swap advice to an engine that does not swap is noise; the forced-swap scenarios' figures stay as facts
+        return _check(5, title, OK, f"{engine} preempts by recompute, so swap bandwidth does not limit it"
+                      + (". Measured where a scenario forces swap: " + " ".join(facts) if facts else "."), "")
+    knob = ("swap_space (host GiB) if swap falls back to recompute; preemption_mode=recompute for sequences shorter "
+            "than the crossover.")
+    unexpected = []
+    for sc, res in rows:
+        fb, p = _num(res["metrics"].get("swap_fallbacks")), pressure_of(sc)
+        if fb and (p is None or not p.swap_fallback):
+            unexpected.append(f"{_where(sc, res)}: host swap space ran out, fell back to recompute "
+                              f"{plural(fb, 'time')}.")
+    if unexpected:
+        return _check(5, title, PROBLEM, " ".join(unexpected + facts), knob)
+    if cx and cx["x"] is not None and not quiet:
+        above = "swap" if cx["swap"][-1] < cx["recompute"][-1] else "recompute"
+        lens = sorted(v for _, r in rows if (v := _num(r["metrics"].get("prompt_len_mean"))))
+        if lens and above == "swap" and lens[len(lens) // 2] < cx["x"]:
+            facts.append(f"Your prompts average {lens[len(lens) // 2]:,.0f} tokens, below the crossover: recompute "
+                         "would suit them.")
+            return _check(5, title, WATCH, " ".join(facts), knob)
     if not facts:
-        return _check(5, title, NOT_MEASURED, "No swap activity or swap-vs-recompute sweep for this engine.", knob)
-    return _check(5, title, status, " ".join(facts), knob)
+        return _check(5, title, NOT_MEASURED, "No swap activity or swap-vs-recompute sweep for this engine.", "")
+    return _check(5, title, OK, " ".join(facts), "")
+
+
+def _cx_within_noise(cx: dict[str, Any]) -> bool:
+    """Whether both costs sit under the noise floor on both sides of the crossover."""
+    xs = cx["xs"]
+    i = next((i for i, v in enumerate(xs) if v >= cx["x"]), len(xs) - 1)
+    lo = max(0, i - 1)
+    return max(cx["swap"][lo], cx["recompute"][lo], cx["swap"][i], cx["recompute"][i]) < NOISE_FLOOR_S
 
 
 def diagnose(results: Results) -> list[dict[str, Any]]:
-    """One entry per engine (the reference first): ``{engine, checks: [5 checks], worst}``."""
+    """One entry per engine (the reference first): ``{engine, mode, checks: [5 checks], worst}``."""
     ref = baseline_engine_name(results)
     names = results.engine_names()
     ordered = ([ref] if ref in names else []) + [n for n in names if n != ref]
@@ -300,10 +413,18 @@ def diagnose(results: Results) -> list[dict[str, Any]]:
         if not rows and not any(p["engine"] == engine for sc in results.scenarios for sw in sc["sweeps"]
                                 for p in sw["points"]):
             continue
-        checks = [_check_preemptions(results, engine, rows), _check_kv(rows),
-                  _check_concurrency(results, engine, rows), _check_starvation(rows),
+        checks = [_check_preemptions(results, engine, rows), _check_kv(results, rows),
+                  _check_concurrency(results, engine, rows), _check_starvation(results, rows),
                   _check_swap(results, engine, rows)]
-        rank = {PROBLEM: 3, WATCH: 2, OK: 1, NOT_MEASURED: 0}
-        out.append({"engine": engine, "checks": checks,
-                    "worst": max((c["status"] for c in checks), key=lambda s: rank[s])})
+        out.append({"engine": engine, "mode": engine_mode(results, engine), "checks": checks,
+                    "worst": max((c["status"] for c in checks), key=lambda s: RANK[s])})
+    return out
+
+
+def expectations(results: Results) -> list[dict[str, Any]]:
+    """What each scenario in the results declares, in words (shown above the diagnosis)."""
+    out = []
+    for sc in results.scenarios:
+        p: Pressure | None = pressure_of(sc)
+        out.append({"scenario": sc["name"], "declared": p.describe() if p else ["nothing declared"]})
     return out

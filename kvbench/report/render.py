@@ -7,8 +7,11 @@ with autoescape on; names from the command line reach the page only escaped (the
 their own text, see :mod:`kvbench.report.charts`), and the results JSON embedded for reuse goes
 through ``|tojson``, which escapes ``<``, ``>``, ``&`` and ``'``.
 
-The figures here only *read* results: headline ratios, side-by-side tables, the diagnosis and the
-baseline deltas are computed from metrics already in the file; nothing re-runs an engine.
+The figures here only *read* results: the scoreboard, headlines, side-by-side tables, the diagnosis
+and the baseline deltas are computed from metrics already in the file; nothing re-runs an engine.
+What is particular to a scenario (its headline, its scoreboard metric, the pressure it creates on
+purpose, the tables that make its point) is declared by the scenario itself
+(:mod:`kvbench.bench.scenarios`) and only read here.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import math
 import os
 import urllib.parse
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +28,14 @@ from markupsafe import Markup
 from kvbench import __version__
 from kvbench.bench import gate, metrics
 from kvbench.bench.results import Results
-from kvbench.report.diagnosis import baseline_engine_name, cost_curves, diagnose, swap_crossover
-from kvbench.report.formatting import fmt_metric, fmt_ratio, fmt_time, metric_label
 from kvbench.report import charts as rc
+from kvbench.report import verdict
+from kvbench.report.diagnosis import baseline_engine_name, cost_curves, diagnose
+from kvbench.report.formatting import fmt_metric, fmt_ratio, fmt_time, metric_label
+
+#: what report files are written with: readable by everyone like any document (a results file written
+#: through a temporary file would otherwise keep mkstemp's 0600)
+FILE_MODE = 0o644
 
 #: columns of the summary table (the most telling figure of each family)
 SUMMARY_COLUMNS: tuple[str, ...] = (
@@ -42,10 +49,6 @@ COMPARE_METRICS: tuple[str, ...] = (
     "recomputed_tokens", "recomputed_share", "swap_bandwidth", "prefix_hit_rate", "tbt_spikes",
     "starvation_max_s", "kv_usage_mean", "kv_usage_time_over_95", "waiting_max",
 )
-CHUNKED_MODES = ("chunked", "chunked_prefill", "chunking")
-UNCHUNKED_MODES = ("unchunked", "no_chunked_prefill", "no_chunking")
-CACHE_MODES = ("prefix_caching", "cache", "cached", "prefix_cache")
-NOCACHE_MODES = ("no_prefix_caching", "nocache", "no_cache", "uncached")
 
 
 def _environment() -> jinja2.Environment:
@@ -99,115 +102,9 @@ def _find_scenario(results: Results, *needles: str) -> dict[str, Any] | None:
     return None
 
 
-def _mode_values(results: Results, engine: str, modes: Iterable[str], metric: str,
-                 prefer: str | None = None) -> tuple[float | None, str]:
-    """``metric`` of ``engine`` run in one of ``modes``: from scenario results first, else sweep points
-    (at the largest x). Returns (value, where) with ``where`` naming the scenario."""
-    modes = tuple(modes)
-    scenarios = sorted(results.scenarios, key=lambda sc: prefer is None or prefer not in sc["name"].lower())
-    for sc in scenarios:
-        for res in sc["results"]:
-            if res["engine"] == engine and res.get("mode") in modes and _num(res["metrics"].get(metric)) is not None:
-                return _num(res["metrics"][metric]), sc["name"]
-    for sc in scenarios:
-        for sw in sc["sweeps"]:
-            pts = [p for p in sw["points"] if p["engine"] == engine and p.get("mode") in modes
-                   and _num(p["metrics"].get(metric)) is not None]
-            if pts:
-                p = max(pts, key=lambda p: p["x"])
-                return _num(p["metrics"][metric]), f"{sc['name']} at {sw['x_label']}={p['x']:g}"
-    return None, ""
-
-
-# --------------------------------------------------------------------------------------------
-# headlines
-
-
-def _headline(title: str, value: str | None, caption: str, detail: str = "") -> dict[str, Any]:
-    return {"title": title, "value": value if value is not None else "not measured",
-            "measured": value is not None, "caption": caption, "detail": detail}
-
-
 def headline_ratios(results: Results) -> list[dict[str, Any]]:
-    """The four ratios of the first screen, each "not measured" when the results lack its inputs."""
-    ref = baseline_engine_name(results)
-    return [_storm_headline(results, ref), _crossover_headline(results, ref), _chunked_headline(results, ref),
-            _prefix_headline(results, ref)]
-
-
-def _storm_headline(results: Results, ref: str | None) -> dict[str, Any]:
-    title = "Throughput in the preemption storm"
-    sc = _find_scenario(results, "storm") or (results.scenarios[0] if results.scenarios else None)
-    base = next((r for r in sc["results"] if r["engine"] == ref), None) if sc and ref else None
-    others = [r for r in sc["results"] if r["engine"] != ref] if sc else []
-    ref_tp = _num(base["metrics"].get("output_throughput")) if base else None
-    if not ref_tp or not others:
-        return _headline(title, None, "needs the reference and at least one other engine on the storm")
-    lines = []
-    for r in others:
-        tp = _num(r["metrics"].get("output_throughput"))
-        if tp is not None:
-            lines.append((r, tp))
-    if not lines:
-        return _headline(title, None, "the other engines report no throughput")
-    # "Other engine" first means another kind of engine, not the reference in another mode.
-    ref_kind = (results.engine(ref) or {}).get("kind")
-    r, tp = next(((o, t) for o, t in lines if (results.engine(o["engine"]) or {}).get("kind") != ref_kind), lines[0])
-    detail = "; ".join(f"{_label(o['engine'], o.get('mode'))} {fmt_metric('output_throughput', t)}"
-                       for o, t in lines)
-    return _headline(title, fmt_ratio(tp / ref_tp),
-                     f"{_label(r['engine'], r.get('mode'))} ÷ {ref} output throughput ({sc['name']})",
-                     f"{ref} {fmt_metric('output_throughput', ref_tp)}; {detail}")
-
-
-def _crossover_headline(results: Results, ref: str | None) -> dict[str, Any]:
-    title = "Swap vs recompute"
-    engines = [ref, *[e for e in results.engine_names() if e != ref]] if ref else results.engine_names()
-    for eng in engines:
-        cx = swap_crossover(results, eng)
-        if not cx:
-            continue
-        last_ratio = cx["swap"][-1] / cx["recompute"][-1] if cx["recompute"][-1] else None
-        at = f"at {cx['x_label']} {cx['xs'][-1]:g}: swap costs {fmt_ratio(last_ratio)} of recompute"
-        if cx["x"] is None:
-            cheaper = "swap" if cx["swap"][0] < cx["recompute"][0] else "recompute"
-            return _headline(title, f"{cheaper} always cheaper", f"no crossover in the sweep ({eng})", at)
-        above = "swap" if cx["swap"][-1] < cx["recompute"][-1] else "recompute"
-        return _headline(title, f"{cx['x']:,.0f}", f"crossover {cx['x_label']} ({eng}): {above} is cheaper above it",
-                         at)
-    return _headline(title, None, "needs a sweep with swap and recompute points")
-
-
-def _pair_headline(results: Results, ref: str | None, title: str, modes_on: tuple[str, ...],
-                   modes_off: tuple[str, ...], metric: str, prefer: str) -> tuple[dict, float | None, float | None]:
-    engines = [ref, *[e for e in results.engine_names() if e != ref]] if ref else results.engine_names()
-    for eng in engines:
-        on, where = _mode_values(results, eng, modes_on, metric, prefer)
-        off, _ = _mode_values(results, eng, modes_off, metric, prefer)
-        if on is not None and off is not None:
-            return {"engine": eng, "where": where}, on, off
-    return {}, None, None
-
-
-def _chunked_headline(results: Results, ref: str | None) -> dict[str, Any]:
-    title = "p99 TBT with vs without chunked prefill"
-    info, on, off = _pair_headline(results, ref, title, CHUNKED_MODES, UNCHUNKED_MODES, "tbt_p99", "chunk")
-    if on is None or off is None or off == 0:
-        return _headline(title, None, "needs results in modes 'chunked' and 'unchunked'")
-    return _headline(title, fmt_ratio(on / off), f"chunked ÷ unchunked p99 TBT ({info['engine']}, {info['where']})",
-                     f"{fmt_time(on)} with chunking vs {fmt_time(off)} without")
-
-
-def _prefix_headline(results: Results, ref: str | None) -> dict[str, Any]:
-    title = "Recomputed tokens saved by prefix caching"
-    info, on, off = _pair_headline(results, ref, title, CACHE_MODES, NOCACHE_MODES, "recomputed_tokens", "prefix")
-    if on is None or off is None:
-        return _headline(title, None, "needs results in modes 'prefix_caching' and 'no_prefix_caching'")
-    if off == 0:
-        return _headline(title, None, "nothing was recomputed without prefix caching",
-                         f"{info['engine']}, {info['where']}")
-    return _headline(title, f"{(1 - on / off) * 100:.0f}%", f"fewer tokens recomputed ({info['engine']}, "
-                     f"{info['where']})", f"{on:,.0f} recomputed with caching vs {off:,.0f} without")
+    """One headline card per scenario in the results, each the scenario's own declaration."""
+    return verdict.headlines(results, baseline_engine_name(results))
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,6 +248,7 @@ class _Charts:
 
     def __init__(self, results: Results):
         self.colors = {name: rc.PALETTE[i % len(rc.PALETTE)] for i, name in enumerate(results.engine_names())}
+        self.order = {name: i for i, name in enumerate(results.engine_names())}
         self.n = 0
 
     def render(self, chart: rc.Chart) -> Markup:
@@ -358,8 +256,9 @@ class _Charts:
         return rc.render(chart, uid=f"c{self.n}")
 
     def style(self, engine: str, mode: str | None, modes: list[str | None]) -> tuple[str, str | None]:
-        dashes = (None, "7 4", "2 3", "10 3 2 3")
-        idx = modes.index(mode) if mode in modes else 0
+        """Colour by engine, dash by mode and engine: two series that coincide still differ in pattern."""
+        dashes = (None, "7 4", "2 3", "10 3 2 3", "4 2 1 2")
+        idx = (modes.index(mode) if mode in modes else 0) + self.order.get(engine, 0)
         return self.colors.get(engine, rc.PALETTE[0]), dashes[idx % len(dashes)]
 
     # -- one result -------------------------------------------------------------------------
@@ -407,7 +306,7 @@ class _Charts:
                  rc.Line("waiting", s.get("t", []), s.get("num_waiting", []), "#e8772e")]
         if any(s.get("num_swapped", [])):
             lines.append(rc.Line("swapped", s.get("t", []), s.get("num_swapped", []), "#7c4dff"))
-        return self.render(rc.Chart(f"Queues — {label}", "time (s)", "requests", lines=lines))
+        return self.render(rc.Chart(f"Queues — {label}", "time (s)", "requests", lines=lines, y_integer=True))
 
     def throughput(self, label: str, res: dict[str, Any]) -> Markup:
         s = res.get("series", {})
@@ -454,7 +353,7 @@ class _Charts:
         out = []
         for metric, title in (("output_throughput", "Throughput"), ("tbt_p99", "p99 inter-token gap"),
                               ("preemptions", "Preemptions")):
-            lines, vlines = [], []
+            lines, vlines, no_knee = [], [], []
             for (eng, mode), pts in groups.items():
                 pts = sorted(pts, key=lambda p: p["x"])
                 ys = [_num(p["metrics"].get(metric)) for p in pts]
@@ -463,18 +362,24 @@ class _Charts:
                 color, dash = self.style(eng, mode, modes)
                 lines.append(rc.Line(_label(eng, mode), [p["x"] for p in pts], ys, color, dash=dash, dots=True))
                 tps = [_num(p["metrics"].get("output_throughput")) for p in pts]
-                k = metrics.knee([p["x"] for p in pts], tps)
-                if k is not None and metric != "preemptions":
+                xs = [p["x"] for p in pts]
+                k = metrics.knee(xs, tps)
+                if k is not None and len(xs) > 1 and k == max(xs):
+                    no_knee.append(_label(eng, mode))  # still rising at the top: no knee within the sweep
+                elif k is not None and metric != "preemptions":
                     vlines.append(rc.VLine(k, f"knee {k:g} ({_label(eng, mode)})", color))
             if not lines:
                 continue
             fmt = (lambda v: f"{v:,.0f}") if metric != "tbt_p99" else (lambda v: f"{v * 1000:g}")
             unit = {"output_throughput": "tokens/s", "tbt_p99": "ms", "preemptions": "count"}[metric]
             # three to a row: a narrower canvas keeps the text as large as in the two-column charts
+            sub = ""
+            if metric == "output_throughput":
+                sub = "knee: throughput gains < 5% beyond it" + (
+                    f"; none within the sweep for {', '.join(no_knee)}" if no_knee else "")
             out.append(self.render(rc.Chart(f"{title} vs {sw['x_label']}", sw["x_label"], unit, width=440,
                                             height=300, lines=lines, vlines=vlines, y_format=fmt, log_x=log,
-                                            subtitle="knee: throughput gains < 5% beyond it"
-                                            if metric == "output_throughput" else "")))
+                                            y_integer=metric == "preemptions", subtitle=sub)))
         return out
 
     def _cost(self, sc: dict[str, Any], sw: dict[str, Any], groups: dict, modes: list, log: bool) -> list[Markup]:
@@ -527,8 +432,12 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
                 "checks": res.get("checks", {}), "notes": res.get("notes", []),
             })
         sweeps = [c for sw in sc["sweeps"] for c in charts.sweep(sc, sw)]
+        decl = verdict.declaration(sc["name"])
+        pressure = verdict.pressure_of(sc)
         views.append({"name": sc["name"], "description": sc.get("description", ""), "sweep_columns":
                       3 if len(sweeps) % 3 == 0 else 2,
+                      "tables": decl.tables(sc) if decl is not None else [],
+                      "pressure": pressure.describe() if pressure is not None else [],
                       "parameters": sc.get("parameters", {}), "dists": charts.cdfs(sc),
                       "sweeps": sweeps, "results": res_views})
     return views
@@ -543,7 +452,7 @@ def render_report(results: Results, baseline: Results | None = None) -> str:
     charts = _Charts(results)
     context = {
         "version": __version__,
-        "data": results.to_dict(),
+        "data": _without_series(results.to_dict()),
         "run_label": _run_label(results),
         "machine_label": machine_label(results),
         "machine": results.machine,
@@ -551,6 +460,9 @@ def render_report(results: Results, baseline: Results | None = None) -> str:
         "engines": results.engines,
         "reference": baseline_engine_name(results),
         "headlines": headline_ratios(results),
+        "scoreboard": verdict.scoreboard(results, baseline_engine_name(results)),
+        "conformance": verdict.conformance_matrix(results),
+        "preemption_costs": verdict.preemption_costs(results),
         "diagnosis": diagnose(results),
         "summary": summary_table(results),
         "side_by_side": side_by_side(results),
@@ -560,17 +472,33 @@ def render_report(results: Results, baseline: Results | None = None) -> str:
     return _render("report.html", **context)
 
 
+def _without_series(data: dict[str, Any]) -> dict[str, Any]:
+    """The results as embedded in the page: every figure, but not the timelines (the charts draw them,
+    ``results.json`` beside the report keeps them; embedded they made a quick run's report 2 MB)."""
+    out = dict(data)
+    out["scenarios"] = [{**sc, "results": [{k: v for k, v in r.items() if k != "series"} for r in sc["results"]]}
+                        for sc in data.get("scenarios", [])]
+    return out
+
+
+def write_text_file(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` with mode 0644 whatever the umask or an earlier file's mode."""
+    path = Path(path)
+    path.write_text(text, encoding="utf-8")
+    os.chmod(path, FILE_MODE)
+    return path
+
+
 def write_report(results: Results | str | os.PathLike[str], out_dir: str | os.PathLike[str],
                  baseline: Results | str | os.PathLike[str] | None = None) -> Path:
-    """Write ``out_dir/results.json`` and ``out_dir/report.html`` beside it; returns the report's path."""
+    """Write ``out_dir/results.json`` and ``out_dir/report.html`` beside it, both mode 0644; returns the
+    report's path."""
     res = results if isinstance(results, Results) else Results.load(results)
     base = baseline if (baseline is None or isinstance(baseline, Results)) else Results.load(baseline)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    res.save(out / "results.json")
-    path = out / "report.html"
-    path.write_text(render_report(res, base), encoding="utf-8")
-    return path
+    os.chmod(res.save(out / "results.json"), FILE_MODE)
+    return write_text_file(out / "report.html", render_report(res, base))
 
 
 def _trend_chart(runs: list[dict[str, Any]]) -> Markup | None:
@@ -621,6 +549,4 @@ def write_index(report_dir: str | os.PathLike[str]) -> Path:
         runs.append(run)
     runs.sort(key=lambda r: r["sort"], reverse=True)
     html = _render("index.html", runs=runs, root=root.name, version=__version__, trend=_trend_chart(runs))
-    path = root / "index.html"
-    path.write_text(html, encoding="utf-8")
-    return path
+    return write_text_file(root / "index.html", html)

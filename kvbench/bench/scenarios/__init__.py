@@ -81,8 +81,10 @@ from kvbench.bench.scenarios.mechanisms import (
     PrioritySize,
     chunked_claims,
     class_figures,
+    first_token_steps,
     prefix_claims,
     priority_claims,
+    priority_vs_fcfs_claims,
     stall_steps,
 )
 from kvbench.bench.scenarios.storms import (
@@ -92,9 +94,17 @@ from kvbench.bench.scenarios.storms import (
     SwapSpaceExhaustion,
     exhaustion_claims,
     first_fallback,
+    knee_within,
     storm_claims,
 )
-from kvbench.bench.scenarios.surges import EveningSurge, FlashCrowd, FlashSize, SurgeSize, arrival_rate_ratio
+from kvbench.bench.scenarios.surges import (
+    EveningSurge,
+    FlashCrowd,
+    FlashSize,
+    SurgeSize,
+    arrival_rate_ratio,
+    before_after,
+)
 
 EVENING_SURGE = EveningSurge()
 FLASH_CROWD = FlashCrowd()
@@ -117,8 +127,9 @@ __all__ = [
     "ExhaustionSize", "FlashCrowd", "FlashSize", "Job", "Model", "Outcome", "PreemptionStorm", "PrefixCachingRecompute",
     "PrefixSize", "PriorityOnlineOffline", "PrioritySize", "Progress", "ResultEntry", "ResumeCost", "Scenario",
     "Served", "StormSize", "SurgeSize", "SwapSpaceExhaustion", "SwapVsRecompute", "SweepPoint", "all_finished",
-    "arrival_rate_ratio", "build_workload", "check_crossover_length", "chunked_claims", "class_figures",
-    "describe_spec", "exhaustion_claims", "first_fallback", "last_event", "percentile", "positive",
-    "preemptions_between", "prefix_claims", "priority_claims", "record", "resume_cost", "run", "serve",
+    "arrival_rate_ratio", "before_after", "build_workload", "check_crossover_length", "chunked_claims",
+    "class_figures", "describe_spec", "exhaustion_claims", "first_fallback", "first_token_steps", "knee_within",
+    "last_event", "percentile", "positive", "preemptions_between", "prefix_claims", "priority_claims",
+    "priority_vs_fcfs_claims", "record", "resume_cost", "run", "serve",
     "stall_steps", "storm_claims", "summarize_costs", "ttft_by",
 ]

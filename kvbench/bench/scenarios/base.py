@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.bench import metrics
+from kvbench.bench.scenarios.declare import Headline, Pressure, Score
 from kvbench.bench.workloads import (
     AllAtOnce,
     ClosedLoop,
@@ -38,6 +39,8 @@ FULL_POOL = 0.9
 DOUBLED = 1.6
 
 Progress = Callable[[int], None]
+#: the claim every scenario makes besides its own ("every request finished", "... at every point")
+SANITY_CLAIM = "every request finished"
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,6 +127,16 @@ class Outcome:
     def failures(self) -> list[str]:
         return [claim for claim, held in self.claims.items() if held is False]
 
+    def undecided_reason(self) -> str | None:
+        """Why no claim about the scenario's mechanism could be decided (every one None), or None when
+        at least one was: such a benchmark proves nothing and is skipped with this reason. "Every
+        request finished" is a sanity claim any engine can show; alone it does not make a benchmark."""
+        about = {c: v for c, v in self.claims.items() if not c.startswith(SANITY_CLAIM)}
+        if not about or any(v is not None for v in about.values()):
+            return None
+        return (f"{self.scenario.name}: every claim is undecidable on this engine (it does not expose what they "
+                "need): " + "; ".join(about))
+
     def explain(self) -> str:
         lines = [f"{self.scenario.name} ({self.scale}): claims not shown:"]
         lines += [f"  - {c}" for c in self.failures()]
@@ -159,6 +172,11 @@ class Scenario:
     engine_mode_matters: bool = True
     sizes: Mapping[str, Any] = {}  # scale -> size; read-only, set by subclasses
 
+    #: what the report reads (see :mod:`~kvbench.bench.scenarios.declare`): the pressure created on
+    #: purpose, the metric the scoreboard ranks engines by (None: no ranking, e.g. one engine's modes)
+    pressure: Pressure = Pressure()
+    score: Score | None = Score("output_throughput", True, label="output throughput")
+
     def size(self, scale: str) -> Any:
         if scale not in SCALES:
             raise ValueError(f"scale {scale!r} is not one of {SCALES}")
@@ -182,6 +200,18 @@ class Scenario:
 
     def outcome(self, scale: str, model: Model) -> Outcome:
         return Outcome(self, scale, self.parameters(scale, model))
+
+
+    # -- what the report reads: plain dicts of a results file in, plain values out ------------------
+
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        """This scenario's card on the first screen, from its recorded results-file entry."""
+        return Headline(self.title or self.name, None, "this scenario declares no headline")
+
+    def tables(self, recorded: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Tables that make the scenario's point (``{"title", "columns", "rows", "note"}``; cells are
+        strings), shown under its description."""
+        return []
 
 
 def build_workload(spec: WorkloadSpec, model: Model) -> Workload:
@@ -281,9 +311,9 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
         results.add_scenario_result(outcome.scenario.name, engine, summary, series=metrics.series(entry.trace),
                                     checks=checks, notes=[*entry.notes, *outcome.notes, *unknown], mode=entry.mode,
                                     parameters=params, description=outcome.scenario.description)
-    if not outcome.entries:
-        results.scenario(outcome.scenario.name, create=True, parameters=params,
-                         description=outcome.scenario.description)
+    # the declared pressure travels with the results, so a report of this file can judge against it
+    results.scenario(outcome.scenario.name, create=True, parameters=params,
+                     description=outcome.scenario.description)["pressure"] = outcome.scenario.pressure.to_dict()
     for p in outcome.points:
         results.add_sweep_point(outcome.scenario.name, p.sweep, p.x, engine, p.metrics, mode=p.mode,
                                 x_label=p.x_label)

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvbench.bench import metrics
+from kvbench.bench.formatting import fmt_ratio, fmt_time
 from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     Job,
@@ -21,6 +22,7 @@ from kvbench.bench.scenarios.base import (
     SweepPoint,
     build_workload,
 )
+from kvbench.bench.scenarios.declare import NOISE_FLOOR_S, Headline, Pressure, num
 from kvbench.bench.workloads import (
     AllAtOnce,
     Explicit,
@@ -68,6 +70,8 @@ class SwapVsRecompute(Scenario):
         "full": CrossoverSize(lengths=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4000), repeats=5),
     }
     modes = ("recompute", "swap")
+    pressure = Pressure(preemptions=True, kv_pinned=True)  # both modes forced in turn, one preemption per run
+    score = None  # one engine's two modes against each other, not engines against each other
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -118,6 +122,57 @@ class SwapVsRecompute(Scenario):
             "both modes measured at every length": all(x in by_mode[m] for m in self.modes for x in lengths),
         }
         return out
+
+
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        title = "Swap vs recompute"
+        engines = list(dict.fromkeys(p["engine"] for sw in recorded.get("sweeps", []) for p in sw["points"]))
+        for engine in ([reference] if reference in engines else []) + [e for e in engines if e != reference]:
+            cx = crossover_of(recorded, engine)
+            if cx is not None:
+                return crossover_headline(title, engine, cx)
+        return Headline(title, None, "needs a sweep with swap and recompute points")
+
+
+def crossover_of(recorded: Mapping[str, Any], engine: str) -> dict[str, Any] | None:
+    """``{x, xs, swap, recompute, x_label}`` of ``engine``'s cost curves (x None: they never cross)."""
+    for sw in recorded.get("sweeps", []):
+        curves: dict[str, dict[float, float]] = {}
+        for p in sw["points"]:
+            v = num(p["metrics"].get("cost_s"))
+            if p["engine"] == engine and p.get("mode") in ("swap", "recompute") and v is not None:
+                curves.setdefault(p["mode"], {})[float(p["x"])] = v
+        if len(curves) < 2:
+            continue
+        xs = sorted(set(curves["swap"]) & set(curves["recompute"]))
+        if not xs:
+            continue
+        s, r = [curves["swap"][x] for x in xs], [curves["recompute"][x] for x in xs]
+        return {"x": metrics.crossover(xs, s, r), "xs": xs, "swap": s, "recompute": r, "x_label": sw["x_label"]}
+    return None
+
+
+def crossover_headline(title: str, engine: str, cx: Mapping[str, Any]) -> Headline:
+    """The crossover length, or "within noise" where both modes cost less than the noise floor there."""
+    xs, s, r = cx["xs"], cx["swap"], cx["recompute"]
+    last = s[-1] / r[-1] if r[-1] else None
+    at = f"at {xs[-1]:g} tokens swap costs {fmt_ratio(last)} of recompute"
+    # lengths where both costs sit under the floor: their order is the machine's jitter, not the modes'
+    quiet = [x for x, a, b in zip(xs, s, r, strict=True) if max(a, b) < NOISE_FLOOR_S]
+    noise = (f"; below ~{max(quiet):g} tokens both cost < {fmt_time(NOISE_FLOOR_S)}: within noise"
+             if quiet else "")
+    if cx["x"] is None:
+        cheaper = "swap" if s[-1] < r[-1] else "recompute"
+        return Headline(title, f"{cheaper} always cheaper", f"no crossover in the sweep ({engine})", at + noise)
+    x = cx["x"]
+    i = next(i for i, v in enumerate(xs) if v >= x)
+    lo = max(0, i - 1)
+    if max(s[lo], r[lo], s[i], r[i]) < NOISE_FLOOR_S:
+        return Headline(title, "within noise", f"the curves cross near {x:,.0f} tokens ({engine}), where both cost "
+                        f"< {fmt_time(NOISE_FLOOR_S)}", at, within_noise=True)
+    above = "swap" if s[-1] < r[-1] else "recompute"
+    return Headline(title, f"{x:,.0f}", f"crossover {cx['x_label']} ({engine}): {above} is cheaper above it",
+                    at + noise)
 
 
 VICTIM = "r0001"  # the second request of a crossover workload (the first is the holder)

@@ -3,10 +3,12 @@ and decode stalls, priority scheduling of online beside offline work."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvbench.bench.formatting import fmt_metric, fmt_ratio, fmt_time
 from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     Job,
@@ -21,6 +23,18 @@ from kvbench.bench.scenarios.base import (
     percentile,
     positive,
     ttft_by,
+)
+from kvbench.bench.scenarios.declare import (
+    NOISE_FLOOR_S,
+    Headline,
+    Pressure,
+    Score,
+    metric_of,
+    noise_words,
+    num,
+    ratio_noise,
+    result_of,
+    within_noise,
 )
 from kvbench.bench.workloads import (
     AllAtOnce,
@@ -64,6 +78,8 @@ class PrefixCachingRecompute(Scenario):
                                         shared_prefix=SharedPrefix(1, 1024), seed=5), num_gpu_blocks=512),
     }
     modes = ("no_prefix_caching", "prefix_caching")
+    pressure = Pressure(preemptions=True, kv_pinned=True, forced_mode="recompute")
+    score = Score("recomputed_tokens", False, mode="prefix_caching", label="tokens recomputed with caching")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -89,6 +105,22 @@ class PrefixCachingRecompute(Scenario):
                              f"{off['recomputed_tokens']:,.0f} without "
                              f"({1 - on['recomputed_tokens'] / off['recomputed_tokens']:.0%} fewer)")
         return out
+
+
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        title = "Recomputed tokens saved by prefix caching"
+        engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
+        for engine in ([reference] if reference in engines else []) + [e for e in engines if e != reference]:
+            on = metric_of(recorded, engine, "recomputed_tokens", "prefix_caching")
+            off = metric_of(recorded, engine, "recomputed_tokens", "no_prefix_caching")
+            if on is None or off is None:
+                continue
+            if off == 0:
+                return Headline(title, None, f"nothing was recomputed without prefix caching ({engine})")
+            # counts, not times: the same requests give the same counts, no timing noise
+            return Headline(title, f"{(1 - on / off) * 100:.0f}%", f"fewer tokens recomputed ({engine})",
+                            f"{on:,.0f} recomputed with caching vs {off:,.0f} without")
+        return Headline(title, None, "needs results with and without prefix caching")
 
 
 def prefix_claims(off: Mapping[str, float | None], on: Mapping[str, float | None]) -> dict[str, bool | None]:
@@ -143,6 +175,8 @@ class ChunkedPrefillStalls(Scenario):
             budget_note="512 (vLLM's chunked-prefill default, tuned for ITL) and 2048 (its advice for throughput)"),
     }
     modes = ("unchunked", "chunked", "chunked_large")
+    pressure = Pressure()  # a roomy pool: any preemption is a deviation
+    score = Score("tbt_p99", False, mode="chunked", label="p99 TBT, chunked at the small budget")
 
     def budget_of(self, mode: str, scale: str) -> int | None:
         small, large = self.size(scale).budgets
@@ -186,6 +220,24 @@ class ChunkedPrefillStalls(Scenario):
             sv.metrics["preemptions"] in (0, None) for sv in served)
         out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
         return out
+
+
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        title = "p99 TBT with vs without chunked prefill"
+        engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
+        for engine in ([reference] if reference in engines else []) + [e for e in engines if e != reference]:
+            on_res, off_res = result_of(recorded, engine, "chunked"), result_of(recorded, engine, "unchunked")
+            on = num(on_res["metrics"].get("tbt_p99")) if on_res else None
+            off = num(off_res["metrics"].get("tbt_p99")) if off_res else None
+            if on is None or not off:
+                continue
+            ratio, noise = on / off, ratio_noise(on_res, off_res, "tbt_p99")
+            caption = f"chunked ÷ unchunked p99 TBT ({engine})"
+            detail = f"{fmt_time(on)} with chunking vs {fmt_time(off)} without · {noise_words(noise)}"
+            if max(on, off) < NOISE_FLOOR_S or within_noise(ratio, noise):
+                return Headline(title, "within noise", f"{caption}: {fmt_ratio(ratio)}", detail, within_noise=True)
+            return Headline(title, fmt_ratio(ratio), caption, detail)
+        return Headline(title, None, "needs results in modes 'chunked' and 'unchunked'")
 
 
 def stall_steps(trace: Trace, long_from: int) -> list[int]:
@@ -250,6 +302,8 @@ class PriorityOnlineOffline(Scenario):
             online_start_s=5.0, num_gpu_blocks=1024),
     }
     modes = ("priority", "fcfs")
+    pressure = Pressure(preemptions=True, kv_pinned=True, starvation=True)
+    score = Score("ttft_p50_high", False, mode="priority", label="online p50 TTFT under the priority policy")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -268,22 +322,94 @@ class PriorityOnlineOffline(Scenario):
         for sv in served:
             out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode, extra=class_figures(sv.trace)))
         prio = next(sv for sv in served if sv.job.mode == "priority")
+        fcfs = next(sv for sv in served if sv.job.mode == "fcfs")
         out.claims = priority_claims(prio.trace)
+        out.claims.update(priority_vs_fcfs_claims(prio.trace, fcfs.trace))
         out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
         return out
 
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        title = "Online TTFT: priority vs FCFS"
+        engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
+        for engine in ([reference] if reference in engines else []) + [e for e in engines if e != reference]:
+            prio, fcfs = result_of(recorded, engine, "priority"), result_of(recorded, engine, "fcfs")
+            p = num(prio["metrics"].get("ttft_p50_high")) if prio else None
+            f = num(fcfs["metrics"].get("ttft_p50_high")) if fcfs else None
+            if p is None or f is None:
+                continue
+            noise = ratio_noise(prio, fcfs, "ttft_p50_high")
+            p99p, p99f = (num(r["metrics"].get("ttft_p99_high")) for r in (prio, fcfs))  # type: ignore[index]
+            detail = f"p99 {fmt_time(p99p)} vs {fmt_time(p99f)} · {noise_words(noise)}"
+            caption = f"online p50 TTFT with priority vs under FCFS ({engine})"
+            if max(p, f) < NOISE_FLOOR_S or (f and within_noise(p / f, noise)):
+                return Headline(title, "within noise", f"{caption}: {fmt_time(p)} vs {fmt_time(f)}", detail,
+                                within_noise=True)
+            return Headline(title, f"{fmt_time(p)} vs {fmt_time(f)}", caption, detail)
+        return Headline(title, None, "needs the priority run and its FCFS control")
+
+    def tables(self, recorded: Mapping[str, Any]) -> list[dict[str, Any]]:
+        rows = []
+        for r in recorded.get("results", []):
+            if r.get("mode") not in self.modes:
+                continue
+            m = r["metrics"]
+            for cls, label in (("high", "online (priority 0)"), ("low", "offline (priority 1)")):
+                rows.append([r["engine"], r["mode"], label,
+                             *(fmt_time(num(m.get(f"{k}_{cls}"))) for k in ("ttft_p50", "ttft_p99", "tbt_p50",
+                                                                             "tbt_p99")),
+                             fmt_metric("preemptions", m.get(f"preemptions_{cls}"))])
+        # priority and FCFS of one engine next to each other, class by class
+        rows.sort(key=lambda row: (row[0], row[2], row[1] != "priority"))
+        return [{"title": "Each class, priority policy vs FCFS", "rows": rows,
+                 "columns": ["engine", "policy", "class", "p50 TTFT", "p99 TTFT", "p50 TBT", "p99 TBT",
+                             "preempted"],
+                 "note": "FCFS is the control run: the same requests, the same pool"}] if rows else []
+
 
 def class_figures(trace: Trace) -> dict[str, float | None]:
-    """TTFT percentiles and preemptions of each priority class, and the high/low TTFT ratio."""
+    """TTFT and TBT percentiles, first-token steps and preemptions of each priority class, and the
+    high/low TTFT ratio."""
     out: dict[str, float | None] = {}
     for name, level in (("high", HIGH), ("low", LOW)):
         ttfts = ttft_by(trace, lambda r, level=level: r.priority == level)
+        gaps = [b - a for r in trace.requests.values() if r.priority == level
+                for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
         out[f"ttft_p50_{name}"] = percentile(ttfts, 50)
         out[f"ttft_p99_{name}"] = percentile(ttfts, 99)
+        out[f"tbt_p50_{name}"] = percentile(gaps, 50)
+        out[f"tbt_p99_{name}"] = percentile(gaps, 99)
+        steps = first_token_steps(trace, level)
+        out[f"ttft_steps_p50_{name}"] = percentile(steps, 50) if steps is not None else None
+        out[f"ttft_steps_p99_{name}"] = percentile(steps, 99) if steps is not None else None
         out[f"preemptions_{name}"] = float(sum(len(r.preemptions) for r in trace.requests.values()
                                                if r.priority == level))
     hi, lo = out["ttft_p50_high"], out["ttft_p50_low"]
     out["ttft_p50_high_over_low"] = hi / lo if hi is not None and lo else None
+    return out
+
+
+def first_token_steps(trace: Trace, level: int) -> list[float] | None:
+    """For each request of priority ``level`` with a token: how many engine steps ended after it arrived
+    and up to its first token. A count of steps, not a time, so comparing two runs of the same
+    requests does not depend on the machine's speed. None without step records."""
+    if not trace.steps:
+        return None
+    ends = sorted(s.t for s in trace.steps)
+    return [float(bisect.bisect_right(ends, r.token_times[0]) - bisect.bisect_right(ends, r.arrival))
+            for r in trace.requests.values() if r.priority == level and r.token_times]
+
+
+def priority_vs_fcfs_claims(priority: Trace, fcfs: Trace) -> dict[str, bool | None]:
+    """The priority policy against its FCFS control (same requests, same pool): online requests got
+    their first token in fewer engine steps, at the median and at p99. Steps, not seconds, so the
+    claim does not ride on timing noise; the report shows the TTFTs in seconds beside it."""
+    p, f = first_token_steps(priority, HIGH), first_token_steps(fcfs, HIGH)
+    out: dict[str, bool | None] = {}
+    for q in (50, 99):
+        pq = percentile(p, q) if p else None
+        fq = percentile(f, q) if f else None
+        out[f"online p{q} TTFT (in engine steps) better with priority than under FCFS"] = (
+            None if pq is None or fq is None else pq < fq)
     return out
 
 

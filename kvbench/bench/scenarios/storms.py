@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.bench import metrics
+from kvbench.bench.formatting import fmt_metric
 from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     Job,
@@ -23,6 +24,7 @@ from kvbench.bench.scenarios.base import (
     describe_spec,
     positive,
 )
+from kvbench.bench.scenarios.declare import Headline, Pressure, Score, num, ratio_headline
 from kvbench.bench.workloads import (
     ClosedLoop,
     Fixed,
@@ -58,6 +60,8 @@ class PreemptionStorm(Scenario):
         "full": StormSize(WorkloadSpec("storm", 96, Uniform(512, 1536), Fixed(384), ClosedLoop(1), seed=3),
                           concurrencies=(2, 4, 8, 12, 16, 24, 32, 48), num_gpu_blocks=1024),
     }
+    pressure = Pressure(preemptions=True, kv_pinned=True)
+    score = Score("output_throughput", True, label="output throughput at the top of the sweep")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -74,16 +78,61 @@ class PreemptionStorm(Scenario):
         out = self.outcome(scale, model)
         points = sorted(served, key=lambda sv: sv.job.x or 0.0)
         xs = [sv.job.x or 0.0 for sv in points]
-        knee = metrics.knee(xs, [sv.metrics["output_throughput"] for sv in points])
+        knee = knee_within(xs, [sv.metrics["output_throughput"] for sv in points])
         for sv in points:
             out.points.append(SweepPoint("concurrency", "concurrent requests", sv.job.x or 0.0, sv.metrics))
         top = points[-1]
         extra = {"knee_concurrency": knee, "concurrency": top.job.x}
         out.entries.append(ResultEntry(top.trace, extra=extra, notes=[
             f"the storm at concurrency {top.job.x:g}; throughput stops rising at {knee:g}" if knee is not None
-            else f"the storm at concurrency {top.job.x:g}"]))
+            else f"the storm at concurrency {top.job.x:g}; no knee within the sweep (throughput still rising at "
+                 f"{top.job.x:g})"]))
         out.claims = storm_claims([sv.metrics for sv in points], [sv.trace for sv in points])
         return out
+
+
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        h = ratio_headline(recorded, reference, title="Throughput in the preemption storm",
+                           metric="output_throughput", what="output throughput at the top of the sweep")
+        knees = "; ".join(f"{row[0]} {row[1]}" for row in _knee_rows(recorded))
+        return Headline(h.title, h.value, h.caption, f"{h.detail} · knee: {knees}" if knees else h.detail,
+                        h.within_noise)
+
+    def tables(self, recorded: Mapping[str, Any]) -> list[dict[str, Any]]:
+        rows = _knee_rows(recorded)
+        if not rows:
+            return []
+        return [{"title": "Where throughput stops rising", "columns": ["engine", "knee", "throughput at the top",
+                                                                       "preemptions at the top"], "rows": rows,
+                 "note": "knee: the first concurrency beyond which throughput gains less than 5%"}]
+
+
+def knee_within(xs: Sequence[float], ys: Sequence[float | None]) -> float | None:
+    """The knee of a sweep (:func:`kvbench.bench.metrics.knee`), None when there is none within it:
+    metrics.knee answers the last x when throughput was still rising there, which is not a knee."""
+    k = metrics.knee(xs, ys)
+    return None if k is None or (len(xs) > 1 and k == max(xs)) else k
+
+
+def _knee_rows(recorded: Mapping[str, Any]) -> list[list[str]]:
+    rows = []
+    for sw in recorded.get("sweeps", []):
+        groups: dict[tuple[str, str | None], list[dict]] = {}
+        for p in sw["points"]:
+            groups.setdefault((p["engine"], p.get("mode")), []).append(p)
+        for (engine, mode), pts in groups.items():
+            pts = sorted(pts, key=lambda p: p["x"])
+            xs = [float(p["x"]) for p in pts]
+            tps = [num(p["metrics"].get("output_throughput")) for p in pts]
+            if len(pts) < 2 or all(t is None for t in tps):
+                continue
+            k = knee_within(xs, tps)
+            where = f"{k:g}" if k is not None else f"none within the sweep ({xs[0]:g}–{xs[-1]:g})"
+            top = pts[-1]["metrics"]
+            rows.append([engine + (f" [{mode}]" if mode else ""), where,
+                         fmt_metric("output_throughput", top.get("output_throughput")),
+                         fmt_metric("preemptions", top.get("preemptions"))])
+    return rows
 
 
 def storm_claims(sweep: Sequence[Mapping[str, float | None]], traces: Sequence[Trace]) -> dict[str, bool | None]:
@@ -130,6 +179,8 @@ class SwapSpaceExhaustion(Scenario):
                                num_gpu_blocks=512, ample_cpu_blocks=8192, small_cpu_blocks=128),
     }
     modes = ("ample_swap_space", "exhausted_swap_space")
+    pressure = Pressure(preemptions=True, kv_pinned=True, forced_mode="swap", swap_fallback=True)
+    score = Score("output_throughput", True, mode="exhausted_swap_space", label="output throughput, small host pool")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -152,6 +203,24 @@ class SwapSpaceExhaustion(Scenario):
         out.claims = exhaustion_claims(by_mode["ample_swap_space"].metrics, by_mode["exhausted_swap_space"].metrics)
         out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
         return out
+
+
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        title = "Swap-space exhaustion"
+        engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
+        for engine in ([reference] if reference in engines else []) + [e for e in engines if e != reference]:
+            small = next((r["metrics"] for r in recorded["results"] if r["engine"] == engine
+                          and r.get("mode") == "exhausted_swap_space"), None)
+            if small is None:
+                continue
+            t, swaps = num(small.get("first_fallback_s")), num(small.get("swaps_before_first_fallback"))
+            if t is None:
+                return Headline(title, "no fallback", f"the small host pool never ran out ({engine})",
+                                f"{swaps or 0:,.0f} swaps")
+            usage = num(small.get("cpu_kv_usage_at_first_fallback"))
+            return Headline(title, f"after {swaps or 0:,.0f} swaps", f"first fallback to recompute ({engine})",
+                            f"at {t:.2f} s" + (f", host pool {usage:.0%} full" if usage is not None else ""))
+        return Headline(title, None, "needs a run with the small host pool")
 
 
 def first_fallback(trace: Trace) -> dict[str, float | None]:

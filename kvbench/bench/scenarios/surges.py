@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvbench.bench.formatting import fmt_metric, fmt_time
 from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     DOUBLED,
@@ -24,6 +26,7 @@ from kvbench.bench.scenarios.base import (
     preemptions_between,
     ttft_by,
 )
+from kvbench.bench.scenarios.declare import Headline, Pressure, Score, num, others_first
 from kvbench.bench.workloads import (
     Poisson,
     StepSurge,
@@ -63,6 +66,8 @@ class EveningSurge(Scenario):
             wave=WorkloadSpec("wave", 60, Uniform(2048, 3072), Uniform(512, 1000), Poisson(1.0), seed=1),
             wave_start_s=45.0, num_gpu_blocks=1024),
     }
+    pressure = Pressure(preemptions=True, kv_pinned=True)
+    score = Score("ttft_p99_wave", False, label="p99 TTFT of the long-context wave")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -84,15 +89,23 @@ class EveningSurge(Scenario):
                                                                                    < long_from)
         extra = {"ttft_p50_steady": percentile(steady, 50), "ttft_p99_steady": percentile(steady, 99),
                  "ttft_p50_wave": percentile(wave, 50), "ttft_p99_wave": percentile(wave, 99),
-                 "preemptions_before_wave": float(preemptions_between(trace, 0.0, s.wave_start_s))}
+                 **before_after(trace, s.wave_start_s)}
         out.entries.append(ResultEntry(trace, extra=extra))
         kv = m["kv_usage_max"]
         out.claims = {
             f"the wave filled the KV pool (peak usage > {FULL_POOL:.0%})": None if kv is None else kv > FULL_POOL,
-            "the wave preempted running requests": positive(m["preemptions"]),
+            # counted from the wave's start: preemptions of the steady traffic alone would not show it
+            "the wave preempted running requests": positive(extra["preemptions_after_surge"]),
             "every request finished": all_finished(trace),
         }
         return out
+
+
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        return surge_headline(recorded, reference, "Evening surge", "the wave")
+
+    def tables(self, recorded: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return [surge_table(recorded, "the wave")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,6 +144,8 @@ class FlashCrowd(Scenario):
         "full": FlashSize(WorkloadSpec("flash", 360, Uniform(256, 1024), Uniform(128, 512),
                                        StepSurge(((60.0, 2.0), (60.0, 4.0))), seed=2), num_gpu_blocks=512),
     }
+    pressure = Pressure(preemptions=True, kv_pinned=True)
+    score = Score("ttft_p99_after_surge", False, label="p99 TTFT of requests arriving after the surge")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -142,25 +157,79 @@ class FlashCrowd(Scenario):
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
         (run_,) = served
-        s, trace, m = self.size(scale), run_.trace, run_.metrics
+        s, trace = self.size(scale), run_.trace
         t_surge = s.surge_start_s
         out = self.outcome(scale, model)
-        before, after = preemptions_between(trace, 0.0, t_surge), preemptions_between(trace, t_surge, math.inf)
-        extra = {"preemptions_before_surge": float(before), "preemptions_after_surge": float(after),
-                 "arrival_rate_ratio": arrival_rate_ratio(trace, t_surge, s.surge_end_s)}
+        extra = {**before_after(trace, t_surge), "arrival_rate_ratio": arrival_rate_ratio(trace, t_surge,
+                                                                                           s.surge_end_s)}
+        before, after = extra["preemptions_before_surge"], extra["preemptions_after_surge"]
         notes = []
-        if m["preemptions"]:
+        if before is not None and after is not None and before + after:
             notes.append("preemptions only after the surge: the safety net at work" if before == 0 else
-                         f"{before} preemptions before the surge: a structural capacity gap (seed 001)")
+                         f"{before:,.0f} preemptions before the surge: a structural capacity gap (seed 001)")
         out.entries.append(ResultEntry(trace, extra=extra, notes=notes))
         ratio = extra["arrival_rate_ratio"]
         out.claims = {
             f"traffic doubled at t={t_surge:g}s (arrival rate x{DOUBLED} or more)": ratio is not None
             and ratio >= DOUBLED,
-            "the surge pushed concurrency over capacity (preemptions)": positive(m["preemptions"]),
+            # counted from the step: preemptions before it would not be the surge's doing
+            "the surge pushed concurrency over capacity (preemptions after it began)": positive(after),
             "every request finished": all_finished(trace),
         }
         return out
+
+
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        return surge_headline(recorded, reference, "Flash crowd", "the surge")
+
+    def tables(self, recorded: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return [surge_table(recorded, "the surge")]
+
+
+def before_after(trace: Trace, t_surge: float) -> dict[str, float | None]:
+    """Preemptions, and TTFT of the requests arriving, before and after ``t_surge``. Preemption
+    counts are None when the engine records no per-request preemptions (it cannot tell when)."""
+    known = not ({"preemptions", "events"} & set(trace.not_exposed))
+    before, after = ttft_by(trace, lambda r: r.arrival < t_surge), ttft_by(trace, lambda r: r.arrival >= t_surge)
+    return {"preemptions_before_surge": float(preemptions_between(trace, 0.0, t_surge)) if known else None,
+            "preemptions_after_surge": float(preemptions_between(trace, t_surge, math.inf)) if known else None,
+            "ttft_p50_before_surge": percentile(before, 50), "ttft_p99_before_surge": percentile(before, 99),
+            "ttft_p50_after_surge": percentile(after, 50), "ttft_p99_after_surge": percentile(after, 99),
+            "surge_start_s": t_surge}
+
+
+def surge_headline(recorded: Mapping[str, Any], reference: str | None, title: str, what: str) -> Headline:
+    """Preemptions before -> after the surge began, per engine (counts: no noise to speak of)."""
+    rows = []
+    engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
+    for engine in ([reference] if reference in engines else []) + others_first(engines, reference):
+        m = next(r["metrics"] for r in recorded["results"] if r["engine"] == engine)
+        b, a = num(m.get("preemptions_before_surge")), num(m.get("preemptions_after_surge"))
+        if b is not None and a is not None:
+            rows.append((engine, b, a, m))
+    if not rows:
+        return Headline(title, None, f"needs per-request preemption times before and after {what}")
+    engine, b, a, m = rows[0]
+    detail = "; ".join(f"{e} {bb:,.0f} → {aa:,.0f}" for e, bb, aa, _ in rows[1:])
+    ttft = (f"p99 TTFT {fmt_time(num(m.get('ttft_p99_before_surge')))} → "
+            f"{fmt_time(num(m.get('ttft_p99_after_surge')))}")
+    return Headline(title, f"{b:,.0f} → {a:,.0f}", f"preemptions before → after {what} began ({engine}); {ttft}",
+                    detail)
+
+
+def surge_table(recorded: Mapping[str, Any], what: str) -> dict[str, Any]:
+    rows = []
+    for r in recorded.get("results", []):
+        m = r["metrics"]
+        rows.append([r["engine"] + (f" [{r['mode']}]" if r.get("mode") else ""),
+                     fmt_metric("preemptions", m.get("preemptions_before_surge")),
+                     fmt_metric("preemptions", m.get("preemptions_after_surge")),
+                     fmt_time(num(m.get("ttft_p50_before_surge"))), fmt_time(num(m.get("ttft_p50_after_surge"))),
+                     fmt_time(num(m.get("ttft_p99_before_surge"))), fmt_time(num(m.get("ttft_p99_after_surge")))])
+    return {"title": f"Before and after {what} began", "rows": rows,
+            "columns": ["engine", "preemptions before", "preemptions after", "p50 TTFT before", "p50 TTFT after",
+                        "p99 TTFT before", "p99 TTFT after"],
+            "note": "TTFT of the requests arriving before / after; preemptions by when they happened"}
 
 
 def arrival_rate_ratio(trace: Trace, t_step: float, t_end: float) -> float | None:
