@@ -8,6 +8,9 @@ Options (group "kvbench")::
     --report-dir DIR                where runs are written (default reports/)
     --baseline RESULTS.json         compare with a saved run; regressions fail the session
     --threshold EXPR                regression threshold, repeatable (default: see kvbench.bench.gate)
+    --benchmark-repeats N           timed repeats of every benchmark run (default 3)
+    --gate-absolute                 gate absolute times, not same-run ratios to the reference engine
+    --gate-noise-k K                a time's change must exceed K pooled spreads of the repeats (default 3)
     --slo EXPR                      goodput SLOs, e.g. "ttft<=0.5,tbt<=0.1"
     --kvbench-model DIR             checkpoint to run engines on (default: the built-in tiny model)
 
@@ -48,6 +51,10 @@ class KvbenchSession:
     report_path: Path | None = None
     regressions: list[Any] = field(default_factory=list)
     gate_error: str | None = None
+    repeats: int = 3  # timed repeats of every benchmark job (--benchmark-repeats)
+    gate_absolute: bool = False
+    gate_noise_k: float = 3.0
+    verdict: Any = None  # kvbench.bench.gate.Verdict when --baseline was given
     near_ties: list[str] = field(default_factory=list)  # conformance divergences excused as near-ties
 
     def get_results(self):
@@ -72,6 +79,13 @@ def add_options(group: Any) -> None:
     group.addoption("--threshold", action="append", default=None, metavar="EXPR",
                     help="regression threshold such as throughput:-10%% or preemptions:+0 (repeatable)")
     group.addoption("--slo", default=None, metavar="EXPR", help='goodput SLOs, e.g. "ttft<=0.5,tbt<=0.1"')
+    group.addoption("--benchmark-repeats", type=int, default=3, metavar="N",
+                    help="serve every timed benchmark point N times; results keep each repeat, the median and "
+                         "the spread (default 3)")
+    group.addoption("--gate-absolute", action="store_true", default=False,
+                    help="with --baseline: gate absolute times too, not only same-run ratios to the reference engine")
+    group.addoption("--gate-noise-k", type=float, default=3.0, metavar="K",
+                    help="with --baseline: a time's change must exceed K pooled spreads of the repeats (default 3)")
     group.addoption("--kvbench-model", default=None, metavar="DIR",
                     help="Hugging Face Llama checkpoint (safetensors) to run engines on; default: built-in tiny")
 
@@ -107,6 +121,11 @@ def pytest_configure(config: pytest.Config) -> None:
             parse_slos(slos)
         except ValueError as e:
             raise pytest.UsageError(f"--slo: {e}") from None
+    repeats, noise_k = config.getoption("benchmark_repeats"), config.getoption("gate_noise_k")
+    if repeats < 1:
+        raise pytest.UsageError(f"--benchmark-repeats must be >= 1, got {repeats}")
+    if not noise_k >= 0:
+        raise pytest.UsageError(f"--gate-noise-k must be >= 0, got {noise_k}")
     baseline = config.getoption("baseline")
     if baseline and not Path(baseline).is_file():
         raise pytest.UsageError(f"--baseline {baseline}: no such file")
@@ -114,7 +133,8 @@ def pytest_configure(config: pytest.Config) -> None:
         engine_specs=specs, benchmark=config.getoption("benchmark"), scale=config.getoption("benchmark_scale"),
         report_dir=Path(config.getoption("report_dir")), baseline=Path(baseline) if baseline else None,
         thresholds=list(thresholds or []), slos=slos, model=config.getoption("kvbench_model"),
-        run_name=_dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        run_name=_dt.datetime.now().strftime("%Y%m%d-%H%M%S"), repeats=repeats,
+        gate_absolute=config.getoption("gate_absolute"), gate_noise_k=noise_k)
 
 
 def session_of(config: pytest.Config) -> KvbenchSession:
@@ -212,10 +232,33 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if baseline is not None:
         from kvbench.bench import gate
 
-        ks.regressions = gate.compare(ks.results, baseline, ks.thresholds or list(gate.DEFAULT_THRESHOLDS))
+        ks.verdict = gate.gate(ks.results, baseline, ks.thresholds or list(gate.DEFAULT_THRESHOLDS),
+                               absolute=ks.gate_absolute, noise_k=ks.gate_noise_k)
+        ks.regressions = ks.verdict.regressions
         if not gate.common_keys(ks.results, baseline):
             ks.gate_error = f"--baseline {ks.baseline} shares no (scenario, engine) with this run: nothing compared"
-    if (ks.regressions or ks.gate_error) and session.exitstatus == 0:
+    failed = ks.gate_error is not None or (ks.verdict is not None and ks.verdict.failed)
+    if failed:
+        _count_gate_as_failure(session, ks)
+
+
+#: the node id of the synthetic failed item a failing gate adds to the session
+GATE_NODEID = "kvbench::regression-gate"
+
+
+def _count_gate_as_failure(session: pytest.Session, ks: KvbenchSession) -> None:
+    """Make a failing gate a failed item: exit status 1, a FAILURES entry naming every regression and
+    missing result, and pytest's last line "... 1 failed ..." in red instead of "N passed" in green."""
+    lines = [f"GATE ERROR: {ks.gate_error}"] if ks.gate_error else []
+    if ks.verdict is not None and ks.verdict.failed:
+        lines += [ks.verdict.summary() + f" against --baseline {ks.baseline}", *ks.verdict.failure_lines()]
+    report = pytest.TestReport(nodeid=GATE_NODEID, location=(str(ks.baseline), None, "kvbench regression gate"),
+                               keywords={}, outcome="failed", longrepr="\n".join(lines), when="call")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.stats.setdefault("failed", []).append(report)
+    session.testsfailed += 1
+    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -235,7 +278,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     tr.write_line(f"report:  {ks.report_path}")
     if ks.gate_error:
         tr.write_line(f"GATE ERROR: {ks.gate_error}", red=True)
-    for reg in ks.regressions:
-        tr.write_line(f"REGRESSION: {reg.describe() if hasattr(reg, 'describe') else reg}", red=True)
-    if ks.baseline is not None and not ks.regressions and not ks.gate_error:
-        tr.write_line(f"no regression against {ks.baseline}", green=True)
+    if ks.verdict is not None:
+        for line in ks.verdict.failure_lines():
+            tr.write_line(line, red=True)
+        for note in ks.verdict.notes:
+            tr.write_line(f"note: {note}")
+        if not ks.verdict.failed and not ks.gate_error:
+            tr.write_line(f"{ks.verdict.summary()} against {ks.baseline}", green=True)

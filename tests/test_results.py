@@ -38,11 +38,11 @@ def test_skeleton_has_every_section():
     assert sc["results"][0] == {"engine": "reference", "mode": None,
                                 "metrics": {"output_throughput": 100.0, "tbt_p99": 0.05, "goodput": None},
                                 "series": {"t": [0.0, 1.0]}, "checks": {"preempted": True, "no leak": False},
-                                "notes": ["hello"]}
+                                "notes": ["hello"], "repeats": [], "spread": {}, "clock": None}
     sweep = sc["sweeps"][0]
     assert sweep["name"] == "concurrency" and sweep["x_label"] == "max_num_seqs"
     assert sweep["points"][1] == {"x": 8, "engine": "reference", "mode": "recompute",
-                                  "metrics": {"output_throughput": 100.0}}
+                                  "metrics": {"output_throughput": 100.0}, "repeats": [], "spread": {}}
 
 
 def test_save_load_round_trip_and_nan_becomes_null(tmp_path):
@@ -91,7 +91,7 @@ def test_minimal_file_gets_optional_parts_filled(tmp_path):
         {"name": "s", "results": [{"engine": "e", "metrics": {"x": 1}}]}]}))
     res = Results.load(path)
     assert res.result("s", "e") == {"engine": "e", "mode": None, "metrics": {"x": 1}, "series": {}, "checks": {},
-                                    "notes": []}
+                                    "notes": [], "repeats": [], "spread": {}, "clock": None}
     assert res.scenarios[0]["sweeps"] == []
 
 

@@ -19,12 +19,22 @@ report draws. Skeleton (``schema_version`` 1)::
                      "metrics": {"output_throughput": 812.5, "tbt_p99": 0.09, ...},   # metrics.summarize
                      "series": {"t": [...], "kv_usage": [...], ...},                # metrics.series
                      "checks": {"preemptions happened": true},
-                     "notes": ["..."]}],
+                     "notes": ["..."],
+                     "repeats": [{"output_throughput": 800.1, ...}, ...],  # every repeat's values
+                     "spread": {"output_throughput": 6.2, ...},            # kvbench.bench.repeats.spread
+                     "clock": {"clock": "step", "step_seconds": 0.01, "exact_counts": true}}],
         "sweeps": [{"name": "concurrency", "x_label": "concurrent requests",
                     "points": [{"x": 8, "engine": "reference", "mode": "recompute",
-                                "metrics": {"output_throughput": 700.0, ...}}]}]
+                                "metrics": {"output_throughput": 700.0, ...},
+                                "repeats": [...], "spread": {...}}]}]
       }]
     }
+
+Repeats: a timed point served several times keeps every repeat's figures in ``repeats``, their
+medians in ``metrics`` (what the report shows) and their spreads in ``spread`` (the gate's noise
+floor, :mod:`kvbench.bench.gate`). ``clock`` says how arrivals were released: ``"step"`` (by engine
+step, ``step_seconds`` virtual seconds each: counts repeat exactly when ``exact_counts``) or
+``"wall"``. Files written before repeats existed have ``repeats: []``, ``spread: {}``, ``clock: null``.
 
 Conventions the report relies on: ``mode`` names a variant of one engine inside a scenario
 (``"recompute"``/``"swap"``, ``"chunked"``/``"unchunked"``, ``"prefix_caching"``/``"no_prefix_caching"``);
@@ -188,13 +198,20 @@ class Results:
                             series: Mapping[str, list] | None = None, checks: Mapping[str, bool] | None = None,
                             notes: list[str] | None = None, mode: str | None = None,
                             parameters: Mapping[str, Any] | None = None,
-                            description: str | None = None) -> dict[str, Any]:
-        """Add (or replace) the result of ``engine`` (in ``mode``) on ``scenario``; returns the entry."""
+                            description: str | None = None, repeats: list[Mapping[str, Any]] | None = None,
+                            spread: Mapping[str, float] | None = None,
+                            clock: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Add (or replace) the result of ``engine`` (in ``mode``) on ``scenario``; returns the entry.
+
+        ``metrics`` are the figures shown (the medians when the point was repeated); ``repeats`` every
+        repeat's figures, ``spread`` their spreads, ``clock`` how arrivals were released (module docstring)."""
         name = self.add_engine(engine)["name"]
         sc = self.scenario(scenario, create=True, parameters=parameters, description=description)
         entry = _jsonable({"engine": name, "mode": mode, "metrics": dict(metrics), "series": dict(series or {}),
                            "checks": {str(k): bool(v) for k, v in (checks or {}).items()},
-                           "notes": [str(n) for n in (notes or [])]})
+                           "notes": [str(n) for n in (notes or [])],
+                           "repeats": [dict(r) for r in (repeats or [])], "spread": dict(spread or {}),
+                           "clock": dict(clock) if clock else None})
         sc["results"] = [r for r in sc["results"] if (r["engine"], r.get("mode")) != (name, mode)]
         sc["results"].append(entry)
         return entry
@@ -209,7 +226,8 @@ class Results:
 
     def add_sweep_point(self, scenario: str, sweep: str, x: float, engine: Mapping[str, Any] | str,
                         metrics: Mapping[str, Any], *, mode: str | None = None,
-                        x_label: str | None = None) -> dict[str, Any]:
+                        x_label: str | None = None, repeats: list[Mapping[str, Any]] | None = None,
+                        spread: Mapping[str, float] | None = None) -> dict[str, Any]:
         """Add one point of sweep ``sweep`` (e.g. "concurrency", "seq_len") to ``scenario``."""
         name = self.add_engine(engine)["name"]
         sc = self.scenario(scenario, create=True)
@@ -221,7 +239,8 @@ class Results:
             sc["sweeps"].append(sw)
         if x_label:
             sw["x_label"] = x_label
-        point = _jsonable({"x": x, "engine": name, "mode": mode, "metrics": dict(metrics)})
+        point = _jsonable({"x": x, "engine": name, "mode": mode, "metrics": dict(metrics),
+                           "repeats": [dict(r) for r in (repeats or [])], "spread": dict(spread or {})})
         sw["points"].append(point)
         return point
 
@@ -345,7 +364,8 @@ def validate(data: Any) -> dict[str, Any]:
             if not isinstance(res, dict) or "engine" not in res or not isinstance(res.get("metrics"), dict):
                 raise ResultsError(f"scenarios[{i}] ({sc['name']}) results[{j}] needs 'engine' and 'metrics'")
             res.setdefault("mode", None)
-            for key, default in (("series", {}), ("checks", {}), ("notes", [])):
+            for key, default in (("series", {}), ("checks", {}), ("notes", []), ("repeats", []), ("spread", {}),
+                                 ("clock", None)):
                 res.setdefault(key, default)
         for j, sw in enumerate(sc["sweeps"]):
             if not isinstance(sw, dict) or not sw.get("name") or not isinstance(sw.get("points"), list):
@@ -355,4 +375,6 @@ def validate(data: Any) -> dict[str, Any]:
                 if not {"x", "engine", "metrics"} <= set(point):
                     raise ResultsError(f"a point of sweep {sw['name']!r} in {sc['name']!r} needs x, engine, metrics")
                 point.setdefault("mode", None)
+                point.setdefault("repeats", [])
+                point.setdefault("spread", {})
     return data

@@ -13,6 +13,12 @@ Choices made here, once for every benchmark:
 * **Progress.** A tqdm bar of requests served per benchmark, on the terminal's stderr (pytest's
   capture is suspended around each write). Shown only on a TTY; hidden with ``-q``, under xdist,
   and when ``KVBENCH_PROGRESS=0``; ``KVBENCH_PROGRESS=1`` forces it.
+* **Repeats and clocks.** Every job of a scenario is served ``--benchmark-repeats`` times (3 by
+  default); results keep each repeat's figures, their medians and spreads (the gate's noise
+  floor). A ``steppable`` engine (the reference engine) runs on the step clock
+  (:data:`kvbench.bench.scenarios.base.STEP_SECONDS` virtual seconds per step): arrivals and aborts are
+  released by engine step, so its counts are identical every repeat and every run, while its
+  times stay on the wall clock. Other engines (hf-cb's own loop thread) run on the wall clock.
 * **One measurement per engine configuration.** A scenario that sets the preemption mode itself
   (or never preempts) runs once per engine kind and options: an ``--engine`` that differs from an
   earlier one only in its preemption mode or swap space is skipped with that reason.
@@ -29,6 +35,7 @@ from typing import Any
 import pytest
 
 from kvbench.bench import scenarios as sc
+from kvbench.bench.scenarios.base import STEP_SECONDS
 from kvbench.engines.registry import EngineSpec, make_adapter
 from kvbench.plugin import require
 
@@ -171,11 +178,15 @@ def run_storm(request: pytest.FixtureRequest, bench_engine: Any, bench_model: sc
             if earlier is not None:
                 pytest.skip(f"{scenario.name} does not depend on the engine's preemption mode: measured already on "
                             f"{earlier.name}")
-        scale = kvbench_session.scale
-        total = scenario.num_requests(scale, bench_model)
+        scale, repeats = kvbench_session.scale, kvbench_session.repeats
+        total = scenario.num_requests(scale, bench_model) * repeats
         with progress_bar(request.config, total, f"{scenario.name} [{bench_engine.name}]") as progress:
-            outcome = sc.run(scenario, bench_engine, bench_model, scale, progress)
+            outcome = sc.run(scenario, bench_engine, bench_model, scale, progress, repeats=repeats,
+                             step_seconds=STEP_SECONDS[scale])
         outcome.parameters["torch_threads"] = pinned_threads
+        outcome.parameters["repeats"] = repeats
+        outcome.parameters["clock"] = ("wall" if outcome.step_seconds is None else
+                                       f"step ({outcome.step_seconds:g} s per engine step)")
         sc.record(outcome, kvbench_results, bench_engine.describe(), slos=kvbench_session.slos)
         assert not outcome.failures(), outcome.explain()
         return outcome

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.bench import metrics
+from kvbench.bench import metrics, repeats
 from kvbench.bench.scenarios.declare import Headline, Pressure, Score
 from kvbench.bench.workloads import (
     AllAtOnce,
@@ -26,10 +26,14 @@ from kvbench.bench.workloads import (
     Workload,
     WorkloadSpec,
 )
+from kvbench.core.stepping import workload_clock
 from kvbench.core.trace import Trace, TraceRecorder
 from kvbench.engines.base import EngineAdapter, Knobs
 
 SCALES = ("quick", "full")
+#: virtual seconds per engine step on the step clock, by scale: about one decode step of the scale's
+#: model on a 2-core CPU (tiny ~10 ms, small ~120 ms), so open-loop rates mean what they say
+STEP_SECONDS = {"quick": 0.01, "full": 0.1}
 BLOCK_SIZE = 16
 #: the built-in checkpoint each scale runs on when ``--kvbench-model`` is not given
 MODEL_PRESETS = {"quick": "tiny", "full": "small"}
@@ -123,6 +127,11 @@ class Outcome:
     points: list[SweepPoint] = field(default_factory=list)
     claims: dict[str, bool | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: the judged outcomes of every repeat, this one first; their entries and points line up
+    #: index by index with this one's (same plan, same judge). Filled in by :func:`run`.
+    repeats: list[Outcome] = field(default_factory=list, repr=False)
+    #: virtual seconds per step when the runs were on the step clock, None on the wall clock
+    step_seconds: float | None = None
 
     def failures(self) -> list[str]:
         return [claim for claim, held in self.claims.items() if held is False]
@@ -171,7 +180,6 @@ class Scenario:
     knobs_needed: tuple[str, ...] = ()
     engine_mode_matters: bool = True
     sizes: Mapping[str, Any] = {}  # scale -> size; read-only, set by subclasses
-
     #: what the report reads (see :mod:`~kvbench.bench.scenarios.declare`): the pressure created on
     #: purpose, the metric the scoreboard ranks engines by (None: no ranking, e.g. one engine's modes)
     pressure: Pressure = Pressure()
@@ -200,7 +208,6 @@ class Scenario:
 
     def outcome(self, scale: str, model: Model) -> Outcome:
         return Outcome(self, scale, self.parameters(scale, model))
-
 
     # -- what the report reads: plain dicts of a results file in, plain values out ------------------
 
@@ -266,17 +273,22 @@ def _accepts_progress(adapter: EngineAdapter) -> bool:
         return False
 
 
-def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | None = None) -> Trace:
+def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | None = None,
+          step_seconds: float | None = None) -> Trace:
     """Serve one job and return its trace, its duration ending at the last token or finish.
 
-    Progress is reported per finished request when the adapter can (``serve(progress=...)``),
-    else all at once when the workload is done.
+    ``step_seconds``: serve on the step clock (:mod:`kvbench.core.stepping`) when the adapter is
+    ``steppable``; ignored (wall clock) otherwise. Progress is reported per finished request when
+    the adapter can (``serve(progress=...)``), else all at once when the workload is done.
     """
     recorder = TraceRecorder(adapter.name, scenario)
+    kwargs: dict[str, Any] = {}
+    if step_seconds is not None and getattr(adapter, "steppable", False):
+        kwargs["step_seconds"] = step_seconds
     if progress is not None and _accepts_progress(adapter):
-        adapter.serve(job.workload, recorder, job.knobs, progress=progress)  # type: ignore[call-arg]
+        adapter.serve(job.workload, recorder, job.knobs, progress=progress, **kwargs)  # type: ignore[call-arg]
     else:
-        adapter.serve(job.workload, recorder, job.knobs)
+        adapter.serve(job.workload, recorder, job.knobs, **kwargs)  # type: ignore[call-arg]
         if progress is not None:
             progress(len(job.workload))
     trace = recorder.finish()
@@ -292,10 +304,24 @@ def last_event(trace: Trace) -> float:
 
 
 def run(scenario: Scenario, adapter: EngineAdapter, model: Model, scale: str,
-        progress: Progress | None = None) -> Outcome:
-    """Serve every job of ``scenario.plan`` on ``adapter`` in order, then judge the runs."""
-    served = [Served(job, serve(adapter, job, scenario.name, progress)) for job in scenario.plan(scale, model)]
-    return scenario.judge(served, scale, model)
+        progress: Progress | None = None, repeats: int = 1, step_seconds: float | None = None) -> Outcome:
+    """Serve every job of ``scenario.plan`` on ``adapter`` in order, ``repeats`` times over, judging
+    each repeat; returns the first repeat's outcome with all of them in ``outcome.repeats``.
+
+    ``step_seconds`` puts a ``steppable`` adapter on the step clock (identical counts every repeat,
+    wall-clock timings); other adapters run on the wall clock. Raises ValueError for ``repeats < 1``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    clock = step_seconds if getattr(adapter, "steppable", False) else None
+    outcomes = []
+    for _ in range(repeats):
+        jobs = scenario.plan(scale, model)
+        served = [Served(job, serve(adapter, job, scenario.name, progress, clock)) for job in jobs]
+        outcomes.append(scenario.judge(served, scale, model))
+    first = outcomes[0]
+    first.repeats, first.step_seconds = outcomes, clock
+    return first
 
 
 def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
@@ -306,17 +332,29 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
     checks = {c: bool(v) for c, v in outcome.claims.items() if v is not None}
     unknown = [f"not measurable on this engine: {c}" for c, v in outcome.claims.items() if v is None]
     params = {**outcome.parameters}
-    for entry in outcome.entries:
-        summary = {**metrics.summarize(entry.trace, slos), **entry.extra}
-        results.add_scenario_result(outcome.scenario.name, engine, summary, series=metrics.series(entry.trace),
-                                    checks=checks, notes=[*entry.notes, *outcome.notes, *unknown], mode=entry.mode,
-                                    parameters=params, description=outcome.scenario.description)
+    runs = outcome.repeats or [outcome]
+    clock = {"clock": "wall" if outcome.step_seconds is None else "step", "step_seconds": outcome.step_seconds}
+    for j, entry in enumerate(outcome.entries):
+        per_repeat = [{**metrics.summarize(o.entries[j].trace, slos), **o.entries[j].extra} for o in runs]
+        medians, spreads = repeats.aggregate(per_repeat)
+        notes = [*entry.notes, *outcome.notes, *unknown]
+        exact = outcome.step_seconds is not None
+        if exact and (moved := repeats.differing(per_repeat, [k for k in medians if repeats.is_count(k)])):
+            # the step clock makes a deterministic engine's counts repeat; these did not
+            exact = False
+            notes.append(f"counts differed between step-clock repeats (gated with statistics): {', '.join(moved)}")
+        results.add_scenario_result(outcome.scenario.name, engine, medians, series=metrics.series(entry.trace),
+                                    checks=checks, notes=notes, mode=entry.mode,
+                                    parameters=params, description=outcome.scenario.description,
+                                    repeats=per_repeat, spread=spreads, clock={**clock, "exact_counts": exact})
     # the declared pressure travels with the results, so a report of this file can judge against it
     results.scenario(outcome.scenario.name, create=True, parameters=params,
                      description=outcome.scenario.description)["pressure"] = outcome.scenario.pressure.to_dict()
-    for p in outcome.points:
-        results.add_sweep_point(outcome.scenario.name, p.sweep, p.x, engine, p.metrics, mode=p.mode,
-                                x_label=p.x_label)
+    for j, p in enumerate(outcome.points):
+        per_repeat = [dict(o.points[j].metrics) for o in runs]
+        medians, spreads = repeats.aggregate(per_repeat)
+        results.add_sweep_point(outcome.scenario.name, p.sweep, p.x, engine, medians, mode=p.mode,
+                                x_label=p.x_label, repeats=per_repeat, spread=spreads)
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,4 +382,6 @@ def ttft_by(trace: Trace, keep: Callable[[Any], bool]) -> list[float]:
 
 
 def preemptions_between(trace: Trace, t0: float, t1: float) -> int:
-    return sum(1 for r in trace.requests.values() for t, _ in r.preemptions if t0 <= t < t1)
+    """Preemptions in ``[t0, t1)`` on the workload's clock (on the step clock, by the step's virtual time)."""
+    clock = workload_clock(trace)
+    return sum(1 for r in trace.requests.values() for t, _ in r.preemptions if t0 <= clock(t) < t1)
