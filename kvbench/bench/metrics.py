@@ -15,9 +15,10 @@ Definitions (the ones a reader could argue about)
   (tokens - 1). **E2E** = finished - arrival, finished requests only.
 * **Throughput**: output tokens / run duration; *total* adds the prompt tokens of every request
   that produced at least one token.
-* **Counters win**: an engine's own cumulative counter (``trace.counters``) is preferred; without
-  it the figure is rebuilt from per-request / per-step records, unless the adapter declared it
-  ``not_exposed`` (then ``None``).
+* **Counters win**: an engine's own cumulative counter (``trace.counters``, the contract of
+  :mod:`kvbench.core.counters`) is preferred; where it is ``None`` (not exposed) the figure is
+  rebuilt from per-request / per-step records, unless the adapter declared it ``not_exposed``
+  (then ``None``). A missing counter never reads as 0.
 * **TBT spike**: a gap > ``spike_factor`` x the median of the positive gaps (zero gaps come from
   tokens delivered together and say nothing about stalls). A spike is attributed to a
   **preemption** when that request was preempted or resumed within the gap (inclusive), else to a
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from kvbench.core.counters import Counters, spec
 from kvbench.core.trace import Trace
 
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
@@ -230,7 +232,14 @@ def _hidden(trace: Trace, aliases: Sequence[str]) -> bool:
 
 
 def _counter(trace: Trace, name: str) -> float | None:
-    value = trace.counters.get(name)
+    """The engine's own counter ``name`` through the contract: None = not exposed, never 0.
+
+    ``name`` must be a counter of :mod:`kvbench.core.counters` (KeyError otherwise), so a figure
+    can only read what the contract defines. A trace whose ``counters`` were replaced by a plain
+    mapping after construction is read through ``Counters.from_dict`` (unknown names refused)."""
+    spec(name)
+    counters = trace.counters if isinstance(trace.counters, Counters) else Counters.from_dict(trace.counters)
+    value = getattr(counters, name)
     return None if value is None else float(value)
 
 

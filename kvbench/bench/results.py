@@ -22,7 +22,8 @@ report draws. Skeleton (``schema_version`` 1)::
                      "notes": ["..."],
                      "repeats": [{"output_throughput": 800.1, ...}, ...],  # every repeat's values
                      "spread": {"output_throughput": 6.2, ...},            # kvbench.bench.repeats.spread
-                     "clock": {"clock": "step", "step_seconds": 0.01, "exact_counts": true}}],
+                     "clock": {"clock": "step", "step_seconds": 0.01, "exact_counts": true},
+                     "counters": {"preemptions_recompute": 17, "aborts": null, ...}}],  # Counters.to_dict()
         "sweeps": [{"name": "concurrency", "x_label": "concurrent requests",
                     "points": [{"x": 8, "engine": "reference", "mode": "recompute",
                                 "metrics": {"output_throughput": 700.0, ...},
@@ -61,6 +62,7 @@ from typing import Any
 import pandas as pd
 
 from kvbench import __version__
+from kvbench.core.counters import Counters
 
 SCHEMA_VERSION = 1
 #: metric names a swap-vs-recompute sweep may use for "cost of one preempt-and-resume", by preference
@@ -200,27 +202,35 @@ class Results:
                             parameters: Mapping[str, Any] | None = None,
                             description: str | None = None, repeats: list[Mapping[str, Any]] | None = None,
                             spread: Mapping[str, float] | None = None,
-                            clock: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                            clock: Mapping[str, Any] | None = None,
+                            counters: Counters | Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Add (or replace) the result of ``engine`` (in ``mode``) on ``scenario``; returns the entry.
 
         ``metrics`` are the figures shown (the medians when the point was repeated); ``repeats`` every
-        repeat's figures, ``spread`` their spreads, ``clock`` how arrivals were released (module docstring)."""
+        repeat's figures, ``spread`` their spreads, ``clock`` how arrivals were released (module docstring).
+        ``counters`` (the engine's own: :class:`~kvbench.core.counters.Counters` or a mapping of its
+        names) is stored as ``Counters.to_dict()``, every counter of the contract with null = not
+        exposed; omitted, the entry's ``counters`` is null (not recorded).
+        """
         name = self.add_engine(engine)["name"]
         sc = self.scenario(scenario, create=True, parameters=parameters, description=description)
         entry = _jsonable({"engine": name, "mode": mode, "metrics": dict(metrics), "series": dict(series or {}),
                            "checks": {str(k): bool(v) for k, v in (checks or {}).items()},
                            "notes": [str(n) for n in (notes or [])],
                            "repeats": [dict(r) for r in (repeats or [])], "spread": dict(spread or {}),
-                           "clock": dict(clock) if clock else None})
+                           "clock": dict(clock) if clock else None,
+                           "counters": None if counters is None else _as_counters(counters).to_dict()})
         sc["results"] = [r for r in sc["results"] if (r["engine"], r.get("mode")) != (name, mode)]
         sc["results"].append(entry)
         return entry
 
     def add_trace(self, trace: Any, *, engine: Mapping[str, Any] | str | None = None,
                   slos: str | Mapping[str, float] | None = None, **kwargs: Any) -> dict[str, Any]:
-        """Summarize a :class:`~kvbench.core.trace.Trace` and add it under its scenario and engine."""
+        """Summarize a :class:`~kvbench.core.trace.Trace` and add it under its scenario and engine,
+        with the engine's counters."""
         from kvbench.bench import metrics  # local: results files are read without numpy-heavy work
 
+        kwargs.setdefault("counters", trace.counters)
         return self.add_scenario_result(trace.scenario, engine or trace.engine, metrics.summarize(trace, slos),
                                         series=metrics.series(trace), **kwargs)
 
@@ -279,6 +289,12 @@ class Results:
                 return res
         return None
 
+    def counters(self, scenario: str, engine: str, mode: str | None = None) -> Counters | None:
+        """The engine's own counters recorded with a result, read through the contract (``None`` when
+        the result, or its counters, were not recorded: files written before the contract have none)."""
+        res = self.result(scenario, engine, mode)
+        return None if res is None else result_counters(res)
+
     def to_frame(self) -> pd.DataFrame:
         """One row per scenario x engine (x mode): ``scenario``, ``engine``, ``mode``, ``checks_passed``,
         ``checks_total``, then one column per metric (NaN where absent)."""
@@ -330,6 +346,16 @@ class Results:
         return cls(validate(data))
 
 
+def _as_counters(counters: Counters | Mapping[str, Any]) -> Counters:
+    return counters if isinstance(counters, Counters) else Counters.from_dict(counters)
+
+
+def result_counters(result: Mapping[str, Any]) -> Counters | None:
+    """A result entry's ``counters`` read through the contract (None when not recorded)."""
+    raw = result.get("counters")
+    return None if raw is None else Counters.from_dict(raw)
+
+
 def validate(data: Any) -> dict[str, Any]:
     """Check the shape of a results dict and fill optional parts; returns it. Raises ResultsError."""
     if not isinstance(data, dict):
@@ -367,6 +393,11 @@ def validate(data: Any) -> dict[str, Any]:
             for key, default in (("series", {}), ("checks", {}), ("notes", []), ("repeats", []), ("spread", {}),
                                  ("clock", None)):
                 res.setdefault(key, default)
+            res.setdefault("counters", None)  # absent from files written before the counter contract
+            try:
+                result_counters(res)
+            except (TypeError, ValueError) as e:
+                raise ResultsError(f"scenarios[{i}] ({sc['name']}) results[{j}] counters: {e}") from None
         for j, sw in enumerate(sc["sweeps"]):
             if not isinstance(sw, dict) or not sw.get("name") or not isinstance(sw.get("points"), list):
                 raise ResultsError(f"scenarios[{i}] ({sc['name']}) sweeps[{j}] needs 'name' and 'points'")

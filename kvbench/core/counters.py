@@ -35,6 +35,7 @@ COUNTER_SPECS: tuple[CounterSpec, ...] = (
                 "preemptions that asked for swap but recomputed because the host pool was full"),
     CounterSpec("swapped_out_bytes", "bytes", "KV bytes copied device -> host"),
     CounterSpec("swapped_in_bytes", "bytes", "KV bytes copied host -> device"),
+    CounterSpec("swap_seconds", "seconds", "wall time spent copying KV between the pools, both directions"),
     CounterSpec("prefix_cache_queries", "tokens", "prompt tokens looked up in the prefix cache at admission"),
     CounterSpec("prefix_cache_hits", "tokens", "looked-up tokens whose KV was served from the prefix cache"),
     CounterSpec("prefill_chunks", "pieces",
@@ -71,6 +72,7 @@ class Counters(Mapping[str, float]):
     swap_fallbacks: int | None = None
     swapped_out_bytes: int | None = None
     swapped_in_bytes: int | None = None
+    swap_seconds: float | None = None
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
     prefill_chunks: int | None = None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvbench.core.counters import Counters
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -44,18 +46,20 @@ class GenOutput:
 class GenResult:
     """Outputs in request order, plus the engine's counters after the run.
 
-    ``counters`` uses these names where the engine can tell (absent keys mean "not exposed"):
-    ``preemptions_recompute``, ``preemptions_swap``, ``swap_outs``, ``swap_ins``, ``swap_fallbacks``,
-    ``prefix_cache_queries``, ``prefix_cache_hits`` (tokens), ``prefill_chunks``,
-    ``recomputed_tokens``, ``computed_tokens``, ``swapped_out_bytes``, ``swapped_in_bytes``,
-    ``leaked_blocks`` (device blocks still held after everything finished).
-    ``evidence`` lists free-text lines (log lines, event summaries) a check may quote.
+    ``counters`` is the counter contract (:class:`~kvbench.core.counters.Counters`): a field is
+    ``None`` where the engine does not expose it, never 0. A plain mapping given here is read with
+    :meth:`Counters.from_dict` (unknown names are refused, naming them).
+    ``evidence`` lists free-text lines (log lines, event summaries, why a counter is not exposed)
+    a check may quote.
     """
 
     outputs: list[GenOutput]
-    counters: dict[str, int | float] = field(default_factory=dict)
+    counters: Counters = field(default_factory=Counters)
     evidence: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.counters, Counters):
+            self.counters = Counters.from_dict(self.counters)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvbench.core.counters import Counters
+
 
 @dataclass
 class RequestTrace:
@@ -55,9 +57,14 @@ class Trace:
     scenario: str
     requests: dict[str, RequestTrace] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
-    counters: dict[str, float] = field(default_factory=dict)  # engine's own cumulative counters at the end
+    #: the engine's own cumulative counters at the end (the counter contract: None = not exposed)
+    counters: Counters = field(default_factory=Counters)
     not_exposed: dict[str, str] = field(default_factory=dict)  # what the engine could not report, and why
     duration: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.counters, Counters):
+            self.counters = Counters.from_dict(self.counters)
     # set when arrivals and aborts were released by engine step (kvbench.core.stepping): virtual
     # seconds per step. Times above stay on the wall clock; StepRecord.virtual_t maps them back.
     step_seconds: float | None = None
@@ -74,7 +81,7 @@ class Trace:
             requests[rid] = RequestTrace(**r)
         steps = [StepRecord(**s) for s in data.get("steps", [])]
         return cls(engine=data["engine"], scenario=data["scenario"], requests=requests, steps=steps,
-                   counters=dict(data.get("counters", {})), not_exposed=dict(data.get("not_exposed", {})),
+                   counters=Counters.from_dict(data.get("counters")), not_exposed=dict(data.get("not_exposed", {})),
                    duration=float(data.get("duration", 0.0)), step_seconds=data.get("step_seconds"))
 
 
@@ -128,8 +135,9 @@ class TraceRecorder:
     def step(self, record: StepRecord) -> None:
         self.trace.steps.append(record)
 
-    def set_counters(self, counters: dict[str, float]) -> None:
-        self.trace.counters = dict(counters)
+    def set_counters(self, counters: Counters | dict[str, float]) -> None:
+        """The engine's counters at the end of the run (a mapping is read with ``Counters.from_dict``)."""
+        self.trace.counters = counters if isinstance(counters, Counters) else Counters.from_dict(counters)
 
     def not_exposed(self, what: str, why: str) -> None:
         self.trace.not_exposed[what] = why

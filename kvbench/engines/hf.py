@@ -20,6 +20,8 @@ Contracts:
   ``torch.multinomial`` on the global generator, a different random stream from any other engine's
   sampler, so sampled outputs are reproducible for ``hf`` itself but must never be compared across
   engines.
+* Counters: none exposed (every field of :class:`~kvbench.core.counters.Counters` is ``None``):
+  ``generate`` keeps no statistics and has no pool to preempt from.
 * ``knobs`` are ignored: they change how a paged engine schedules, never what a request alone produces.
   All of them are listed in ``unsupported_knobs`` so that a check about a paging mechanism skips ``hf``.
 
@@ -34,6 +36,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kvbench.core.counters import Counters
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
 
 # torch and transformers are imported inside functions: kvbench is a pytest plugin and importing this
@@ -119,8 +122,9 @@ class HFAdapter(EngineAdapter):
         """Run each request alone, in order. ``knobs`` are ignored (see the module docstring)."""
         outputs = [self._generate_one(r) for r in requests]
         evidence = [f"hf: {len(requests)} requests run one at a time through transformers generate "
-                    f"on {self.device}, no paging"]
-        return GenResult(outputs=outputs, evidence=evidence)
+                    f"on {self.device}, no paging; no counter is exposed (generate keeps none)"]
+        # Every counter None: generate has no pool and counts nothing; 0 would claim "nothing happened".
+        return GenResult(outputs=outputs, counters=Counters(), evidence=evidence)
 
     def _generate_one(self, request: GenRequest) -> GenOutput:
         import torch

@@ -65,27 +65,30 @@ string, ``lifespan`` = (left pending, finished), per-token ``timestamps`` with `
 streamed per token with ``streaming=True``; ``cancel_request(id)``; log lines on the logger
 ``ContinuousBatchingLogger``: at INFO ``Offloaded {n} requests ({c} to CPU, {s} soft reset): {k} starved
 requests remain.``, ``Paged cache initialized: ...``, ``CPU swap pool initialized: ...``; at DEBUG prefix
-matches, cached-block evictions and CPU restores. The adapter captures the INFO lines while it runs (it
-raises that logger to INFO and filters the logger's own handlers back to their previous level) and
-quotes them in ``GenResult.evidence``.
+matches, cached-block evictions and CPU restores. The adapter reads that logger at DEBUG while it runs
+(filtering the logger's own handlers back to their previous level), counts what the lines say for the
+cross-check and quotes the INFO ones in ``GenResult.evidence``.
 
 What it does NOT expose (no counters, no metrics object, no per-step statistics, no event callbacks,
 no per-request preemption count, no queue lengths, no KV usage, no token counts). kvbench gets those
-with a *probe* that wraps six methods of the engine's own instances (``scheduler.schedule_batch``,
-``cache.search_prefix_match``, ``offloading_manager.offload_requests`` and ``restore_scheduled_requests``,
-``batch_processor.prepare_next_batch`` / ``update_batch``) and reads their state: white-box, tied to
-5.24's internals, and degrading to "not exposed" if a method is missing. From it come the counters
-``preemptions_recompute`` (soft resets), ``preemptions_swap`` (= ``swap_outs``, CPU offloads),
-``swap_ins`` (restores), ``swap_fallbacks`` (soft resets while a CPU pool exists),
-``swapped_out_bytes`` / ``swapped_in_bytes``, ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens,
-counted only with prefix sharing on), ``prefill_chunks`` (prefill pieces scheduled: 1 per unsplit
-prompt), ``computed_tokens`` (query tokens scheduled), ``recomputed_tokens`` (computed + prefix hits -
-(prompt + generated - 1) per request) and ``leaked_blocks`` (blocks still in a request's block table
-after the loop stopped), per-request ``num_preemptions``, and in ``serve`` the admission, preemption,
-resume and step records (``kv_usage`` = 1 - ``cache.compute_free_capacity()``, so cached prefix
-blocks count as used). Not observed even by the probe: cached-block evictions (a DEBUG line only), the
-post-forward de-duplication of identical blocks, and the KV bytes a soft reset drops (they are not
-copied anywhere; their recomputation is what ``recomputed_tokens`` counts).
+with a *probe* (:mod:`kvbench.engines.hf_cb_probe`) that wraps six methods of the engine's own
+instances and reads their state: white-box, written for transformers 5.24, every hook guarded (a
+missing or changed internal makes its counters ``None`` with a note, never a crashed run), an
+"untested transformers version" note outside 5.24, and its counts cross-checked against the engine's
+own log lines (a disagreement makes the counter ``None``). Counters follow the contract
+(:mod:`kvbench.core.counters`): ``preemptions_recompute`` (soft resets), ``preemptions_swap`` (=
+``swap_outs``, CPU offloads), ``swap_ins`` (restores), ``swap_fallbacks`` (soft resets while a CPU
+pool exists), ``swapped_out_bytes`` / ``swapped_in_bytes``, ``prefix_cache_queries`` /
+``prefix_cache_hits`` (tokens, only with prefix sharing on), ``prefill_chunks`` (scheduled prefill
+pieces that did not finish their prompt: k pieces count k - 1), ``computed_tokens`` (query tokens
+scheduled), ``recomputed_tokens`` (computed + prefix hits - (prompt + generated - 1) per request),
+``leaked_blocks`` (blocks still in a request's block table after the loop stopped) and
+``num_gpu_blocks``; ``generated_tokens``, ``aborts``, ``swap_seconds`` and ``num_cpu_blocks`` are not
+exposed. Also per-request ``num_preemptions``, and in ``serve`` the admission, preemption, resume and
+step records (``kv_usage`` = 1 - ``cache.compute_free_capacity()``, so cached prefix blocks count as
+used). Not observed even by the probe: cached-block evictions (a DEBUG line only), the post-forward
+de-duplication of identical blocks, and the KV bytes a soft reset drops (they are not copied anywhere;
+their recomputation is what ``recomputed_tokens`` counts).
 
 Sampling: ``do_sample`` and temperature/top-k/top-p are per manager, and the only seed is
 ``ContinuousBatchingConfig.seed`` (``torch.manual_seed`` once per run; samples then depend on batch
@@ -110,30 +113,31 @@ active one kills the run, and every request still in flight comes back with ``fi
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
-import re
-import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvbench.core.counters import Counters
 from kvbench.core.trace import StepRecord
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
 from kvbench.engines.hf import check_device, eos_token_ids, load_model
+from kvbench.engines.hf_cb_probe import (
+    OFFLOAD,
+    SCHEDULE,
+    UPDATE,
+    LogCapture,
+    Probe,
+    cross_check,
+    transformers_version_note,
+)
 
 if TYPE_CHECKING:
     from kvbench.core.requests import WorkloadRequest
     from kvbench.core.trace import TraceRecorder
 
-_LOGGER_NAME = "ContinuousBatchingLogger"
 _GIB = 1024**3
-#: log lines worth quoting in evidence (substrings of ContinuousBatchingLogger messages)
-_EVIDENCE_PATTERNS = ("Offloaded", "Paged cache initialized", "CPU swap pool", "No requests can be scheduled",
-                      "Error in generation loop", "Clamping", "too small")
-_MAX_EVIDENCE_LOG_LINES = 20
 _SCHEDULERS = ("fifo", "prefill_first")
 
 
@@ -218,326 +222,6 @@ def map_knobs(knobs: Knobs, options: dict[str, str], model_config: Any, device: 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Log capture
-# ----------------------------------------------------------------------------------------------------------
-
-
-class _BelowLevel(logging.Filter):
-    """Drops records below ``level``: keeps the engine's own handlers as quiet as they were."""
-
-    def __init__(self, level: int):
-        super().__init__()
-        self.level = level
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.level
-
-
-class _LogCapture(logging.Handler):
-    """Collects ``ContinuousBatchingLogger`` records at INFO and above for the duration of a session.
-
-    The engine logs its offload decisions at INFO only, so the logger's level is lowered to INFO while
-    the session runs; its existing handlers get a filter that keeps them at their previous effective
-    level, and everything is restored on exit.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.INFO)
-        self.lines: list[str] = []
-        self._lock_lines = threading.Lock()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self._lock_lines:
-            self.lines.append(f"{record.levelname}: {record.getMessage()}")
-
-    @contextlib.contextmanager
-    def attached(self) -> Iterator[_LogCapture]:
-        logger = logging.getLogger(_LOGGER_NAME)
-        previous_level = logger.level
-        previous_effective = logger.getEffectiveLevel()
-        quieter = _BelowLevel(previous_effective)
-        foreign = list(logger.handlers)
-        for handler in foreign:
-            handler.addFilter(quieter)
-        logger.addHandler(self)
-        if previous_effective > logging.INFO:
-            logger.setLevel(logging.INFO)
-        try:
-            yield self
-        finally:
-            logger.setLevel(previous_level)
-            logger.removeHandler(self)
-            for handler in foreign:
-                handler.removeFilter(quieter)
-
-    def evidence(self) -> list[str]:
-        """The lines worth quoting: offloads, cache sizing, errors (at most a screenful, plus a count)."""
-        with self._lock_lines:
-            picked = [line for line in self.lines
-                      if any(p in line for p in _EVIDENCE_PATTERNS) and "psutil" not in line]
-        out = [f"log: {line}" for line in picked[:_MAX_EVIDENCE_LOG_LINES]]
-        if len(picked) > _MAX_EVIDENCE_LOG_LINES:
-            out.append(f"log: ... {len(picked) - _MAX_EVIDENCE_LOG_LINES} more such lines")
-        return out
-
-    def count_offload_lines(self) -> tuple[int, int]:
-        """(CPU offloads, soft resets) summed over the engine's "Offloaded ..." INFO lines."""
-        pattern = re.compile(r"Offloaded \d+ requests \((\d+) to CPU, (\d+) soft reset\)")
-        cpu = soft = 0
-        with self._lock_lines:
-            for line in self.lines:
-                m = pattern.search(line)
-                if m:
-                    cpu += int(m.group(1))
-                    soft += int(m.group(2))
-        return cpu, soft
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The probe: instance-level wrappers on the engine's own objects, run on its generation thread
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _ProbeStats:
-    """Written by the generation thread only; read after it has been joined."""
-
-    per_request_computed: Counter = field(default_factory=Counter)
-    per_request_queries: Counter = field(default_factory=Counter)
-    per_request_hits: Counter = field(default_factory=Counter)
-    per_request_preemptions: Counter = field(default_factory=Counter)
-    totals: Counter = field(default_factory=Counter)
-    num_steps: int = 0
-    peak_kv_usage: float = 0.0
-
-
-class _Probe:
-    """Watches one ``ContinuousBatchProcessor`` from inside its generation thread.
-
-    Wraps methods on the engine's *instances* (never its classes), records cumulative statistics and
-    pushes timestamped events (``time.perf_counter``) onto a thread-safe queue that the caller's
-    thread drains: ``("admitted", rid, t)``, ``("preempted", rid, t, mode)``, ``("resumed", rid, t)``,
-    ``("step", StepRecord)``. ``missing`` names the hooks that could not be installed and why.
-    """
-
-    def __init__(self, batch_processor: Any, clock: Callable[[], float] = time.perf_counter):
-        self.bp = batch_processor
-        self.clock = clock
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.stats = _ProbeStats()
-        self.missing: dict[str, str] = {}
-        self._wrapped: list[tuple[Any, str]] = []
-        self._seen_queries: set[tuple[str, int]] = set()
-        self._admitted: set[str] = set()
-        self._preempted: set[str] = set()
-        self._step_t0: float | None = None
-        self._step_tokens = (0, 0)
-        self._step_preempted = 0
-        self._install()
-
-    # -- installation ----------------------------------------------------------------------------------
-
-    def _wrap(self, owner_path: str, method: str, make: Callable[[Callable], Callable]) -> None:
-        owner: Any = self.bp
-        try:
-            for part in owner_path.split(".") if owner_path else []:
-                owner = getattr(owner, part)
-            original = getattr(owner, method)
-        except AttributeError as e:
-            self.missing[f"{owner_path}.{method}".lstrip(".")] = f"not found in this transformers version: {e}"
-            return
-        setattr(owner, method, make(original))
-        self._wrapped.append((owner, method))
-
-    def _install(self) -> None:
-        self._wrap("scheduler", "schedule_batch", self._make_schedule_hook)
-        self._wrap("cache", "search_prefix_match", self._make_prefix_hook)
-        self._wrap("offloading_manager", "offload_requests", self._make_offload_hook)
-        self._wrap("offloading_manager", "restore_scheduled_requests", self._make_restore_hook)
-        self._wrap("", "prepare_next_batch", self._make_prepare_hook)
-        self._wrap("", "update_batch", self._make_update_hook)
-
-    def detach(self) -> None:
-        """Remove the instance attributes (the class methods show through again) and break cycles."""
-        for owner, method in self._wrapped:
-            with contextlib.suppress(AttributeError):
-                delattr(owner, method)
-        self._wrapped.clear()
-
-    # -- hooks -----------------------------------------------------------------------------------------
-
-    def _make_schedule_hook(self, original: Callable) -> Callable:
-        def schedule_batch(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            batch = result[0]
-            if batch:
-                self._on_batch(batch)
-            return result
-
-        return schedule_batch
-
-    def _on_batch(self, batch: list[Any]) -> None:
-        t = self.clock()
-        prefill = decode = 0
-        stats = self.stats
-        for future in batch:
-            state, q = future.state, future.query_length
-            rid = state.request_id
-            stats.per_request_computed[rid] += q
-            # A decode feeds back one generated token; anything else (incl. a soft reset's re-prefill,
-            # whose generated tokens became prompt tokens) is prefill work.
-            if q == 1 and state.generated_len() > 0:
-                decode += q
-            else:
-                prefill += q
-                stats.totals["prefill_chunks"] += 1
-            if rid not in self._admitted:
-                self._admitted.add(rid)
-                self.events.put(("admitted", rid, t))
-            if rid in self._preempted:
-                self._preempted.discard(rid)
-                self.events.put(("resumed", rid, t))
-        stats.totals["computed_tokens"] += prefill + decode
-        self._step_tokens = (prefill, decode)
-
-    def _make_prefix_hook(self, original: Callable) -> Callable:
-        def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
-            matched = original(request_id, prompt_ids)
-            # A request that is searched but not scheduled is searched again next step: count its
-            # query once per (request, prompt length); a soft reset makes a longer prompt, a new query.
-            key = (request_id, len(prompt_ids))
-            if key not in self._seen_queries:
-                self._seen_queries.add(key)
-                self.stats.per_request_queries[request_id] += len(prompt_ids)
-            self.stats.per_request_hits[request_id] += matched
-            return matched
-
-        return search_prefix_match
-
-    def _make_offload_hook(self, original: Callable) -> Callable:
-        def offload_requests(*args: Any, **kwargs: Any) -> Any:
-            scheduler = self.bp.scheduler
-            before = set(scheduler.active_requests)
-            result = original(*args, **kwargs)
-            t = self.clock()
-            om = self.bp.offloading_manager
-            cpu_blocks = getattr(om, "_request_id_to_cpu_blocks", {})
-            has_cpu_pool = getattr(om, "_cpu_pool", None) is not None
-            for rid in sorted(before - set(scheduler.active_requests)):
-                state = scheduler.waiting_requests.get(rid)
-                if state is None:  # left for another reason (finished, cancelled): not an offload
-                    continue
-                if state.is_cpu_offloaded:
-                    mode = "swap"
-                    self.stats.totals["swapped_out_blocks"] += sum(len(b) for b in cpu_blocks.get(rid, {}).values())
-                else:
-                    mode = "recompute"
-                    if has_cpu_pool:
-                        self.stats.totals["swap_fallbacks"] += 1
-                self.stats.totals[f"preemptions_{mode}"] += 1
-                self.stats.per_request_preemptions[rid] += 1
-                self._preempted.add(rid)
-                self._step_preempted += 1
-                self.events.put(("preempted", rid, t, mode))
-            return result
-
-        return offload_requests
-
-    def _make_restore_hook(self, original: Callable) -> Callable:
-        def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
-            om = self.bp.offloading_manager
-            cpu_blocks = getattr(om, "_request_id_to_cpu_blocks", {})
-            restored = [f.state.request_id for f in requests_in_batch if f.state.is_cpu_offloaded]
-            blocks = sum(len(b) for rid in restored for b in cpu_blocks.get(rid, {}).values())
-            result = original(requests_in_batch)
-            self.stats.totals["swap_ins"] += len(restored)
-            self.stats.totals["swapped_in_blocks"] += blocks
-            return result
-
-        return restore_scheduled_requests
-
-    def _make_prepare_hook(self, original: Callable) -> Callable:
-        def prepare_next_batch(*args: Any, **kwargs: Any) -> Any:
-            t0 = self.clock()
-            ready = original(*args, **kwargs)
-            if ready:
-                self._step_t0 = t0
-            return ready
-
-        return prepare_next_batch
-
-    def _make_update_hook(self, original: Callable) -> Callable:
-        def update_batch(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            self._on_step_end()
-            return result
-
-        return update_batch
-
-    def _on_step_end(self) -> None:
-        t = self.clock()
-        scheduler, cache = self.bp.scheduler, self.bp.cache
-        waiting = list(scheduler.waiting_requests.values())
-        swapped = sum(1 for s in waiting if s.is_cpu_offloaded)
-        kv_usage = 1.0 - float(cache.compute_free_capacity())
-        cpu_pool = getattr(self.bp.offloading_manager, "_cpu_pool", None)
-        cpu_usage = None
-        if cpu_pool is not None and cpu_pool.num_sectors:
-            cpu_usage = 1.0 - cpu_pool.num_free_sectors / cpu_pool.num_sectors
-        prefill, decode = self._step_tokens
-        record = StepRecord(t=t, duration=t - (self._step_t0 if self._step_t0 is not None else t),
-                            num_running=len(scheduler.active_requests), num_waiting=len(waiting) - swapped,
-                            num_swapped=swapped, kv_usage=kv_usage, cpu_kv_usage=cpu_usage,
-                            num_prefill_tokens=prefill, num_decode_tokens=decode,
-                            num_preempted=self._step_preempted)
-        self._step_preempted = 0
-        self._step_tokens = (0, 0)
-        self.stats.num_steps += 1
-        self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, kv_usage)
-        self.events.put(("step", record))
-
-    # -- results ---------------------------------------------------------------------------------------
-
-    def counters(self, produced: dict[str, tuple[int, int]]) -> tuple[dict[str, int | float], dict[str, int]]:
-        """Cumulative counters (base.py names) and per-request recomputed tokens.
-
-        ``produced`` maps request id -> (prompt length, tokens generated). Call after the generation
-        thread has stopped.
-        """
-        s = self.stats
-        counters: dict[str, int | float] = {}
-        per_block = int(getattr(next(iter(self.bp.cache.cache_allocators.values())), "bytes_per_block", 0))
-        if "scheduler.schedule_batch" not in self.missing:
-            counters["computed_tokens"] = s.totals["computed_tokens"]
-            counters["prefill_chunks"] = s.totals["prefill_chunks"]
-        if "offloading_manager.offload_requests" not in self.missing:
-            counters["preemptions_recompute"] = s.totals["preemptions_recompute"]
-            counters["preemptions_swap"] = s.totals["preemptions_swap"]
-            counters["swap_outs"] = s.totals["preemptions_swap"]
-            counters["swap_fallbacks"] = s.totals["swap_fallbacks"]
-            counters["swapped_out_bytes"] = s.totals["swapped_out_blocks"] * per_block
-        if "offloading_manager.restore_scheduled_requests" not in self.missing:
-            counters["swap_ins"] = s.totals["swap_ins"]
-            counters["swapped_in_bytes"] = s.totals["swapped_in_blocks"] * per_block
-        if self.bp.cache.use_prefix_sharing and "cache.search_prefix_match" not in self.missing:
-            counters["prefix_cache_queries"] = sum(s.per_request_queries.values())
-            counters["prefix_cache_hits"] = sum(s.per_request_hits.values())
-        recomputed: dict[str, int] = {}
-        if "scheduler.schedule_batch" not in self.missing:
-            for rid, (prompt_len, generated) in produced.items():
-                # Without preemption a request computes its prompt and every generated token but the last.
-                ideal = prompt_len + max(generated - 1, 0)
-                done = s.per_request_computed[rid] + s.per_request_hits[rid]
-                recomputed[rid] = max(done - ideal, 0)
-            counters["recomputed_tokens"] = sum(recomputed.values())
-        counters["leaked_blocks"] = sum(
-            len(table) for allocator in self.bp.cache.cache_allocators.values()
-            for table in allocator.block_table.values()
-        )
-        return counters, recomputed
-
-
-# ----------------------------------------------------------------------------------------------------------
 # The adapter
 # ----------------------------------------------------------------------------------------------------------
 
@@ -572,8 +256,8 @@ def _sampling_of(requests: Sequence[Any]) -> _Sampling:
 @dataclass
 class _Session:
     manager: Any
-    probe: _Probe
-    logs: _LogCapture
+    probe: Probe
+    logs: LogCapture
     notes: list[str]
     batch_processor: Any
     description: str = ""
@@ -635,17 +319,20 @@ class HFContinuousBatchingAdapter(EngineAdapter):
         gen_config = GenerationConfig(**gen_kwargs)
         rng_devices = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
 
-        logs = _LogCapture()
+        logs = LogCapture()
+        version_note = transformers_version_note()
+        if version_note:
+            notes = [*notes, version_note]
         with logs.attached(), torch.random.fork_rng(devices=rng_devices):
             manager = model.init_continuous_batching(generation_config=gen_config,
                                                      continuous_batching_config=cb_config)
-            probe: _Probe | None = None
+            probe: Probe | None = None
             try:
                 # warmup() builds the batch processor (cache, scheduler, offloading manager) on this
                 # thread; start() then reuses it, so the probe is attached before the first step.
                 manager.warmup()
                 bp = manager.batch_processor
-                probe = _Probe(bp)
+                probe = Probe(bp)
                 manager.start()
                 yield _Session(manager, probe, logs, notes, bp, self._describe_cache(bp))
             finally:
@@ -720,25 +407,18 @@ class HFContinuousBatchingAdapter(EngineAdapter):
                 evidence.append(f"hf-cb: request {r.request_id} never finished")
         if fatal is not None:
             evidence.append(f"hf-cb: generation loop died: {fatal!r}")
-        counters, _ = session.probe.counters(produced)
-        evidence += self._probe_evidence(session)
+        counters, _, lines = _final_counters(session, produced)
+        if counters.preemptions_recompute is None or counters.preemptions_swap is None:
+            for output in outputs:  # per-request counts come from the same hook: not trusted either
+                output.num_preemptions = None
+        evidence += lines
         evidence += session.logs.evidence()
         return GenResult(outputs=outputs, counters=counters, evidence=evidence)
 
     def _preemptions_of(self, session: _Session, request_id: str) -> int | None:
-        if "offloading_manager.offload_requests" in session.probe.missing:
+        if OFFLOAD in session.probe.missing:
             return None
         return session.probe.stats.per_request_preemptions[request_id]
-
-    def _probe_evidence(self, session: _Session) -> list[str]:
-        probe = session.probe
-        lines = [f"hf-cb probe: {probe.stats.num_steps} engine steps, peak KV usage {probe.stats.peak_kv_usage:.0%}"]
-        cpu, soft = session.logs.count_offload_lines()
-        lines.append(f"hf-cb log count: {cpu} CPU offloads, {soft} soft resets "
-                     f"(probe: {probe.stats.totals['preemptions_swap']}, "
-                     f"{probe.stats.totals['preemptions_recompute']})")
-        lines += [f"hf-cb probe: hook {name} missing: {why}" for name, why in probe.missing.items()]
-        return lines
 
     # -- serve -----------------------------------------------------------------------------------------
 
@@ -763,15 +443,21 @@ class HFContinuousBatchingAdapter(EngineAdapter):
         with self._session(knobs, sampling) as session:
             _Server(session, recorder, order, concurrency, self.timeout_s).run()
         produced = {rid: (r.prompt_len, len(r.token_times)) for rid, r in recorder.trace.requests.items()}
-        counters, recomputed = session.probe.counters(produced)
+        counters, recomputed, lines = _final_counters(session, produced)
         for rid in produced:
             recorder.add_request_counts(rid, recomputed_tokens=recomputed.get(rid, 0),
                                         prefix_hit_tokens=session.probe.stats.per_request_hits[rid])
-        recorder.set_counters({k: float(v) for k, v in counters.items()})
+        recorder.set_counters(counters)
         for name, why in session.probe.missing.items():
-            what = {"scheduler.schedule_batch": "admitted", "offloading_manager.offload_requests": "preemptions",
-                    "update_batch": "per_step"}.get(name, name)
+            what = {SCHEDULE: "admitted", OFFLOAD: "preemptions", UPDATE: "per_step"}.get(name, name)
             recorder.not_exposed(what, f"hf-cb probe hook {name} unavailable: {why}")
+        # A counter the probe could not count, or that the engine's log contradicted, must not be
+        # rebuilt from per-request records either (they come from the same hooks).
+        for name, value in counters.to_dict().items():
+            why = [line for line in lines if value is None and name in line
+                   and line.startswith(("hf-cb probe:", "hf-cb cross-check FAILED"))]
+            if why:
+                recorder.not_exposed(name, why[0])
 
 
 class _Server:
@@ -908,6 +594,25 @@ class _Server:
             self.recorder.finished(request.request_id, now, "error")
         fatal = self.session.manager.background_thread_status.fatal_error
         self.recorder.not_exposed("completion", f"hf-cb generation loop stopped early: {fatal!r}")
+
+
+def _final_counters(session: _Session, produced: dict[str, tuple[int, int]]
+                    ) -> tuple[Counters, dict[str, int], list[str]]:
+    """The probe's counters, cross-checked against the engine's log lines: (counters, per-request
+    recomputed tokens, evidence lines). Call after the generation thread has been joined."""
+    probe = session.probe
+    counters, recomputed, notes = probe.counters(produced)
+    counters, checked = cross_check(counters, session.logs.counts, prefix_sharing=probe.prefix_sharing(),
+                                    cpu_pool=probe.has_cpu_pool())
+    if counters.recomputed_tokens is None:
+        recomputed = {}
+    lines = [f"hf-cb probe: {probe.stats.num_steps} engine steps, peak KV usage {probe.stats.peak_kv_usage:.0%}",
+             *(f"hf-cb probe: hook {name} unavailable: {why}" for name, why in probe.missing.items()),
+             *notes, *checked]
+    if session.logs.dropped_lines:
+        lines.append(f"hf-cb: {session.logs.dropped_lines} log lines beyond the first few thousand not kept "
+                     f"(still counted)")
+    return counters, recomputed, lines
 
 
 def _finish_reason(out: Any, ignore_eos: bool, max_tokens: int, eos: set[int]) -> str:

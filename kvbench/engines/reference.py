@@ -2,8 +2,9 @@
 
 Every ``EngineConfig`` field is an option (``reference:preemption_mode=swap,enable_prefix_caching=true``);
 a check's :class:`~kvbench.engines.base.Knobs` override options, since that is how checks force
-pressure. Counters come straight from ``LLMEngine.stats()``, per-step records from the engine's
-queues and events, and the block manager is exposed to the stateful refcount machine.
+pressure. Counters come from ``LLMEngine.counters()`` (or ``stats()``) as the contract's record
+(:func:`counters_of`), per-step records from the engine's queues and events, and the block manager is
+exposed to the stateful refcount machine.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from kvbench.core.counters import COUNTER_NAMES, Counters
 from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
@@ -32,6 +34,7 @@ _STATS_TO_COUNTERS = {
     "num_prefill_chunks": "prefill_chunks", "num_recomputed_tokens": "recomputed_tokens",
     "num_computed_tokens": "computed_tokens", "swapped_out_bytes": "swapped_out_bytes",
     "swapped_in_bytes": "swapped_in_bytes", "swap_seconds": "swap_seconds",
+    "num_generated_tokens": "generated_tokens",
 }
 
 
@@ -184,14 +187,26 @@ class ReferenceAdapter(EngineAdapter):
         recorder.set_counters(counters_of(engine))
 
 
-def counters_of(engine) -> dict[str, int | float]:
+def counters_of(engine) -> Counters:
+    """The engine's counters as the contract's record.
+
+    From ``engine.counters()`` (a typed ``EngineCounters`` whose field names are the contract's)
+    when the engine has it, else from ``engine.stats()`` through :data:`_STATS_TO_COUNTERS`. Pool
+    sizes and ``leaked_blocks`` (device + host blocks still held) come from ``stats()``. A contract
+    counter the engine keeps in neither place (``aborts`` today) stays ``None``: not exposed.
+    """
     stats = engine.stats()
-    counters = {name: stats[key] for key, name in _STATS_TO_COUNTERS.items()}
-    counters["leaked_blocks"] = (stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"]
-                                 + stats["num_cpu_blocks"] - stats["num_free_cpu_blocks"])
-    counters["num_gpu_blocks"] = stats["num_gpu_blocks"]
-    counters["num_cpu_blocks"] = stats["num_cpu_blocks"]
-    return counters
+    typed = getattr(engine, "counters", None)
+    if callable(typed):
+        record = typed()
+        values = {name: getattr(record, name) for name in COUNTER_NAMES if hasattr(record, name)}
+    else:
+        values = {name: stats[key] for key, name in _STATS_TO_COUNTERS.items() if key in stats}
+    values["leaked_blocks"] = (stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"]
+                               + stats["num_cpu_blocks"] - stats["num_free_cpu_blocks"])
+    values["num_gpu_blocks"] = stats["num_gpu_blocks"]
+    values["num_cpu_blocks"] = stats["num_cpu_blocks"]
+    return Counters.from_dict(values)
 
 
 def _evidence(engine, limit: int = 20) -> list[str]:

@@ -346,7 +346,8 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
         results.add_scenario_result(outcome.scenario.name, engine, medians, series=metrics.series(entry.trace),
                                     checks=checks, notes=notes, mode=entry.mode,
                                     parameters=params, description=outcome.scenario.description,
-                                    repeats=per_repeat, spread=spreads, clock={**clock, "exact_counts": exact})
+                                    repeats=per_repeat, spread=spreads, clock={**clock, "exact_counts": exact},
+                                    counters=entry.trace.counters)  # the first repeat's, as the series
     # the declared pressure travels with the results, so a report of this file can judge against it
     results.scenario(outcome.scenario.name, create=True, parameters=params,
                      description=outcome.scenario.description)["pressure"] = outcome.scenario.pressure.to_dict()
