@@ -61,13 +61,13 @@ class Trace:
     counters: Counters = field(default_factory=Counters)
     not_exposed: dict[str, str] = field(default_factory=dict)  # what the engine could not report, and why
     duration: float = 0.0
+    # set when arrivals and aborts were released by engine step (kvbench.core.stepping): virtual
+    # seconds per step. Times above stay on the wall clock; StepRecord.virtual_t maps them back.
+    step_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.counters, Counters):
             self.counters = Counters.from_dict(self.counters)
-    # set when arrivals and aborts were released by engine step (kvbench.core.stepping): virtual
-    # seconds per step. Times above stay on the wall clock; StepRecord.virtual_t maps them back.
-    step_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
