@@ -15,6 +15,7 @@ The flags keep Chromium off the network and out of the user's profile; it runs a
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import json
@@ -135,12 +136,14 @@ class _Pipe:
 
 
 def load_page(binary: str, url: str, expressions: dict[str, str] | None = None, settle: float = 1.0,
-              timeout: float = 60, width: int = 1400, height: int = 2400) -> PageReport:
+              timeout: float = 60, width: int = 1400, height: int = 2400,
+              shots: dict[str | os.PathLike[str], str] | None = None) -> PageReport:
     """Open ``url`` in headless Chromium over the DevTools pipe and report what happened.
 
     ``expressions`` ({name: JavaScript}) are evaluated after the load event; their values land in
     ``PageReport.evaluated``. ``settle`` seconds after the load catch late errors and requests. The
-    window is ``width`` x ``height`` CSS pixels.
+    window is ``width`` x ``height`` CSS pixels. ``shots`` ({png path: CSS selector}) saves a
+    screenshot of the window scrolled to each selector's element (the top of the page for "body").
     """
     cmd_r, cmd_w = os.pipe()  # we write commands, the browser reads them on fd 3
     ev_r, ev_w = os.pipe()  # the browser writes on fd 4, we read
@@ -161,7 +164,7 @@ def load_page(binary: str, url: str, expressions: dict[str, str] | None = None, 
         os.close(ev_w)
         pipe = _Pipe(proc, cmd_w, ev_r)
         try:
-            return _drive(pipe, url, expressions or {}, settle, timeout)
+            return _drive(pipe, url, expressions or {}, settle, timeout, shots or {})
         finally:
             with contextlib.suppress(OSError, TimeoutError, RuntimeError):
                 pipe.call("Browser.close", timeout=5)
@@ -174,7 +177,8 @@ def load_page(binary: str, url: str, expressions: dict[str, str] | None = None, 
             os.close(ev_r)
 
 
-def _drive(pipe: _Pipe, url: str, expressions: dict[str, str], settle: float, timeout: float) -> PageReport:
+def _drive(pipe: _Pipe, url: str, expressions: dict[str, str], settle: float, timeout: float,
+           shots: dict[str | os.PathLike[str], str]) -> PageReport:
     targets = pipe.call("Target.getTargets")["targetInfos"]
     page = next(t for t in targets if t["type"] == "page")
     session = pipe.call("Target.attachToTarget", {"targetId": page["targetId"], "flatten": True})["sessionId"]
@@ -191,6 +195,12 @@ def _drive(pipe: _Pipe, url: str, expressions: dict[str, str], settle: float, ti
         if "exceptionDetails" in res:
             report.exceptions.append(f"{name}: {res['exceptionDetails'].get('text')}")
         report.evaluated[name] = res.get("result", {}).get("value")
+    for path, selector in shots.items():
+        pipe.call("Runtime.evaluate", {"expression": f"document.querySelector({json.dumps(selector)})"
+                                                     ".scrollIntoView(); window.scrollBy(0, -60); 0"}, session=session)
+        time.sleep(0.2)
+        png = pipe.call("Page.captureScreenshot", {"format": "png"}, session=session)["data"]
+        Path(path).write_bytes(base64.b64decode(png))
     time.sleep(0.2)
     with pipe.cond:
         events = list(pipe.events)

@@ -194,7 +194,7 @@ def render(chart: Chart, uid: str | None = None) -> Markup:
         # Lines drawn earlier are drawn wider: where two series coincide, the one beneath still shows as a
         # band around the one on top (with their dash patterns, the legend tells them apart).
         extra = 1.6 * (len(thin) - 1 - thin.index(ln)) if ln in thin and len(thin) > 1 else 0.0
-        plot.extend(_line(ln, sx, sy, top + ph, extra, buckets=max(40, int(pw // 7))))
+        plot.extend(_line(ln, sx, sy, top + ph, extra, buckets=max(40, int(pw // 9))))
     parts.append(tag("g", Markup("").join(plot), clip_path=f"url(#{clip})"))
     parts.extend(labels)
     placed: list[float] = []
@@ -205,8 +205,15 @@ def render(chart: Chart, uid: str | None = None) -> Markup:
         placed.append(x)
         parts.append(tag("line", tag("title", label), x1=f"{x:.1f}", x2=f"{x:.1f}", y1=top, y2=top + ph,
                          stroke=color, class_="c-vline"))
+        # the label goes beside its line, on whichever side keeps it inside the plot (never over the ticks)
+        width = text_width(label, 10.5)
         anchor = "end" if x > left + pw * 0.6 else "start"
-        parts.append(tag("text", label, x=f"{x + (-5 if anchor == 'end' else 5):.1f}", y=top + 12 + 13 * row,
+        if anchor == "end" and x - 5 - width < left + 2:
+            anchor = "start"
+        if anchor == "start" and x + 5 + width > left + pw and x - 5 - width >= left + 2:
+            anchor = "end"
+        tx = x - 5 if anchor == "end" else max(x + 5, left + 4) if x + 5 + width <= left + pw else left + 4
+        parts.append(tag("text", label, x=f"{tx:.1f}", y=top + 12 + 13 * row,
                          class_="c-vlabel", fill=color, text_anchor=anchor))
     for m in chart.markers:
         x = sx(m.x)

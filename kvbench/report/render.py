@@ -472,11 +472,19 @@ def render_report(results: Results, baseline: Results | None = None) -> str:
     return _render("report.html", **context)
 
 
+#: bulky parts of a results entry left out of the page (``results.json`` beside the report keeps them)
+NOT_EMBEDDED = ("series", "repeats")
+
+
 def _without_series(data: dict[str, Any]) -> dict[str, Any]:
-    """The results as embedded in the page: every figure, but not the timelines (the charts draw them,
-    ``results.json`` beside the report keeps them; embedded they made a quick run's report 2 MB)."""
+    """The results as embedded in the page: every figure (medians and spreads), but not the timelines
+    (the charts draw them) nor every repeat's figures; embedded, they made a quick run's report 2 MB."""
+    def slim(item: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in item.items() if k not in NOT_EMBEDDED}
+
     out = dict(data)
-    out["scenarios"] = [{**sc, "results": [{k: v for k, v in r.items() if k != "series"} for r in sc["results"]]}
+    out["scenarios"] = [{**sc, "results": [slim(r) for r in sc["results"]],
+                         "sweeps": [{**sw, "points": [slim(p) for p in sw["points"]]} for sw in sc["sweeps"]]}
                         for sc in data.get("scenarios", [])]
     return out
 
