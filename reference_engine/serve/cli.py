@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
 
-    # Imported here so that --help and flag errors are quick (torch is not loaded for them).
-    import uvicorn
+    import uvicorn  # only a running server needs it
 
     from reference_engine.engine import LLMEngine
     from reference_engine.serve.app import build_app
