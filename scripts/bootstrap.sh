@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Installs everything kvbench needs on a fresh machine: the package with its dependencies (torch
-# pinned to 2.13.0, see pyproject.toml) and, where we are root on Debian/Ubuntu, Chromium for the
-# report's browser tests. Idempotent; safe to run again.
+# Installs everything kvbench needs on a fresh machine: the package with its dependencies, with
+# torch held to the CPU build 2.13.0 by constraints/cpu.txt (pyproject.toml only asks for a range,
+# so that `pip install` into an engine's environment keeps its own torch) and, where we are root
+# on Debian/Ubuntu, Chromium for the report's browser tests. Idempotent; safe to run again.
+# KVBENCH_CONSTRAINTS=FILE uses other pins (an empty value: none, keep whatever torch is installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+constraints="${KVBENCH_CONSTRAINTS-constraints/cpu.txt}"
+python3 -m pip install --quiet --disable-pip-version-check ${constraints:+-c "$constraints"} -e ".[dev]"
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing Chromium for the report's browser tests" >&2

@@ -15,17 +15,29 @@ def test_help_lists_the_kvbench_options(pytester: pytest.Pytester):
                                  "*--report-dir*", "*--baseline*", "*--threshold*", "*--slo*"])
 
 
+def test_unknown_engine_kind_is_a_usage_error_listing_kinds_and_keys(pytester: pytest.Pytester):
+    pytester.makepyfile("def test_nothing(): pass")
+    result = pytester.runpytest_subprocess("--engine", "warp-drive")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown engine kind 'warp-drive'*", "*MODULE:CLASS*", "*Kinds and their keys:*",
+                                 "*reference:*", "*hf-cb:*"])
+
+
 @pytest.mark.parametrize(("spec", "message"), [
-    ("warp-drive", "*unknown engine kind 'warp-drive'*"),
     ("reference:nope=1", "*reference has no option 'nope'*allowed:*block_size*"),
     ("reference:block_size", "*is not KEY=VALUE*"),
+    # option values, checked by the engine's own validation before any test runs
+    ("reference:num_gpu_blocks_override=-3",
+     "*EngineConfig.num_gpu_blocks_override=-3 is invalid: expected None or an integer >= 1*"),
+    ("reference:preemption_mode=swapp", "*EngineConfig.preemption_mode='swapp' is invalid: expected one of "
+                                        "'recompute', 'swap'*"),
 ])
-def test_bad_engine_spec_is_a_usage_error_listing_kinds_and_keys(pytester: pytest.Pytester, spec, message):
+def test_bad_engine_option_is_a_usage_error_listing_the_kinds_keys(pytester: pytest.Pytester, spec, message):
     pytester.makepyfile("def test_nothing(): pass")
     result = pytester.runpytest_subprocess("--engine", spec)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([message])
-    result.stderr.fnmatch_lines(["*Kinds and their keys:*", "*reference:*", "*hf-cb:*"])
+    result.stderr.fnmatch_lines([message, "*Its keys:*", "*reference:*", "*num_gpu_blocks_override:*"])
+    assert "test_nothing" not in result.stdout.str() and "passed" not in result.stdout.str()
 
 
 def test_tests_are_parametrised_over_every_engine(pytester: pytest.Pytester):

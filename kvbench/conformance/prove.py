@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from kvbench.conformance.equivalence import DEFAULT_TOLERANCE, Verdict, compare
+from kvbench.core.evidence import record_evidence
 from kvbench.engines.base import EngineAdapter, GenRequest, GenResult
 
 #: The conformance request set: long enough prompts to span many blocks, short enough to be quick.
@@ -100,10 +101,14 @@ def assert_conforms(comparison: Comparison, near_ties: list[str] | None = None) 
 
 
 def prove(result: GenResult, engine: EngineAdapter, counter: str, what: str, minimum: float = 1) -> float:
-    """Assert the engine's ``counter`` reached ``minimum``; skip if the engine does not expose it."""
+    """Assert the engine's ``counter`` reached ``minimum``; skip if the engine does not expose it.
+
+    The value is recorded as the running test's evidence (``kvbench.evidence.<counter>``, see
+    :mod:`kvbench.core.evidence`) before the assertion, so a failed proof shows what was seen."""
     if counter not in result.counters:
         pytest.skip(f"{engine.name} exposes no {counter!r} counter, so nothing could prove that {what} happened")
     value = result.counters[counter]
+    record_evidence(counter, value)
     assert value >= minimum, (f"{what} did not happen on {engine.name} ({counter}={value}): the check would pass "
                               f"without exercising the mechanism. Evidence: {result.evidence[:5]}")
     return value

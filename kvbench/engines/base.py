@@ -62,15 +62,44 @@ class EngineAdapter(abc.ABC):
     #: engines with their own loop thread are not steppable: their counts are gated like times.
     steppable: bool = False
 
+    #: Knobs field -> the option key it overrides, where the names differ (e.g. ``num_gpu_blocks`` ->
+    #: ``num_gpu_blocks_override``). A knob named like an option key overrides that option without an entry.
+    knob_options: dict[str, str] = {}  # noqa: RUF012
+
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
-        """Raises ValueError naming any option not in ``option_keys``."""
+        """Raises ValueError naming the option, as :meth:`validate_options` does."""
         self.model_dir = model_dir
         self.options = dict(options or {})
         self.name = name or self.kind
-        unknown = set(self.options) - set(self.option_keys)
+        type(self).validate_options(self.options)
+
+    @classmethod
+    def validate_options(cls, options: dict[str, str]) -> None:
+        """Check every option (``--engine kind:key=value`` strings) without starting the engine.
+
+        Called when ``--engine`` is parsed, before any test runs, and again by ``__init__``. Raises
+        ValueError (or TypeError) whose message names the option and the values allowed. Subclasses
+        extend it with the engine's *own* validation (call ``super().validate_options(options)`` first);
+        the base checks only that every key is in ``option_keys``.
+        """
+        unknown = set(options) - set(cls.option_keys)
         if unknown:
-            raise ValueError(f"engine {self.kind!r}: unknown option(s) {sorted(unknown)}; "
-                             f"allowed: {sorted(self.option_keys)}")
+            raise ValueError(f"engine {cls.kind!r}: unknown option(s) {sorted(unknown)}; "
+                             f"allowed: {sorted(cls.option_keys)}")
+
+    def knob_overrides(self, knobs: Knobs) -> dict[str, tuple[str, Any]]:
+        """The engine options that ``knobs`` override: ``{knob: (option value given, knob value used)}``.
+
+        Only options given on the command line and set to something else count: a check that forces
+        ``preemption_mode="recompute"`` on ``reference:preemption_mode=swap`` overrides it; the same knob
+        on ``reference`` (no such option) or on ``reference:preemption_mode=recompute`` does not.
+        """
+        overrides: dict[str, tuple[str, Any]] = {}
+        for knob, value in knobs.as_dict().items():
+            key = self.knob_options.get(knob, knob)
+            if key in self.options and not _same_value(self.options[key], value):
+                overrides[knob] = (self.options[key], value)
+        return overrides
 
     def describe(self) -> dict[str, Any]:
         """Engine identity and configuration for results files."""
@@ -87,6 +116,19 @@ class EngineAdapter(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, servers, device memory)."""
+
+
+def _same_value(option: str, value: Any) -> bool:
+    """Whether an option string (``"true"``, ``"64"``, ``"swap"``) denotes the knob value ``value``."""
+    text = option.strip().lower()
+    if isinstance(value, bool):
+        return text in (("true", "1", "yes") if value else ("false", "0", "no"))
+    if isinstance(value, int | float):
+        try:
+            return float(text) == float(value)
+        except ValueError:
+            return False
+    return text == str(value).lower()
 
 
 __all__ = ["CAPABILITIES", "DEFAULT_KNOBS", "EngineAdapter", "GenOutput", "GenRequest", "GenResult", "Knobs",

@@ -108,6 +108,12 @@ class HFAdapter(EngineAdapter):
         "scheduling_policy": "hf runs requests one after another, in the order given",
     }
 
+    @classmethod
+    def validate_options(cls, options: dict[str, str]) -> None:
+        """Option values checked as the adapter reads them (nothing is loaded)."""
+        super().validate_options(options)
+        check_device(options.get("device", "cpu"))
+
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
         self.device = check_device(self.options.get("device", "cpu"))

@@ -113,6 +113,7 @@ active one kills the run, and every request still in flight comes back with ``fi
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import time
 from collections.abc import Iterator, Sequence
@@ -286,6 +287,24 @@ class HFContinuousBatchingAdapter(EngineAdapter):
         "scheduling_policy": "hf-cb has no priorities: its fifo and prefill_first schedulers both admit "
                              "new requests in arrival order (only 'fcfs' is accepted)",
     }
+
+    @classmethod
+    def validate_options(cls, options: dict[str, str]) -> None:
+        """Option values checked as the adapter reads them (nothing is loaded): device, scheduler, numbers."""
+        super().validate_options(options)
+        check_device(options.get("device", "cpu"))
+        if options.get("scheduler", "fifo") not in _SCHEDULERS:
+            raise ValueError(f"hf-cb: option scheduler={options['scheduler']!r}; allowed: {list(_SCHEDULERS)}")
+        for key, low, high in (("safety_margin", 0.0, 1.0), ("cpu_offload_gib", 0.0, math.inf),
+                               ("timeout_s", 0.0, math.inf)):
+            if key in options:
+                try:
+                    value = float(options[key])
+                except ValueError:
+                    value = math.nan
+                if not (low <= value <= high) or (key == "timeout_s" and value == 0):
+                    raise ValueError(f"hf-cb: option {key}={options[key]!r}; expected a number from {low} to {high}"
+                                     + (" (not 0)" if key == "timeout_s" else ""))
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)

@@ -94,6 +94,19 @@ class ReferenceAdapter(EngineAdapter):
         "attention_backend": "decode attention: auto (triton on CUDA), torch or triton",
     }
 
+    knob_options = _KNOB_TO_CONFIG
+
+    @classmethod
+    def validate_options(cls, options: dict[str, str]) -> None:
+        """Every option checked by ``EngineConfig`` itself (its ``__post_init__``), on a placeholder model
+        path, so nothing is loaded. Checks that need the model (``max_model_len`` against its positions,
+        the token budget against ``max_model_len``) run when an engine is built."""
+        super().validate_options(options)
+        from reference_engine import EngineConfig
+
+        EngineConfig(model="<model checked when the engine is built>",
+                     **{k: _coerce(k, v) for k, v in options.items()})
+
     def engine_config(self, knobs: Knobs = DEFAULT_KNOBS):
         """The EngineConfig for these options with the knobs applied over them."""
         from reference_engine import EngineConfig

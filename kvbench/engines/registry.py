@@ -1,72 +1,216 @@
-"""Engine specs on the command line: ``kind[:key=value,...]``, e.g. ``reference:preemption_mode=swap``.
+"""Engine specs on the command line, and where adapter classes come from.
 
-``parse_engine_spec`` checks the kind and every key against the adapter's ``option_keys`` and
-raises :class:`EngineSpecError` with a usage message that lists the kinds and their keys.
-Adapters are imported lazily: naming ``reference`` never imports transformers.
+An ``--engine`` value names an adapter class and its options, in one of two forms::
+
+    KIND[:KEY=VALUE,...]                  a registered kind:   reference:preemption_mode=swap
+    MODULE:CLASS[:KEY=VALUE,...]          an importable class: mypkg.adapters:MyAdapter:url=http://127.0.0.1:8000
+
+A *registered kind* is a name in the ``kvbench.engines`` entry-point group (``importlib.metadata``),
+whose value is ``module:Class``. kvbench's own kinds register there in its ``pyproject.toml``, exactly
+as a third-party package does in its own, so installing such a package adds its kinds with no change
+to kvbench. :data:`BUILTIN_KINDS` mirrors kvbench's own entry points (a test holds the two equal) and
+fills in only the kinds the installed metadata lacks, so a checkout edited since its last
+``pip install -e .`` still finds them. A kind wins over an import path of the same spelling.
+
+:func:`parse_engine_spec` resolves the class, checks every key against its ``option_keys`` and every
+value with its ``validate_options`` (the engine's own validation), and raises
+:class:`EngineSpecError` with a usage message otherwise. Adapter modules are imported only when
+named or listed in a usage message: naming ``reference`` never imports transformers.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
 
 from kvbench.engines.base import EngineAdapter
 
-ENGINE_KINDS: dict[str, str] = {
+#: the entry-point group adapters register in: ``[project.entry-points."kvbench.engines"]``
+ENTRY_POINT_GROUP = "kvbench.engines"
+
+#: kvbench's own kinds, as its pyproject.toml registers them in :data:`ENTRY_POINT_GROUP`
+BUILTIN_KINDS: dict[str, str] = {
     "reference": "kvbench.engines.reference:ReferenceAdapter",
     "hf": "kvbench.engines.hf:HFAdapter",
     "hf-cb": "kvbench.engines.hf_cb:HFContinuousBatchingAdapter",
+    "openai": "kvbench.engines.openai:OpenAIAdapter",
+    "server": "kvbench.engines.server:ServerAdapter",
 }
+
+# module.path:Class (dotted attributes allowed after the colon)
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 class EngineSpecError(ValueError):
-    """A malformed ``--engine`` value. The message is a complete usage text."""
+    """A malformed or invalid ``--engine`` value. The message is a complete usage text."""
 
 
 @dataclass(frozen=True)
 class EngineSpec:
+    """One ``--engine`` value: ``kind`` is a registered kind or a ``module:Class`` import path."""
+
     kind: str
     options: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        """Canonical display name: the kind plus its options, sorted."""
+        """Canonical display name: the kind plus its options, sorted (parses back to this spec)."""
         if not self.options:
             return self.kind
         return self.kind + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
 
 
+def engine_kinds() -> dict[str, str]:
+    """Every registered kind -> ``module:Class``: the entry-point group over :data:`BUILTIN_KINDS`.
+
+    Raises :class:`EngineSpecError` when two installed distributions register one kind differently.
+    """
+    kinds = dict(BUILTIN_KINDS)
+    seen: dict[str, tuple[str, str]] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "?"
+        if ep.name in seen and seen[ep.name][0] != ep.value:
+            raise EngineSpecError(f"engine kind {ep.name!r} is registered twice in entry-point group "
+                                  f"{ENTRY_POINT_GROUP!r}: {seen[ep.name][0]} (by {seen[ep.name][1]}) and "
+                                  f"{ep.value} (by {dist}); uninstall one of them")
+        seen[ep.name] = (ep.value, dist)
+        kinds[ep.name] = ep.value
+    return kinds
+
+
+def _load(target: str, where: str) -> type[EngineAdapter]:
+    """Import ``module:Class`` and check it is a concrete EngineAdapter; errors name ``where``."""
+    module_name, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # an adapter's own import error, reported, not a traceback
+        raise EngineSpecError(f"{where}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise EngineSpecError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, EngineAdapter)):
+        raise EngineSpecError(f"{where}: {target} is not an engine adapter: it must be a subclass of "
+                              f"kvbench.engines.base.EngineAdapter, got {obj!r}")
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+        raise EngineSpecError(f"{where}: {target} does not implement {missing}")
+    return obj
+
+
 def adapter_class(kind: str) -> type[EngineAdapter]:
-    module, _, attr = ENGINE_KINDS[kind].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    """The adapter class of a registered kind or of a ``module:Class`` path. Raises EngineSpecError."""
+    kinds = engine_kinds()
+    if kind in kinds:
+        return _load(kinds[kind], f"engine kind {kind!r} ({kinds[kind]})")
+    if _IMPORT_PATH.fullmatch(kind):
+        return _load(kind, f"engine class {kind!r}")
+    raise EngineSpecError(f"unknown engine kind {kind!r}")
 
 
-def usage() -> str:
-    lines = ["--engine takes KIND[:KEY=VALUE,...]. Kinds and their keys:"]
-    for kind in ENGINE_KINDS:
+def _describe_kind(kind: str) -> list[str]:
+    try:
         cls = adapter_class(kind)
-        lines.append(f"  {kind}: {(cls.__doc__ or '').strip().splitlines()[0] if cls.__doc__ else ''}")
-        for key, help_text in cls.option_keys.items():
-            lines.append(f"      {key}: {help_text}")
+    except EngineSpecError as e:  # one broken plugin must not hide the others
+        return [f"  {kind}: (cannot be loaded: {e})"]
+    doc = (cls.__doc__ or "").strip().splitlines()
+    lines = [f"  {kind}: {doc[0] if doc else ''}"]
+    lines += [f"      {key}: {help_text}" for key, help_text in cls.option_keys.items()]
+    return lines
+
+
+def usage(kind: str | None = None) -> str:
+    """The ``--engine`` syntax, then every registered kind (or only ``kind``) with its option keys."""
+    lines = ["--engine takes KIND[:KEY=VALUE,...] or MODULE:CLASS[:KEY=VALUE,...] (an EngineAdapter subclass, "
+             f"e.g. mypkg.adapters:MyAdapter). Kinds register in the entry-point group {ENTRY_POINT_GROUP!r}."]
+    try:
+        kinds = list(engine_kinds()) if kind is None else [kind]
+    except EngineSpecError as e:
+        return "\n".join([*lines, str(e)])
+    lines.append("Kinds and their keys:" if kind is None else "Its keys:")
+    for k in kinds:
+        lines += _describe_kind(k)
     return "\n".join(lines)
 
 
+def _split_target(text: str) -> tuple[str, str]:
+    """``(kind or module:Class, the options text)``; raises EngineSpecError for an unknown kind."""
+    head, sep, tail = text.partition(":")
+    if head in engine_kinds():
+        return head, tail
+    attr, _, rest = tail.partition(":")
+    if sep and _IMPORT_PATH.fullmatch(f"{head}:{attr}"):
+        return f"{head}:{attr}", rest
+    raise EngineSpecError(f"unknown engine kind {head!r} in --engine {text!r}\n{usage()}")
+
+
 def parse_engine_spec(text: str) -> EngineSpec:
-    kind, _, rest = text.strip().partition(":")
-    if kind not in ENGINE_KINDS:
-        raise EngineSpecError(f"unknown engine kind {kind!r} in --engine {text!r}\n{usage()}")
+    """Parse and check one ``--engine`` value: the class loads, every key is known, every value valid.
+
+    Raises :class:`EngineSpecError` naming what is wrong (the kind, the key, or the option's field and
+    allowed values, in the engine's own words) followed by a usage text.
+    """
+    text = text.strip()
+    try:
+        kind, rest = _split_target(text)
+        cls = adapter_class(kind)
+    except EngineSpecError as e:
+        message = str(e)
+        raise EngineSpecError(message if "\n" in message else f"--engine {text!r}: {message}\n{usage()}") from None
     options: dict[str, str] = {}
-    allowed = adapter_class(kind).option_keys
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
         if not eq or not key or not value:
-            raise EngineSpecError(f"--engine {text!r}: {item!r} is not KEY=VALUE\n{usage()}")
-        if key not in allowed:
+            raise EngineSpecError(f"--engine {text!r}: {item!r} is not KEY=VALUE\n{usage(kind)}")
+        if key not in cls.option_keys:
             raise EngineSpecError(f"--engine {text!r}: {kind} has no option {key!r} "
-                                  f"(allowed: {', '.join(sorted(allowed))})\n{usage()}")
+                                  f"(allowed: {', '.join(sorted(cls.option_keys))})\n{usage(kind)}")
+        if key in options:
+            raise EngineSpecError(f"--engine {text!r}: option {key!r} given twice")
         options[key] = value
+    try:
+        cls.validate_options(dict(options))
+    except (ValueError, TypeError) as e:
+        raise EngineSpecError(f"--engine {text!r}: {e}\n{usage(kind)}") from None
     return EngineSpec(kind, options)
 
 
 def make_adapter(spec: EngineSpec, model_dir: str) -> EngineAdapter:
-    return adapter_class(spec.kind)(model_dir, spec.options, name=spec.name)
+    """A new adapter for ``spec`` on the checkpoint ``model_dir``.
+
+    Its ``generate`` and ``serve`` report the engine options each call's knobs override to the evidence
+    collector of the running test, if any (:func:`kvbench.core.evidence.record_knob_overrides`), so
+    results can say when a check ran with other values than the ``--engine`` spec named.
+    """
+    adapter = adapter_class(spec.kind)(model_dir, spec.options, name=spec.name)
+    _watch_knob_overrides(adapter)
+    return adapter
+
+
+def _watch_knob_overrides(adapter: EngineAdapter) -> None:
+    # Wrapped on the instance, not the class: every adapter, third-party ones included, reports overrides
+    # without writing a line for it, and the class stays as its author wrote it.
+    import functools
+
+    from kvbench.core.evidence import record_knob_overrides
+
+    for method in ("generate", "serve"):
+        bound = getattr(adapter, method)
+
+        def watched(*args: Any, _bound: Any = bound, _method: str = method, **kwargs: Any) -> Any:
+            knobs = kwargs.get("knobs", args[_KNOBS_POSITION[_method]] if len(args) > _KNOBS_POSITION[_method]
+                               else None)
+            if knobs is not None:
+                record_knob_overrides(adapter.knob_overrides(knobs))
+            return _bound(*args, **kwargs)
+
+        setattr(adapter, method, functools.wraps(bound)(watched))
+
+
+# where ``knobs`` sits among the positional arguments: generate(requests, knobs), serve(workload, recorder, knobs)
+_KNOBS_POSITION = {"generate": 1, "serve": 2}
