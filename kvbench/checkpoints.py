@@ -22,11 +22,14 @@ def cache_root() -> Path:
 
 
 def builtin_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
-    from reference_engine import checkpoint
+    from reference_engine import checkpoint, tokenizer
 
-    digest = hashlib.sha256(inspect.getsource(checkpoint).encode()).hexdigest()[:10]
+    # Both generators (weights + config, and the tokenizer) key the cache.
+    source = inspect.getsource(checkpoint) + inspect.getsource(tokenizer)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     target = cache_root() / "checkpoints" / f"{preset}-seed{seed}-{digest}"
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    complete = ("config.json", "tokenizer.json")
+    if all((target / name).is_file() for name in complete) and any(target.glob("*.safetensors")):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so concurrent runs never see half a checkpoint.
