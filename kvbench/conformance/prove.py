@@ -116,3 +116,19 @@ def prove(result: GenResult, engine: EngineAdapter, counter: str, what: str, min
 
 def greedy(requests: Sequence[GenRequest]) -> list[GenRequest]:
     return [replace(r, temperature=0.0, seed=None) for r in requests]
+
+
+def require_events(result: GenResult, engine: EngineAdapter, what: str) -> list:
+    """The run's events (:mod:`kvbench.core.events`); skip when the engine reports none."""
+    if result.events is None:
+        pytest.skip(f"{engine.name} reports no engine events, so nothing could prove {what}")
+    return result.events
+
+
+def require_knobs(engine: EngineAdapter, *knobs: str) -> None:
+    """Skip, with the adapter's own reason, when the engine cannot set one of these knobs (the check's
+    prerequisite, e.g. a block pool to size, is missing: a skip, not a failure)."""
+    unsupported = getattr(engine, "unsupported_knobs", {}) or {}
+    missing = [k for k in knobs if k in unsupported]
+    if missing:
+        pytest.skip("; ".join(f"{engine.name} cannot set {k}: {unsupported[k]}" for k in missing))

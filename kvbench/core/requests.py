@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbench.core.counters import Counters
+from kvbench.core.events import EventRecord
 
 
 def _check(ok: bool, message: str) -> None:
@@ -29,6 +30,8 @@ class GenRequest:
     seed: int | None = None
     ignore_eos: bool = True
     priority: int = 0
+    #: tokens that end the request (finish reason "stop") when sampled; the token is kept in the output
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -51,11 +54,14 @@ class GenResult:
     :meth:`Counters.from_dict` (unknown names are refused, naming them).
     ``evidence`` lists free-text lines (log lines, event summaries, why a counter is not exposed)
     a check may quote.
+    ``events`` are the engine's events in order (:mod:`kvbench.core.events`); ``None`` when the
+    engine reports none (checks that need them skip saying so).
     """
 
     outputs: list[GenOutput]
     counters: Counters = field(default_factory=Counters)
     evidence: list[str] = field(default_factory=list)
+    events: list[EventRecord] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.counters, Counters):

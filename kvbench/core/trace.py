@@ -33,6 +33,9 @@ class RequestTrace:
     finish_reason: str | None = None
     recomputed_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # how many times the engine reported this request finished: `finished` and `finish_reason` keep
+    # the first, and anything above 1 is an engine bug that checks must see
+    finish_count: int = 0
 
 
 @dataclass
@@ -71,6 +74,10 @@ class Trace:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def finished_more_than_once(self) -> dict[str, int]:
+        """Request id -> number of finishes, for every request the engine finished twice or more."""
+        return {rid: r.finish_count for rid, r in self.requests.items() if r.finish_count > 1}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trace:
@@ -122,7 +129,9 @@ class TraceRecorder:
         self._req(request_id).resumes.append(t)
 
     def finished(self, request_id: str, t: float, reason: str | None) -> None:
+        """Keep the first finish; count every one (:meth:`Trace.finished_more_than_once`)."""
         r = self._req(request_id)
+        r.finish_count += 1
         if r.finished is None:
             r.finished = t
             r.finish_reason = reason

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 # The protocol's vocabulary lives in kvbench.core; it is re-exported here so that an adapter needs
 # one import.
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
+from kvbench.core.liveness import DEFAULT_LIVENESS, Liveness
 from kvbench.core.requests import GenOutput, GenRequest, GenResult, WorkloadRequest
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ CAPABILITIES = frozenset(
         "events",  # reports preemptions/swaps/hits as they happen
         "sampling",  # seeded temperature sampling
         "abort",  # can abort a request in flight
+        "stop_token_ids",  # ends a request at any of its GenRequest.stop_token_ids
     }
 )
 
@@ -65,6 +67,9 @@ class EngineAdapter(abc.ABC):
     #: Knobs field -> the option key it overrides, where the names differ (e.g. ``num_gpu_blocks`` ->
     #: ``num_gpu_blocks_override``). A knob named like an option key overrides that option without an entry.
     knob_options: dict[str, str] = {}  # noqa: RUF012
+    #: limits of the no-progress watchdog every engine-driving loop runs under (the plugin sets them per
+    #: session from --kvbench-deadline / --kvbench-stall-steps / --kvbench-stall-seconds)
+    liveness: Liveness = DEFAULT_LIVENESS
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         """Raises ValueError naming the option, as :meth:`validate_options` does."""

@@ -90,7 +90,7 @@ class HFAdapter(EngineAdapter):
     """transformers ``generate``, one request at a time (see the module docstring for the contract)."""
 
     kind = "hf"
-    capabilities = frozenset({"sampling"})
+    capabilities = frozenset({"sampling", "stop_token_ids"})
     option_keys = {  # noqa: RUF012 - read-only class-level table
         "device": "cpu (default) or cuda[:N]",
         "attn_implementation": "transformers attention implementation (default: transformers' choice, sdpa)",
@@ -148,8 +148,11 @@ class HFAdapter(EngineAdapter):
             # A batch of one is never padded; an explicit pad id only silences transformers' warning.
             "pad_token_id": model.config.pad_token_id if model.config.pad_token_id is not None else 0,
         }
-        if request.ignore_eos:
-            kwargs["eos_token_id"] = None  # as a keyword: overrides the model's generation_config
+        # stop_token_ids end a request like EOS does (vLLM's semantics), so both go in generate's EOS list
+        stops = set(request.stop_token_ids) | (set() if request.ignore_eos else eos)
+        if request.ignore_eos or request.stop_token_ids:
+            # as a keyword: overrides the model's generation_config
+            kwargs["eos_token_id"] = sorted(stops) if stops else None
         sampling = request.temperature > 0
         if sampling:
             kwargs.update(do_sample=True, temperature=request.temperature, top_k=request.top_k,
@@ -163,7 +166,7 @@ class HFAdapter(EngineAdapter):
             sequences = model.generate(input_ids, **kwargs)
         tokens = sequences[0, len(request.prompt_token_ids):].tolist()
 
-        stopped = not request.ignore_eos and bool(tokens) and tokens[-1] in eos
+        stopped = bool(tokens) and tokens[-1] in stops
         return GenOutput(request.request_id, tokens, "stop" if stopped else "length", num_preemptions=0)
 
     def _rng_devices(self) -> list[int]:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvbench.core.counters import COUNTER_NAMES, Counters
+from kvbench.core.events import EventRecord
+from kvbench.core.liveness import Watchdog
 from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
@@ -70,7 +72,7 @@ class ReferenceAdapter(EngineAdapter):
 
     kind = "reference"
     capabilities = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority",
-                              "block_introspection", "events", "sampling", "abort"})
+                              "block_introspection", "events", "sampling", "abort", "stop_token_ids"})
     #: kvbench steps this engine itself, so ``serve`` can run on the step clock (deterministic counts)
     steppable = True
     option_keys = {  # noqa: RUF012
@@ -123,22 +125,25 @@ class ReferenceAdapter(EngineAdapter):
         return LLMEngine(self.engine_config(knobs))
 
     def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
-        from reference_engine import RequestRejected, SamplingParams
+        """All requests added, then steps until none is left, under the no-progress watchdog
+        (:attr:`liveness`: :class:`~kvbench.core.liveness.LivenessError` names the stuck requests)."""
+        from reference_engine import RequestRejected
 
         engine = self.build_engine(knobs)
-        params = [SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                 seed=r.seed, ignore_eos=r.ignore_eos) for r in requests]
+        events = _EventCollector(engine)
         rejected: dict[str, str] = {}
-        for r, p in zip(requests, params, strict=True):
+        for r in requests:
             try:
-                engine.add_request(r.request_id, r.prompt_token_ids, p, priority=r.priority)
+                engine.add_request(r.request_id, r.prompt_token_ids, sampling_params_of(r), priority=r.priority)
             except RequestRejected as e:  # the others are still served
                 rejected[r.request_id] = str(e)
         final = {}
+        watchdog = Watchdog(self.liveness)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     final[out.request_id] = out
+            watchdog.observe(_work_done(engine), _request_states(engine))
         outputs = []
         for r in requests:
             if r.request_id in rejected:
@@ -146,7 +151,7 @@ class ReferenceAdapter(EngineAdapter):
             else:
                 out = final[r.request_id]
                 outputs.append(GenOutput(r.request_id, out.token_ids, out.finish_reason, out.num_preemptions))
-        return GenResult(outputs, counters_of(engine), _evidence(engine))
+        return GenResult(outputs, counters_of(engine), _evidence(engine), events=events.records)
 
     def block_manager_factory(self):
         """Fresh block managers for the stateful refcount machine (conformance check 5)."""
@@ -196,7 +201,7 @@ class ReferenceAdapter(EngineAdapter):
         engine = self.build_engine(knobs)
         requests = getattr(workload, "requests", workload)
         drive(_Steppable(engine), requests, recorder, concurrency=getattr(workload, "concurrency", None),
-              progress=progress, step_seconds=step_seconds)
+              progress=progress, step_seconds=step_seconds, liveness=self.liveness)
         recorder.set_counters(counters_of(engine))
 
 
@@ -220,6 +225,61 @@ def counters_of(engine) -> Counters:
     values["num_gpu_blocks"] = stats["num_gpu_blocks"]
     values["num_cpu_blocks"] = stats["num_cpu_blocks"]
     return Counters.from_dict(values)
+
+
+def sampling_params_of(request: GenRequest):
+    """The reference engine's SamplingParams for a GenRequest."""
+    from reference_engine import SamplingParams
+
+    return SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_k=request.top_k,
+                          top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos,
+                          stop_token_ids=tuple(request.stop_token_ids))
+
+
+def _work_done(engine) -> int:
+    """Tokens computed plus tokens sampled so far: grows with every step that did anything."""
+    stats = engine.stats()
+    return int(stats.get("num_computed_tokens", 0)) + int(stats.get("num_generated_tokens", 0))
+
+
+def _request_states(engine) -> dict[str, str]:
+    """Every unfinished request's state, in words the watchdog's error shows."""
+    return {rid: f"{r.status.value}, {r.num_computed_tokens}/{r.num_tokens} tokens computed, "
+                 f"{len(r.output_token_ids)}/{r.sampling_params.max_tokens} generated"
+            for rid, r in engine.scheduler.requests.items()}
+
+
+# engine event kind -> the data keys of kvbench.core.events it carries
+_EVENT_KEYS = {"admitted": ("cached_tokens", "resumed"), "preempted": ("mode", "tokens_discarded"),
+               "swapped_out": ("bytes",), "swapped_in": ("bytes",), "finished": ("reason",), "aborted": ("state",)}
+
+
+class _EventCollector:
+    """Every engine event of one run as :class:`~kvbench.core.events.EventRecord` s, taken from an
+    event sink as it is recorded (the engine's own log is bounded). A ``preempted`` record also gets
+    ``running``: the requests running when the victim was chosen, in admission order (the scheduler
+    has already taken the victim off its running list when it records the event, so it is put back
+    by its admission number)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.records: list[EventRecord] | None = None
+        add_sink = getattr(engine.events, "add_sink", None)
+        if callable(add_sink):
+            self.records = []
+            add_sink(self._take)
+
+    def _take(self, event) -> None:
+        keys = _EVENT_KEYS.get(event.kind)
+        if keys is None:
+            return
+        data = {k: event.data[k] for k in keys if k in event.data}
+        if event.kind == "preempted":
+            scheduler = self.engine.scheduler
+            victim = scheduler.requests.get(event.request_id)
+            running = list(scheduler.running) + ([victim] if victim is not None else [])
+            data["running"] = tuple(r.request_id for r in sorted(running, key=lambda r: r.admitted_seq))
+        self.records.append(EventRecord(event.kind, event.request_id, event.step, data))
 
 
 def _evidence(engine, limit: int = 20) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.conformance.prove import BLOCK_SIZE, PRESSURED_BLOCKS, ROOMY_BLOCKS, model_vocab, prove
+from kvbench.conformance.prove import BLOCK_SIZE, PRESSURED_BLOCKS, ROOMY_BLOCKS, model_vocab, prove, require_knobs
 from kvbench.engines.base import GenRequest, Knobs
 from kvbench.plugin import require
 
@@ -54,6 +54,7 @@ def test_over_long_prompt_is_refused_and_others_are_served(engine, model_dir, re
 
 
 def test_request_larger_than_the_pool_is_refused_and_others_are_served(engine, requests_greedy, truth):
+    require_knobs(engine, "num_gpu_blocks", "block_size")
     small = [r for r, t in zip(requests_greedy, truth.outputs, strict=True)
              if len(r.prompt_token_ids) + r.max_tokens <= 4 * BLOCK_SIZE][:6]
     assert small, "the request set has no small requests"
@@ -80,6 +81,7 @@ def test_exhausted_swap_space_falls_back_to_recompute(engine, requests_greedy, t
 @pytest.mark.parametrize(("knob", "value"), [("block_size", 3), ("num_gpu_blocks", -1), ("max_num_seqs", 0),
                                              ("preemption_mode", "teleport")])
 def test_invalid_configuration_names_the_field(knob, value, engine, requests_greedy):
+    require_knobs(engine, knob)
     knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=ROOMY_BLOCKS).merged(Knobs(**{knob: value}))
     with pytest.raises(Exception) as info:  # any exception type, but it must name the field
         engine.generate(requests_greedy[:2], knobs)

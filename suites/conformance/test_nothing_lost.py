@@ -1,5 +1,6 @@
 """Check 6: nothing lost. Under storms with random aborts, in every mode, every request finishes
-exactly once with a finish reason, unaborted ones get all their tokens, and no block leaks."""
+exactly once with a finish reason, unaborted ones get all their tokens, the aborts provably
+happened in the engine, and no block leaks (wherever the engine exposes its blocks)."""
 
 from __future__ import annotations
 
@@ -37,14 +38,27 @@ def test_every_request_finishes_exactly_once(mode, engine, model_dir):
     assert set(trace.requests) == {r.request_id for r in workload.requests}, "requests went missing"
     unfinished = [rid for rid, r in trace.requests.items() if r.finished is None or r.finish_reason is None]
     assert not unfinished, f"never finished: {unfinished}"
+    twice = trace.finished_more_than_once()
+    assert not twice, f"finished more than once (request: finishes): {twice}"
     by_id = {r.request_id: r for r in workload.requests}
     short = [rid for rid, r in trace.requests.items()
              if r.finish_reason != "abort" and len(r.token_times) != by_id[rid].max_tokens]
     assert not short, f"finished without all their tokens: {short}"
     assert all(r.finish_reason in ("length", "stop", "abort") for r in trace.requests.values())
-    preemptions = trace.counters.get("preemptions_recompute", 0) + trace.counters.get("preemptions_swap", 0)
+    # The aborts must have happened in the engine, not merely been asked for: the engine's own finish
+    # reasons say so, and its abort counter (where exposed) agrees with them.
+    aborted = sorted(rid for rid, r in trace.requests.items() if r.finish_reason == "abort")
+    assert aborted, (f"the workload asked for {sum(r.abort_at is not None for r in workload.requests)} aborts but "
+                     f"{engine.name} finished no request as aborted: the aborts never reached the engine")
+    if "aborts" in trace.counters:
+        assert trace.counters["aborts"] == len(aborted), \
+            f"aborts counter {trace.counters['aborts']} but {len(aborted)} requests finished aborted"
+    if "leaked_blocks" in trace.counters:
+        assert trace.counters["leaked_blocks"] == 0, \
+            f"{trace.counters['leaked_blocks']} blocks are still held after every request finished"
+    elif "block_introspection" in engine.capabilities:
+        pytest.fail(f"{engine.name} exposes its blocks but no leaked_blocks counter: the pool cannot be proved whole")
     if "preemptions_recompute" not in trace.counters and "preemptions_swap" not in trace.counters:
         pytest.skip(f"{engine.name} exposes no preemption counter: cannot prove the storm preempted anything")
+    preemptions = trace.counters.get("preemptions_recompute", 0) + trace.counters.get("preemptions_swap", 0)
     assert preemptions > 0, "the storm preempted nothing: this check proved nothing"
-    if "leaked_blocks" in trace.counters:
-        assert trace.counters["leaked_blocks"] == 0, "blocks are still held after every request finished"

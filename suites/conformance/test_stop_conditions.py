@@ -1,0 +1,67 @@
+"""Check 10: stop conditions under pressure. EOS (when not ignored), ``stop_token_ids`` and
+``max_tokens`` each end every request at the same token, with the same finish reason, as an
+unpressured run and as the ground truth, while recompute preemptions provably happen."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbench.conformance.prove import (
+    BLOCK_SIZE,
+    ROOMY_BLOCKS,
+    assert_conforms,
+    compare_outputs,
+    prove,
+)
+from kvbench.conformance.stops import CONDITIONS, eos_prompts, eos_requests, stop_token_requests
+from kvbench.engines.base import Knobs
+from kvbench.plugin import require
+
+pytestmark = pytest.mark.conformance
+
+#: tighter than PRESSURED_BLOCKS: requests that stop early leave less pressure behind, yet the largest
+#: request (15 blocks of 16 tokens) still fits alone
+TIGHT_BLOCKS = 16
+
+
+def _requests_for(condition, requests_greedy, truth, truth_engine):
+    if condition == "max_tokens":
+        return list(requests_greedy)
+    if condition == "stop_token_ids":
+        return stop_token_requests(requests_greedy, truth)
+    from kvbench.engines.hf import eos_token_ids
+
+    model = truth_engine.model
+    eos = eos_token_ids(model)
+    if not eos:
+        pytest.skip("the model has no EOS token")
+    return eos_requests(requests_greedy, eos_prompts(model, requests_greedy, eos))
+
+
+def _same_finish(label, got, want) -> list[str]:
+    return [f"{label}: {g.request_id} finished with {g.finish_reason!r} after {len(g.token_ids)} tokens, expected "
+            f"{w.finish_reason!r} after {len(w.token_ids)}"
+            for g, w in zip(got.outputs, want.outputs, strict=True)
+            if g.finish_reason != w.finish_reason and g.token_ids[:len(w.token_ids)] == w.token_ids[:len(g.token_ids)]]
+
+
+@pytest.mark.parametrize("condition", CONDITIONS)
+def test_stop_condition_holds_under_pressure(condition, engine, requests_greedy, truth, truth_engine, near_ties):
+    require(engine, "recompute", *(("stop_token_ids",) if condition == "stop_token_ids" else ()))
+    requests = _requests_for(condition, requests_greedy, truth, truth_engine)
+    want = truth_engine.generate(requests)
+    reason = "length" if condition == "max_tokens" else "stop"
+    fired = sum(o.finish_reason == reason for o in want.outputs)
+    if fired == 0:
+        pytest.skip(f"no ground-truth request ended by {condition}: nothing would prove the engine honours it")
+    calm = engine.generate(requests, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=ROOMY_BLOCKS))
+    stormy = engine.generate(requests, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=TIGHT_BLOCKS,
+                                             preemption_mode="recompute"))
+    prove(stormy, engine, "preemptions_recompute", "recompute preemption")
+    problems = _same_finish("unpressured vs ground truth", calm, want) + \
+        _same_finish("pressured vs ground truth", stormy, want) + _same_finish("pressured vs unpressured", stormy, calm)
+    assert not problems, f"{condition}: finish reasons differ:\n" + "\n".join(problems[:10])
+    margins = truth_engine.top2_margins
+    for label, result in (("unpressured", calm), ("pressured", stormy)):
+        assert_conforms(compare_outputs(engine, result, want, requests, margins, f"{engine.name} {condition} {label}"),
+                        near_ties)

@@ -1,0 +1,214 @@
+"""Every conformance check fails on an engine broken in exactly the way the check is about.
+
+Each case runs the suite's own test function (``suites/conformance``), called directly with a
+:class:`~kvbench.conformance.faults.FaultyReferenceAdapter` as the engine, and expects it to fail
+with the message that names the broken property. A skip counts as a defect here: the check must
+catch the fault, not step aside. Check 5 (the refcount state machine) is shown failing on broken
+block managers in ``tests/test_stateful.py::test_machine_catches_a_broken_manager``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from _pytest.outcomes import Failed, Skipped
+
+from kvbench.checkpoints import builtin_checkpoint
+from kvbench.conformance.prove import conformance_requests
+from kvbench.core.liveness import DriverWatchdog, Liveness, LivenessError, Watchdog
+from kvbench.engines.registry import make_adapter, parse_engine_spec
+from suites.conformance import (
+    test_bad_input,
+    test_equivalence,
+    test_metrics_truth,
+    test_nothing_lost,
+    test_stop_conditions,
+    test_victim,
+)
+
+FAULTY = "kvbench.conformance.faults:FaultyReferenceAdapter"
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(builtin_checkpoint("tiny"))
+
+
+@pytest.fixture(scope="module")
+def requests_greedy(model_dir):
+    return conformance_requests(model_dir)
+
+
+@pytest.fixture(scope="module")
+def truth_engine(model_dir):
+    adapter = make_adapter(parse_engine_spec("hf"), model_dir)
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture(scope="module")
+def truth(truth_engine, requests_greedy):
+    return truth_engine.generate(requests_greedy)
+
+
+def faulty(fault: str, model_dir: str, **options: str):
+    extra = "".join(f",{k}={v}" for k, v in options.items())
+    return make_adapter(parse_engine_spec(f"{FAULTY}:fault={fault}{extra}"), model_dir)
+
+
+def assert_fails(check: Callable[..., Any], match: str, **kwargs: Any) -> str:
+    """Run ``check``; it must fail (assertion, pytest.fail, LivenessError) with ``match`` in its message."""
+    try:
+        check(**kwargs)
+    except (AssertionError, Failed, LivenessError) as e:
+        message = str(e)
+        assert re.search(match, message), f"the check failed, but not for the broken property: {message[:600]}"
+        return message
+    except Skipped as e:
+        pytest.fail(f"the check skipped instead of failing on the broken engine: {e}")
+    pytest.fail("the check passed on an engine broken in exactly the way it is about")
+
+
+# ----------------------------------------------------------------------------------- checks 1-4, 7, 8
+def test_recompute_equivalence_fails_when_recompute_corrupts_output(model_dir, truth, requests_greedy, truth_engine):
+    assert_fails(test_equivalence.test_recompute_preemption_equivalence, r"differ from the ground truth",
+                 engine=faulty("corrupts_recomputed_output", model_dir), truth=truth, requests_greedy=requests_greedy,
+                 truth_engine=truth_engine, near_ties=[])
+
+
+def test_swap_round_trip_fails_when_swap_in_scrambles_blocks(model_dir, requests_greedy):
+    assert_fails(test_equivalence.test_swapped_blocks_survive_the_round_trip_byte_for_byte, r"changed in transit",
+                 engine=faulty("scrambles_swap_in", model_dir), requests_greedy=requests_greedy)
+
+
+def test_prefix_caching_check_fails_when_caching_is_silently_off(model_dir, requests_greedy, truth, truth_engine):
+    assert_fails(test_equivalence.test_recompute_after_preemption_reuses_cached_blocks,
+                 r"prefix-cache hit on resume did not happen", engine=faulty("ignores_prefix_caching", model_dir),
+                 requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine, near_ties=[])
+
+
+def test_chunked_prefill_check_fails_when_the_budget_is_ignored(model_dir, truth, requests_greedy, truth_engine):
+    assert_fails(test_equivalence.test_chunked_prefill_equivalence, r"chunked prefill did not happen", budget=16,
+                 engine=faulty("ignores_token_budget", model_dir), truth=truth, requests_greedy=requests_greedy,
+                 truth_engine=truth_engine, near_ties=[])
+
+
+def test_seeded_sampling_check_fails_when_seeds_are_ignored(model_dir):
+    assert_fails(test_equivalence.test_seeded_sampling_is_reproducible_across_preemption,
+                 r"seeded sampling changed|another seed gave the same tokens", mode="recompute",
+                 engine=faulty("ignores_seed", model_dir), model_dir=model_dir)
+
+
+def test_bad_input_check_fails_when_a_refusal_does_not_say_why(model_dir, requests_greedy, truth):
+    assert_fails(test_bad_input.test_request_larger_than_the_pool_is_refused_and_others_are_served,
+                 r"does not mention 'blocks'", engine=faulty("vague_rejection", model_dir),
+                 requests_greedy=requests_greedy, truth=truth)
+
+
+# ----------------------------------------------------------------------------------- check 6
+@pytest.mark.parametrize(("fault", "match"), [
+    ("never_aborts", r"aborts never reached the engine"),
+    ("finishes_twice", r"finished more than once"),
+    ("leaks_block", r"blocks are still held"),
+])
+def test_nothing_lost_fails(fault, match, model_dir):
+    assert_fails(test_nothing_lost.test_every_request_finishes_exactly_once, match, mode="recompute",
+                 engine=faulty(fault, model_dir), model_dir=model_dir)
+
+
+# ----------------------------------------------------------------------------------- check 9: victims
+@pytest.mark.parametrize(("policy", "fault", "match"), [
+    ("fcfs", "fcfs_oldest_victim", r"FCFS must preempt the latest admitted"),
+    ("priority", "priority_most_important_victim", r"priority policy must preempt the least important"),
+])
+def test_victim_check_fails_on_the_wrong_victim(policy, fault, match, model_dir, requests_greedy):
+    assert_fails(test_victim.test_preemption_victim_follows_the_policy, match, policy=policy,
+                 engine=faulty(fault, model_dir), requests_greedy=requests_greedy)
+
+
+# ----------------------------------------------------------------------------------- stop conditions
+@pytest.mark.parametrize(("condition", "fault"), [("stop_token_ids", "ignores_stop_token_ids"), ("eos", "ignores_eos")])
+def test_stop_condition_check_fails_when_the_condition_is_ignored(condition, fault, model_dir, requests_greedy, truth,
+                                                                 truth_engine):
+    assert_fails(test_stop_conditions.test_stop_condition_holds_under_pressure,
+                 r"(?s)finish reasons differ.*expected 'stop'", condition=condition, engine=faulty(fault, model_dir),
+                 requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine, near_ties=[])
+
+
+# ----------------------------------------------------------------------------------- metrics truth
+@pytest.mark.parametrize(("mode", "fault", "match"), [
+    ("recompute+prefix", "recomputed_counter_frozen", r"recomputed_tokens=0 but the tokens discarded"),
+    ("swap", "preemptions_without_swaps", r"reports 0 preemptions but the events show 1"),
+])
+def test_metrics_truth_fails_on_a_lying_counter(mode, fault, match, model_dir, requests_greedy):
+    assert_fails(test_metrics_truth.test_counters_agree_with_events_and_outputs, match, mode=mode,
+                 engine=faulty(fault, model_dir), requests_greedy=requests_greedy)
+
+
+# ----------------------------------------------------------------------------------- liveness
+def test_a_livelocked_engine_fails_its_check_quickly_naming_the_stuck_requests(model_dir, truth, requests_greedy,
+                                                                              truth_engine):
+    started = time.monotonic()
+    message = assert_fails(test_equivalence.test_recompute_preemption_equivalence,
+                           r"no token and no state change for 200 steps", engine=faulty("livelock", model_dir),
+                           truth=truth, requests_greedy=requests_greedy, truth_engine=truth_engine, near_ties=[])
+    assert re.search(r"r00\d\d \((running|waiting)", message), message
+    assert time.monotonic() - started < 30, "the watchdog took too long to call it"
+
+
+def test_the_driver_watchdog_names_stuck_requests_of_a_timed_run(model_dir):
+    """The same fault under ``serve`` (kvbench.core.stepping.drive), with a smaller step limit."""
+    engine = faulty("livelock", model_dir)
+    engine.liveness = Liveness(stall_steps=50, stall_seconds=None)
+    message = assert_fails(test_nothing_lost.test_every_request_finishes_exactly_once, r"for 50 steps.*stuck",
+                           mode="recompute", engine=engine, model_dir=model_dir)
+    assert re.search(r"\((waiting|running|preempted)", message), message
+
+
+def test_watchdog_counts_steps_and_seconds_without_progress():
+    now = [0.0]
+    dog = Watchdog(Liveness(stall_steps=3, stall_seconds=10.0), clock=lambda: now[0])
+    dog.observe(5, {"a": "running"})
+    dog.observe(6, {"a": "running"})  # work: progress
+    dog.observe(6, {"a": "waiting"})  # a state change: progress
+    dog.observe(6, {"a": "waiting"})
+    dog.observe(6, {"a": "waiting"})
+    with pytest.raises(LivenessError, match=r"for 3 steps.*a \(waiting\)") as info:
+        dog.observe(6, {"a": "waiting"})
+    assert info.value.stuck == {"a": "waiting"}
+    slow = Watchdog(Liveness(stall_steps=None, stall_seconds=10.0, deadline=100.0), clock=lambda: now[0])
+    slow.observe(1, {"b": "running"})
+    now[0] = 11.0
+    with pytest.raises(LivenessError, match=r"for 11.0 s"):
+        slow.observe(1, {"b": "running"})
+    now[0] = 0.0
+    late = Watchdog(Liveness(deadline=100.0), clock=lambda: now[0])
+    now[0] = 101.0
+    with pytest.raises(LivenessError, match="deadline of 100 s"):
+        late.observe(1, {})
+
+
+def test_driver_watchdog_follows_states_from_step_reports():
+    from kvbench.core.stepping import StepReport
+    from kvbench.core.trace import StepRecord
+
+    dog = DriverWatchdog(Liveness(stall_steps=2, stall_seconds=None))
+    dog.submitted("x")
+    dog.saw_step(StepReport({}, {}, ["x"], [], [], StepRecord(0, 0, 1, 0, num_prefill_tokens=16)))
+    assert dog.states == {"x": "running"}
+    dog.saw_step(StepReport({}, {}, [], [("x", "swap")], [], StepRecord(0, 0, 0, 0)))
+    dog.abort_sent("x")
+    assert dog.states == {"x": "preempted (swap), abort requested"}
+    dog.saw_step(StepReport({}, {}, [], [], [], StepRecord(0, 0, 0, 0)))
+    with pytest.raises(LivenessError, match=r"x \(preempted \(swap\), abort requested\)"):
+        dog.saw_step(StepReport({}, {}, [], [], [], StepRecord(0, 0, 0, 0)))
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "3"])
+def test_liveness_limits_are_validated_naming_the_field(value):
+    with pytest.raises(ValueError, match=r"Liveness\.stall_steps"):
+        Liveness(stall_steps=value)

@@ -1,0 +1,129 @@
+"""Expected failures: the TOML file is validated, entries match engine kind, check id and installed
+versions, and in a pytest run they become strict xfails whose fix is reported as "now passes"."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbench.conformance.expectations import (
+    SHIPPED,
+    Expectation,
+    ExpectationsError,
+    load_expectations,
+    matching,
+)
+
+pytest_plugins = ["pytester"]
+
+ENTRY = '''
+[[expected_failure]]
+engine = "{engine}"
+check = "{check}"
+reason = "upstream bug {check}"
+reproduction = "python repro.py {check}"
+{extra}
+'''
+
+
+def write(tmp_path, *entries: dict[str, str]) -> str:
+    path = tmp_path / "expect.toml"
+    path.write_text("".join(ENTRY.format(**{"extra": "", **e}) for e in entries))
+    return str(path)
+
+
+def test_entries_are_read_with_their_fields(tmp_path):
+    path = write(tmp_path, {"engine": "hf-cb", "check": "over_long*", "extra": 'versions = { transformers = ">=5.0" }'})
+    [e] = load_expectations(path)
+    assert (e.engine, e.check, e.reason, e.reproduction, e.versions) == (
+        "hf-cb", "over_long*", "upstream bug over_long*", "python repro.py over_long*", {"transformers": ">=5.0"})
+    assert e.source == path
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ('[[expected_failure]]\nengine = "x"\ncheck = "c"\nreason = "r"\n', "reproduction"),
+    ('[[expected_failure]]\nengine = ""\ncheck = "c"\nreason = "r"\nreproduction = "p"\n', "engine"),
+    ('[[expected_failure]]\nengine = "x"\ncheck = "c"\nreason = "r"\nreproduction = "p"\nwhy = 1\n', "why"),
+    ('[[expected_failure]]\nengine = "x"\ncheck = "c"\nreason = "r"\nreproduction = "p"\n'
+     'versions = { transformers = "five" }\n', "versions.transformers"),
+    ('[expected]\n', "expected"),
+    ('not toml = = 1', "not valid TOML"),
+])
+def test_a_malformed_file_is_refused_naming_the_field(tmp_path, text, field):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ExpectationsError, match=field):
+        load_expectations(path)
+
+
+def test_matching_by_kind_check_variant_and_version():
+    e = Expectation("hf-cb", "chunked_prefill_equivalence", "r", "p", {"transformers": ">=5.24,<5.26"})
+    versions = {"transformers": "5.24.0"}.get
+    assert e.applies("hf-cb", "chunked_prefill_equivalence[16]", versions)  # a bare name matches every variant
+    assert not e.applies("reference", "chunked_prefill_equivalence[16]", versions)
+    assert not e.applies("hf-cb", "recompute_preemption_equivalence", versions)
+    assert not e.applies("hf-cb", "chunked_prefill_equivalence", {"transformers": "5.26.1"}.get)  # fixed upstream?
+    assert not e.applies("hf-cb", "chunked_prefill_equivalence", {}.get)  # not installed
+    assert matching([e], "hf-cb", "chunked_prefill_equivalence[64]", versions) is e
+
+
+def test_the_shipped_files_load_and_name_checks_that_exist():
+    from pathlib import Path
+
+    suites = Path(__file__).parent.parent / "suites" / "conformance"
+    sources = "".join(p.read_text() for p in suites.glob("test_*.py"))
+    files = sorted(SHIPPED.glob("*.toml"))
+    assert {f.stem for f in files} >= {"hf", "hf-cb"}
+    for f in files:
+        for e in load_expectations(f):
+            assert e.engine == f.stem
+            assert f"def test_{e.check}(" in sources, f"{f.name}: no conformance test named {e.check}"
+
+
+SUITE = '''
+import pytest
+pytestmark = pytest.mark.conformance
+
+def test_known_bug(engine_spec):
+    assert False, "the upstream bug"
+
+def test_fixed_bug(engine_spec):
+    pass
+
+def test_needs_a_capability(engine_spec):
+    pytest.skip("reference lacks capability teleport")
+
+def test_healthy(engine_spec):
+    pass
+'''
+
+
+def test_listed_failures_pass_the_run_and_are_printed(pytester, tmp_path):
+    pytester.makepyfile(test_suite=SUITE)
+    path = write(tmp_path, {"engine": "reference", "check": "known_bug"},
+                 {"engine": "reference", "check": "needs_a_capability"})
+    result = pytester.runpytest_subprocess("--engine", "reference", "--kvbench-expectations", path, "-p",
+                                           "no:cacheprovider")
+    result.assert_outcomes(passed=2, xfailed=1, skipped=1)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*kvbench expected failures*", "*expected failure*test_known_bug*upstream bug "
+                                 "known_bug (reproduce: python repro.py known_bug)*"])
+
+
+def test_a_fixed_bug_fails_the_run_saying_to_remove_it(pytester, tmp_path):
+    pytester.makepyfile(test_suite=SUITE)
+    path = write(tmp_path, {"engine": "reference", "check": "fixed_bug"},
+                 {"engine": "hf", "check": "known_bug"})  # another kind's entry does not apply
+    result = pytester.runpytest_subprocess("--engine", "reference", "--kvbench-expectations", path, "-p",
+                                           "no:cacheprovider", "-rf")
+    result.assert_outcomes(passed=1, failed=2, skipped=1)
+    result.stdout.fnmatch_lines([f"*now passes: remove it from the expectations file {path}*",
+                                 "*NOW PASSES*test_fixed_bug*"])
+
+
+def test_a_bad_expectations_file_is_a_usage_error(pytester, tmp_path):
+    pytester.makepyfile(test_suite=SUITE)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[expected_failure]]\nengine = "reference"\n')
+    result = pytester.runpytest_subprocess("--kvbench-expectations", str(bad))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kvbench-expectations*field 'check' must be a non-empty string*"])
