@@ -2,7 +2,8 @@
 
 Options (group "kvbench")::
 
-    --engine KIND[:KEY=VALUE,...]   engine under test, repeatable (default: reference)
+    --engine KIND[:KEY=VALUE,...]   engine under test, repeatable (default: reference); also
+             MODULE:CLASS[:KEY=VALUE,...] for an adapter class that is not registered as a kind
     --benchmark                     also run the storm benchmarks and write a report
     --benchmark-scale quick|full    benchmark size (default quick)
     --report-dir DIR                where runs are written (default reports/)
@@ -17,6 +18,16 @@ Options (group "kvbench")::
 Fixtures: ``kvbench_session``, ``engine_spec`` (parametrised over ``--engine``), ``engine`` (an
 adapter, one per spec per session), ``model_dir``, ``kvbench_results``. Markers: ``conformance``,
 ``benchmark`` (skipped without ``--benchmark``), ``gpu`` (skipped without CUDA).
+
+Every ``--engine`` is checked when the options are parsed (kind, keys, and values through the adapter's
+``validate_options``), so a bad spec is a usage error before any test runs.
+
+Conformance results are data: each test marked ``conformance`` and parametrised over ``engine_spec``
+leaves one record (engine, check, outcome, the counters ``prove()`` saw, near-ties, the reason, the
+engine options its knobs overrode) in ``results.json`` under ``"conformance"``; see
+:func:`conformance_record`. Without ``--benchmark`` the run writes ``<report-dir>/<run>/results.json``
+with those records alone. The evidence also rides on each test's ``user_properties``, so
+``--junitxml`` carries it as properties.
 """
 
 from __future__ import annotations
@@ -28,7 +39,8 @@ from typing import Any
 
 import pytest
 
-from kvbench.engines.registry import EngineSpec, EngineSpecError, make_adapter, parse_engine_spec
+from kvbench.core.evidence import collecting, evidence_of
+from kvbench.engines.registry import EngineSpec, EngineSpecError, adapter_class, make_adapter, parse_engine_spec
 
 SCALES = ("quick", "full")
 _SESSION_KEY = pytest.StashKey["KvbenchSession"]()
@@ -56,6 +68,8 @@ class KvbenchSession:
     gate_noise_k: float = 3.0
     verdict: Any = None  # kvbench.bench.gate.Verdict when --baseline was given
     near_ties: list[str] = field(default_factory=list)  # conformance divergences excused as near-ties
+    conformance: dict[str, dict[str, Any]] = field(default_factory=dict)  # nodeid -> record, in run order
+    results_path: Path | None = None  # where results.json was written (with or without a report)
 
     def get_results(self):
         if self.results is None:
@@ -68,7 +82,9 @@ class KvbenchSession:
 def add_options(group: Any) -> None:
     """The kvbench options; shared by the plugin and the CLI (both use argparse-style ``addoption``)."""
     group.addoption("--engine", action="append", default=None, metavar="KIND[:KEY=VALUE,...]",
-                    help="engine under test, repeatable (default: reference). Kinds: reference, hf, hf-cb")
+                    help="engine under test, repeatable (default: reference). Kinds: reference, hf, hf-cb and "
+                         "any registered in the 'kvbench.engines' entry-point group; or MODULE:CLASS[:KEY=VALUE,...] "
+                         "for an EngineAdapter subclass")
     group.addoption("--benchmark", action="store_true", default=False,
                     help="run the storm benchmarks too and write <report-dir>/<run>/report.html")
     group.addoption("--benchmark-scale", choices=SCALES, default="quick",
@@ -129,12 +145,13 @@ def pytest_configure(config: pytest.Config) -> None:
     baseline = config.getoption("baseline")
     if baseline and not Path(baseline).is_file():
         raise pytest.UsageError(f"--baseline {baseline}: no such file")
-    config.stash[_SESSION_KEY] = KvbenchSession(
+    ks = config.stash[_SESSION_KEY] = KvbenchSession(
         engine_specs=specs, benchmark=config.getoption("benchmark"), scale=config.getoption("benchmark_scale"),
         report_dir=Path(config.getoption("report_dir")), baseline=Path(baseline) if baseline else None,
         thresholds=list(thresholds or []), slos=slos, model=config.getoption("kvbench_model"),
         run_name=_dt.datetime.now().strftime("%Y%m%d-%H%M%S"), repeats=repeats,
         gate_absolute=config.getoption("gate_absolute"), gate_noise_k=noise_k)
+    config.pluginmanager.register(ConformanceRecorder(ks), "kvbench-conformance-recorder")
 
 
 def session_of(config: pytest.Config) -> KvbenchSession:
@@ -168,6 +185,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 has_cuda = _cuda_available()
             if not has_cuda:
                 item.add_marker(skip_gpu)
+        spec = _engine_spec_of(item)
+        if spec is not None and item.get_closest_marker("conformance"):
+            # identity first, so every phase's report (and --junitxml) says which engine and check it is
+            item.user_properties += [(ENGINE_PROPERTY, spec.name), (CHECK_PROPERTY, check_id(item))]
 
 
 # ---------------------------------------------------------------------------------------- fixtures
@@ -207,15 +228,239 @@ def require(engine: Any, *capabilities: str) -> None:
         pytest.skip(f"{engine.name} lacks capability {', '.join(missing)}")
 
 
+# ------------------------------------------------------------------------- conformance as data
+ENGINE_PROPERTY, CHECK_PROPERTY = "kvbench.engine", "kvbench.check"
+OVERRIDES_PROPERTY, NEAR_TIES_PROPERTY = "kvbench.knob_overrides", "kvbench.near_ties"
+
+
+def _engine_spec_of(item: pytest.Item) -> EngineSpec | None:
+    callspec = getattr(item, "callspec", None)
+    spec = callspec.params.get("engine_spec") if callspec is not None else None
+    return spec if isinstance(spec, EngineSpec) else None
+
+
+def check_id(item: pytest.Item) -> str:
+    """The check a conformance test is: ``@pytest.mark.conformance(check="...")`` if given, else the test
+    function's name without ``test_``; parameters other than the engine follow in brackets
+    (``chunked_prefill_equivalence[16]``), so each variant is its own row of the engine x check matrix."""
+    marker = item.get_closest_marker("conformance")
+    name = (marker.kwargs.get("check") if marker is not None else None) or \
+        getattr(item, "originalname", item.name).removeprefix("test_")
+    callspec = getattr(item, "callspec", None)
+    params = [v for k, v in (callspec.params.items() if callspec is not None else ()) if k != "engine_spec"]
+    return f"{name}[{'-'.join(map(str, params))}]" if params else name
+
+
+def _properties(item: pytest.Item | pytest.TestReport) -> dict[str, Any]:
+    return {name: value for name, value in item.user_properties if isinstance(name, str)}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Collect what a conformance test proved (prove()'s counters, overridden options) on its item."""
+    if CHECK_PROPERTY not in _properties(item):
+        return (yield)
+    with collecting(item.user_properties) as collector:
+        item.stash[_COLLECTOR_KEY] = collector
+        return (yield)
+
+
+_COLLECTOR_KEY = pytest.StashKey[Any]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    ks = item.config.stash.get(_SESSION_KEY, None)
+    collector = item.stash.get(_COLLECTOR_KEY, None)
+    near_ties_before = len(ks.near_ties) if ks is not None else 0
+    try:
+        return (yield)
+    finally:
+        # the call's report is made after this returns, so these reach it (and --junitxml, and xdist)
+        if collector is not None:
+            item.user_properties.append((OVERRIDES_PROPERTY, {k: list(v) for k, v in
+                                                              collector.knob_overrides.items()}))
+            item.user_properties.append((NEAR_TIES_PROPERTY,
+                                         len(ks.near_ties) - near_ties_before if ks is not None else 0))
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _reason(report: pytest.TestReport) -> str | None:
+    longrepr = report.longrepr
+    if longrepr is None:
+        return None
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, "Skipped: why")
+        return _one_line(str(longrepr[2]).removeprefix("Skipped: "))
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None and getattr(crash, "message", None):
+        return _one_line(crash.message)
+    return _one_line(str(longrepr))
+
+
+def _outcome(report: pytest.TestReport) -> tuple[str, str | None] | None:
+    """(outcome, reason) this phase settles, or None when it settles nothing (a passed setup/teardown)."""
+    xfail_reason = getattr(report, "wasxfail", None)
+    if report.when == "teardown":
+        return ("error", _reason(report)) if report.failed else None
+    if report.when == "setup" and report.passed:
+        return None
+    if report.passed:
+        return ("xpassed", f"XPASS: {xfail_reason}".rstrip(": ")) if xfail_reason is not None else ("passed", None)
+    if report.skipped:
+        return ("xfailed", xfail_reason or None) if xfail_reason is not None else ("skipped", _reason(report))
+    if report.when == "setup":
+        return "error", _reason(report)
+    if str(report.longrepr).startswith("[XPASS(strict)]"):  # an expected failure that now passes
+        return "xpassed", _one_line(str(report.longrepr))
+    return "failed", _reason(report)
+
+
+def conformance_record(report: pytest.TestReport, kind: str | None) -> dict[str, Any] | None:
+    """The results.json record this report settles (schema: kvbench.bench.results), or None."""
+    props = _properties(report)
+    if CHECK_PROPERTY not in props:
+        return None
+    settled = _outcome(report)
+    if settled is None:
+        return None
+    return {"engine": props[ENGINE_PROPERTY], "kind": kind, "check": props[CHECK_PROPERTY], "nodeid": report.nodeid,
+            "outcome": settled[0], "evidence": evidence_of(report.user_properties),
+            "near_ties": int(props.get(NEAR_TIES_PROPERTY, 0)), "reason": settled[1],
+            "knob_overrides": dict(props.get(OVERRIDES_PROPERTY) or {})}
+
+
+def _adapter_kind(ks: KvbenchSession, engine: str) -> str | None:
+    spec = next((s for s in ks.engine_specs if s.name == engine), None)
+    if spec is None:
+        return None
+    try:
+        return adapter_class(spec.kind).kind or spec.kind
+    except EngineSpecError:
+        return spec.kind
+
+
+class ConformanceRecorder:
+    """Keeps each conformance test's outcome in the session, from its reports (registered in
+    ``pytest_configure``; on an xdist controller too, since reports carry the properties)."""
+
+    def __init__(self, ks: KvbenchSession):
+        self.ks = ks
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if CHECK_PROPERTY not in _properties(report):
+            return
+        record = conformance_record(report, _adapter_kind(self.ks, _properties(report)[ENGINE_PROPERTY]))
+        if record is None:
+            return
+        earlier = self.ks.conformance.get(report.nodeid)
+        if earlier is not None and report.when == "teardown":
+            # a teardown error after a settled call: keep what the call proved, say both
+            record["evidence"] = earlier["evidence"] or record["evidence"]
+            record["knob_overrides"] = earlier["knob_overrides"] or record["knob_overrides"]
+            record["reason"] = f"teardown error after {earlier['outcome']}: {record['reason']}"
+        self.ks.conformance[report.nodeid] = record
+
+
+# ------------------------------------------------------------------------------ expected failures
+_EXPECTATION_KEY = pytest.StashKey[Any]()
+
+
+class ExpectedFailures:
+    """Marks each conformance test an expectations entry names (engine kind, check id, installed
+    versions) as a strict xfail; rewrites a strict XPASS into "now passes: remove it"; keeps the
+    findings for the terminal summary. Registered only when ``--kvbench-expectations`` is given."""
+
+    def __init__(self, ks: KvbenchSession):
+        self.ks = ks
+
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        from kvbench.conformance.expectations import matching
+
+        for item in items:
+            spec = _engine_spec_of(item)
+            if spec is None or item.get_closest_marker("conformance") is None:
+                continue
+            kind = _adapter_kind(self.ks, spec.name) or spec.kind
+            expectation = matching(self.ks.expectations, kind, check_id(item))
+            if expectation is not None:
+                item.stash[_EXPECTATION_KEY] = expectation
+                item.add_marker(pytest.mark.xfail(reason=f"expected failure ({expectation.source}): "
+                                                         f"{expectation.reason}", strict=True))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: Any):
+        report = yield
+        expectation = item.stash.get(_EXPECTATION_KEY, None)
+        if expectation is None or report.when != "call":
+            return report
+        if report.failed and str(report.longrepr).startswith("[XPASS(strict)]"):
+            report.longrepr = (f"[XPASS(strict)] now passes: remove it from the expectations file "
+                               f"{expectation.source} (engine {expectation.engine!r}, check {expectation.check!r})")
+            self.ks.findings.append(f"NOW PASSES {item.nodeid}: remove {expectation.engine} / {expectation.check} "
+                                    f"from {expectation.source}")
+        elif getattr(report, "wasxfail", None) is not None and report.skipped:
+            self.ks.findings.append(f"expected failure {item.nodeid}: {expectation.describe()}")
+        return report
+
+
 # ------------------------------------------------------------------------------- end of session
 def _is_xdist_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
+def _add_conformance_to_results(ks: KvbenchSession) -> None:
+    """The session's conformance records, and the engines they name, into the run's results."""
+    if not ks.conformance:
+        return
+    results = ks.get_results()
+    for spec in ks.engine_specs:
+        if spec.name in {r["engine"] for r in ks.conformance.values()} and results.engine(spec.name) is None:
+            try:
+                cls = adapter_class(spec.kind)
+                kind, capabilities = cls.kind or spec.kind, sorted(cls.capabilities)
+            except EngineSpecError:
+                kind, capabilities = spec.kind, []
+            results.add_engine({"name": spec.name, "kind": kind, "options": dict(spec.options),
+                                "capabilities": capabilities})
+    for record in ks.conformance.values():
+        results.add_conformance(record)
+
+
+def _conformance_summary(tr: Any, ks: KvbenchSession) -> None:
+    tr.section("kvbench conformance")
+    by_engine: dict[str, dict[str, int]] = {}
+    for record in ks.conformance.values():
+        counts = by_engine.setdefault(record["engine"], {})
+        counts[record["outcome"]] = counts.get(record["outcome"], 0) + 1
+    for engine, counts in by_engine.items():
+        near = sum(r["near_ties"] for r in ks.conformance.values() if r["engine"] == engine)
+        tr.write_line(f"{engine}: " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+                      + (f" ({near} near-ties)" if near else ""))
+    overridden: dict[tuple[str, str, str], list[str]] = {}
+    for record in ks.conformance.values():
+        for knob, (given, used) in record["knob_overrides"].items():
+            overridden.setdefault((record["engine"], knob, str(given)), []).append(f"{record['check']} ({used})")
+    for (engine, knob, given), checks in overridden.items():
+        tr.write_line(f"{engine}: the checks' knob {knob} replaced the option value {given} in {len(checks)} "
+                      f"check(s): {', '.join(checks)}", yellow=True)
+    if ks.results_path is not None:
+        tr.write_line(f"conformance results: {ks.results_path} (key \"conformance\")")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     ks = config.stash.get(_SESSION_KEY, None)
-    if ks is None or ks.results is None or _is_xdist_worker(config) or not ks.results.scenarios:
+    if ks is None or _is_xdist_worker(config):
+        return
+    _add_conformance_to_results(ks)
+    if ks.results is None:
+        return
+    if not ks.results.scenarios:  # conformance only: results.json, no report to draw
+        ks.results_path = ks.results.save(ks.report_dir / ks.run_name / "results.json")
         return
     from kvbench.bench.results import Results
     from kvbench.report.render import write_index, write_report
@@ -228,6 +473,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             ks.gate_error = f"could not read --baseline {ks.baseline}: {e}"
     run_dir = ks.report_dir / ks.run_name
     ks.report_path = write_report(ks.results, run_dir, baseline=baseline)
+    ks.results_path = run_dir / "results.json"
     write_index(ks.report_dir)
     if baseline is not None:
         from kvbench.bench import gate
@@ -271,6 +517,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.section("kvbench near-ties (not failures: divergence where the ground truth's top-2 margin is tiny)")
         for line in ks.near_ties:
             tr.write_line(line)
+    if ks.conformance:
+        _conformance_summary(tr, ks)
     if ks.report_path is None:
         return
     tr.section("kvbench")

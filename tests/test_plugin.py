@@ -141,3 +141,165 @@ def test_benchmark_run_writes_results_report_and_index_then_gates_on_a_baseline(
     loose = pytester.runpytest_subprocess("--benchmark", "--report-dir", "out4", "--baseline", str(results),
                                           "--threshold", "throughput:-50%", "-p", "no:benchmark")
     assert loose.ret == 0
+
+
+# ------------------------------------------------------------------------------ conformance as data
+_CONFORMANCE_TESTS = """
+    import pytest
+    from kvbench.conformance.prove import prove
+    from kvbench.engines.base import GenResult
+
+    pytestmark = pytest.mark.conformance
+
+
+    class Engine:
+        name = "toy"
+
+
+    def test_proved(engine_spec):
+        prove(GenResult([], {"preemptions_recompute": 5}), Engine(), "preemptions_recompute", "recompute preemption")
+
+
+    def test_not_exposed(engine_spec):
+        prove(GenResult([]), Engine(), "swap_ins", "a swap-in")
+
+
+    def test_did_not_fire(engine_spec):
+        prove(GenResult([], {"prefix_cache_hits": 0}), Engine(), "prefix_cache_hits", "a prefix-cache hit")
+
+
+    @pytest.mark.xfail(reason="known upstream bug", strict=True)
+    def test_expected_failure(engine_spec):
+        assert False
+
+
+    @pytest.mark.xfail(reason="fixed upstream", strict=True)
+    def test_expected_failure_now_passes(engine_spec):
+        pass
+
+
+    @pytest.mark.parametrize("budget", [16, 64])
+    def test_chunked(budget, engine_spec):
+        pass
+
+
+    @pytest.mark.conformance(check="named_check")
+    def test_with_a_name(engine_spec, kvbench_session):
+        kvbench_session.near_ties.append("toy: r1: diverged at a near-tie")
+
+
+    @pytest.fixture
+    def broken():
+        raise RuntimeError("setup broke")
+
+
+    def test_setup_error(engine_spec, broken):
+        pass
+
+
+    @pytest.mark.conformance
+    def test_without_an_engine():
+        pass
+"""
+
+
+def _run_dir(root) -> object:
+    runs = [p for p in root.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_conformance_outcomes_are_written_to_results_json_without_benchmark(pytester: pytest.Pytester):
+    pytester.makepyfile(test_checks=_CONFORMANCE_TESTS)
+    result = pytester.runpytest_subprocess("--report-dir", "out", "--junitxml", "junit.xml", "-p", "no:benchmark",
+                                           "--kvbench-model", str(pytester.path))
+    # pytest counts the strict XPASS as failed; the record says what it is
+    result.assert_outcomes(passed=5, failed=2, skipped=1, xfailed=1, errors=1)
+    run = _run_dir(pytester.path / "out")
+    data = json.loads((run / "results.json").read_text())
+    assert not (run / "report.html").exists()  # no benchmark: results only
+    records = {r["check"]: r for r in data["conformance"]}
+    assert sorted(records) == ["chunked[16]", "chunked[64]", "did_not_fire", "expected_failure",
+                               "expected_failure_now_passes", "named_check", "not_exposed", "proved", "setup_error"]
+    assert all(r["engine"] == "reference" and r["kind"] == "reference" for r in records.values())
+    assert records["proved"]["outcome"] == "passed"
+    assert records["proved"]["evidence"] == {"preemptions_recompute": 5}
+    assert records["proved"]["nodeid"] == "test_checks.py::test_proved[reference]"
+    assert records["not_exposed"]["outcome"] == "skipped"
+    assert records["not_exposed"]["reason"] == ("toy exposes no 'swap_ins' counter, so nothing could prove that a "
+                                                "swap-in happened")
+    assert records["did_not_fire"]["outcome"] == "failed"
+    assert records["did_not_fire"]["evidence"] == {"prefix_cache_hits": 0}  # what was seen, though it failed
+    assert "a prefix-cache hit did not happen on toy" in records["did_not_fire"]["reason"]
+    assert records["expected_failure"] == {**records["expected_failure"], "outcome": "xfailed",
+                                           "reason": "known upstream bug"}
+    assert records["expected_failure_now_passes"]["outcome"] == "xpassed"
+    assert "fixed upstream" in records["expected_failure_now_passes"]["reason"]
+    assert records["named_check"]["near_ties"] == 1 and records["proved"]["near_ties"] == 0
+    assert records["setup_error"]["outcome"] == "error" and "setup broke" in records["setup_error"]["reason"]
+    assert data["engines"][0]["name"] == "reference" and "swap" in data["engines"][0]["capabilities"]
+
+    result.stdout.fnmatch_lines(["*kvbench conformance*",
+                                 "reference: 1 error, 1 failed, 4 passed, 1 skipped, 1 xfailed, 1 xpassed "
+                                 "(1 near-ties)", f"conformance results: out?{run.name}?results.json*"])
+    # --junitxml carries the evidence as properties of the test case
+    junit = (pytester.path / "junit.xml").read_text()
+    assert '<property name="kvbench.evidence.preemptions_recompute" value="5"' in junit
+    assert '<property name="kvbench.check" value="proved"' in junit
+
+
+def test_a_run_without_conformance_tests_writes_no_results(pytester: pytest.Pytester):
+    pytester.makepyfile("def test_plain(): pass")
+    result = pytester.runpytest_subprocess("--report-dir", "out", "-p", "no:benchmark")
+    result.assert_outcomes(passed=1)
+    assert not (pytester.path / "out").exists()
+    assert "kvbench conformance" not in result.stdout.str()
+
+
+_ECHO_ADAPTER = """
+    from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenResult
+
+
+    class EchoAdapter(EngineAdapter):
+        '''Echoes prompts back.'''
+
+        kind = "echo"
+        option_keys = {"preemption_mode": "recompute or swap"}
+
+        def generate(self, requests, knobs=DEFAULT_KNOBS):
+            return GenResult([GenOutput(r.request_id, list(r.prompt_token_ids), "length", 0) for r in requests],
+                             {"preemptions_recompute": 3})
+"""
+
+_OVERRIDING_TEST = """
+    import pytest
+    from kvbench.conformance.prove import prove
+    from kvbench.engines.base import GenRequest, Knobs
+
+    pytestmark = pytest.mark.conformance
+
+
+    def test_forces_recompute(engine):
+        result = engine.generate([GenRequest("r", [1, 2], 1)], Knobs(preemption_mode="recompute"))
+        prove(result, engine, "preemptions_recompute", "recompute preemption")
+
+
+    def test_keeps_the_engine_mode(engine):
+        engine.generate([GenRequest("r", [1, 2], 1)], Knobs(block_size=16))
+"""
+
+
+def test_knobs_that_override_an_engine_option_are_recorded_and_reported(pytester: pytest.Pytester):
+    pytester.makepyfile(echo_adapter=_ECHO_ADAPTER, test_override=_OVERRIDING_TEST)
+    result = pytester.runpytest_subprocess("--engine", "echo_adapter:EchoAdapter:preemption_mode=swap",
+                                           "--report-dir", "out", "-p", "no:benchmark",
+                                           "--kvbench-model", str(pytester.path))
+    result.assert_outcomes(passed=2)
+    data = json.loads((_run_dir(pytester.path / "out") / "results.json").read_text())
+    records = {r["check"]: r for r in data["conformance"]}
+    assert records["forces_recompute"]["knob_overrides"] == {"preemption_mode": ["swap", "recompute"]}
+    assert records["forces_recompute"]["engine"] == "echo_adapter:EchoAdapter:preemption_mode=swap"
+    assert records["forces_recompute"]["kind"] == "echo"
+    assert records["keeps_the_engine_mode"]["knob_overrides"] == {}
+    result.stdout.fnmatch_lines(["*echo_adapter:EchoAdapter:preemption_mode=swap: the checks' knob preemption_mode "
+                                 "replaced the option value swap in 1 check(s): forces_recompute (recompute)*"])

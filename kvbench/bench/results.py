@@ -28,7 +28,16 @@ report draws. Skeleton (``schema_version`` 1)::
                     "points": [{"x": 8, "engine": "reference", "mode": "recompute",
                                 "metrics": {"output_throughput": 700.0, ...},
                                 "repeats": [...], "spread": {...}}]}]
-      }]
+      }],
+      "conformance": [{                       # one record per engine x check; optional (older files: [])
+        "engine": "reference:preemption_mode=swap", "kind": "reference",
+        "check": "recompute_preemption_equivalence",        # see kvbench.plugin.check_id
+        "nodeid": "suites/conformance/test_equivalence.py::test_recompute_preemption_equivalence[...]",
+        "outcome": "passed",                  # passed|failed|skipped|xfailed|xpassed|error
+        "evidence": {"preemptions_recompute": 31},          # the counters prove() saw
+        "near_ties": 0,                       # divergences excused as near-ties
+        "reason": null,                       # skip / xfail / failure reason, one line
+        "knob_overrides": {"preemption_mode": ["swap", "recompute"]}}]   # option given, value used
     }
 
 Repeats: a timed point served several times keeps every repeat's figures in ``repeats``, their
@@ -67,6 +76,10 @@ from kvbench.core.counters import Counters
 SCHEMA_VERSION = 1
 #: metric names a swap-vs-recompute sweep may use for "cost of one preempt-and-resume", by preference
 COST_METRICS: tuple[str, ...] = ("cost_s", "preempt_resume_s", "resume_s", "e2e_mean", "e2e_p50")
+
+
+#: outcomes a conformance record may have (pytest's, with strict-xfail passes as "xpassed")
+CONFORMANCE_OUTCOMES: tuple[str, ...] = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 
 
 class ResultsError(ValueError):
@@ -156,7 +169,7 @@ class Results:
         if data is None:
             data = {"schema_version": SCHEMA_VERSION, "kvbench_version": __version__, "created": _now(),
                     "machine": machine_info(device), "commit": commit_info(cwd), "engines": [],
-                    "scenarios": []}
+                    "scenarios": [], "conformance": []}
         self.data = validate(data)
 
     # -- building ---------------------------------------------------------------------------
@@ -254,7 +267,19 @@ class Results:
         sw["points"].append(point)
         return point
 
+    def add_conformance(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """Add (or replace, by ``nodeid``) one conformance outcome; returns the validated record."""
+        entry = _conformance_record(_jsonable(dict(record)), len(self.data["conformance"]))
+        self.data["conformance"] = [r for r in self.data["conformance"] if r["nodeid"] != entry["nodeid"]]
+        self.data["conformance"].append(entry)
+        return entry
+
     # -- reading ----------------------------------------------------------------------------
+
+    @property
+    def conformance(self) -> list[dict[str, Any]]:
+        """The conformance records (engine x check outcomes), in the order the tests ran."""
+        return self.data["conformance"]
 
     @property
     def engines(self) -> list[dict[str, Any]]:
@@ -370,6 +395,10 @@ def validate(data: Any) -> dict[str, Any]:
     for key, kind in (("engines", list), ("scenarios", list)):
         if not isinstance(data.get(key), kind):
             raise ResultsError(f"'{key}' must be a {kind.__name__}, got {type(data.get(key)).__name__}")
+    conformance = data.setdefault("conformance", [])  # absent from files written before it existed
+    if not isinstance(conformance, list):
+        raise ResultsError(f"'conformance' must be a list, got {type(conformance).__name__}")
+    data["conformance"] = [_conformance_record(r, i) for i, r in enumerate(conformance)]
     data.setdefault("kvbench_version", None)
     data.setdefault("created", None)
     data.setdefault("machine", {})
@@ -409,3 +438,30 @@ def validate(data: Any) -> dict[str, Any]:
                 point.setdefault("repeats", [])
                 point.setdefault("spread", {})
     return data
+
+
+def _conformance_record(record: Any, index: int) -> dict[str, Any]:
+    """Check one conformance record and fill its optional parts; raises ResultsError naming the field."""
+    where = f"conformance[{index}]"
+    if not isinstance(record, dict):
+        raise ResultsError(f"{where} must be an object, got {type(record).__name__}")
+    for key in ("engine", "check", "nodeid"):
+        if not isinstance(record.get(key), str) or not record[key]:
+            raise ResultsError(f"{where} needs a non-empty string {key!r}, got {record.get(key)!r}")
+    if record.get("outcome") not in CONFORMANCE_OUTCOMES:
+        raise ResultsError(f"{where} ({record['check']}): 'outcome' must be one of {', '.join(CONFORMANCE_OUTCOMES)}, "
+                           f"got {record.get('outcome')!r}")
+    record.setdefault("kind", None)
+    record.setdefault("reason", None)
+    for key, kind, what in (("evidence", dict, "an object"), ("knob_overrides", dict, "an object"),
+                            ("near_ties", int, "an integer")):
+        value = record.setdefault(key, kind())
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ResultsError(f"{where} ({record['check']}): {key!r} must be {what}, got {value!r}")
+    if record["reason"] is not None and not isinstance(record["reason"], str):
+        raise ResultsError(f"{where} ({record['check']}): 'reason' must be a string or null")
+    for knob, pair in record["knob_overrides"].items():
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ResultsError(f"{where} ({record['check']}): knob_overrides[{knob!r}] must be "
+                               f"[option value given, value used], got {pair!r}")
+    return record
