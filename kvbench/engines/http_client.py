@@ -14,6 +14,7 @@ server's message, so one bad request never hides the others' outputs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvbench.engines.http_stream import StreamError, stream_events
 
 #: (arrival clock time of the chunk, token ids it carried) for every streamed chunk with tokens
 OnTokens = Callable[[float, list[int]], None]
@@ -80,27 +83,31 @@ def completion_body(model: str | None, prompt_token_ids: list[int], max_tokens: 
     return body
 
 
-def error_message(response: httpx.Response, body: bytes | None = None) -> str:
+def _message_from(status: int, raw: bytes) -> str:
     """The server's own words for an HTTP error (OpenAI envelope, FastAPI ``detail``, or the raw body)."""
-    raw = response.content if body is None else body
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        return f"HTTP {response.status_code}: {raw[:500].decode('utf-8', 'replace')}"
+        return f"HTTP {status}: {raw[:500].decode('utf-8', 'replace')}"
     if isinstance(data, dict):
         err = data.get("error")
         if isinstance(err, dict) and err.get("message"):
-            return f"HTTP {response.status_code}: {err['message']}"
+            return f"HTTP {status}: {err['message']}"
         if isinstance(err, str):
-            return f"HTTP {response.status_code}: {err}"
+            return f"HTTP {status}: {err}"
         if "detail" in data:
-            return f"HTTP {response.status_code}: {data['detail']}"
-    return f"HTTP {response.status_code}: {str(data)[:500]}"
+            return f"HTTP {status}: {data['detail']}"
+    return f"HTTP {status}: {str(data)[:500]}"
 
 
-def _failed(response: httpx.Response, body: bytes | None = None) -> Completion:
+def error_message(response: httpx.Response) -> str:
+    """The server's own words for an HTTP error response."""
+    return _message_from(response.status_code, response.content)
+
+
+def _failed(response: httpx.Response) -> Completion:
     reason = "rejected" if 400 <= response.status_code < 500 else "error"
-    return Completion(finish_reason=reason, error=error_message(response, body), status=response.status_code)
+    return Completion(finish_reason=reason, error=error_message(response), status=response.status_code)
 
 
 def _choice(data: dict[str, Any]) -> dict[str, Any]:
@@ -157,34 +164,36 @@ class CompletionClient:
         out.finish_reason = choice.get("finish_reason")
         return out
 
-    async def stream(self, http: httpx.AsyncClient, body: dict[str, Any], on_tokens: OnTokens,
-                     clock: Callable[[], float] = time.perf_counter) -> Completion:
-        """One streamed completion (Server-Sent Events). ``on_tokens(t, ids)`` is called as each chunk
-        with tokens arrives, ``t`` read from ``clock`` right after the chunk's line is complete.
-        Cancelling the calling task closes the connection (how a client aborts a request)."""
+    async def stream(self, body: dict[str, Any], on_tokens: OnTokens, clock: Callable[[], float] = time.perf_counter,
+                     started: asyncio.Event | None = None) -> Completion:
+        """One streamed completion (Server-Sent Events) on its own connection
+        (:mod:`kvbench.engines.http_stream`). ``on_tokens(t, ids)`` is called as each chunk with tokens
+        arrives, ``t`` read from ``clock`` when its bytes arrived; ``started`` is set once the server has
+        answered with the response's head. Cancelling the calling task closes the
+        connection (how a client aborts a request)."""
         out = Completion()
-        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-            out.status = response.status_code
-            if response.status_code != 200:
-                return _failed(response, await response.aread())
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                t = clock()
-                data = json.loads(payload)
-                if "error" in data:  # an error after the stream began (vLLM sends it as an event)
-                    out.finish_reason, out.error = "error", str(data["error"])
-                    break
-                choice = _choice(data)
-                ids = self._ids(choice, out)
-                if ids:
-                    out.token_ids.extend(ids)
-                    on_tokens(t, ids)
-                if choice.get("finish_reason"):
-                    out.finish_reason = choice["finish_reason"]
+
+        def on_event(t: float, data: Any) -> None:
+            if isinstance(data, dict) and "error" in data:  # an error after the stream began (vLLM's way)
+                out.finish_reason, out.error = "error", str(data["error"])
+                return
+            choice = _choice(data)
+            ids = self._ids(choice, out)
+            if ids:
+                out.token_ids.extend(ids)
+                on_tokens(t, ids)
+            if choice.get("finish_reason"):
+                out.finish_reason = choice["finish_reason"]
+
+        try:
+            await stream_events(self.base_url, {**body, "stream": True}, self.headers(), on_event, clock, started)
+            out.status = 200
+        except StreamError as e:
+            out.status = e.status
+            out.finish_reason = "rejected" if 400 <= e.status < 500 else "error"
+            out.error = _message_from(e.status, e.body)
+        except (OSError, ValueError) as e:
+            out.finish_reason, out.error = "error", f"{type(e).__name__}: {e}"
         return out
 
     # --- plain GETs (sync: used outside the event loop, between runs)

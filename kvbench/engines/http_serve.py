@@ -75,7 +75,27 @@ async def _poll_metrics(http: httpx.AsyncClient, recorder: TraceRecorder, interv
             await asyncio.wait_for(stop.wait(), timeout=interval)
 
 
-async def _serve_one(client: CompletionClient, http: httpx.AsyncClient, req: Any, arrival: float,
+async def _abort(task: asyncio.Future[Completion], started: asyncio.Event, req: Any) -> Completion | None:
+    """Abort a request whose ``abort_at`` passed by closing its connection; None once aborted, or its
+    completion if it turned out to have finished.
+
+    Two races would make the client's "abort" disagree with the server's own count, so both are closed:
+    a request the server has not taken yet cannot be aborted there (the close waits for the response's
+    head: the user closes the tab once the page has begun to load), and a request whose last token is
+    already on the wire finished (what has arrived is read before deciding)."""
+    waiter = asyncio.ensure_future(started.wait())
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    await asyncio.sleep(0)  # let the protocol read what has already arrived
+    if task.done():
+        return task.result()
+    task.cancel()  # closes the connection: the server must abort the request and free its blocks
+    with contextlib.suppress(asyncio.CancelledError, OSError):
+        await task
+    return None
+
+
+async def _serve_one(client: CompletionClient, req: Any, arrival: float,
                      recorder: TraceRecorder, stats: DriverStats) -> None:
     rid = req.request_id
     stats.max_release_lag = max(stats.max_release_lag, recorder.now() - arrival)
@@ -85,19 +105,18 @@ async def _serve_one(client: CompletionClient, http: httpx.AsyncClient, req: Any
         recorder.tokens(rid, t, len(ids))
         stats.tokens += len(ids)
 
-    task = asyncio.ensure_future(client.stream(http, _body(client, req, True), on_tokens, clock=recorder.now))
+    started = asyncio.Event()
+    task = asyncio.ensure_future(client.stream(_body(client, req, True), on_tokens, clock=recorder.now,
+                                               started=started))
     abort_at = getattr(req, "abort_at", None)
     timeout = None if abort_at is None else max(0.0, arrival + abort_at - recorder.now())
     try:
         done: Completion = await asyncio.wait_for(asyncio.shield(task), timeout=timeout)
     except TimeoutError:
-        task.cancel()  # closes the connection: the server must abort the request and free its blocks
-        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-            await task
-        recorder.finished(rid, recorder.now(), "abort")
-        return
-    except httpx.HTTPError as e:
-        done = Completion(finish_reason="error", error=f"{type(e).__name__}: {e}")
+        done = await _abort(task, started, req)
+        if done is None:
+            recorder.finished(rid, recorder.now(), "abort")
+            return
     recorder.finished(rid, recorder.now(), done.finish_reason or "error")
     stats.requests += 1
 
@@ -116,7 +135,7 @@ async def serve_workload(client: CompletionClient, requests: Sequence[Any], reco
                   if poll_interval else None)
 
         async def one(req: Any, arrival: float) -> None:
-            await _serve_one(client, http, req, arrival, recorder, stats)
+            await _serve_one(client, req, arrival, recorder, stats)
             if progress is not None:
                 progress(1)
 
