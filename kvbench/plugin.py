@@ -70,6 +70,9 @@ class KvbenchSession:
     near_ties: list[str] = field(default_factory=list)  # conformance divergences excused as near-ties
     conformance: dict[str, dict[str, Any]] = field(default_factory=dict)  # nodeid -> record, in run order
     results_path: Path | None = None  # where results.json was written (with or without a report)
+    liveness: Any = None  # kvbench.core.liveness.Liveness every engine runs under
+    expectations: list[Any] = field(default_factory=list)  # kvbench.conformance.expectations.Expectation
+    findings: list[str] = field(default_factory=list)  # expected failures seen, and ones that now pass
 
     def get_results(self):
         if self.results is None:
@@ -106,8 +109,23 @@ def add_options(group: Any) -> None:
                     help="Hugging Face Llama checkpoint (safetensors) to run engines on; default: built-in tiny")
 
 
+def add_conformance_options(group: Any) -> None:
+    """Liveness limits and expected failures (conformance only)."""
+    group.addoption("--kvbench-deadline", type=float, default=None, metavar="SECONDS",
+                    help="fail an engine run (one generate/serve) that takes longer than this (default: none)")
+    group.addoption("--kvbench-stall-steps", type=int, default=200, metavar="N",
+                    help="fail an engine run after N steps with no token and no request state change (default 200)")
+    group.addoption("--kvbench-stall-seconds", type=float, default=60.0, metavar="SECONDS",
+                    help="fail an engine run after this long with no token and no state change (default 60)")
+    group.addoption("--kvbench-expectations", action="append", default=None, metavar="FILE",
+                    help="TOML file of checks expected to fail per engine kind; they run as strict xfails "
+                         "(repeatable; shipped: kvbench/conformance/expectations/<kind>.toml)")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
-    add_options(parser.getgroup("kvbench", "kvbench: paged-KV engine conformance and benchmarks"))
+    group = parser.getgroup("kvbench", "kvbench: paged-KV engine conformance and benchmarks")
+    add_options(group)
+    add_conformance_options(group)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -152,6 +170,27 @@ def pytest_configure(config: pytest.Config) -> None:
         run_name=_dt.datetime.now().strftime("%Y%m%d-%H%M%S"), repeats=repeats,
         gate_absolute=config.getoption("gate_absolute"), gate_noise_k=noise_k)
     config.pluginmanager.register(ConformanceRecorder(ks), "kvbench-conformance-recorder")
+    _configure_conformance(config, ks)
+
+
+def _configure_conformance(config: pytest.Config, ks: KvbenchSession) -> None:
+    """Liveness limits and expectations files, checked before anything runs."""
+    from kvbench.conformance.expectations import ExpectationsError, load_expectations
+    from kvbench.core.liveness import Liveness
+
+    try:
+        ks.liveness = Liveness(stall_steps=config.getoption("kvbench_stall_steps") or None,
+                               stall_seconds=config.getoption("kvbench_stall_seconds") or None,
+                               deadline=config.getoption("kvbench_deadline") or None)
+    except ValueError as e:
+        raise pytest.UsageError(f"--kvbench-deadline/--kvbench-stall-steps/--kvbench-stall-seconds: {e}") from None
+    for path in config.getoption("kvbench_expectations") or []:
+        try:
+            ks.expectations.extend(load_expectations(path))
+        except ExpectationsError as e:
+            raise pytest.UsageError(f"--kvbench-expectations: {e}") from None
+    if ks.expectations:
+        config.pluginmanager.register(ExpectedFailures(ks), "kvbench-expected-failures")
 
 
 def session_of(config: pytest.Config) -> KvbenchSession:
@@ -208,9 +247,12 @@ def model_dir(kvbench_session: KvbenchSession) -> str:
 
 
 @pytest.fixture(scope="session")
-def engine(engine_spec: EngineSpec, model_dir: str):
+def engine(engine_spec: EngineSpec, model_dir: str, request: pytest.FixtureRequest):
     """The adapter for one ``--engine`` spec, shared by every test of the session."""
     adapter = make_adapter(engine_spec, model_dir)
+    ks = session_of(request.config)
+    if ks.liveness is not None:
+        adapter.liveness = ks.liveness
     yield adapter
     adapter.close()
 
@@ -519,6 +561,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             tr.write_line(line)
     if ks.conformance:
         _conformance_summary(tr, ks)
+    if ks.findings:
+        tr.section("kvbench expected failures (findings listed in --kvbench-expectations)")
+        for line in ks.findings:
+            tr.write_line(line, red=line.startswith("NOW PASSES"), yellow=not line.startswith("NOW PASSES"))
     if ks.report_path is None:
         return
     tr.section("kvbench")
