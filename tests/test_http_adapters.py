@@ -369,3 +369,39 @@ def test_process_group_is_signalled_not_just_the_leader(tmp_path):
     assert not group_alive(server.pgid)
     with pytest.raises(ProcessLookupError):
         os.killpg(server.pgid, signal.SIGTERM)
+
+
+def test_sse_protocol_reassembles_events_split_anywhere():
+    """Chunked framing and SSE lines split at every byte boundary still give every event, once."""
+    import asyncio
+
+    from kvbench.engines.http_stream import StreamError, _SSEProtocol
+
+    events = [b'data: {"choices":[{"token_ids":[%d]}]}\n\n' % i for i in range(3)] + [b"data: [DONE]\n\n"]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    raw = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n" + body
+
+    def feed(pieces: list[bytes], head: bytes = raw) -> list:
+        loop = asyncio.new_event_loop()
+        try:
+            seen: list = []
+            done = loop.create_future()
+            proto = _SSEProtocol(lambda t, data: seen.append(data), lambda: 0.0, done, None)
+            for piece in pieces:
+                proto.data_received(piece)
+            proto.connection_lost(None)
+            done.result()
+            return seen
+        finally:
+            loop.close()
+
+    expected = [{"choices": [{"token_ids": [i]}]} for i in range(3)]
+    for cut in range(1, len(raw)):
+        assert feed([raw[:cut], raw[cut:]]) == expected, f"split at byte {cut}"
+    assert feed([bytes([b]) for b in raw]) == expected
+    message = b'{"error":{"message":"x"}}'
+    for error in (b"HTTP/1.1 400 Bad Request\r\ncontent-length: 25\r\n\r\n" + message,
+                  b"HTTP/1.1 400 Bad Request\r\ntransfer-encoding: chunked\r\n\r\n19\r\n" + message + b"\r\n0\r\n\r\n"):
+        with pytest.raises(StreamError) as info:
+            feed([error])
+        assert info.value.status == 400 and info.value.body == message

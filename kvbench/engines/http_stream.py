@@ -41,12 +41,15 @@ class _SSEProtocol(asyncio.Protocol):
         self.chunked = False
         self.chunk_left = -1  # bytes left in the current chunk (+2 for its CRLF); -1 = expecting a size line
         self.error_body = b""
+        self.ended = False  # the last chunk has arrived
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.done.done():  # after [DONE] or the last chunk only the framing's tail can follow
+            return
         t = self.clock()
         self.buf += data
         if self.status is None:
@@ -63,6 +66,8 @@ class _SSEProtocol(asyncio.Protocol):
         body = self._unchunk() if self.chunked else self._take_all()
         if self.status != 200:
             self.error_body += body
+            if self.ended:
+                self._finish()
             return
         self.lines += body
         *complete, self.lines = self.lines.split(b"\n")
@@ -77,6 +82,8 @@ class _SSEProtocol(asyncio.Protocol):
                 except Exception as e:  # a bad event ends this request, never the driver
                     self._finish(e)
                     return
+        if self.ended:
+            self._finish()
 
     def _take_all(self) -> bytes:
         out, self.buf = self.buf, b""
@@ -91,8 +98,8 @@ class _SSEProtocol(asyncio.Protocol):
                     break
                 size = int(self.buf[:end].split(b";")[0], 16)
                 self.buf = self.buf[end + 2:]
-                if size == 0:
-                    self._finish()
+                if size == 0:  # the last chunk: what follows is an empty trailer
+                    self.buf, self.ended = b"", True
                     break
                 self.chunk_left = size + 2
             before = self.chunk_left  # data bytes, then the chunk's closing CRLF
