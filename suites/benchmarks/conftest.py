@@ -6,10 +6,11 @@ Choices made here, once for every benchmark:
   and ``small`` at ``full`` (:data:`kvbench.bench.scenarios.MODEL_PRESETS`). Measured on the 2-core CI
   machine: a batch-8 decode step takes 9-12 ms on ``tiny`` and 123-127 ms on ``small``, so the quick
   suite on ``small`` would blow its ten-minute budget several times over.
-* **Threads.** torch's intra-op threads are pinned for the benchmarks (restored afterwards):
-  ``KVBENCH_TORCH_THREADS`` if set, else 1 at ``quick`` scale on CPU (on a shared 2-core machine
-  two spinning OpenMP threads made steps ten times slower), else torch's default. The number is
-  recorded in every scenario's parameters.
+* **Threads.** torch's intra-op threads are pinned for the benchmarks (restored afterwards) by the
+  policy in :mod:`kvbench.bench.threads`, shared with ``kvbench demo``: ``KVBENCH_TORCH_THREADS``
+  if set, else 1 at ``quick`` scale on CPU (on a shared 2-core machine two spinning OpenMP threads
+  made steps ten times slower), else torch's default. The number is recorded in every scenario's
+  parameters.
 * **Progress.** A tqdm bar of requests served per benchmark, on the terminal's stderr (pytest's
   capture is suspended around each write). Shown only on a TTY; hidden with ``-q``, under xdist,
   and when ``KVBENCH_PROGRESS=0``; ``KVBENCH_PROGRESS=1`` forces it.
@@ -36,6 +37,7 @@ import pytest
 
 from kvbench.bench import scenarios as sc
 from kvbench.bench.scenarios.base import STEP_SECONDS
+from kvbench.bench.threads import pinned_torch_threads
 from kvbench.engines.registry import EngineSpec, make_adapter
 from kvbench.plugin import require
 
@@ -68,28 +70,11 @@ def bench_engine(request: pytest.FixtureRequest, engine_spec: EngineSpec, bench_
     adapter.close()
 
 
-def torch_threads(scale: str) -> int | None:
-    """The intra-op thread count the benchmarks pin (None: leave torch's default); see the module docstring."""
-    env = os.environ.get("KVBENCH_TORCH_THREADS")
-    if env:
-        return int(env)
-    import torch
-
-    return 1 if scale == "quick" and not torch.cuda.is_available() else None
-
-
 @pytest.fixture
 def pinned_threads(kvbench_session: Any) -> Iterator[int]:
-    import torch
-
-    before = torch.get_num_threads()
-    wanted = torch_threads(kvbench_session.scale)
-    if wanted:
-        torch.set_num_threads(wanted)
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
+    """torch's threads pinned by the policy ``kvbench demo`` shares (:mod:`kvbench.bench.threads`)."""
+    with pinned_torch_threads(kvbench_session.scale) as threads:
+        yield threads
 
 
 # --------------------------------------------------------------------------------------------
