@@ -405,3 +405,17 @@ def test_sse_protocol_reassembles_events_split_anywhere():
         with pytest.raises(StreamError) as info:
             feed([error])
         assert info.value.status == 400 and info.value.body == message
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    ("server:preset=nope", "unknown preset 'nope'"), ("server:args=--x", "give preset="),
+    ("server:cmd=my-server --port 8000", "must contain {port}"), ("openai:model=m", "url must be an http://"),
+    ("openai:url=http://h:1,num_gpu_blocks=many", "num_gpu_blocks: expected an integer"),
+    ("server:preset=reference,startup_timeout=-1", "startup_timeout must be a number of seconds > 0"),
+])
+def test_bad_specs_are_refused_when_parsed_naming_the_option(spec, words):
+    from kvbench.engines.registry import EngineSpecError, parse_engine_spec
+
+    with pytest.raises(EngineSpecError) as info:
+        parse_engine_spec(spec)
+    assert words in str(info.value)

@@ -46,6 +46,16 @@ REMOTE_CAPABILITIES = frozenset({"recompute", "swap", "prefix_caching", "chunked
                                  "abort"})
 
 
+def _positive(kind: str, key: str, raw: str) -> None:
+    """ValueError naming ``key`` unless ``raw`` is a number > 0."""
+    try:
+        ok = float(raw) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"engine {kind!r}: option {key} must be a number of seconds > 0, got {raw!r}")
+
+
 class KnobsNotSettable(pytest.skip.Exception):  # type: ignore[misc,name-defined]
     """A check needs a knob value this engine cannot be set to: the check is skipped, saying so.
 
@@ -77,13 +87,25 @@ class OpenAIAdapter(EngineAdapter):
     unsupported_knobs = {k: "fixed by the running server (use the server adapter to vary it)"  # noqa: RUF012
                          for k in _KNOB_NAMES}
 
+    @classmethod
+    def validate_options(cls, options: dict[str, str]) -> None:
+        super().validate_options(options)
+        url = options.get("url", "")
+        if not url.startswith("http://"):
+            raise ValueError(f"engine {cls.kind!r}: option url must be an http:// URL "
+                             f"(e.g. url=http://127.0.0.1:8000), got {url!r}")
+        preempt = options.get("preemptions_are")
+        if preempt not in (None, "recompute", "swap"):
+            raise ValueError(f"engine {cls.kind!r}: preemptions_are must be recompute or swap, got {preempt!r}")
+        for key in ("timeout", "settle_timeout"):
+            if key in options:
+                _positive(cls.kind, key, options[key])
+        for knob in set(options) & set(_KNOB_NAMES):
+            parse_knob(knob, options[knob])
+
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
-        if not self.options.get("url"):
-            raise ValueError(f"engine {self.kind!r}: option url is required (e.g. url=http://127.0.0.1:8000)")
-        preempt = self.options.get("preemptions_are")
-        if preempt not in (None, "recompute", "swap"):
-            raise ValueError(f"engine {self.kind!r}: preemptions_are must be recompute or swap, got {preempt!r}")
+        self.validate_options(self.options)
         self.declared_knobs = {k: parse_knob(k, v) for k, v in self.options.items() if k in _KNOB_NAMES}
         self.client = self._client(self.options["url"])
         self.evidence: list[str] = []

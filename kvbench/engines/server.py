@@ -25,7 +25,7 @@ from typing import Any
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenRequest, GenResult, Knobs
 from kvbench.engines.http_process import ServerProcess, free_port
-from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter
+from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter, _positive
 from kvbench.engines.server_presets import CUSTOM, PRESETS, Preset
 
 _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are")
@@ -49,17 +49,29 @@ class ServerAdapter(EngineAdapter):
         "preemptions_are": "recompute or swap: what vllm:num_preemptions_total counts (default: the preset's)",
     }
 
+    @classmethod
+    def validate_options(cls, options: dict[str, str]) -> None:
+        super().validate_options(options)
+        preset_name, cmd = options.get("preset"), options.get("cmd")
+        if not preset_name and not cmd:
+            raise ValueError(f"engine {cls.kind!r}: give preset=({'|'.join(PRESETS)}) or cmd=COMMAND")
+        if preset_name and preset_name not in PRESETS:
+            raise ValueError(f"engine {cls.kind!r}: unknown preset {preset_name!r}; presets: {', '.join(PRESETS)}")
+        if cmd and "{port}" not in cmd:
+            raise ValueError(f"engine {cls.kind!r}: cmd must contain {{port}} (kvbench picks a free port)")
+        preempt = options.get("preemptions_are")
+        if preempt not in (None, "recompute", "swap"):
+            raise ValueError(f"engine {cls.kind!r}: preemptions_are must be recompute or swap, got {preempt!r}")
+        for key in ("startup_timeout", "timeout", "settle_timeout"):
+            if key in options:
+                _positive(cls.kind, key, options[key])
+
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
+        self.validate_options(self.options)
         preset_name, cmd = self.options.get("preset"), self.options.get("cmd")
-        if not preset_name and not cmd:
-            raise ValueError(f"engine {self.kind!r}: give preset=({'|'.join(PRESETS)}) or cmd=COMMAND")
-        if preset_name and preset_name not in PRESETS:
-            raise ValueError(f"engine {self.kind!r}: unknown preset {preset_name!r}; presets: {', '.join(PRESETS)}")
         self.preset: Preset = PRESETS[preset_name] if preset_name else CUSTOM
         self.command = tuple(shlex.split(cmd)) if cmd else None
-        if self.command is not None and not any("{port}" in part for part in self.command):
-            raise ValueError(f"engine {self.kind!r}: cmd must contain {{port}} (kvbench picks a free port)")
         self.capabilities = self.preset.capabilities
         self.unsupported_knobs = dict(self.preset.unsupported) if preset_name else {
             k: "cmd= without a preset: kvbench does not know the server's flags" for k in Knobs().__dataclass_fields__}
