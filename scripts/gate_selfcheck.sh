@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 N="${1:-10}"
 K="${SELFCHECK_K:-flash_crowd or preemption_storm}"
 DIR="${SELFCHECK_DIR:-$(mktemp -d -t kvbench-selfcheck-XXXX)}"
+mkdir -p "$DIR"
 read -r -a ENGINES <<< "${SELFCHECK_ENGINES:---engine reference --engine reference:preemption_mode=swap}"
 bench() {  # bench REPORT_DIR [extra pytest args...]
     local dir="$1"; shift
