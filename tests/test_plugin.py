@@ -303,3 +303,19 @@ def test_knobs_that_override_an_engine_option_are_recorded_and_reported(pytester
     assert records["keeps_the_engine_mode"]["knob_overrides"] == {}
     result.stdout.fnmatch_lines(["*echo_adapter:EchoAdapter:preemption_mode=swap: the checks' knob preemption_mode "
                                  "replaced the option value swap in 1 check(s): forces_recompute (recompute)*"])
+
+
+def test_conformance_records_survive_xdist(pytester: pytest.Pytester):
+    """Workers run the tests; the controller rebuilds the records from the reports they send."""
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_checks=_CONFORMANCE_TESTS)
+    result = pytester.runpytest_subprocess("-n", "2", "--report-dir", "out", "-p", "no:benchmark",
+                                           "--kvbench-model", str(pytester.path))
+    result.assert_outcomes(passed=5, failed=2, skipped=1, xfailed=1, errors=1)
+    records = {r["check"]: r for r in json.loads((_run_dir(pytester.path / "out") / "results.json").read_text())
+               ["conformance"]}
+    assert len(records) == 9
+    assert records["proved"]["evidence"] == {"preemptions_recompute": 5}
+    assert records["named_check"]["near_ties"] == 1
+    assert records["expected_failure_now_passes"]["outcome"] == "xpassed"
+    assert records["setup_error"]["outcome"] == "error"
