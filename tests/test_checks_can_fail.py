@@ -203,7 +203,8 @@ def test_driver_watchdog_follows_states_from_step_reports():
     dog.saw_step(StepReport({}, {}, [], [("x", "swap")], [], StepRecord(0, 0, 0, 0)))
     dog.abort_sent("x")
     assert dog.states == {"x": "preempted (swap), abort requested"}
-    dog.saw_step(StepReport({}, {}, [], [], [], StepRecord(0, 0, 0, 0)))
+    dog.saw_step(StepReport({}, {}, [], [], [], StepRecord(0, 0, 0, 0)))  # the abort request: a change
+    dog.saw_step(StepReport({}, {}, [], [], [], StepRecord(0, 0, 0, 0)))  # 1 step without progress
     with pytest.raises(LivenessError, match=r"x \(preempted \(swap\), abort requested\)"):
         dog.saw_step(StepReport({}, {}, [], [], [], StepRecord(0, 0, 0, 0)))
 

@@ -1,8 +1,8 @@
 """Request sets for the stop-condition check: each ends its requests through one stop condition.
 
 * ``max_tokens``: every request runs to its length limit (``ignore_eos=True``).
-* ``stop_token_ids``: each request stops at a token the ground truth generates halfway through its
-  output, so the stop provably fires (at that token's first occurrence).
+* ``stop_token_ids``: each request stops at a token the ground truth generates (its last, or the one
+  halfway through), so the stop provably fires (at that token's first occurrence).
 * ``eos``: ``ignore_eos=False``. Greedy decoding on the built-in random checkpoints almost never
   picks EOS, so the set adds prompts cut right before a position where the ground truth's greedy
   choice *is* EOS (found by one teacher-forced pass over the prompts): those requests end at their
@@ -21,11 +21,13 @@ CONDITIONS = ("eos", "stop_token_ids", "max_tokens")
 
 
 def stop_token_requests(requests: Sequence[GenRequest], truth: GenResult) -> list[GenRequest]:
-    """Each request with one stop token: the ground truth's token halfway through its output."""
+    """Each request with one stop token from the ground truth's output: its last token for every other
+    request (same length as ``max_tokens`` would give, so the run keeps its pressure, but the finish
+    reason must be "stop"), the token halfway through it for the others (the request ends early)."""
     out = []
-    for r, t in zip(requests, truth.outputs, strict=True):
-        stop = (t.token_ids[len(t.token_ids) // 2],) if len(t.token_ids) >= 2 else ()
-        out.append(replace(r, stop_token_ids=stop))
+    for i, (r, t) in enumerate(zip(requests, truth.outputs, strict=True)):
+        position = len(t.token_ids) - 1 if i % 2 == 0 else len(t.token_ids) // 2
+        out.append(replace(r, stop_token_ids=(t.token_ids[position],) if t.token_ids else ()))
     return out
 
 
