@@ -124,6 +124,58 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# kvbench calibrate / simulate (the capacity-planning simulator, kvbench.engines.sim)
+
+
+def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
+    from kvbench.engines.sim import calibrate_profile
+
+    if args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    model = args.model
+    if model is None:
+        from kvbench.checkpoints import builtin_checkpoint
+
+        model = str(builtin_checkpoint("tiny"))
+    print(calibrate_profile(model, args.output, name=args.name, torch_threads=args.threads), file=out)
+    return EXIT_OK
+
+
+def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
+    from kvbench.bench import simulate as sim
+    from kvbench.engines.registry import EngineSpecError, make_adapter, parse_engine_spec
+
+    try:
+        spec = parse_engine_spec(args.engine)
+    except EngineSpecError as e:
+        raise CLIError(str(e)) from e
+    if spec.kind != "sim":
+        raise CLIError(f"--engine {args.engine!r}: kvbench simulate runs the sim engine (sim:hardware=...,model=...)")
+    try:
+        sweep = sim.parse_sweep(args.sweep or [])
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    if args.requests < 1:
+        raise CLIError(f"--requests must be >= 1, got {args.requests}")
+    from kvbench.checkpoints import builtin_checkpoint
+
+    adapter = make_adapter(spec, str(builtin_checkpoint("tiny")))
+    shape = adapter.model_shape
+    workload = sim.evening_surge_at_scale(args.requests, vocab_size=shape.vocab_size,
+                                          max_model_len=shape.max_position_embeddings, seed=args.seed)
+    print(f"simulating {len(workload.requests):,} requests of the evening surge at scale on {adapter.name} "
+          f"({shape.name} on {adapter.profile.name}; times are simulated seconds)", file=out)
+    if sweep:
+        runs = sim.run_sweep(adapter, workload, sweep, progress=lambda r: print(f"  ran {r.knobs} in "
+                                                                                 f"{r.wall_seconds:.1f} s", file=out))
+    else:
+        runs = [sim.simulate(adapter, workload)]
+    print(sim.format_runs(runs), file=out)
+    print(sim.capacity_plan(runs, adapter, args.preemption_budget).text(), file=out)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
 # parser
 
 
@@ -169,6 +221,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--blocks", type=int, default=48, help="device KV pool in blocks of 16 tokens")
     p.set_defaults(handler=_cmd_demo)
+
+    p = sub.add_parser("calibrate", help="fit the simulator's step cost model to the reference engine on this "
+                       "machine and save a hardware profile",
+                       description="Run the reference engine over a designed set of batch shapes (prefill sizes x "
+                                   "decode batch x context), fit the cost model's coefficients by non-negative "
+                                   "least squares and save the profile; prints the fit's error on held-out shapes.")
+    p.add_argument("--model", metavar="DIR", help="checkpoint to calibrate on (default: the built-in tiny model)")
+    p.add_argument("-o", "--output", default="profiles/this-machine.json", metavar="PROFILE.json")
+    p.add_argument("--name", default="this-machine")
+    p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (default 1)")
+    p.set_defaults(handler=_cmd_calibrate)
+
+    p = sub.add_parser("simulate", help="simulate the evening surge at scale on a sim engine; a capacity plan",
+                       description="Serve the evening surge at production scale on the simulator (the reference "
+                                   "engine's scheduler on a cost model's clock) once, or once per combination of a "
+                                   "--sweep, and print the headline figures and a capacity plan.")
+    p.add_argument("--engine", default="sim:hardware=h200,model=llama-3-8b", metavar="SPEC",
+                   help="a sim engine spec (default %(default)s)")
+    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", action="append", metavar="KNOB=V,V,...",
+                   help="e.g. max_num_seqs=64,128,256,num_gpu_blocks=4000,8000,preemption_mode=swap,recompute")
+    p.add_argument("--preemption-budget", type=float, default=0.01, metavar="PER_REQUEST",
+                   help="preemptions per request the pool must keep under (default %(default)g)")
+    p.set_defaults(handler=_cmd_simulate)
     return parser
 
 

@@ -225,9 +225,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if not has_cuda:
                 item.add_marker(skip_gpu)
         spec = _engine_spec_of(item)
+        if spec is not None and item.get_closest_marker("conformance") and _simulated(spec):
+            from kvbench.engines.sim import SIMULATED_REASON
+
+            item.add_marker(pytest.mark.skip(reason=SIMULATED_REASON))  # placeholder tokens prove nothing
         if spec is not None and item.get_closest_marker("conformance"):
             # identity first, so every phase's report (and --junitxml) says which engine and check it is
             item.user_properties += [(ENGINE_PROPERTY, spec.name), (CHECK_PROPERTY, check_id(item))]
+
+
+def _simulated(spec: EngineSpec) -> bool:
+    """Whether ``spec`` names a simulator (an adapter class with ``simulated = True``)."""
+    try:
+        return bool(getattr(adapter_class(spec.kind), "simulated", False))
+    except EngineSpecError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------- fixtures

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -68,6 +68,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._swap = {"swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_seconds": 0.0}
         self.last_step: dict[str, float | int] = {}
+        # What steps and swap copies are timed with (the simulator, reference_engine.sim, puts its
+        # virtual clock here).
+        self.timer: Callable[[], float] = time.perf_counter
 
     def _device_pool_blocks(self, block_bytes: int) -> int:
         if self.device.type == "cuda":
@@ -133,7 +136,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        t0 = self.timer()
         out = self.scheduler.schedule()
         self._copy_swapped_blocks(out)
         sampled = self.runner.execute(out)
@@ -141,7 +144,7 @@ class LLMEngine:
         if self.config.check_invariants:
             self.block_manager.check_invariants()
         outputs, self._pending = self._pending + [RequestOutput.of(r) for r in touched], []
-        self.last_step = {"seconds": time.perf_counter() - t0, "num_tokens": out.num_tokens,
+        self.last_step = {"seconds": self.timer() - t0, "num_tokens": out.num_tokens,
                           "num_prefill_tokens": out.num_prefill_tokens,
                           "num_decode_tokens": out.num_tokens - out.num_prefill_tokens,
                           "num_preempted": out.num_preempted}
@@ -155,10 +158,10 @@ class LLMEngine:
                                         ("swapped_in", out.swap_in, out.swapped_in_requests)):
             if not mapping:
                 continue
-            t0 = time.perf_counter()
+            t0 = self.timer()
             copy = self.kv_cache.swap_out if kind == "swapped_out" else self.kv_cache.swap_in
             nbytes = copy(mapping)
-            seconds = time.perf_counter() - t0
+            seconds = self.timer() - t0
             self._swap[f"{kind}_bytes"] += nbytes
             self._swap["swap_seconds"] += seconds
             for rid, blocks in requests.items():

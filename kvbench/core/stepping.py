@@ -67,17 +67,32 @@ def step_index(t: float, step_seconds: float) -> int:
     return max(0, math.floor(t / step_seconds + _EPS))
 
 
+class VirtualClock(Protocol):
+    """A simulator's clock (e.g. :class:`reference_engine.sim.runner.VirtualClock`): seconds that move
+    only when the engine works (its steps advance it) or when the driver jumps an idle gap."""
+
+    def now(self) -> float: ...
+    def advance_to(self, t: float) -> None: ...
+
+
 def drive(engine: SteppableEngine, requests: Sequence[Any], recorder: TraceRecorder, concurrency: int | None = None,
           progress: Callable[[int], None] | None = None, idle_sleep: float = 0.001,
-          step_seconds: float | None = None, liveness: Liveness | None = None) -> None:
+          step_seconds: float | None = None, liveness: Liveness | None = None,
+          virtual_clock: VirtualClock | None = None) -> None:
     """Serve ``requests`` (WorkloadRequest-like) on ``engine`` until all have finished or been aborted.
 
     ``step_seconds``: None for the wall clock; a positive number for the step clock (see the module
     docstring). Raises ValueError for a non-positive ``step_seconds``.
+    ``virtual_clock``: a simulated engine's own clock. Every time is then read from it (the recorder's
+    included, so the trace holds simulated seconds) instead of the wall clock, and an idle engine jumps
+    it to the next arrival instead of sleeping: the wall-clock loop run on simulated time. With
+    ``step_seconds`` too, releases follow the step clock and times the virtual clock.
     ``liveness``: the no-progress watchdog's limits (default :data:`~kvbench.core.liveness.DEFAULT_LIVENESS`);
     raises :class:`~kvbench.core.liveness.LivenessError` naming the stuck requests when one is passed.
     """
     watchdog = DriverWatchdog(liveness)
+    if virtual_clock is not None:
+        recorder.use_clock(virtual_clock.now)
     if step_seconds is not None:
         if not (isinstance(step_seconds, int | float) and math.isfinite(step_seconds) and step_seconds > 0):
             raise ValueError(f"step_seconds must be a positive number of seconds or None, got {step_seconds!r}")
@@ -109,7 +124,10 @@ def drive(engine: SteppableEngine, requests: Sequence[Any], recorder: TraceRecor
                 in_flight[rid] = None  # once: the engine reports the finish on its next step
         if not engine.has_work():
             if next_index < len(pending) and concurrency is None:
-                time.sleep(max(0.0, min(pending[next_index].arrival_time - recorder.now(), 0.05)) or idle_sleep)
+                if virtual_clock is not None:  # nothing happens until the next arrival: jump, do not sleep
+                    virtual_clock.advance_to(pending[next_index].arrival_time)
+                else:
+                    time.sleep(max(0.0, min(pending[next_index].arrival_time - recorder.now(), 0.05)) or idle_sleep)
             watchdog.idle()  # requests in flight that the engine has no work for: lost, unless it recovers
             continue
         _record_step(engine, recorder, in_flight, progress, virtual_t=None, watchdog=watchdog)

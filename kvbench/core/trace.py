@@ -104,6 +104,11 @@ class TraceRecorder:
     def now(self) -> float:
         return self._clock() - self._t0
 
+    def use_clock(self, clock) -> None:
+        """Read times from ``clock`` from now on (a simulator's virtual clock), starting at zero."""
+        self._clock = clock
+        self._t0 = clock()
+
     def restart_clock(self) -> None:
         """Make ``now()`` zero: call right before releasing the first request."""
         self._t0 = self._clock()

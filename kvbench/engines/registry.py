@@ -39,6 +39,7 @@ BUILTIN_KINDS: dict[str, str] = {
     "hf-cb": "kvbench.engines.hf_cb:HFContinuousBatchingAdapter",
     "openai": "kvbench.engines.openai:OpenAIAdapter",
     "server": "kvbench.engines.server:ServerAdapter",
+    "sim": "kvbench.engines.sim:SimAdapter",
 }
 
 # module.path:Class (dotted attributes allowed after the colon)

@@ -1,0 +1,188 @@
+"""The ``sim`` adapter: the reference engine's scheduler and block manager on a cost model's clock.
+
+``--engine sim:hardware=h200,model=llama-3-8b`` plans capacity for a machine and a model kvbench has
+never run on: :class:`reference_engine.sim.SimEngine` is the reference engine with a runner that
+computes nothing and moves a virtual clock on by the step cost model. Every scenario, the report,
+``kvbench compare`` and the gate run on it unchanged, and every time in its traces is *simulated*
+seconds (``describe()["simulated"]`` is True; the report tags it).
+
+Options: ``hardware`` (a built-in profile: h200, h100, a100-80gb; or a profile file from ``kvbench
+calibrate``; default: h200), ``model`` (a preset: llama-3-8b, llama-2-7b, llama-3-70b; or a
+``config.json`` or model directory; default: the checkpoint kvbench runs on), ``clock`` (``cost``:
+arrivals released on the simulated clock, the default; ``step``: released by engine step like the
+reference engine on the step clock, so its counts equal the reference engine's on the same workload),
+and every ``EngineConfig`` field the reference adapter takes, except the device's.
+
+It cannot check correctness (its tokens are placeholders): conformance checks skip it (``simulated``).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
+from kvbench.core.stepping import StepReport, drive
+from kvbench.core.trace import StepRecord, TraceRecorder
+from kvbench.engines.reference import _KNOB_TO_CONFIG, ReferenceAdapter, _coerce, counters_of
+
+#: why conformance checks skip a simulated engine
+SIMULATED_REASON = "simulated: no real tokens"
+_SIM_KEYS = ("hardware", "model", "clock")
+_DEVICE_KEYS = ("device", "attention_backend", "kv_cache_space")  # no device: these mean nothing here
+CLOCKS = ("cost", "step")
+
+
+class SimAdapter(ReferenceAdapter):
+    """the simulator: reference_engine's scheduler on a cost model's virtual clock (no real tokens)"""
+
+    kind = "sim"
+    #: conformance checks skip it with :data:`SIMULATED_REASON`; reports tag its results as simulated
+    simulated = True
+    # Placeholder tokens: no sampling, no stop tokens, no block bytes to compare (block introspection
+    # would test the very block manager the reference engine's checks already test).
+    capabilities = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority", "events",
+                              "abort"})
+    steppable = True
+    option_keys = {  # noqa: RUF012
+        "hardware": "h200, h100, a100-80gb, or a profile JSON from `kvbench calibrate` (default h200)",
+        "model": "llama-3-8b, llama-2-7b, llama-3-70b, or a config.json / model dir (default: the run's checkpoint)",
+        "clock": "cost (release arrivals on the simulated clock, default) or step (by engine step, as the "
+                 "reference engine's step clock: equal counts)",
+        **{k: v for k, v in ReferenceAdapter.option_keys.items() if k not in _DEVICE_KEYS},
+        "dtype": "float32, float16 or bfloat16 (default: the hardware profile's)",
+        "gpu_memory_utilization": "share of the device memory for weights + KV (default 0.9)",
+    }
+
+    @classmethod
+    def validate_options(cls, options: dict[str, str]) -> None:
+        """The profile and model load, ``clock`` is known, and every engine option passes ``EngineConfig``."""
+        super(ReferenceAdapter, cls).validate_options(options)  # keys only; the engine's own check below
+        from reference_engine.sim import load_model_shape, load_profile
+
+        load_profile(options.get("hardware", "h200"))
+        if "model" in options:
+            load_model_shape(options["model"])
+        if options.get("clock", "cost") not in CLOCKS:
+            raise ValueError(f"engine 'sim': clock={options['clock']!r} is invalid: expected one of {CLOCKS}")
+        ReferenceAdapter.validate_options({k: v for k, v in options.items() if k not in _SIM_KEYS})
+
+    @cached_property
+    def profile(self):
+        from reference_engine.sim import load_profile
+
+        return load_profile(self.options.get("hardware", "h200"))
+
+    @cached_property
+    def model_shape(self):
+        from reference_engine.sim import load_model_shape
+
+        return load_model_shape(self.options.get("model", self.model_dir))
+
+    def engine_config(self, knobs: Knobs = DEFAULT_KNOBS):
+        """The reference engine's config for these options and knobs, at the profile's dtype unless given."""
+        from reference_engine import EngineConfig
+
+        values: dict[str, Any] = {k: _coerce(k, v) for k, v in self.options.items() if k not in _SIM_KEYS}
+        values.setdefault("dtype", self.profile.dtype)
+        for knob, value in knobs.as_dict().items():
+            values[_KNOB_TO_CONFIG[knob]] = value
+        return EngineConfig(model=self.model_shape.name, **values)
+
+    def build_engine(self, knobs: Knobs = DEFAULT_KNOBS):
+        from reference_engine.sim import SimEngine
+
+        return SimEngine(self.engine_config(knobs), self.model_shape, self.profile)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "simulated": True, "hardware": self.profile.name,
+                "hardware_source": self.profile.source, "calibrated": self.profile.fit is not None,
+                "model": self.model_shape.name, "clock": self.options.get("clock", "cost")}
+
+    def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None,
+              step_seconds: float | None = None) -> None:
+        """Serve ``workload`` in simulated time: every time in the trace is read from the engine's
+        virtual clock. Arrivals are released on that clock (``clock=cost``), or before the step
+        ``floor(arrival / step_seconds)`` (``clock=step``, when the runner passes ``step_seconds``)."""
+        engine = self.build_engine(knobs)
+        requests = getattr(workload, "requests", workload)
+        by_step = step_seconds if self.options.get("clock", "cost") == "step" else None
+        drive(_SimSteppable(engine), requests, recorder, concurrency=getattr(workload, "concurrency", None),
+              progress=progress, step_seconds=by_step, liveness=self.liveness, virtual_clock=engine.clock)
+        recorder.set_counters(counters_of(engine))
+
+
+class _SimSteppable:
+    """The sim engine seen through the driver's SteppableEngine protocol, built for long runs: events
+    arrive through a sink (the engine's log keeps only the latest ``max_events``, and re-reading it
+    each step cost time), and per-step work is proportional to what the step touched."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._events: list = []
+        self._produced: dict[str, int] = {}
+        engine.add_event_sink(self._take)
+
+    def _take(self, event) -> None:
+        if event.kind in ("admitted", "preempted", "swapped_in"):
+            self._events.append(event)
+
+    def submit(self, request: Any) -> None:
+        from reference_engine import SamplingParams
+
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
+                                ignore_eos=True)
+        self.engine.add_request(request.request_id, request.prompt_token_ids, params, priority=request.priority)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> StepReport:
+        outputs = self.engine.step()
+        new_tokens, finished = {}, {}
+        produced = self._produced
+        for out in outputs:
+            rid = out.request_id
+            n = len(out.token_ids) - produced.get(rid, 0)
+            if n:
+                new_tokens[rid] = n
+            if out.finished:
+                finished[rid] = out.finish_reason
+                produced.pop(rid, None)
+            else:
+                produced[rid] = len(out.token_ids)
+        admitted, preempted, resumed = [], [], []
+        for e in self._events:
+            if e.kind == "admitted":
+                (resumed if e.data.get("resumed") else admitted).append(e.request_id)
+            elif e.kind == "preempted":
+                preempted.append((e.request_id, e.data["mode"]))
+            else:
+                resumed.append(e.request_id)
+        self._events.clear()
+        bm, s, last = self.engine.block_manager, self.engine.scheduler, self.engine.last_step
+        cpu = (1 - bm.num_free_cpu_blocks / bm.num_cpu_blocks) if bm.num_cpu_blocks else None
+        record = StepRecord(t=0.0, duration=0.0, num_running=len(s.running), num_waiting=len(s.waiting),
+                            num_swapped=len(s.swapped), kv_usage=1 - bm.num_free_gpu_blocks / bm.num_gpu_blocks,
+                            cpu_kv_usage=cpu,
+                            num_prefill_tokens=last["num_prefill_tokens"], num_decode_tokens=last["num_decode_tokens"],
+                            num_preempted=last["num_preempted"])
+        return StepReport(new_tokens, finished, admitted, preempted, resumed, record)
+
+
+def is_simulated(adapter_or_class: Any) -> bool:
+    """Whether an adapter (or adapter class) is a simulator whose tokens are placeholders."""
+    return bool(getattr(adapter_or_class, "simulated", False))
+
+
+def calibrate_profile(model_dir: str, output: str, name: str = "this-machine", torch_threads: int = 1) -> str:
+    """``kvbench calibrate``: fit a profile on this machine with the reference engine on ``model_dir``,
+    save it to ``output`` and return the fit's summary (with its own held-out error)."""
+    from reference_engine.sim.calibrate import calibrate
+
+    result = calibrate(model_dir, name=name, torch_threads=torch_threads)
+    path = result.profile.save(output)
+    return f"{result.summary()}\nprofile written to {path} (use it as --engine sim:hardware={path})"

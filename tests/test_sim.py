@@ -1,0 +1,214 @@
+"""The capacity-planning simulator: cost model, profiles, calibration fit, the sim engine's counts
+against the real engine's on the step clock, and a large run that completes."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvbench.bench.workloads import AllAtOnce, Uniform, WorkloadSpec
+from kvbench.checkpoints import builtin_checkpoint
+from kvbench.core.knobs import Knobs
+from kvbench.core.trace import TraceRecorder
+from kvbench.engines.registry import EngineSpec, make_adapter, parse_engine_spec
+from reference_engine.sim import (
+    PROFILES,
+    Coefficients,
+    CostModel,
+    HardwareProfile,
+    StepShape,
+    load_model_shape,
+    load_profile,
+)
+from reference_engine.sim.calibrate import Sample, fit_coefficients, nnls
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    return str(builtin_checkpoint("tiny"))
+
+
+def llama8b_h200() -> CostModel:
+    return CostModel(load_model_shape("llama-3-8b"), load_profile("h200"))
+
+
+# ------------------------------------------------------------------------------ cost model
+def test_llama3_8b_sizes_match_the_published_model():
+    m = load_model_shape("llama-3-8b")
+    assert 8.0e9 < m.num_params() < 8.1e9  # "8B": 8.03e9
+    assert m.kv_bytes_per_token(2) == 128 * 1024  # 32 layers x 2 x 8 kv heads x 128 x 2 bytes
+
+
+def test_step_time_grows_with_every_dimension_of_the_shape():
+    cost = llama8b_h200()
+    base = StepShape.decode_batch(8, 512)
+    assert cost.step_seconds(StepShape()) == 0.0
+    assert cost.step_seconds(StepShape.decode_batch(64, 512)) > cost.step_seconds(base)
+    assert cost.step_seconds(StepShape.decode_batch(8, 4096)) > cost.step_seconds(base)
+    assert cost.step_seconds(base + StepShape.prefill(2048)) > cost.step_seconds(base + StepShape.prefill(256))
+    assert cost.step_seconds(StepShape.prefill(4096)) > cost.step_seconds(StepShape.prefill(512))
+
+
+def test_units_a_decode_step_cannot_beat_reading_the_weights():
+    cost = llama8b_h200()
+    weights_read = cost.step_weight_bytes / load_profile("h200").memory_bandwidth  # ~3.3 ms at 4.8 TB/s
+    assert 2e-3 < weights_read < 5e-3
+    assert cost.step_seconds(StepShape.decode_batch(1, 128)) >= weights_read
+    # a long prefill is compute-bound: 2 x 7B FLOPs per token at ~1 PFLOP/s is ~14 us per token
+    assert 10e-6 < cost.step_seconds(StepShape.prefill(8192)) / 8192 < 100e-6
+
+
+def test_swap_cost_is_link_time_plus_per_copy_overhead():
+    cost = llama8b_h200()
+    c, link = cost.profile.coefficients, cost.profile.link_bandwidth
+    assert cost.swap_seconds(0) == 0
+    assert cost.swap_seconds(64 << 20) == pytest.approx(c.per_copy_s + c.link * (64 << 20) / link)
+    assert cost.swap_seconds(2 * (64 << 20)) > 1.9 * cost.swap_seconds(64 << 20)
+    assert cost.recompute_seconds(1024) > cost.recompute_seconds(512) > 0
+
+
+def test_crossover_names_the_cheaper_mode_per_length():
+    cost = llama8b_h200()
+    x = cost.crossover(16, 8192)
+    assert x.shorter in ("swap", "recompute")
+    # a slow link makes recompute win somewhere: the crossover moves
+    slow = HardwareProfile(**{**cost.profile.__dict__, "link_bandwidth": 1e8})
+    assert CostModel(cost.model, slow).crossover(16, 8192).shorter == "recompute"
+
+
+# ------------------------------------------------------------------------------ profiles
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_builtin_profiles_load_and_round_trip_through_a_file(name, tmp_path):
+    p = load_profile(name)
+    path = p.save(tmp_path / f"{name}.json")
+    assert load_profile(str(path)) == p
+
+
+def test_a_profile_file_with_a_typo_is_refused_naming_the_key(tmp_path):
+    data = load_profile("h100").to_dict()
+    data["coefficients"]["fixd_s"] = 1.0
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="fixd_s"):
+        load_profile(str(path))
+    with pytest.raises(ValueError, match="memory_bandwidth"):
+        HardwareProfile("x", compute_flops=1, memory_bandwidth=-1, link_bandwidth=1, memory_bytes=1)
+    with pytest.raises(ValueError, match="neither a built-in"):
+        load_profile("b200")
+
+
+def test_models_load_from_a_config_json(tiny):
+    m = load_model_shape(tiny)
+    assert (m.num_layers, m.hidden_size, m.num_kv_heads, m.head_dim) == (2, 64, 2, 16)
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_model_shape("gpt-5")
+
+
+# ------------------------------------------------------------------------------ calibration
+def test_calibration_fit_recovers_known_coefficients_from_synthetic_steps(tiny):
+    shape = load_model_shape(tiny)
+    base = HardwareProfile("synthetic", 1e11, 5e9, 5e9, 1e10, combine="sum", dtype="float32")
+    truth = Coefficients(fixed_s=1.2e-3, per_seq_s=40e-6, dense=1.7, attention=6.0, memory=2.5)
+    true_cost = CostModel(shape, base.with_coefficients(truth))
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(80):
+        chunks = [(int(rng.integers(0, 900)), 1, True) for _ in range(int(rng.integers(1, 32)))]
+        chunks.append((int(rng.integers(0, 200)), int(rng.integers(1, 400)), True))
+        s = StepShape.of_chunks(chunks)
+        samples.append(Sample(s, true_cost.step_seconds(s), 0))
+    fitted = fit_coefficients(CostModel(shape, base), samples)
+    expected = (truth.fixed_s, truth.per_seq_s, truth.dense, truth.attention, truth.memory)
+    np.testing.assert_allclose(fitted, expected, rtol=1e-6)
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    x = nnls(a, np.array([1.0, -1.0, 0.0]))  # unconstrained: x2 < 0
+    assert (x >= 0).all()
+    assert x[1] == 0
+    np.testing.assert_allclose(x, [*np.linalg.lstsq(a[:, :1], np.array([1.0, -1.0, 0.0]), rcond=None)[0], 0])
+
+
+# ------------------------------------------------------------------------------ the sim engine
+def _workload(n: int = 12):
+    spec = WorkloadSpec("burst", n, Uniform(40, 200), Uniform(16, 48), AllAtOnce(), seed=3)
+    return spec.build(512, max_prompt_len=1000)
+
+
+def _serve(adapter, knobs, step_seconds=0.01):
+    recorder = TraceRecorder(adapter.name, "t")
+    adapter.serve(_workload(), recorder, knobs, step_seconds=step_seconds)
+    return recorder.finish()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_sim_counts_equal_the_real_engines_on_the_step_clock(tiny, mode):
+    knobs = Knobs(block_size=16, num_gpu_blocks=40, num_cpu_blocks=200, preemption_mode=mode)
+    real = _serve(make_adapter(EngineSpec("reference"), tiny), knobs)
+    # the reference engine's dtype, so KV bytes per block (swap bytes) are the same too
+    sim = _serve(make_adapter(parse_engine_spec("sim:clock=step,hardware=h200,dtype=float32"), tiny), knobs)
+    assert real.counters[f"preemptions_{mode}"] > 0  # the mechanism fired
+    for name in ("preemptions_recompute", "preemptions_swap", "recomputed_tokens", "swap_ins", "swapped_out_bytes",
+                 "computed_tokens", "generated_tokens", "prefill_chunks"):
+        assert sim.counters[name] == real.counters[name], name
+    per_request = {rid: [m for _, m in r.preemptions] for rid, r in real.requests.items()}
+    assert {rid: [m for _, m in r.preemptions] for rid, r in sim.requests.items()} == per_request
+
+
+def test_sim_times_are_the_cost_models_seconds(tiny):
+    adapter = make_adapter(parse_engine_spec("sim:hardware=a100-80gb,model=llama-3-8b"), tiny)
+    engine = adapter.build_engine(Knobs(num_gpu_blocks=400))
+    recorder = TraceRecorder(adapter.name, "t")
+    from kvbench.core.stepping import drive
+    from kvbench.engines.sim import _SimSteppable
+
+    drive(_SimSteppable(engine), _workload().requests, recorder, virtual_clock=engine.clock)
+    trace = recorder.finish()
+    # every time is virtual: the run lasts as long as the sum of its priced steps, not the wall clock
+    assert trace.duration == pytest.approx(engine.clock.now())
+    assert trace.duration > 50 * 3e-3  # at least ~50 steps that each read 16 GB of weights
+    assert all(r.finished is not None for r in trace.requests.values())
+    # and a faster machine finishes the same work sooner
+    fast = make_adapter(parse_engine_spec("sim:hardware=h200,model=llama-3-8b"), tiny)
+    e2 = fast.build_engine(Knobs(num_gpu_blocks=400))
+    drive(_SimSteppable(e2), _workload().requests, TraceRecorder(fast.name, "t"), virtual_clock=e2.clock)
+    assert e2.clock.now() < engine.clock.now()
+
+
+def test_sim_pool_is_memory_left_after_the_weights(tiny):
+    adapter = make_adapter(parse_engine_spec("sim:hardware=h200,model=llama-3-8b"), tiny)
+    engine = adapter.build_engine()
+    expected = int((141e9 * 0.9 - 8_030_261_248 * 2) // (16 * 128 * 1024))
+    assert engine.block_manager.num_gpu_blocks == expected
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        make_adapter(parse_engine_spec("sim:hardware=a100-80gb,model=llama-3-70b"), tiny).build_engine()
+
+
+def test_sim_is_marked_simulated_and_conformance_skips_it(tiny):
+    from kvbench.plugin import _simulated
+
+    adapter = make_adapter(parse_engine_spec("sim"), tiny)
+    assert adapter.describe()["simulated"] is True
+    assert _simulated(EngineSpec("sim")) and not _simulated(EngineSpec("reference"))
+    with pytest.raises(ValueError, match="clock"):
+        parse_engine_spec("sim:clock=wall")
+
+
+def test_a_large_surge_completes(tiny):
+    """10,000 requests with KVBENCH_SIM_SCALE=1 (minutes on a busy 2-core machine), else 300. The time is
+    printed (-s), never asserted."""
+    from kvbench.bench.simulate import evening_surge_at_scale, simulate
+
+    n = 10_000 if os.environ.get("KVBENCH_SIM_SCALE") == "1" else 300
+    adapter = make_adapter(parse_engine_spec("sim:hardware=h200,model=llama-3-8b"), tiny)
+    workload = evening_surge_at_scale(n, vocab_size=128256)
+    t0 = time.perf_counter()
+    run = simulate(adapter, workload)
+    print(f"\n{n} requests simulated in {time.perf_counter() - t0:.1f} s "
+          f"(engine loop {run.simulate_seconds:.1f} s): {run.figures}")
+    assert run.figures["output_throughput"] and run.figures["output_throughput"] > 0
