@@ -180,6 +180,75 @@ def test_metrics_parsing_reads_by_mode_or_declared_mode():
         MetricsSnapshot.parse("this is { not metrics")
 
 
+def test_swap_requests_and_seconds_come_from_their_own_metrics_never_from_blocks():
+    text = textwrap.dedent("""\
+        reference_engine:swap_out_blocks_total{model_name="m"} 40
+        reference_engine:swap_in_blocks_total{model_name="m"} 38
+        reference_engine:swap_outs_total{model_name="m"} 5
+        reference_engine:swap_ins_total{model_name="m"} 4
+        reference_engine:swap_seconds_total{model_name="m"} 0.25
+        vllm:request_success_total{finished_reason="abort",model_name="m"} 3
+        """)
+    c = cumulative_counters(MetricsSnapshot.parse(text))
+    assert (c.swap_outs, c.swap_ins, c.swap_seconds, c.aborts) == (5, 4, 0.25, 3)
+    blocks_only = cumulative_counters(MetricsSnapshot.parse(text.split("reference_engine:swap_outs")[0]))
+    assert blocks_only.swap_outs is None and blocks_only.swap_ins is None, "blocks are not requests"
+
+
+# --------------------------------------------------------------------------------------------
+# dialects: what a server that is not vLLM-shaped is sent
+
+
+def test_transformers_dialect_sends_text_and_says_extras_through_generation_config(model_dir):
+    import json
+
+    from kvbench.engines.http_client import CompletionClient, TextTokens, completion_body, in_dialect
+
+    tokens = TextTokens(Path(model_dir) / "tokenizer.json")
+    prompt = [1, 5, 0, 2, 300, 7]  # special tokens too: they must survive as text
+    vllm = completion_body("m", prompt, 8, stream=True, ignore_eos=True, stop_token_ids=[61], top_k=5, priority=2)
+    assert in_dialect(vllm, "vllm") is vllm
+    body = in_dialect(vllm, "transformers", tokens, eos_token_id=2)
+    assert tokens.encode(body["prompt"]) == prompt
+    assert not {"return_token_ids", "ignore_eos", "stop_token_ids", "top_k", "priority"} & set(body)
+    assert json.loads(body["generation_config"]) == {"eos_token_id": [61], "top_k": 5, "do_sample": False}
+    plain = in_dialect(completion_body("m", prompt, 8, stream=False, ignore_eos=True), "transformers", tokens, 2)
+    assert json.loads(plain["generation_config"])["eos_token_id"] == -1, "ignore_eos: no EOS at all"
+    eos = in_dialect(completion_body("m", prompt, 8, stream=False, ignore_eos=False, stop_token_ids=[9]),
+                     "transformers", tokens, 2)
+    assert json.loads(eos["generation_config"])["eos_token_id"] == [2, 9]
+    client = CompletionClient("http://127.0.0.1:1", model="m", text_tokens=tokens, dialect="transformers",
+                              eos_token_id=2)
+    assert client.body(prompt, 4, stream=False)["prompt"] == body["prompt"]
+    with pytest.raises(ValueError, match="dialect"):
+        CompletionClient("http://127.0.0.1:1", dialect="tgi")
+
+
+def test_sampled_steps_leave_per_step_token_claims_undecided():
+    from kvbench.bench.metrics import step_tokens_known, summarize
+    from kvbench.bench.scenarios.mechanisms import chunked_claims
+    from kvbench.core.trace import RequestTrace, StepRecord, Trace
+
+    def trace(sampled: bool) -> Trace:
+        steps = [StepRecord(t=0.1 * i, duration=0.1, num_running=2, num_waiting=1, kv_usage=0.5, sampled=sampled)
+                 for i in range(1, 6)]
+        reqs = {"a": RequestTrace("a", 0.0, 600, 5, token_times=[0.1, 0.2, 0.3, 0.4, 1.5], finished=1.5,
+                                  finish_reason="length", finish_count=1)}
+        return Trace("e", "s", requests=reqs, steps=steps)
+
+    # the same zeros read as facts from engine steps, and as "not exposed" from /metrics samples
+    stepped, sampled = trace(False), trace(True)
+    assert step_tokens_known(stepped) and not step_tokens_known(sampled)
+    assert chunked_claims(stepped, {128: stepped}, long_from=500) == {
+        "unchunked: a long prompt was prefilled in one step beside decodes": False,
+        "budget 128: long prompts were split into chunks": None,
+        "budget 128: no step went over the budget": True,
+        "budget 128: prefill chunks rode along with decodes": False}
+    assert set(chunked_claims(sampled, {128: sampled}, long_from=500).values()) == {None}
+    assert summarize(stepped)["tbt_spikes_prefill_share"] == 0.0
+    assert summarize(sampled)["tbt_spikes_prefill_share"] is None
+
+
 # --------------------------------------------------------------------------------------------
 # presets: knob -> flag
 
@@ -325,6 +394,9 @@ def test_reference_server_matches_in_process_under_recompute_pressure(reference_
     assert c["preemptions_recompute"] > 0 and c["recomputed_tokens"] > 0, "the /metrics deltas saw the preemptions"
     assert c["leaked_blocks"] == 0 and c["num_gpu_blocks"] == POOL
     assert c["generated_tokens"] == sum(r.max_tokens for r in requests)
+    # the reference server's per-request extension field adds up to /metrics' total, as in-process
+    assert [o.num_preemptions for o in over_http.outputs] == [o.num_preemptions for o in in_process.outputs]
+    assert sum(o.num_preemptions for o in over_http.outputs) == c.preemptions
 
 
 def test_reference_server_refuses_a_bad_request_and_serves_the_others(reference_server, model_dir):
@@ -346,6 +418,21 @@ def test_reference_server_serves_a_storm_with_aborts(reference_server, model_dir
     assert served and all(len(r.token_times) == 24 for r in served)
     assert trace.counters["leaked_blocks"] == 0, "aborted streams freed their blocks"
     assert trace.counters["preemptions_recompute"] > 0
+
+
+def test_reference_server_counts_swaps_by_request_as_in_process(reference_server, model_dir):
+    from kvbench.engines.reference import ReferenceAdapter
+
+    requests = conformance_requests(model_dir)[:12]
+    swap = PRESSURE.merged(Knobs(preemption_mode="swap", num_cpu_blocks=256))
+    over_http = reference_server.generate(requests, swap)  # a second launch: other knobs
+    in_process = ReferenceAdapter(model_dir).generate(requests, swap)
+    assert [o.token_ids for o in over_http.outputs] == [o.token_ids for o in in_process.outputs]
+    c, want = over_http.counters, in_process.counters
+    assert c["preemptions_swap"] > 0 and c["swap_ins"] > 0
+    for name in ("preemptions_swap", "swap_outs", "swap_ins", "swapped_out_bytes", "swapped_in_bytes"):
+        assert c[name] == want[name], name  # requests from swap_outs_total, never blocks
+    assert c["swap_seconds"] > 0 and c["leaked_blocks"] == 0
 
 
 def test_reference_server_invalid_configuration_is_named_by_the_server(model_dir, tmp_path):

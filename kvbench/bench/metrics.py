@@ -332,12 +332,18 @@ def _active_share(times: Sequence[float], duration: float, windows: int = 10) ->
     return len(set(idx.tolist())) / windows
 
 
+def step_tokens_known(trace: Trace) -> bool:
+    """True when the trace's steps are engine steps with their token counts; False when there are none
+    or any is a ``/metrics`` sample (``StepRecord.sampled``), whose zeros mean "not exposed"."""
+    return bool(trace.steps) and not any(s.sampled for s in trace.steps)
+
+
 def _recompute(trace: Trace) -> dict[str, float | None]:
     recomputed = _counter(trace, "recomputed_tokens")
     if recomputed is None and not _hidden(trace, _RECOMPUTE_ALIASES):
         recomputed = float(sum(r.recomputed_tokens for r in trace.requests.values()))
     computed = _counter(trace, "computed_tokens")
-    if computed is None and "computed_tokens" not in trace.not_exposed:
+    if computed is None and "computed_tokens" not in trace.not_exposed and step_tokens_known(trace):
         scheduled = sum(s.num_prefill_tokens + s.num_decode_tokens for s in trace.steps)
         computed = float(scheduled) if scheduled > 0 else None  # steps carry no token counts
     return {"recomputed_tokens": recomputed, "computed_tokens": computed,
@@ -393,9 +399,10 @@ def _spikes(trace: Trace, gaps: _Gaps, factor: float) -> dict[str, float | None]
             lo, hi = np.searchsorted(step_t, [t0, t1], "right")
             by_prefill += int(prefill_cum[hi] > prefill_cum[lo])
     known = _per_request_preemptions_known(trace)
+    steps_known = step_tokens_known(trace)  # sampled steps carry no prefill counts: not "no prefill"
     out["tbt_spikes_preemption_share"] = by_pre / n if known else None
-    out["tbt_spikes_prefill_share"] = by_prefill / n if steps else None
-    if known and steps:
+    out["tbt_spikes_prefill_share"] = by_prefill / n if steps_known else None
+    if known and steps_known:
         out["tbt_spikes_other_share"] = (n - by_pre - by_prefill) / n
     return out
 

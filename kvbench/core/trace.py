@@ -52,6 +52,9 @@ class StepRecord:
     num_preempted: int = 0  # preemptions that happened in this step
     # the step clock's time when this step ran (step index x step_seconds); None on the wall clock
     virtual_t: float | None = None
+    # True: not an engine step but a sample of a server's /metrics (queues and KV usage only): its
+    # token counts and num_preempted are not exposed (left 0), and must never be read as "none"
+    sampled: bool = False
 
 
 @dataclass

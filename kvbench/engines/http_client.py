@@ -7,6 +7,15 @@ output's token ids are read back exactly from ``choices[0].token_ids`` (vLLM's `
 A server that returns only text gets its text tokenised with the checkpoint's own ``tokenizer.json``
 (``TextTokens``): exact for the built-in checkpoints, whose tokenizer round-trips.
 
+Dialects (:data:`DIALECTS`): ``vllm`` (the default: token-id prompts and vLLM's extras, as above) and
+``transformers`` (``transformers serve``, checked against 5.24's source: it refuses unknown fields
+with a 422 and a prompt that is not a string with a 400). In that dialect the prompt goes as the
+checkpoint tokenizer's text of the ids (special tokens written out, so they round-trip), no
+``return_token_ids`` (ids come back from the text), and what vLLM says with extras goes through its
+``generation_config`` JSON field, which it applies per request: ``ignore_eos`` as ``eos_token_id=-1``
+(no EOS), ``stop_token_ids`` as the ``eos_token_id`` list (plus the model's EOS unless ``ignore_eos``),
+``top_k`` as ``top_k``. ``priority`` has no equivalent and is not sent.
+
 Errors: an HTTP error with OpenAI's envelope ``{"error": {"message": ...}}`` becomes a
 :class:`Completion` with ``finish_reason="rejected"`` (4xx) or ``"error"`` (5xx, transport) and the
 server's message, so one bad request never hides the others' outputs.
@@ -17,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +48,12 @@ class Completion:
     error: str | None = None
     status: int | None = None  # the HTTP status
     ids_from_text: bool = False  # token ids were recovered by tokenising the returned text
+    #: tokens the server says it generated (``usage.completion_tokens``), where it says so: differs from
+    #: ``len(token_ids)`` when text lost tokens (special tokens skipped in the text)
+    server_token_count: int | None = None
+    #: times the server preempted this request, where it says so (the reference server's extension
+    #: field ``num_preemptions`` on the finishing choice); None otherwise
+    num_preemptions: int | None = None
 
 
 class TextTokens:
@@ -49,15 +64,49 @@ class TextTokens:
         self.path = Path(path)
         self._tok: Any = None
 
-    def encode(self, text: str) -> list[int]:
+    def _tokenizer(self) -> Any:
         if self._tok is None:
             if not self.path.is_file():
-                raise FileNotFoundError(f"the server returned no token ids and {self.path} does not exist to "
-                                        "tokenise its text with")
+                raise FileNotFoundError(f"{self.path} does not exist: it is needed to turn token ids into text "
+                                        "and back for a server that speaks text only")
             from tokenizers import Tokenizer
 
             self._tok = Tokenizer.from_file(str(self.path))
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer().encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` with special tokens written out (so :meth:`encode` gives them back)."""
+        return self._tokenizer().decode(list(ids), skip_special_tokens=False)
+
+
+DIALECTS = ("vllm", "transformers")
+
+
+def in_dialect(body: dict[str, Any], dialect: str, text_tokens: TextTokens | None = None,
+               eos_token_id: int | None = None) -> dict[str, Any]:
+    """``body`` (vLLM's dialect, from :func:`completion_body`) said the way ``dialect`` servers take it
+    (see the module docstring). ValueError naming what is missing (a tokenizer for text prompts)."""
+    if dialect == "vllm":
+        return body
+    if dialect != "transformers":
+        raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, got {dialect!r}")
+    if text_tokens is None:
+        raise ValueError("dialect transformers sends prompts as text: a tokenizer.json is needed")
+    out = {k: v for k, v in body.items()
+           if k not in ("prompt", "return_token_ids", "ignore_eos", "stop_token_ids", "top_k", "priority")}
+    out["prompt"] = text_tokens.decode(body["prompt"])
+    stops = [int(t) for t in body.get("stop_token_ids") or ()]
+    if not body.get("ignore_eos", False) and eos_token_id is not None:
+        stops = [eos_token_id, *stops]
+    gen: dict[str, Any] = {"eos_token_id": stops or -1}  # -1: no end-of-sequence token at all
+    if body.get("top_k"):
+        gen["top_k"] = int(body["top_k"])
+    gen["do_sample"] = float(body.get("temperature") or 0.0) > 0
+    out["generation_config"] = json.dumps(gen)
+    return out
 
 
 def completion_body(model: str | None, prompt_token_ids: list[int], max_tokens: int, *, stream: bool,
@@ -110,6 +159,10 @@ def _failed(response: httpx.Response) -> Completion:
     return Completion(finish_reason=reason, error=error_message(response), status=response.status_code)
 
 
+def _count(raw: Any) -> int | None:
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
+
+
 def _choice(data: dict[str, Any]) -> dict[str, Any]:
     choices = data.get("choices") or [{}]
     return choices[0] or {}
@@ -121,12 +174,22 @@ class CompletionClient:
     requests are N connections, all in flight together."""
 
     def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
-                 text_tokens: TextTokens | None = None, timeout: float = 600.0):
+                 text_tokens: TextTokens | None = None, timeout: float = 600.0, dialect: str = "vllm",
+                 eos_token_id: int | None = None):
+        if dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, got {dialect!r}")
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.model = model
         self.text_tokens = text_tokens
         self.timeout = timeout
+        self.dialect = dialect
+        self.eos_token_id = eos_token_id
+
+    def body(self, prompt_token_ids: list[int], max_tokens: int, *, stream: bool, **sampling: Any) -> dict[str, Any]:
+        """One request's JSON body in this server's dialect (``sampling``: :func:`completion_body`'s keywords)."""
+        vllm = completion_body(self.model, prompt_token_ids, max_tokens, stream=stream, **sampling)
+        return in_dialect(vllm, self.dialect, self.text_tokens, self.eos_token_id)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -162,6 +225,10 @@ class CompletionClient:
         choice = _choice(data)
         out.token_ids = self._ids(choice, out)
         out.finish_reason = choice.get("finish_reason")
+        out.num_preemptions = _count(choice.get("num_preemptions"))
+        usage = data.get("usage") or {}
+        if isinstance(usage.get("completion_tokens"), int):
+            out.server_token_count = usage["completion_tokens"]
         return out
 
     async def stream(self, body: dict[str, Any], on_tokens: OnTokens, clock: Callable[[], float] = time.perf_counter,
@@ -184,6 +251,7 @@ class CompletionClient:
                 on_tokens(t, ids)
             if choice.get("finish_reason"):
                 out.finish_reason = choice["finish_reason"]
+                out.num_preemptions = _count(choice.get("num_preemptions"))
 
         try:
             await stream_events(self.base_url, {**body, "stream": True}, self.headers(), on_event, clock, started)

@@ -10,6 +10,7 @@ Which metric feeds which counter of the contract (:mod:`kvbench.core.counters`):
     swap_outs / swap_ins    reference_engine:swap_outs_total / swap_ins_total        requests, not blocks
     swap_fallbacks          reference_engine:swap_fallbacks_total
     swapped_out/in_bytes    reference_engine:swapped_out_bytes_total / _in_
+    swap_seconds            reference_engine:swap_seconds_total                      seconds
     prefix_cache_queries    vllm:prefix_cache_queries_total                          tokens
     prefix_cache_hits       vllm:prefix_cache_hits_total                             tokens
     prefill_chunks          reference_engine:prefill_chunks_total
@@ -25,8 +26,9 @@ Which metric feeds which counter of the contract (:mod:`kvbench.core.counters`):
                             plus round(reference_engine:cpu_cache_usage_perc x num_cpu_blocks)
 
 A metric the server does not publish leaves its counter ``None`` ("not exposed"), never 0. The
-reference server publishes swapped *blocks* (``reference_engine:swap_out_blocks_total``); those are
-not requests, so they do not feed ``swap_outs``/``swap_ins``.
+reference server also publishes swapped *blocks* (``reference_engine:swap_out_blocks_total``); those
+are not requests, so they never feed ``swap_outs``/``swap_ins``. ``aborts`` counts what the server
+finished with reason "abort" (vLLM counts a request the client abandoned that way).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def cumulative_counters(snap: MetricsSnapshot, preemptions_are: str | None = Non
     ``vllm:num_preemptions_total`` counts on a server that does not split preemptions by mode
     (vLLM v1 only recomputes); without it that total feeds no counter."""
     values: dict[str, Any] = {name: _int(snap.value(metric, **lab)) for name, (metric, lab) in _SIMPLE.items()}
+    values["swap_seconds"] = snap.value("reference_engine:swap_seconds_total")  # seconds: not rounded
     by_mode = "reference_engine:preemptions_total"
     if snap.has(by_mode):
         values["preemptions_recompute"] = _int(snap.value(by_mode, mode="recompute")) or 0
@@ -202,7 +205,7 @@ def knobs_from_config_info(snap: MetricsSnapshot) -> dict[str, Any]:
 def sampled_step(snap: MetricsSnapshot, t: float, since_last: float) -> StepRecord | None:
     """A queue/KV sample as a :class:`StepRecord` (``duration`` = time since the previous sample, so
     duration-weighted means are time-weighted); None without the queue gauges. Samples carry no
-    token counts or preemptions: the adapter says so in the trace's ``not_exposed``."""
+    token counts or preemptions (``sampled=True``: metrics read those as not exposed, never as 0)."""
     running, waiting = snap.value("vllm:num_requests_running"), snap.value("vllm:num_requests_waiting")
     if running is None or waiting is None:
         return None
@@ -211,4 +214,4 @@ def sampled_step(snap: MetricsSnapshot, t: float, since_last: float) -> StepReco
     cpu_usage = snap.value("reference_engine:cpu_cache_usage_perc") if cpu else None
     return StepRecord(t=t, duration=since_last, num_running=round(running), num_waiting=round(waiting),
                       num_swapped=round(snap.value("reference_engine:num_requests_swapped") or 0),
-                      kv_usage=usage, cpu_kv_usage=cpu_usage)
+                      kv_usage=usage, cpu_kv_usage=cpu_usage, sampled=True)

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from kvbench.core.trace import TraceRecorder
-from kvbench.engines.http_client import Completion, CompletionClient, completion_body
+from kvbench.engines.http_client import Completion, CompletionClient
 from kvbench.engines.http_metrics import MetricsSnapshot, sampled_step
 
 #: what a client-side trace never holds, and why (shown by the report instead of zeros)
@@ -50,9 +50,9 @@ class DriverStats:
 
 
 def _body(client: CompletionClient, req: Any, stream: bool) -> dict[str, Any]:
-    return completion_body(client.model, req.prompt_token_ids, req.max_tokens, stream=stream,
-                           temperature=getattr(req, "temperature", 0.0), seed=getattr(req, "seed", None),
-                           ignore_eos=getattr(req, "ignore_eos", True), priority=getattr(req, "priority", 0))
+    return client.body(req.prompt_token_ids, req.max_tokens, stream=stream,
+                       temperature=getattr(req, "temperature", 0.0), seed=getattr(req, "seed", None),
+                       ignore_eos=getattr(req, "ignore_eos", True), priority=getattr(req, "priority", 0))
 
 
 async def _poll_metrics(http: httpx.AsyncClient, recorder: TraceRecorder, interval: float, stats: DriverStats,

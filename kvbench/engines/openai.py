@@ -18,6 +18,7 @@ server may publish its numbers a step after the last token), then reads ``leaked
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +29,7 @@ import pytest
 from kvbench.core.counters import Counters
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
-from kvbench.engines.http_client import CompletionClient, TextTokens, completion_body
+from kvbench.engines.http_client import DIALECTS, CompletionClient, TextTokens
 from kvbench.engines.http_metrics import (
     MetricsSnapshot,
     blocks_in_use,
@@ -82,6 +83,8 @@ class OpenAIAdapter(EngineAdapter):
                            "not split preemptions by mode (vLLM v1: recompute)",
         "timeout": "seconds one request may take (default 600)",
         "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
+        "dialect": "vllm (default: token-id prompts, vLLM's extra fields) or transformers (transformers serve: "
+                   "text prompts, extras through its generation_config field)",
         **{k: "the server's value of this knob, where /metrics does not publish it" for k in _KNOB_NAMES},
     }
     unsupported_knobs = {k: "fixed by the running server (use the server adapter to vary it)"  # noqa: RUF012
@@ -97,6 +100,9 @@ class OpenAIAdapter(EngineAdapter):
         preempt = options.get("preemptions_are")
         if preempt not in (None, "recompute", "swap"):
             raise ValueError(f"engine {cls.kind!r}: preemptions_are must be recompute or swap, got {preempt!r}")
+        if options.get("dialect", "vllm") not in DIALECTS:
+            raise ValueError(f"engine {cls.kind!r}: dialect must be one of {', '.join(DIALECTS)}, "
+                             f"got {options['dialect']!r}")
         for key in ("timeout", "settle_timeout"):
             if key in options:
                 _positive(cls.kind, key, options[key])
@@ -113,7 +119,16 @@ class OpenAIAdapter(EngineAdapter):
     def _client(self, url: str) -> CompletionClient:
         tokenizer = self.options.get("tokenizer") or str(Path(self.model_dir) / "tokenizer.json")
         return CompletionClient(url, api_key=self.options.get("api_key"), model=self.options.get("model"),
-                                text_tokens=TextTokens(tokenizer), timeout=float(self.options.get("timeout", 600)))
+                                text_tokens=TextTokens(tokenizer), timeout=float(self.options.get("timeout", 600)),
+                                dialect=self.options.get("dialect", "vllm"), eos_token_id=self._eos_token_id())
+
+    def _eos_token_id(self) -> int | None:
+        """The checkpoint's EOS id (a text-dialect server needs it to stop at EOS and at stop ids at once)."""
+        try:
+            eos = json.loads((Path(self.model_dir) / "config.json").read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            return None
+        return eos if isinstance(eos, int) else None
 
     # --- knobs
 
@@ -192,17 +207,26 @@ class OpenAIAdapter(EngineAdapter):
         completions = asyncio.run(self._generate(requests))
         counters = self._counters(before, self._settle())
         outputs = []
+        from_text = 0
         for req, done in zip(requests, completions, strict=True):
-            outputs.append(GenOutput(req.request_id, done.token_ids, done.finish_reason, None, done.error))
-            if done.ids_from_text:
-                self.evidence.append(f"{req.request_id}: token ids recovered from the returned text")
+            outputs.append(GenOutput(req.request_id, done.token_ids, done.finish_reason, done.num_preemptions,
+                                     done.error))
+            from_text += done.ids_from_text
+            if done.server_token_count is not None and done.server_token_count != len(done.token_ids):
+                self.evidence.append(f"{req.request_id}: the server counted {done.server_token_count} output "
+                                     f"tokens but its text gave {len(done.token_ids)} ids (tokens missing from the "
+                                     "text, e.g. special tokens skipped)")
+        if from_text:
+            self.evidence.append(f"{from_text} of {len(requests)} requests: token ids recovered from the returned "
+                                 "text with the checkpoint's tokenizer (the server returned no ids)")
         return GenResult(outputs, counters, [*self.evidence, *self.describe_evidence()])
 
     async def _generate(self, requests: Sequence[GenRequest]):
         async with self.client.session() as http:
-            bodies = [completion_body(self.client.model, r.prompt_token_ids, r.max_tokens, stream=False,
-                                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed,
-                                      ignore_eos=r.ignore_eos, priority=r.priority) for r in requests]
+            bodies = [self.client.body(r.prompt_token_ids, r.max_tokens, stream=False, temperature=r.temperature,
+                                       top_p=r.top_p, top_k=r.top_k, seed=r.seed, ignore_eos=r.ignore_eos,
+                                       priority=r.priority, stop_token_ids=list(r.stop_token_ids))
+                      for r in requests]
             return await asyncio.gather(*(self.client.complete(http, b) for b in bodies))
 
     def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:

@@ -24,11 +24,12 @@ from typing import Any
 
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenRequest, GenResult, Knobs
+from kvbench.engines.http_client import DIALECTS
 from kvbench.engines.http_process import ServerProcess, free_port
 from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter, _positive
 from kvbench.engines.server_presets import CUSTOM, PRESETS, Preset
 
-_PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are")
+_PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect")
 
 
 class ServerAdapter(EngineAdapter):
@@ -47,6 +48,7 @@ class ServerAdapter(EngineAdapter):
         "timeout": "seconds one request may take (default 600)",
         "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
         "preemptions_are": "recompute or swap: what vllm:num_preemptions_total counts (default: the preset's)",
+        "dialect": "vllm or transformers: how requests are said (default: the preset's; vllm for cmd=)",
     }
 
     @classmethod
@@ -62,6 +64,9 @@ class ServerAdapter(EngineAdapter):
         preempt = options.get("preemptions_are")
         if preempt not in (None, "recompute", "swap"):
             raise ValueError(f"engine {cls.kind!r}: preemptions_are must be recompute or swap, got {preempt!r}")
+        if options.get("dialect", "vllm") not in DIALECTS:
+            raise ValueError(f"engine {cls.kind!r}: dialect must be one of {', '.join(DIALECTS)}, "
+                             f"got {options['dialect']!r}")
         for key in ("startup_timeout", "timeout", "settle_timeout"):
             if key in options:
                 _positive(cls.kind, key, options[key])
@@ -110,6 +115,7 @@ class ServerAdapter(EngineAdapter):
         options = {k: v for k, v in self.options.items() if k in _PASSED_ON}
         if self.preset.preemptions_are and "preemptions_are" not in options:
             options["preemptions_are"] = self.preset.preemptions_are
+        options.setdefault("dialect", self.preset.dialect)
         # what it was started with is declared, so a knob the server does not publish still counts as set;
         # a published label that disagrees (the server adjusted the value) wins and skips the check
         options.update({k: str(v) for k, v in wanted.items()})

@@ -11,7 +11,10 @@ Flag names were checked against each server's own documentation or ``--help``:
   flag named as ``vllm serve`` names it). Tested here.
 * ``transformers``: ``transformers serve --continuous-batching`` (transformers 5.24 ``--help``:
   ``--cb-block-size``, ``--cb-num-blocks``, ``--cb-max-batch-tokens``, ``--host``, ``--port``; the model is
-  the positional ``FORCE_MODEL``). Runs on CPU. It publishes no ``/metrics``, so no mechanism can be proved.
+  the positional ``FORCE_MODEL``, a local checkpoint directory works). Runs on CPU; needs ``accelerate``
+  (``transformers[serving]``: it always loads with a ``device_map``). It publishes no ``/metrics``, so no
+  mechanism can be proved, and speaks the ``transformers`` dialect (text prompts; refuses vLLM's extra
+  fields with a 422).
 * ``vllm``: ``vllm serve MODEL`` (``--block-size``, ``--num-gpu-blocks-override``, ``--max-num-seqs``,
   ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
   ``--[no-]enable-chunked-prefill``, ``--scheduling-policy``). Documented, not run here (needs a GPU).
@@ -52,6 +55,8 @@ class Preset:
     capabilities: frozenset[str] = frozenset()
     #: which mode vllm:num_preemptions_total counts when the server does not split it by mode
     preemptions_are: str | None = None
+    #: how requests are said (:data:`kvbench.engines.http_client.DIALECTS`)
+    dialect: str = "vllm"
 
     def flags(self, knobs: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
         """(flags for ``knobs``, {knob: why not} for those this preset cannot set to the asked value)."""
@@ -114,6 +119,7 @@ TRANSFORMERS = Preset(
         "enable_prefix_caching": "transformers serve has no flag for block sharing",
     },
     capabilities=frozenset({"recompute", "chunked_prefill", "sampling", "abort"}),
+    dialect="transformers",
 )
 
 VLLM = Preset(

@@ -302,7 +302,8 @@ class _Renderer:
         text = self._text_of(self.ids)
         delta, self.text = text[len(self.text):] if text.startswith(self.text) else text, text
         choice = CompletionChoice(index=0, text=delta, logprobs=logprobs,
-                                  finish_reason=out.finish_reason if final else None)
+                                  finish_reason=out.finish_reason if final else None,
+                                  num_preemptions=out.num_preemptions if final else None)
         if self.body.return_token_ids:
             choice.token_ids = list(new_ids)
             if not self.body.stream:

@@ -28,9 +28,12 @@ engine's ``preemption_mode``, ``max_num_seqs``, ``max_num_batched_tokens``, ``en
 
 Extras (no vLLM equivalent): ``reference_engine:num_requests_swapped``, ``reference_engine:num_gpu_blocks``,
 ``reference_engine:num_free_gpu_blocks``, ``reference_engine:cpu_cache_usage_perc``, and the counters
-``reference_engine:preemptions_total{mode}``, ``reference_engine:swap_out_blocks_total``,
-``reference_engine:swap_in_blocks_total``, ``reference_engine:swapped_out_bytes_total``,
-``reference_engine:swapped_in_bytes_total``, ``reference_engine:swap_fallbacks_total``,
+``reference_engine:preemptions_total{mode}``, ``reference_engine:swap_outs_total`` and
+``reference_engine:swap_ins_total`` (requests whose KV went device -> host / host -> device, as
+``engine.stats()`` counts them: the contract's ``swap_outs``/``swap_ins``),
+``reference_engine:swap_out_blocks_total``, ``reference_engine:swap_in_blocks_total`` (blocks),
+``reference_engine:swapped_out_bytes_total``, ``reference_engine:swapped_in_bytes_total``,
+``reference_engine:swap_seconds_total``, ``reference_engine:swap_fallbacks_total``,
 ``reference_engine:recomputed_tokens_total``, ``reference_engine:prefill_chunks_total``,
 ``reference_engine:computed_tokens_total``, ``reference_engine:engine_steps_total``.
 
@@ -71,10 +74,13 @@ class EngineStats:
     preemptions_swap: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    swap_outs: int = 0  # requests, not blocks
+    swap_ins: int = 0
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
+    swap_seconds: float = 0.0
     swap_fallbacks: int = 0
     recomputed_tokens: int = 0
     prefill_chunks: int = 0
@@ -96,10 +102,12 @@ def read_engine_stats(engine) -> EngineStats:
         kv_cache_usage=float(s["gpu_cache_usage"]), cpu_cache_usage=float(s["cpu_cache_usage"]),
         preemptions_recompute=int(s["num_preemptions_recompute"]), preemptions_swap=int(s["num_preemptions_swap"]),
         prefix_cache_queries=int(s["prefix_cache_queries"]), prefix_cache_hits=int(s["prefix_cache_hits"]),
+        swap_outs=int(s["num_swap_outs"]), swap_ins=int(s["num_swap_ins"]),
         swap_out_blocks=int(s["swapped_out_bytes"]) // block_bytes,
         swap_in_blocks=int(s["swapped_in_bytes"]) // block_bytes,
         swapped_out_bytes=int(s["swapped_out_bytes"]), swapped_in_bytes=int(s["swapped_in_bytes"]),
-        swap_fallbacks=int(s["num_swap_fallbacks"]), recomputed_tokens=int(s["num_recomputed_tokens"]),
+        swap_seconds=float(s["swap_seconds"]), swap_fallbacks=int(s["num_swap_fallbacks"]),
+        recomputed_tokens=int(s["num_recomputed_tokens"]),
         prefill_chunks=int(s["num_prefill_chunks"]), computed_tokens=int(s["num_computed_tokens"]),
         steps=int(s["num_steps"]),
     )
@@ -146,10 +154,16 @@ class _EngineCollector(Collector):
         by_mode.add_metric([name, "recompute"], s.preemptions_recompute)
         by_mode.add_metric([name, "swap"], s.preemptions_swap)
         yield by_mode
+        yield counter("reference_engine:swap_outs", "Requests whose KV blocks were copied device -> host.",
+                      s.swap_outs)
+        yield counter("reference_engine:swap_ins", "Requests whose KV blocks were copied host -> device on resume.",
+                      s.swap_ins)
         yield counter("reference_engine:swap_out_blocks", "KV blocks copied device -> host.", s.swap_out_blocks)
         yield counter("reference_engine:swap_in_blocks", "KV blocks copied host -> device.", s.swap_in_blocks)
         yield counter("reference_engine:swapped_out_bytes", "Bytes copied device -> host.", s.swapped_out_bytes)
         yield counter("reference_engine:swapped_in_bytes", "Bytes copied host -> device.", s.swapped_in_bytes)
+        yield counter("reference_engine:swap_seconds", "Wall seconds spent copying KV between the pools.",
+                      s.swap_seconds)
         yield counter("reference_engine:swap_fallbacks",
                       "Swap preemptions that fell back to recompute (host pool full).", s.swap_fallbacks)
         yield counter("reference_engine:recomputed_tokens",

@@ -88,6 +88,10 @@ class CompletionChoice(BaseModel):
     # vLLM's return_token_ids: present only when asked for (excluded when None).
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    # reference_engine's extension (no vLLM equivalent): on the choice that carries finish_reason, how
+    # many times the engine preempted this request, so a client can check per-request preemptions
+    # against /metrics' totals
+    num_preemptions: int | None = None
 
 
 class Usage(BaseModel):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, fmt_ratio, fmt_time
+from kvbench.bench.metrics import step_tokens_known
 from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
     Job,
@@ -208,10 +209,11 @@ class ChunkedPrefillStalls(Scenario):
         for sv in served:
             budget = self.budget_of(sv.job.mode or "", scale)
             steps = sv.trace.steps
+            known = step_tokens_known(sv.trace)  # /metrics samples carry no per-step token counts
             extra = {"budget": float(budget) if budget else None,
                      "max_step_tokens": float(max((st.num_prefill_tokens + st.num_decode_tokens for st in steps),
-                                                  default=0)),
-                     "stall_steps": float(len(stall_steps(sv.trace, long_from)))}
+                                                  default=0)) if known else None,
+                     "stall_steps": float(len(stall_steps(sv.trace, long_from))) if known else None}
             out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode, extra=extra))
         out.claims = chunked_claims(by_mode["unchunked"].trace,
                                     {self.budget_of(m, scale) or 0: by_mode[m].trace for m in self.modes[1:]},
@@ -246,18 +248,21 @@ def stall_steps(trace: Trace, long_from: int) -> list[int]:
 
 
 def chunked_claims(unchunked: Trace, chunked: Mapping[int, Trace], long_from: int) -> dict[str, bool | None]:
-    """Claims from the unchunked run and the chunked runs by budget (steps must carry token counts)."""
+    """Claims from the unchunked run and the chunked runs by budget. A claim about per-step token
+    counts is None (undecidable) for a trace whose steps do not carry them (``/metrics`` samples)."""
     claims: dict[str, bool | None] = {
-        "unchunked: a long prompt was prefilled in one step beside decodes": bool(stall_steps(unchunked, long_from)),
+        "unchunked: a long prompt was prefilled in one step beside decodes":
+            bool(stall_steps(unchunked, long_from)) if step_tokens_known(unchunked) else None,
     }
     for budget, trace in chunked.items():
         chunks = trace.counters.get("prefill_chunks")
         claims[f"budget {budget}: long prompts were split into chunks"] = (
             None if chunks is None else chunks > 0)
-        claims[f"budget {budget}: no step went over the budget"] = bool(trace.steps) and all(
-            s.num_prefill_tokens + s.num_decode_tokens <= budget for s in trace.steps)
+        known = step_tokens_known(trace)
+        claims[f"budget {budget}: no step went over the budget"] = all(
+            s.num_prefill_tokens + s.num_decode_tokens <= budget for s in trace.steps) if known else None
         claims[f"budget {budget}: prefill chunks rode along with decodes"] = any(
-            s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 for s in trace.steps)
+            s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 for s in trace.steps) if known else None
     return claims
 
 
