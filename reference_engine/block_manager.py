@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from reference_engine.block_pool import BlockHash, BlockPool, HostBlockPool, KVBlock
+from reference_engine.counters import EngineCounters
 from reference_engine.request import Request
 
 
@@ -25,18 +26,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, enable_caching: bool = False,
+                 counters: EngineCounters | None = None):
+        """``counters``: the engine's record, shared with the pool and the scheduler (a fresh one if None);
+        the block manager counts prefix-cache queries and hits in it, the pool evictions."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.counters = counters if counters is not None else EngineCounters()
+        self.pool = BlockPool(num_gpu_blocks, enable_caching, self.counters)
         self.host = HostBlockPool(num_cpu_blocks)
         self.block_tables: dict[str, list[KVBlock]] = {}
         self.host_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # per request, full blocks, stable as tokens only append
         self._num_registered: dict[str, int] = {}
-        # Prefix-cache accounting in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits.
-        self.prefix_queries = 0
-        self.prefix_hits = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -76,8 +78,8 @@ class BlockManager:
         """The longest run of cached blocks matching the request's leading full blocks.
 
         Never the whole sequence: the last token is always computed, because its logits are
-        needed to sample the next token. A pure query: the caller counts ``prefix_queries`` /
-        ``prefix_hits`` once, when it admits the request (a lookup may be retried many times).
+        needed to sample the next token. A pure query: the caller counts it with
+        :meth:`record_prefix_query` once, when it admits the request (a lookup may be retried many times).
         """
         if not self.enable_caching:
             return []
@@ -91,9 +93,9 @@ class BlockManager:
         return hits
 
     def record_prefix_query(self, num_tokens: int, hit_tokens: int) -> None:
-        """Count one admission's lookup (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens)."""
-        self.prefix_queries += num_tokens
-        self.prefix_hits += hit_tokens
+        """Count one admission's lookup, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits)."""
+        self.counters.prefix_cache_queries += num_tokens
+        self.counters.prefix_cache_hits += hit_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the hashes of blocks whose KV is now fully computed. Call after the model ran."""
@@ -147,6 +149,11 @@ class BlockManager:
         self.free(request_id)
         self.free_host(request_id)
         self._hashes.pop(request_id, None)
+
+    def tracked_request_ids(self) -> set[str]:
+        """Requests the manager holds any per-request state for (tables, hashes, registration marks).
+        Empty once every request has been forgotten: nothing kept per request outlives it."""
+        return set(self.block_tables) | set(self.host_tables) | set(self._hashes) | set(self._num_registered)
 
     # ------------------------------------------------------------------ swap
     def can_swap_out(self, request_id: str) -> bool:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from reference_engine.counters import EngineCounters
+
 
 @dataclass(frozen=True)
 class BlockHash:
@@ -102,7 +104,8 @@ class FreeBlockQueue:
 class BlockPool:
     """The device pool: ``num_blocks`` blocks, refcounts, free queue and the prefix-cache map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, enable_caching: bool, counters: EngineCounters | None = None):
+        """``counters``: the engine's record, where evictions are counted (a fresh one if None)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} is invalid: expected >= 1")
         self.num_blocks = num_blocks
@@ -110,7 +113,12 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # BlockHash.value -> block
-        self.num_evictions = 0
+        self.counters = counters if counters is not None else EngineCounters()
+
+    @property
+    def num_evictions(self) -> int:
+        """Cache entries dropped because their block was handed out again (``counters.evicted_blocks``)."""
+        return self.counters.evicted_blocks
 
     @property
     def num_free(self) -> int:
@@ -167,7 +175,7 @@ class BlockPool:
             if self.cached.get(block.block_hash.value) is block:
                 del self.cached[block.block_hash.value]
             block.block_hash = None
-            self.num_evictions += 1
+            self.counters.evicted_blocks += 1
 
     def check_invariants(self) -> None:
         """Free-queue membership matches refcounts and every cache entry points at a block with that hash."""

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from reference_engine.events import DEFAULT_MAX_EVENTS
+
 
 class ConfigError(ValueError):
     """An invalid configuration value. ``field`` names the offending field."""
@@ -55,6 +57,8 @@ class EngineConfig:
     dtype: str = "float32"
     check_invariants: bool = False  # run the block manager's self-check after every step (slow)
     attention_backend: str = "auto"  # decode attention: "torch", "triton", or "auto" = triton on CUDA if importable
+    # Events retained in LLMEngine.events (oldest dropped first; 0 keeps none). A sink sees them all.
+    max_events: int = DEFAULT_MAX_EVENTS
 
     def __post_init__(self) -> None:
         _positive_power_of_two("block_size", self.block_size, upper=128)
@@ -64,6 +68,7 @@ class EngineConfig:
         _float_range("kv_cache_space", self.kv_cache_space, 0.0, float("inf"), low_open=True)
         _float_range("swap_space", self.swap_space, 0.0, float("inf"))
         _integer("max_num_seqs", self.max_num_seqs, low=1)
+        _integer("max_events", self.max_events, low=0)
         _optional_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         _optional_int("max_model_len", self.max_model_len, low=2)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

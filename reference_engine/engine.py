@@ -6,7 +6,10 @@ Public API (vLLM's names)::
     engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
     while engine.has_unfinished_requests():
         for out in engine.step(): ...
-    engine.generate(prompts, params) ; engine.abort_request("r1") ; engine.stats() ; engine.events
+    engine.generate(prompts, params) ; engine.abort_request("r1")
+    engine.stats()      # gauges + cumulative counters, a flat dict (kvbench and /metrics read it)
+    engine.counters()   # the cumulative counters as a typed snapshot (EngineCounters)
+    engine.events       # the latest EngineConfig.max_events events; engine.add_event_sink(fn) sees all
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ import torch
 
 from reference_engine.block_manager import BlockManager
 from reference_engine.config import EngineConfig, GiB
-from reference_engine.events import EngineEvent
+from reference_engine.counters import EngineCounters
+from reference_engine.events import EventLog, EventSink
 from reference_engine.kv_cache import KVCache
 from reference_engine.model import load_model
 from reference_engine.outputs import RequestOutput
 from reference_engine.request import Request, RequestStatus
 from reference_engine.runner import ModelRunner
 from reference_engine.sampling_params import SamplingParams
-from reference_engine.scheduler import Scheduler
+from reference_engine.scheduler import Scheduler, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -36,7 +40,9 @@ class RequestRejected(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, event_sink: EventSink | None = None):
+        """``event_sink``, if given, is called with every event as it is recorded (see
+        :meth:`add_event_sink`)."""
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("EngineConfig.device is 'cuda' but torch.cuda.is_available() is False")
@@ -52,21 +58,25 @@ class LLMEngine:
             num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
         else:
             num_cpu_blocks = 0  # recompute never swaps: reserve no host memory
+        # One record for the whole engine: the pool, block manager, scheduler and engine each count
+        # their own facts in it.
+        self._counters = EngineCounters()
         self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self._counters)
         self.kv_cache = KVCache(num_gpu_blocks, num_cpu_blocks, mc.num_layers, config.block_size, mc.num_kv_heads,
                                 mc.head_dim, dtype, self.device)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            scheduling_policy=config.scheduling_policy)
+            scheduling_policy=config.scheduling_policy, events=EventLog(config.max_events))
+        if event_sink is not None:
+            self.add_event_sink(event_sink)
         self.attention_backend = _attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, config.seed,
                                   self.attention_backend)
         self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step()
         self._ids = itertools.count()
-        self._swap = {"swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_seconds": 0.0}
         self.last_step: dict[str, float | int] = {}
         # What steps and swap copies are timed with (the simulator, reference_engine.sim, puts its
         # virtual clock here).
@@ -81,8 +91,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     @property
-    def events(self) -> list[EngineEvent]:
+    def events(self) -> EventLog:
+        """The latest ``config.max_events`` events, oldest first (list-like: len, iteration, indexing,
+        slicing). Older ones are dropped: to see every event, add a sink."""
         return self.scheduler.events
+
+    def add_event_sink(self, sink: EventSink) -> None:
+        """Call ``sink(event)`` with every event from now on, as it is recorded, whatever
+        ``max_events`` retains. It runs inside ``step()`` and ``add_request()``: keep it quick, never raise."""
+        self.scheduler.events.add_sink(sink)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
@@ -145,28 +162,29 @@ class LLMEngine:
             self.block_manager.check_invariants()
         outputs, self._pending = self._pending + [RequestOutput.of(r) for r in touched], []
         self.last_step = {"seconds": self.timer() - t0, "num_tokens": out.num_tokens,
-                          "num_prefill_tokens": out.num_prefill_tokens,
-                          "num_decode_tokens": out.num_tokens - out.num_prefill_tokens,
+                          "num_prefill_tokens": out.num_prefill_tokens, "num_decode_tokens": out.num_decode_tokens,
                           "num_preempted": out.num_preempted}
         return outputs
 
-    def _copy_swapped_blocks(self, out) -> None:
+    def _copy_swapped_blocks(self, out: SchedulerOutput) -> None:
         """One batched copy per direction; each request's event gets its own blocks and bytes, and the
         seconds of the step's whole copy (``requests`` says how many shared it)."""
         # Swap-outs first: their freed device blocks may be rewritten by this very step.
-        for kind, mapping, requests in (("swapped_out", out.swap_out, out.swapped_out_requests),
-                                        ("swapped_in", out.swap_in, out.swapped_in_requests)):
-            if not mapping:
+        for kind, per_request in (("swapped_out", out.swap_out_blocks), ("swapped_in", out.swap_in_blocks)):
+            if not per_request:
                 continue
             t0 = self.timer()
             copy = self.kv_cache.swap_out if kind == "swapped_out" else self.kv_cache.swap_in
-            nbytes = copy(mapping)
+            nbytes = copy([pair for pairs in per_request.values() for pair in pairs])
             seconds = self.timer() - t0
-            self._swap[f"{kind}_bytes"] += nbytes
-            self._swap["swap_seconds"] += seconds
-            for rid, blocks in requests.items():
-                self.scheduler.record_event(kind, rid, blocks=blocks, bytes=blocks * self.kv_cache.block_bytes,
-                                            seconds=seconds, requests=len(requests))
+            if kind == "swapped_out":
+                self._counters.swapped_out_bytes += nbytes
+            else:
+                self._counters.swapped_in_bytes += nbytes
+            self._counters.swap_seconds += seconds
+            for rid, pairs in per_request.items():
+                self.scheduler.record_event(kind, rid, blocks=len(pairs), bytes=len(pairs) * self.kv_cache.block_bytes,
+                                            seconds=seconds, requests=len(per_request))
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
@@ -186,12 +204,16 @@ class LLMEngine:
         return [final[rid] for rid in ids]
 
     # ------------------------------------------------------------------ observability
+    def counters(self) -> EngineCounters:
+        """A snapshot of the cumulative counters (later steps do not change it)."""
+        return self._counters.snapshot()
+
     def stats(self) -> dict[str, float | int]:
-        """Queues, pool usage and cumulative counters (vLLM's metric names where it has one)."""
-        bm, s = self.block_manager, self.scheduler
+        """Gauges (queues, pool usage) and the cumulative counters under their ``stats()`` names
+        (vLLM's metric names where it has one; :class:`EngineCounters` documents each counter)."""
+        bm, s, c = self.block_manager, self.scheduler, self._counters
         gpu_used = bm.num_gpu_blocks - bm.num_free_gpu_blocks
         cpu_used = bm.num_cpu_blocks - bm.num_free_cpu_blocks
-        c = s.counters
         return {
             "num_gpu_blocks": bm.num_gpu_blocks, "num_free_gpu_blocks": bm.num_free_gpu_blocks,
             "num_cpu_blocks": bm.num_cpu_blocks, "num_free_cpu_blocks": bm.num_free_cpu_blocks,
@@ -199,15 +221,15 @@ class LLMEngine:
             "num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
             "gpu_cache_usage": gpu_used / bm.num_gpu_blocks,
             "cpu_cache_usage": cpu_used / bm.num_cpu_blocks if bm.num_cpu_blocks else 0.0,
-            "num_preemptions": c["preemptions_recompute"] + c["preemptions_swap"],
-            "num_preemptions_recompute": c["preemptions_recompute"], "num_preemptions_swap": c["preemptions_swap"],
-            "num_swap_fallbacks": c["swap_fallbacks"], "num_swap_outs": c["swap_outs"], "num_swap_ins": c["swap_ins"],
-            "swapped_out_bytes": self._swap["swapped_out_bytes"], "swapped_in_bytes": self._swap["swapped_in_bytes"],
-            "swap_seconds": self._swap["swap_seconds"],
-            "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
-            "num_prefill_chunks": c["prefill_chunks"], "num_computed_tokens": c["computed_tokens"],
-            "num_recomputed_tokens": c["recomputed_tokens"], "num_generated_tokens": c["generated_tokens"],
-            "num_evicted_blocks": bm.pool.num_evictions, "num_steps": s.step_index,
+            "num_preemptions": c.preemptions,
+            "num_preemptions_recompute": c.preemptions_recompute, "num_preemptions_swap": c.preemptions_swap,
+            "num_swap_fallbacks": c.swap_fallbacks, "num_swap_outs": c.swap_outs, "num_swap_ins": c.swap_ins,
+            "swapped_out_bytes": c.swapped_out_bytes, "swapped_in_bytes": c.swapped_in_bytes,
+            "swap_seconds": c.swap_seconds,
+            "prefix_cache_queries": c.prefix_cache_queries, "prefix_cache_hits": c.prefix_cache_hits,
+            "num_prefill_chunks": c.prefill_chunks, "num_computed_tokens": c.computed_tokens,
+            "num_recomputed_tokens": c.recomputed_tokens, "num_generated_tokens": c.generated_tokens,
+            "num_evicted_blocks": c.evicted_blocks, "num_steps": c.steps,
         }
 
 

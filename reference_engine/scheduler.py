@@ -15,6 +15,11 @@ arrival). ``recompute`` frees the victim's blocks (shared and cached blocks surv
 their refcounts) and puts it back at the head of the waiting queue; ``swap`` moves them to the
 host pool, or falls back to recompute when the host pool is full.
 
+What a step decides lives in that step: ``schedule()`` builds a :class:`_StepBuilder` (budget
+left, chunks, swaps, preemptions), hands it to its helpers, and returns it frozen as a
+:class:`SchedulerOutput` that says everything the engine and the runner need. Only the queues,
+the requests and the cumulative :class:`~reference_engine.counters.EngineCounters` outlive a step.
+
 Constructible from plain numbers: no model, no tensors.
 """
 
@@ -23,12 +28,15 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from reference_engine.block_manager import BlockManager
-from reference_engine.events import EngineEvent
+from reference_engine.events import DEFAULT_MAX_EVENTS, EngineEvent, EventLog
 from reference_engine.request import Request, RequestStatus
+
+BlockPairs = tuple[tuple[int, int], ...]  # (source block, destination block) copies
 
 
 @dataclass(frozen=True)
@@ -44,34 +52,110 @@ class ScheduledChunk:
     num_tokens: int
     completes: bool
 
+    @property
+    def is_decode(self) -> bool:
+        """One token that samples the next: a decode. Anything else is (a piece of) a prefill."""
+        return self.num_tokens == 1 and self.completes
 
-@dataclass
+
+@dataclass(frozen=True)
+class Preemption:
+    """``request_id`` was preempted this step. ``mode`` is what happened to its KV: "swap" (moved to
+    the host pool) or "recompute" (discarded); ``fallback`` when swap was wanted but the host pool
+    was full."""
+
+    request_id: str
+    mode: str
+    fallback: bool = False
+
+
+def _no_blocks() -> Mapping:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
+    """Everything one step does, decided by one ``schedule()`` call. Read-only.
+
+    The engine copies ``swap_out`` first (the device blocks it frees may be written by this very
+    step), then ``swap_in``, then runs ``chunks``, whose KV goes into the blocks of ``block_ids``.
+    """
+
     step: int
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    swapped_out_requests: dict[str, int] = field(default_factory=dict)  # request id -> blocks moved
-    swapped_in_requests: dict[str, int] = field(default_factory=dict)
-    num_preempted: int = 0
+    chunks: tuple[ScheduledChunk, ...] = ()  # decodes first, then prefill chunks, then resumed and admitted
+    # Scheduled request -> its device block ids, covering at least start + num_tokens of its chunk.
+    block_ids: Mapping[str, tuple[int, ...]] = field(default_factory=_no_blocks)
+    # Request -> the (device, host) block pairs to copy out, and the (host, device) pairs to copy in.
+    swap_out_blocks: Mapping[str, BlockPairs] = field(default_factory=_no_blocks)
+    swap_in_blocks: Mapping[str, BlockPairs] = field(default_factory=_no_blocks)
+    preempted: tuple[Preemption, ...] = ()  # in the order they happened
+    num_prefill_tokens: int = 0  # tokens of chunks that are not decodes (ScheduledChunk.is_decode)
+    num_decode_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return self.num_prefill_tokens + self.num_decode_tokens
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if not (c.num_tokens == 1 and c.completes))
+    def num_preempted(self) -> int:
+        return len(self.preempted)
+
+    @property
+    def swap_out(self) -> list[tuple[int, int]]:
+        """All (device, host) pairs of the step, request by request."""
+        return [pair for pairs in self.swap_out_blocks.values() for pair in pairs]
+
+    @property
+    def swap_in(self) -> list[tuple[int, int]]:
+        """All (host, device) pairs of the step, request by request."""
+        return [pair for pairs in self.swap_in_blocks.values() for pair in pairs]
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.swap_out and not self.swap_in
+        return not self.chunks and not self.swap_out_blocks and not self.swap_in_blocks
+
+
+@dataclass
+class _StepBuilder:
+    """The decisions of the ``schedule()`` call in progress: created by it, passed to its helpers,
+    frozen by :meth:`build`. Nothing of it outlives the call."""
+
+    step: int
+    budget: int  # tokens still schedulable this step
+    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # insertion order = schedule order
+    swap_out: dict[str, BlockPairs] = field(default_factory=dict)
+    swap_in: dict[str, BlockPairs] = field(default_factory=dict)
+    preempted: list[Preemption] = field(default_factory=list)
+
+    def add_chunk(self, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        self.chunks[req.request_id] = ScheduledChunk(req, start, num_new, start + num_new == req.num_tokens)
+        self.budget -= num_new
+
+    def drop_chunk(self, request_id: str) -> None:
+        """Unschedule a request preempted after its chunk was scheduled: its budget comes back."""
+        chunk = self.chunks.pop(request_id, None)
+        if chunk is not None:
+            self.budget += chunk.num_tokens
+
+    def build(self, bm: BlockManager) -> SchedulerOutput:
+        chunks = tuple(self.chunks.values())
+        decode = sum(c.num_tokens for c in chunks if c.is_decode)
+        return SchedulerOutput(
+            step=self.step, chunks=chunks,
+            block_ids=MappingProxyType({rid: tuple(bm.blocks_of(rid)) for rid in self.chunks}),
+            swap_out_blocks=MappingProxyType(self.swap_out), swap_in_blocks=MappingProxyType(self.swap_in),
+            preempted=tuple(self.preempted),
+            num_prefill_tokens=sum(c.num_tokens for c in chunks) - decode, num_decode_tokens=decode)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = False, preemption_mode: str = "recompute",
-                 scheduling_policy: str = "fcfs", clock: Callable[[], float] = time.monotonic):
+                 scheduling_policy: str = "fcfs", clock: Callable[[], float] = time.monotonic,
+                 events: EventLog | None = None):
+        """``events``: where events are recorded (a fresh bounded log if None). Counters go to the block
+        manager's record (``block_manager.counters``): one record per engine."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -83,13 +167,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.swapped: deque[Request] = deque()
-        self.requests: dict[str, Request] = {}
-        self.events: list[EngineEvent] = []
-        self.step_index = 0
+        self.requests: dict[str, Request] = {}  # unfinished only: a request leaves when it finishes
+        self.events = events if events is not None else EventLog(DEFAULT_MAX_EVENTS)
+        self.counters = block_manager.counters
         self._admit_seq = 0
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("preemptions_recompute", "preemptions_swap", "swap_fallbacks", "swap_outs", "swap_ins",
-             "prefill_chunks", "computed_tokens", "recomputed_tokens", "generated_tokens"), 0)
+
+    @property
+    def step_index(self) -> int:
+        """The number of the latest step (0 before the first): ``counters.steps``."""
+        return self.counters.steps
 
     # ------------------------------------------------------------------ queues
     def add(self, request: Request) -> None:
@@ -110,80 +196,73 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def record_event(self, kind: str, request_id: str, **data) -> None:
+        """Record an event of the current step (see :mod:`reference_engine.events` for the kinds)."""
         self.events.append(EngineEvent(kind, request_id, self.step_index, self.clock(), data))
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        self.step_index += 1
-        out = SchedulerOutput(self.step_index)
-        self._budget = self.max_num_batched_tokens
-        self._scheduled: dict[str, ScheduledChunk] = {}
-        self._out = out
-        self._schedule_running()
-        if out.num_preempted == 0:
-            self._schedule_swapped()
+        self.counters.steps += 1
+        step = _StepBuilder(self.step_index, self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
         # Swapped requests resume before new admissions, and a step that had to preempt admits
         # nobody (admitting then would only preempt again next step).
-        if not self.swapped and out.num_preempted == 0:
-            self._schedule_waiting()
-        out.chunks = list(self._scheduled.values())
-        for chunk in out.chunks:
-            if not chunk.completes:
-                self.counters["prefill_chunks"] += 1
-        return out
+        if not self.swapped and not step.preempted:
+            self._schedule_waiting(step)
+        self.counters.prefill_chunks += sum(1 for c in step.chunks.values() if not c.completes)
+        return step.build(self.bm)
 
-    def _schedule_running(self) -> None:
+    def _schedule_running(self, step: _StepBuilder) -> None:
         # Decodes first, then partial prefills, each in admission order.
         order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.admitted_seq))
         for req in order:
-            if req.status is not RequestStatus.RUNNING or self._budget == 0:
+            if req.status is not RequestStatus.RUNNING or step.budget == 0:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, self._budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
             while not self.bm.allocate_slots(req, num_new):
                 victim = self._pick_victim(candidates=self.running)
-                self._preempt(victim)
+                self._preempt(victim, step)
                 if victim is req:
                     break
             else:
-                self._add_chunk(req, num_new)
+                step.add_chunk(req, num_new)
 
-    def _schedule_swapped(self) -> None:
+    def _schedule_swapped(self, step: _StepBuilder) -> None:
         if self.policy == "priority" and len(self.swapped) > 1:
             # Resume the most important first (stable: equal keys keep their swap-out order).
             self.swapped = deque(sorted(self.swapped, key=Request.priority_key))
-        while self.swapped and self._budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             remaining = req.num_tokens - req.num_computed_tokens
-            if not self.chunked and remaining > self._budget:
+            if not self.chunked and remaining > step.budget:
                 return
-            num_new = min(remaining, self._budget)
+            num_new = min(remaining, step.budget)
             held = len(self.bm.host_tables[req.request_id])
             extra = self.bm.blocks_needed(req.num_computed_tokens + num_new) - held
             if not self.bm.can_swap_in(req.request_id, max(extra, 0)):
                 return
             self.swapped.popleft()
-            mapping = self.bm.swap_in(req)
-            self._out.swap_in.extend(mapping)
-            self._out.swapped_in_requests[req.request_id] = len(mapping)
-            self.counters["swap_ins"] += 1
+            step.swap_in[req.request_id] = tuple(self.bm.swap_in(req))
+            self.counters.swap_ins += 1
             allocated = self.bm.allocate_slots(req, num_new)
             assert allocated, "can_swap_in checked the capacity"
             self._make_running(req)
-            self._add_chunk(req, num_new)
+            step.add_chunk(req, num_new)
 
-    def _schedule_waiting(self) -> None:
-        while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = self.bm.find_cached_prefix(req)
             num_new = req.num_tokens - len(hits) * self.bm.block_size
-            if not self.chunked and num_new > self._budget:
+            if not self.chunked and num_new > step.budget:
                 return
-            num_new = min(num_new, self._budget)
+            num_new = min(num_new, step.budget)
             while not self.bm.allocate_slots(req, num_new, hits):
-                victim = self._pick_priority_victim_for(req)
+                victim = self._pick_priority_victim_for(req, step)
                 if victim is None:
                     return
-                self._preempt(victim)
+                self._preempt(victim, step)
             self.waiting.popleft()
             cached = len(hits) * self.bm.block_size
             req.num_computed_tokens = cached
@@ -194,7 +273,7 @@ class Scheduler:
                 self.record_event("prefix_hit", req.request_id, tokens=cached)
             self.record_event("admitted", req.request_id, cached_tokens=cached, resumed=req.num_preemptions > 0)
             self._make_running(req)
-            self._add_chunk(req, num_new)
+            step.add_chunk(req, num_new)
 
     def _make_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
@@ -202,53 +281,50 @@ class Scheduler:
         req.admitted_seq = self._admit_seq
         self.running.append(req)
 
-    def _add_chunk(self, req: Request, num_new: int) -> None:
-        start = req.num_computed_tokens
-        self._scheduled[req.request_id] = ScheduledChunk(req, start, num_new, start + num_new == req.num_tokens)
-        self._budget -= num_new
-
     # ------------------------------------------------------------------ preemption
     def _pick_victim(self, candidates: list[Request]) -> Request:
         if self.policy == "priority":
             return max(candidates, key=lambda r: (r.priority_key(), r.admitted_seq))
         return max(candidates, key=lambda r: r.admitted_seq)
 
-    def _pick_priority_victim_for(self, req: Request) -> Request | None:
+    def _pick_priority_victim_for(self, req: Request, step: _StepBuilder) -> Request | None:
         """Under the priority policy, a running request strictly less important than ``req``.
 
         None in a step that swapped in: a swap-out now could take the host blocks just freed by the
         swap-in before its copy has read them (or swap the resumed request straight back out).
         """
-        if self.policy != "priority" or self._out.swap_in:
+        if self.policy != "priority" or step.swap_in:
             return None
         lower = [r for r in self.running if r.priority_key() > req.priority_key()]
         return self._pick_victim(lower) if lower else None
 
-    def _preempt(self, victim: Request) -> None:
-        chunk = self._scheduled.pop(victim.request_id, None)
-        if chunk is not None:  # scheduled earlier this step: give its budget back
-            self._budget += chunk.num_tokens
+    def _preempt(self, victim: Request, step: _StepBuilder) -> None:
+        """Take ``victim`` off the device: to the host pool (swap mode, if it fits) or back to the
+        head of the waiting queue with its KV discarded. Counted once, as one mode."""
+        step.drop_chunk(victim.request_id)
         self.running.remove(victim)
         victim.num_preemptions += 1
-        self._out.num_preempted += 1
         num_blocks = len(self.bm.block_tables.get(victim.request_id, []))
+        fallback = False
         if self.preemption_mode == "swap":
             if self.bm.can_swap_out(victim.request_id):
-                self._out.swap_out.extend(self.bm.swap_out(victim.request_id))
-                self._out.swapped_out_requests[victim.request_id] = num_blocks
+                step.swap_out[victim.request_id] = tuple(self.bm.swap_out(victim.request_id))
+                step.preempted.append(Preemption(victim.request_id, "swap"))
                 victim.status = RequestStatus.SWAPPED
                 self.swapped.append(victim)
-                self.counters["preemptions_swap"] += 1
-                self.counters["swap_outs"] += 1
+                self.counters.preemptions_swap += 1
+                self.counters.swap_outs += 1
                 self.record_event("preempted", victim.request_id, mode="swap", blocks=num_blocks)
                 return
-            self.counters["swap_fallbacks"] += 1
+            fallback = True
+            self.counters.swap_fallbacks += 1
             self.record_event("swap_fallback", victim.request_id, blocks=num_blocks,
-                        free_cpu_blocks=self.bm.num_free_cpu_blocks)
+                              free_cpu_blocks=self.bm.num_free_cpu_blocks)
         discarded = victim.num_computed_tokens
         self.bm.free(victim.request_id)
         victim.num_computed_tokens = 0
-        self.counters["preemptions_recompute"] += 1
+        step.preempted.append(Preemption(victim.request_id, "recompute", fallback))
+        self.counters.preemptions_recompute += 1
         self.record_event("preempted", victim.request_id, mode="recompute", blocks=num_blocks,
                           tokens_discarded=discarded)
         self._enqueue_waiting(victim, front=True)
@@ -264,18 +340,18 @@ class Scheduler:
             req = chunk.request
             end = chunk.start + chunk.num_tokens
             req.num_computed_tokens = end
-            self.counters["computed_tokens"] += chunk.num_tokens
+            self.counters.computed_tokens += chunk.num_tokens
             if chunk.start < req.max_computed_tokens:
                 redo = min(end, req.max_computed_tokens) - chunk.start
                 req.num_recomputed_tokens += redo
-                self.counters["recomputed_tokens"] += redo
+                self.counters.recomputed_tokens += redo
             req.max_computed_tokens = max(req.max_computed_tokens, end)
             self.bm.cache_full_blocks(req)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
             req.output_token_ids.append(token)
-            self.counters["generated_tokens"] += 1
+            self.counters.generated_tokens += 1
             touched.append(req)
             reason = self._stop_reason(req, token)
             if reason is not None:

@@ -458,11 +458,11 @@ def test_prefix_counters_count_each_admission_once() -> None:
     prompt = tokens(0, 40)
     sched.add(make_request("a", prompt))
     sched.update(sched.schedule(), {"a": 7})
-    assert (bm.prefix_queries, bm.prefix_hits) == (40, 0)
+    assert (bm.counters.prefix_cache_queries, bm.counters.prefix_cache_hits) == (40, 0)
     b = make_request("b", prompt[:33])
     assert len(bm.find_cached_prefix(b)) == 2  # a lookup alone counts nothing
-    assert (bm.prefix_queries, bm.prefix_hits) == (40, 0)
+    assert (bm.counters.prefix_cache_queries, bm.counters.prefix_cache_hits) == (40, 0)
     sched.add(b)
     sched.schedule()
     assert b.num_cached_tokens == 32
-    assert (bm.prefix_queries, bm.prefix_hits) == (73, 32)
+    assert (bm.counters.prefix_cache_queries, bm.counters.prefix_cache_hits) == (73, 32)

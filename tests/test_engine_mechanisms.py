@@ -202,3 +202,78 @@ def test_abort_in_any_state_frees_blocks(state, make_engine):
         engine.step()
     engine.block_manager.check_invariants()
     assert engine.block_manager.is_whole()
+
+
+def _small_workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    """16 short requests, half behind a shared 16-token prefix: with block size 4 and a 24-block pool,
+    ~110 cheap steps with preemptions, cache hits and chunks (a fake-model dry run measured it)."""
+    system = _prompts(1, 16, seed=11)[0]
+    g = torch.Generator().manual_seed(12)
+    lengths = torch.randint(4, 33, (16,), generator=g).tolist()
+    max_tokens = torch.randint(8, 25, (16,), generator=g).tolist()
+    prompts = [(system if i % 2 else []) + _prompts(1, n, seed=100 + i)[0] for i, n in enumerate(lengths)]
+    return prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+
+
+@pytest.fixture(scope="module")
+def small_workload_alone(tiny_ckpt) -> list[list[int]]:
+    """The small workload's greedy outputs from an engine that never runs out of blocks."""
+    from reference_engine import EngineConfig, LLMEngine
+
+    prompts, params = _small_workload()
+    engine = LLMEngine(EngineConfig(model=tiny_ckpt, block_size=4, num_gpu_blocks_override=512))
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_events_add_up_to_the_counters(mode, make_engine, small_workload_alone):
+    """Under pressure, with prefix caching and chunked prefill: every counter is the sum of its events
+    (seen through a sink), and of the per-request numbers in the outputs; the answers stay exact."""
+    prompts, params = _small_workload()
+    received = []
+    engine = make_engine(block_size=4, num_gpu_blocks_override=24, preemption_mode=mode, enable_prefix_caching=True,
+                         enable_chunked_prefill=True, max_num_batched_tokens=16, max_events=10,
+                         num_cpu_blocks_override=8 if mode == "swap" else None)
+    engine.add_event_sink(received.append)
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == small_workload_alone
+    c = engine.counters()
+    assert len(engine.events) == 10 and engine.events.num_recorded == len(received)
+
+
+    def of(kind: str, **match) -> list:
+        return [e for e in received if e.kind == kind and all(e.data.get(k) == v for k, v in match.items())]
+
+    recompute, swap = of("preempted", mode="recompute"), of("preempted", mode="swap")
+    assert (len(recompute), len(swap), len(of("swap_fallback"))) == (
+        c.preemptions_recompute, c.preemptions_swap, c.swap_fallbacks)
+    assert c.preemptions_recompute > 0 and c.prefix_cache_hits > 0 and c.prefill_chunks > 0
+    if mode == "swap":
+        assert c.preemptions_swap > 0 and c.swap_fallbacks > 0, "the host pool should both take and refuse"
+    outs, ins = of("swapped_out"), of("swapped_in")
+    assert (len(outs), len(ins)) == (c.swap_outs, c.swap_ins) and c.swap_outs == c.preemptions_swap
+    assert sum(e.data["bytes"] for e in outs) == c.swapped_out_bytes
+    assert sum(e.data["bytes"] for e in ins) == c.swapped_in_bytes
+    assert sum(e.data["seconds"] / e.data["requests"] for e in outs + ins) == pytest.approx(c.swap_seconds)
+    assert sorted((e.request_id, e.step, e.data["blocks"]) for e in outs) == sorted(
+        (e.request_id, e.step, e.data["blocks"]) for e in swap), "each swap preemption copies its blocks"
+    assert sum(e.data["tokens"] for e in of("prefix_hit")) == c.prefix_cache_hits
+    assert sum(e.data["output_tokens"] for e in of("finished")) == c.generated_tokens
+
+    # Per request: both modes count as preemptions; recompute and cache hits add up to the totals.
+    per_request = {o.request_id: o.num_preemptions for o in outputs if o.num_preemptions}
+    preempted_ids = [e.request_id for e in recompute + swap]
+    assert per_request == {rid: preempted_ids.count(rid) for rid in set(preempted_ids)}
+    assert sum(o.num_recomputed_tokens for o in outputs) == c.recomputed_tokens
+    assert sum(o.num_cached_tokens for o in outputs) == c.prefix_cache_hits
+
+    # Every discarded token was either computed again or, at the next admission, restored from the
+    # prefix cache (up to the highest position the request had held: beyond it nothing was owed).
+    restored, highest = 0, {}
+    for e in received:
+        if e.kind == "preempted" and e.data["mode"] == "recompute":
+            highest[e.request_id] = max(highest.get(e.request_id, 0), e.data["tokens_discarded"])
+        elif e.kind == "admitted" and e.data["resumed"]:
+            restored += min(e.data["cached_tokens"], highest.get(e.request_id, 0))
+    assert restored > 0, "no resume was served from the cache: the check proved less than it claims"
+    assert sum(e.data["tokens_discarded"] for e in recompute) == c.recomputed_tokens + restored

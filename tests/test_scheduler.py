@@ -20,7 +20,7 @@ import pytest
 from reference_engine.block_manager import BlockManager, cdiv
 from reference_engine.request import Request, RequestStatus
 from reference_engine.sampling_params import SamplingParams
-from reference_engine.scheduler import Scheduler, SchedulerOutput
+from reference_engine.scheduler import Preemption, Scheduler, SchedulerOutput, _StepBuilder
 
 BLOCK_SIZE = 4
 DEFAULT_TOKEN = 7
@@ -191,7 +191,7 @@ def test_seeded_storm_keeps_every_limit_and_finishes_everything(config: dict) ->
             aborted.add(rid)
         model.step()
     assert sched.bm.is_whole()
-    assert sched.counters["preemptions_recompute"] + sched.counters["preemptions_swap"] > 0, "no pressure"
+    assert sched.counters.preemptions_recompute + sched.counters.preemptions_swap > 0, "no pressure"
     for req in added:
         if req.request_id in aborted:
             assert req.status is RequestStatus.FINISHED_ABORTED
@@ -211,7 +211,7 @@ def test_chunked_prefill_alone_takes_the_whole_budget_each_step() -> None:
         sampled.append(bool(model.sampled))
     assert chunks == [("long", 0, 32), ("long", 32, 32), ("long", 64, 32), ("long", 96, 4)]
     assert sampled == [False, False, False, True], "a token is sampled only by the chunk that ends the prompt"
-    assert sched.counters["prefill_chunks"] == 3 and not sched.has_unfinished()
+    assert sched.counters.prefill_chunks == 3 and not sched.has_unfinished()
 
 
 def test_chunked_prefill_shares_steps_with_decodes_which_go_first() -> None:
@@ -282,13 +282,13 @@ def test_recompute_victim_is_the_latest_admitted_keeps_its_tokens_and_goes_to_th
     assert spans(out) == [("r0", 9, 1)], "r1 (2 blocks) does not fit in 1, and r2 may not overtake it"
     out = model.step()  # r0 finished last step: r1 re-prefills prompt + its generated token, r2 follows
     assert spans(out) == [("r1", 0, 7), ("r2", 0, 3)]
-    assert r1.num_recomputed_tokens == 6 and sched.counters["recomputed_tokens"] == 6
+    assert r1.num_recomputed_tokens == 6 and sched.counters.recomputed_tokens == 6
     assert r1.output_token_ids == [DEFAULT_TOKEN] * 2
     (admitted,) = [e for e in events(sched, "admitted", out.step) if e.request_id == "r1"]
     assert admitted.data == {"cached_tokens": 0, "resumed": True}
     model.run()
     assert r1.num_preemptions == 1 and len(r1.output_token_ids) == 5
-    assert sched.counters["recomputed_tokens"] == 6, "tokens never computed before are not recompute"
+    assert sched.counters.recomputed_tokens == 6, "tokens never computed before are not recompute"
 
 
 def test_the_requester_preempts_itself_when_it_is_the_latest_admitted() -> None:
@@ -311,7 +311,7 @@ def test_a_request_alone_that_outgrows_the_pool_preempts_itself_and_waits() -> N
     sched.add(make_request("big", 8, max_tokens=4))
     assert spans(model.step()) == [("big", 0, 8)]
     out = model.step()
-    assert out.chunks == [] and out.num_preempted == 1
+    assert out.chunks == () and out.num_preempted == 1
     assert [r.request_id for r in sched.waiting] == ["big"] and sched.running == []
     assert model.step().is_empty, "9 tokens need 3 blocks of 2: it cannot be admitted again"
     assert sched.abort("big") is not None and sched.bm.is_whole()
@@ -328,10 +328,10 @@ def test_update_counts_recomputed_tokens_exactly(caching: bool) -> None:
     r1 = sched.requests["r1"]
     start = 4 if caching else 0
     assert (r1.num_cached_tokens, r1.num_computed_tokens) == (start, 7)
-    assert r1.num_recomputed_tokens == sched.counters["recomputed_tokens"] == 6 - start
+    assert r1.num_recomputed_tokens == sched.counters.recomputed_tokens == 6 - start
     model.run()
-    assert sched.counters["recomputed_tokens"] == 6 - start
-    assert sched.counters["computed_tokens"] == 8 + 6 + 2 + (7 - start) + 3  # r0, r1, r0's decodes, redo, r1
+    assert sched.counters.recomputed_tokens == 6 - start
+    assert sched.counters.computed_tokens == 8 + 6 + 2 + (7 - start) + 3  # r0, r1, r0's decodes, redo, r1
 
 
 def test_chunked_recompute_reprefills_prompt_and_generated_tokens_in_chunks() -> None:
@@ -351,9 +351,9 @@ def test_chunked_recompute_reprefills_prompt_and_generated_tokens_in_chunks() ->
     assert spans(model.step()) == [("r0", 11, 1), ("r1", 0, 7)]
     assert r1.num_recomputed_tokens == 7
     assert spans(model.step()) == [("r1", 7, 2)] and model.sampled == {"r1": DEFAULT_TOKEN}
-    assert r1.num_recomputed_tokens == sched.counters["recomputed_tokens"] == 8, "position 8 was never computed"
+    assert r1.num_recomputed_tokens == sched.counters.recomputed_tokens == 8, "position 8 was never computed"
     model.run()
-    assert sched.counters["recomputed_tokens"] == 8
+    assert sched.counters.recomputed_tokens == 8
 
 
 # ---------------------------------------------------------------------- swap preemption
@@ -367,7 +367,10 @@ def test_swap_moves_the_victim_to_host_and_it_resumes_before_new_admissions() ->
     out = model.step()
     assert spans(out) == [("r0", 8, 1)]
     assert out.swap_out == [(r1_blocks[0], 0), (r1_blocks[1], 1)] and out.swap_in == []
-    assert list(out.swapped_out_requests) == ["r1"]
+    assert out.swap_out_blocks == {"r1": ((r1_blocks[0], 0), (r1_blocks[1], 1))}
+    assert out.preempted == (Preemption("r1", "swap"),)
+    assert out.block_ids == {"r0": tuple(sched.bm.blocks_of("r0"))}, "block ids of the scheduled requests only"
+    assert list(out.swap_out_blocks) == ["r1"]
     assert r1.status is RequestStatus.SWAPPED and r1.num_computed_tokens == 6, "swap keeps the computed KV"
     assert sched.bm.host_tables["r1"] == [0, 1] and sched.bm.num_free_cpu_blocks == 6
 
@@ -377,13 +380,13 @@ def test_swap_moves_the_victim_to_host_and_it_resumes_before_new_admissions() ->
     assert [r.request_id for r in sched.waiting] == ["r2"]
 
     out = model.step()  # r0 has finished
-    assert list(out.swapped_in_requests) == ["r1"] and [h for h, _ in out.swap_in] == [0, 1]
+    assert list(out.swap_in_blocks) == ["r1"] and [h for h, _ in out.swap_in] == [0, 1]
     assert [d for _, d in out.swap_in] == sched.bm.blocks_of("r1")
     assert spans(out) == [("r1", 6, 1), ("r2", 0, 3)], "r1 decodes on (no recompute), then r2 is admitted"
     assert sched.bm.num_free_cpu_blocks == 8 and r1.num_recomputed_tokens == 0
     model.run()
     c = sched.counters
-    assert (c["preemptions_swap"], c["swap_outs"], c["swap_ins"], c["recomputed_tokens"]) == (1, 1, 1, 0)
+    assert (c.preemptions_swap, c.swap_outs, c.swap_ins, c.recomputed_tokens) == (1, 1, 1, 0)
 
 
 def test_no_swap_in_in_a_step_that_swapped_out() -> None:
@@ -393,16 +396,16 @@ def test_no_swap_in_in_a_step_that_swapped_out() -> None:
     sched.add(make_request("B", 6, max_tokens=12))
     sched.add(make_request("C", 6, max_tokens=10))
     model.step()
-    assert list(model.step().swapped_out_requests) == ["C"], "A's first decode needs a block: C (latest) goes"
+    assert list(model.step().swap_out_blocks) == ["C"], "A's first decode needs a block: C (latest) goes"
     for _ in range(3):
         out = model.step()
         assert not out.swap_in, "C needs 2 blocks and none are free"
     out = model.step()
     # A needs a 4th block: B goes, freeing 3. C would now fit, but not in the step that swapped out.
-    assert list(out.swapped_out_requests) == ["B"] and out.swap_in == []
+    assert list(out.swap_out_blocks) == ["B"] and out.swap_in == []
     assert sched.bm.num_free_gpu_blocks >= 2 and [r.request_id for r in sched.swapped] == ["C", "B"]
     out = model.step()
-    assert list(out.swapped_in_requests) == ["C"], "next step: C first (swapped first), B still does not fit"
+    assert list(out.swap_in_blocks) == ["C"], "next step: C first (swapped first), B still does not fit"
     model.run()
 
 
@@ -411,14 +414,14 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full() -> None:
     model = FakeModel(sched)
     _two_running(sched, model)
     out = model.step()
-    assert out.swap_out == [] and out.num_preempted == 1
+    assert out.swap_out == [] and out.preempted == (Preemption("r1", "recompute", fallback=True),)
     (fallback,) = events(sched, "swap_fallback")
     assert fallback.request_id == "r1" and fallback.data == {"blocks": 2, "free_cpu_blocks": 1}
     assert events(sched, "preempted")[0].data["mode"] == "recompute"
     r1 = sched.requests["r1"]
     assert r1.status is RequestStatus.WAITING and r1.num_computed_tokens == 0 and sched.bm.num_free_cpu_blocks == 1
     c = sched.counters
-    assert (c["swap_fallbacks"], c["preemptions_recompute"], c["preemptions_swap"]) == (1, 1, 0)
+    assert (c.swap_fallbacks, c.preemptions_recompute, c.preemptions_swap) == (1, 1, 0)
     model.run()
 
 
@@ -504,14 +507,14 @@ def test_priority_swap_never_swaps_out_in_a_step_that_swapped_in() -> None:
     sched.add(make_request("A", 8, max_tokens=3, priority=1, arrival=0.0))
     sched.add(make_request("S", 8, max_tokens=8, priority=2, arrival=1.0))
     model.step()
-    assert list(model.step().swapped_out_requests) == ["S"]
+    assert list(model.step().swap_out_blocks) == ["S"]
     assert model.step().swap_in == [], "S needs 3 blocks, 1 is free"
     sched.add(make_request("U", 12, max_tokens=2, priority=0, arrival=2.0))  # 3 blocks, more important
     out = model.step()  # A has finished: S comes back
-    assert list(out.swapped_in_requests) == ["S"] and out.swap_out == []
+    assert list(out.swap_in_blocks) == ["S"] and out.swap_out == []
     assert spans(out) == [("S", 8, 1)] and [r.request_id for r in sched.waiting] == ["U"]
     out = model.step()  # now U may preempt S
-    assert list(out.swapped_out_requests) == ["S"] and out.swap_in == [] and spans(out) == [("U", 0, 12)]
+    assert list(out.swap_out_blocks) == ["S"] and out.swap_in == [] and spans(out) == [("U", 0, 12)]
     model.run()
 
 
@@ -603,11 +606,10 @@ def test_priority_policy_resumes_swapped_requests_most_important_first():
         sched.update(out, {c.request.request_id: 7 for c in out.chunks if c.completes})
     # swap both out by hand, the low-priority one last, then let the scheduler resume one
     for req in (high, low):
-        sched._budget, sched._scheduled, sched._out = 0, {}, type(out)(0)
-        sched._preempt(req)
+        sched._preempt(req, _StepBuilder(step=0, budget=0))
     assert [r.request_id for r in sched.swapped] == ["high", "low"]
     sched.swapped.reverse()  # as if "low" had been swapped out first
     sched.max_num_seqs = 1
     out = sched.schedule()
-    assert list(out.swapped_in_requests) == ["high"]
+    assert list(out.swap_in_blocks) == ["high"]
     bm.check_invariants()

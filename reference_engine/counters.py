@@ -1,0 +1,98 @@
+"""EngineCounters: the engine's cumulative counters, one field per fact.
+
+This is the project-wide counter contract: kvbench's adapters report these names 1:1, and a name
+means the same thing everywhere it appears. Every field starts at 0 and only grows. Each is
+incremented in exactly one place, where the fact happens:
+
+==========================  ===================  ==========================================
+fields                      incremented by       when
+==========================  ===================  ==========================================
+preemptions_*, swap_outs,   Scheduler            while scheduling a step
+swap_ins, swap_fallbacks,
+prefill_chunks, steps
+computed_tokens,            Scheduler.update     after the model ran
+recomputed_tokens,
+generated_tokens
+prefix_cache_*              BlockManager         when the scheduler admits a request
+evicted_blocks              BlockPool            when a cached block is handed out again
+swapped_*_bytes,            LLMEngine            after the step's swap copies
+swap_seconds
+==========================  ===================  ==========================================
+
+Events (:mod:`reference_engine.events`) add up to these: one ``preempted`` event per preemption
+with its mode, one ``swap_fallback``, ``swapped_out`` and ``swapped_in`` per request each, whose
+``bytes`` sum to the byte counters, and ``prefix_hit`` events whose ``tokens`` sum to
+``prefix_cache_hits``.
+
+Constructible without a model and importing nothing, so every part may hold the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative counters of one engine since it was built (see the module docstring)."""
+
+    preemptions_recompute: int = 0
+    """Preemption events that discarded the victim's KV (requests may be counted more than once),
+    including swap fallbacks."""
+    preemptions_swap: int = 0
+    """Preemption events that moved the victim's KV to the host pool."""
+
+    swap_outs: int = 0
+    """Requests swapped out to the host pool (equals ``preemptions_swap``: every swap-out is one)."""
+    swap_ins: int = 0
+    """Requests swapped back in from the host pool."""
+    swap_fallbacks: int = 0
+    """Swap preemptions wanted while the host pool was too full, so recomputed instead (each is also
+    one of ``preemptions_recompute``)."""
+    swapped_out_bytes: int = 0
+    """Bytes of KV copied device -> host."""
+    swapped_in_bytes: int = 0
+    """Bytes of KV copied host -> device."""
+    swap_seconds: float = 0.0
+    """Wall-clock seconds spent in the swap copies, both directions."""
+
+    prefix_cache_queries: int = 0
+    """Tokens looked up in the prefix cache: a request's whole length (prompt plus any output tokens
+    after a recompute) at each admission, counted once per admission however often the lookup was
+    retried. Counted with prefix caching off too (then with 0 hits)."""
+    prefix_cache_hits: int = 0
+    """Tokens whose KV was served from the prefix cache at admission (a multiple of the block size)."""
+
+    prefill_chunks: int = 0
+    """Scheduled chunks that ended before the end of the request's sequence (prompt, plus the
+    generated tokens being recomputed after a recompute preemption), so sampled no token. A prefill
+    done in k pieces adds k - 1; one done in a single piece, and every decode, adds 0. A chunk is
+    counted when its step is scheduled (chunks dropped by a preemption in the same step are not)."""
+
+    computed_tokens: int = 0
+    """Tokens whose KV the model computed (prefill and decode positions; prefix hits excluded)."""
+    recomputed_tokens: int = 0
+    """Of ``computed_tokens``, positions computed again because a recompute preemption discarded
+    them (positions below the request's highest computed position). Positions restored from the
+    prefix cache are not computed, so not counted."""
+    generated_tokens: int = 0
+    """Output tokens sampled (including those of requests later aborted)."""
+
+    evicted_blocks: int = 0
+    """Cached device blocks whose prefix-cache entry was dropped because the block was handed out again."""
+    steps: int = 0
+    """Scheduler steps taken (``schedule()`` calls, empty ones included)."""
+
+    @property
+    def preemptions(self) -> int:
+        """Preemption events of either mode."""
+        return self.preemptions_recompute + self.preemptions_swap
+
+    def snapshot(self) -> EngineCounters:
+        """An independent copy: later increments of this record do not change it."""
+        return dataclasses.replace(self)
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Field name -> value, the names of the contract."""
+        return dataclasses.asdict(self)
