@@ -4,6 +4,7 @@ Both commands read results files only; nothing re-runs an engine.
 
     kvbench report RESULTS.json [--baseline B.json] [-o OUT.html] [--force]
     kvbench compare BASELINE.json CURRENT.json [--threshold EXPR ...] [--gate-absolute] [--noise-k K]
+    kvbench merge SHARD.json ... -o MERGED.json [--report DIR] [--force]
 
 Exit status: 0 success (no regression); 1 ``compare`` found regressions or baseline results missing
 from the current run (each is named);
@@ -115,6 +116,43 @@ def _cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------------------------
+# kvbench merge
+
+
+def _cmd_merge(args: argparse.Namespace, out: TextIO) -> int:
+    from kvbench.bench.merge import MergeError, machine_count, merge_results
+
+    target = Path(args.output)
+    if target.exists() and not args.force:
+        raise CLIError(f"{target} exists; pass --force to overwrite it, or -o to write elsewhere")
+    if any(Path(r).resolve() == target.resolve() for r in args.results):
+        raise CLIError(f"-o {target} is one of the inputs; write the merge elsewhere")
+    parts = [(path, _load(path, "results file")) for path in args.results]
+    try:
+        merged = merge_results(parts)
+    except MergeError as e:
+        raise CLIError(str(e)) from e
+    try:
+        merged.save(target)
+    except OSError as e:
+        raise CLIError(f"cannot write {str(target)!r}: {e}") from e
+    print(f"merged {len(parts)} results files ({', '.join(args.results)}) from {machine_count(merged)} machine(s) "
+          f"into {target}: {sum(len(sc['results']) for sc in merged.scenarios)} scenario results, "
+          f"{len(merged.conformance)} conformance results", file=out)
+    for note in merged.data["merge"]["notes"]:
+        print(f"note: {note}", file=out)
+    if args.report:
+        from kvbench.report.render import write_report
+
+        try:
+            report = write_report(merged, Path(args.report))
+        except OSError as e:
+            raise CLIError(f"cannot write the report into {args.report!r}: {e}") from e
+        print(f"report written to {report}", file=out)
+    return EXIT_OK
+
+
 def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     from kvbench.demo import run_demo
 
@@ -216,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a change of a time must exceed K pooled spreads of the repeats (default %(default)g)")
     p.set_defaults(handler=_cmd_compare)
 
+    p = sub.add_parser("merge", help="merge results files (shards run on several machines) into one, with a report",
+                       description="Merge the results.json of shards (pytest --kvbench-shard I/N on each machine) or "
+                                   "of separate runs into one results file, each result keeping the machine it was "
+                                   "measured on. Refuses files of different schema versions or scenario sizes "
+                                   "(--benchmark-scale), the same result or shard twice, and one engine name with "
+                                   "different options, naming the files.")
+    p.add_argument("results", nargs="+", metavar="RESULTS.json")
+    p.add_argument("-o", "--output", required=True, metavar="MERGED.json")
+    p.add_argument("--report", metavar="DIR", help="also write DIR/report.html (with a machine column) and "
+                                                    "DIR/results.json")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite MERGED.json if it exists")
+    p.set_defaults(handler=_cmd_merge)
+
     p = sub.add_parser("demo", help="serve a burst on the tiny model under memory pressure, in both "
                        "preemption modes, and print what was preempted and what it cost")
     p.add_argument("--requests", type=int, default=32)
@@ -260,7 +311,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_usage(sys.stderr)
-        print("kvbench: error: a command is required (report, compare, demo)", file=sys.stderr)
+        print("kvbench: error: a command is required (report, compare, merge, demo, calibrate, simulate)",
+              file=sys.stderr)
         return EXIT_USAGE
     try:
         return handler(args, out)

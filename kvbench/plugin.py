@@ -126,6 +126,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvbench", "kvbench: paged-KV engine conformance and benchmarks")
     add_options(group)
     add_conformance_options(group)
+    add_distribution_options(group)
+    add_soak_options(group)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -170,6 +172,7 @@ def pytest_configure(config: pytest.Config) -> None:
         run_name=_dt.datetime.now().strftime("%Y%m%d-%H%M%S"), repeats=repeats,
         gate_absolute=config.getoption("gate_absolute"), gate_noise_k=noise_k)
     config.pluginmanager.register(ConformanceRecorder(ks), "kvbench-conformance-recorder")
+    _configure_distribution(config, ks)
     _configure_conformance(config, ks)
 
 
@@ -591,3 +594,146 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             tr.write_line(f"note: {note}")
         if not ks.verdict.failed and not ks.gate_error:
             tr.write_line(f"{ks.verdict.summary()} against {ks.baseline}", green=True)
+
+
+# ------------------------------------------------------------- xdist workers, shards across machines
+#: the xdist group every timed test joins, so ``--dist loadgroup`` runs them one after another on one worker
+TIMED_GROUP = "kvbench-timed"
+#: the key of ``config.workeroutput`` a worker sends its results, near-ties and findings under
+WORKER_OUTPUT_KEY = "kvbench"
+_SHARD_NODEID_KEY = pytest.StashKey[str]()
+
+
+def add_distribution_options(group: Any) -> None:
+    """Splitting a run across machines by hand (within one machine, pytest-xdist's ``-n``)."""
+    group.addoption("--kvbench-shard", default=None, metavar="I/N",
+                    help="run only shard I of N (1 <= I <= N): a deterministic round-robin over the sorted test ids; "
+                         "merge the shards' results.json with 'kvbench merge'")
+
+
+def _configure_distribution(config: pytest.Config, ks: KvbenchSession) -> None:
+    """Check ``--kvbench-shard``, the benchmark/xdist combination and ``--soak-minutes``; register
+    :class:`Distribution` and :class:`SoakGate`."""
+    shard = None
+    if config.getoption("kvbench_shard"):
+        from kvbench.bench.shards import ShardError, parse_shard
+
+        try:
+            shard = parse_shard(config.getoption("kvbench_shard"))
+        except ShardError as e:
+            raise pytest.UsageError(str(e)) from None
+        ks.run_name += f"-shard{shard.index}of{shard.count}"
+    # xdist rewrites a worker's --dist to "no"; the controller's is the one the user chose
+    dist = "no" if _is_xdist_worker(config) or not config.getoption("tx", None) else config.getoption("dist", "no")
+    if ks.benchmark and dist not in ("no", "loadgroup"):
+        raise pytest.UsageError(
+            f"--benchmark with pytest-xdist (-n/--tx) needs --dist loadgroup, got --dist {dist}: timed benchmarks "
+            f"must run one after another on one worker, never on two workers sharing this machine's cores. Add "
+            f"--dist loadgroup, or drop -n for the benchmark run.")
+    config.pluginmanager.register(Distribution(ks, shard), "kvbench-distribution")
+    config.addinivalue_line("markers", "soak: a long soak run (runs only with --soak)")
+    if config.getoption("soak_minutes") <= 0:
+        raise pytest.UsageError(f"--soak-minutes must be > 0, got {config.getoption('soak_minutes')}")
+    config.pluginmanager.register(SoakGate(config.getoption("soak")), "kvbench-soak-gate")
+
+
+def add_soak_options(group: Any) -> None:
+    """Runs past minutes: the ``soak`` tests (suites/soak)."""
+    group.addoption("--soak", action="store_true", default=False,
+                    help="run the soak tests (marker soak; skipped without this flag, so a plain pytest and CI never "
+                         "run them)")
+    group.addoption("--soak-minutes", type=float, default=10.0, metavar="MINUTES",
+                    help="how long the HTTP soak loads the server, in total over the preemption modes (default 10)")
+
+
+class SoakGate:
+    """Skips tests marked ``soak`` unless ``--soak`` was given: an option, not ``-m "not soak"`` in
+    addopts, so a user's own ``-m`` expression neither re-enables nor is overridden by it."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        if self.enabled:
+            return
+        skip = pytest.mark.skip(reason="soak test: run with --soak (and --soak-minutes)")
+        for item in items:
+            if item.get_closest_marker("soak") is not None:
+                item.add_marker(skip)
+
+
+def _is_timed(item: pytest.Item) -> bool:
+    return item.get_closest_marker("benchmark") is not None or "benchmark" in getattr(item, "fixturenames", ())
+
+
+class Distribution:
+    """pytest-xdist and ``--kvbench-shard``: what a run spread over processes or machines needs.
+
+    * On an xdist worker, timed tests (marked ``benchmark`` or using pytest-benchmark's fixture) join
+      the xdist group :data:`TIMED_GROUP`, so ``--dist loadgroup`` sends them all to one worker.
+    * ``--kvbench-shard I/N`` deselects the tests of other shards (:mod:`kvbench.bench.shards`), keyed
+      by the node ids collected before xdist appends ``@group``.
+    * A worker hands its results (benchmarks), near-ties and findings to the controller through
+      ``workeroutput``; the controller merges them (:func:`kvbench.bench.merge.merge_results`) before it
+      writes the one ``results.json`` and report. Conformance records need no hand-over: the
+      controller rebuilds them from the test reports, which carry their evidence.
+    """
+
+    def __init__(self, ks: KvbenchSession, shard: Any):
+        self.ks = ks
+        self.shard = shard  # kvbench.bench.shards.Shard | None
+        self.worker_parts: list[tuple[str, Any]] = []  # (worker id, Results) in the order workers finished
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]):
+        worker = _is_xdist_worker(config)
+        for item in items:
+            item.stash[_SHARD_NODEID_KEY] = item.nodeid
+            if worker and _is_timed(item):
+                item.add_marker(pytest.mark.xdist_group(name=TIMED_GROUP))
+        result = yield
+        if self.shard is not None:  # after -k/-m deselection, so shards split what was selected
+            from kvbench.bench.shards import in_shard
+
+            keep = in_shard((item.stash[_SHARD_NODEID_KEY] for item in items), self.shard)
+            dropped = [item for item in items if item.stash[_SHARD_NODEID_KEY] not in keep]
+            if dropped:
+                config.hook.pytest_deselected(items=dropped)
+                items[:] = [item for item in items if item.stash[_SHARD_NODEID_KEY] in keep]
+        return result
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """(xdist controller) a worker finished: keep what it sent."""
+        import json
+
+        raw = (getattr(node, "workeroutput", None) or {}).get(WORKER_OUTPUT_KEY)
+        if raw is None:  # a crashed worker sends nothing; xdist reports the crash itself
+            return
+        payload = json.loads(raw)
+        if payload.get("results") is not None:
+            from kvbench.bench.results import Results
+
+            worker_id = getattr(getattr(node, "gateway", None), "id", "?")
+            self.worker_parts.append((f"worker {worker_id}", Results.from_dict(payload["results"])))
+        self.ks.near_ties.extend(payload.get("near_ties") or [])
+        self.ks.findings.extend(payload.get("findings") or [])
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """A worker sends; the controller (or a plain run) merges and labels, before results are written."""
+        import json
+
+        config, ks = session.config, self.ks
+        if _is_xdist_worker(config):
+            config.workeroutput[WORKER_OUTPUT_KEY] = json.dumps(  # type: ignore[attr-defined]
+                {"results": ks.results.data if ks.results is not None else None, "near_ties": ks.near_ties,
+                 "findings": ks.findings})
+            return
+        if self.worker_parts:
+            from kvbench.bench.merge import merge_results
+
+            parts = ([("controller", ks.results)] if ks.results is not None else []) + self.worker_parts
+            ks.results = merge_results(parts)
+        if self.shard is not None and (ks.results is not None or ks.conformance):
+            ks.get_results().data["shard"] = self.shard.to_dict()

@@ -127,8 +127,10 @@ def summary_table(results: Results) -> dict[str, Any]:
                      "cells": [fmt_metric(k, res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
                      "sort": [_num(res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
                      "checks": f"{sum(map(bool, checks.values()))}/{len(checks)}" if checks else "",
-                     "checks_ok": all(checks.values())})
-    return {"columns": [metric_label(k) for k in SUMMARY_COLUMNS], "rows": rows}
+                     "checks_ok": all(checks.values()), "machine": res.get("machine") or ""})
+    # merged shards (kvbench merge) keep each result's machine: a column when there is more than one
+    show_machine = len({r["machine"] for r in rows}) > 1
+    return {"columns": [metric_label(k) for k in SUMMARY_COLUMNS], "rows": rows, "show_machine": show_machine}
 
 
 def side_by_side(results: Results) -> list[dict[str, Any]]:
