@@ -44,7 +44,7 @@ _KNOB_NAMES = tuple(Knobs().__dataclass_fields__)
 #: capabilities a remote server is assumed to have until a check proves otherwise: every one of
 #: them is proved by a counter (or skipped for want of one), so assuming costs no false pass
 REMOTE_CAPABILITIES = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority", "sampling",
-                                 "abort"})
+                                 "abort", "stop_token_ids"})
 
 
 def _positive(kind: str, key: str, raw: str) -> None:

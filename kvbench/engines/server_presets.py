@@ -82,7 +82,8 @@ class Preset:
         return [part.format(**values) for part in (command or self.command)] + flags + list(extra or [])
 
 
-_ALL = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority", "sampling", "abort"})
+_ALL = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority", "sampling", "abort",
+                  "stop_token_ids"})
 
 REFERENCE = Preset(
     "reference",
@@ -118,7 +119,8 @@ TRANSFORMERS = Preset(
         "max_model_len": "transformers serve has no per-request length cap",
         "enable_prefix_caching": "transformers serve has no flag for block sharing",
     },
-    capabilities=frozenset({"recompute", "chunked_prefill", "sampling", "abort"}),
+    # stop_token_ids: said as generation_config's eos_token_id list (kvbench.engines.http_client)
+    capabilities=frozenset({"recompute", "chunked_prefill", "sampling", "abort", "stop_token_ids"}),
     dialect="transformers",
 )
 
