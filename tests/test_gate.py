@@ -56,7 +56,9 @@ def test_relative_drop_and_rise():
     r = regs[0]
     assert isinstance(r, Regression) and r.scenario == "storm" and r.engine == "ref"
     assert r.change == pytest.approx(-0.11) and str(r.threshold) == "throughput:-10%"
-    assert r.describe() == "storm / ref: output_throughput 100 -> 89 (-11.0%; threshold throughput:-10%)"
+    # one run, no repeats: no spread, so the noise floor is its minimum share of the baseline (10%)
+    assert r.describe() == ("storm / ref: output_throughput 100 -> 89 (-11.0%; threshold throughput:-10%, "
+                            "noise floor 10)")
     assert compare(run(storm__ref={"output_throughput": 90.0}), base, ["throughput:-10%"], absolute=True) == []
 
 
@@ -152,7 +154,7 @@ def test_noise_floor_and_threshold_must_both_be_exceeded():
     assert d.threshold.violated(d.baseline, d.current) and not d.regressed  # 15 < 3 x 17.7
     quiet_base, quiet_cur = run_([100.0, 99.0, 101.0]), run_([85.0, 84.0, 86.0])
     [d] = gate.gate(quiet_cur, quiet_base, ["throughput:-10%"], absolute=True).deltas
-    assert d.regressed and d.noise == pytest.approx(3.0)
+    assert d.regressed and d.noise == pytest.approx(10.0)  # 3 x 1 pooled spread, raised to 10% of 100
     assert not gate.gate(quiet_cur, quiet_base, ["throughput:-20%"], absolute=True).failed  # noise alone is not enough
     assert gate.gate(noisy_cur, noisy_base, ["throughput:-10%"], absolute=True, noise_k=0).failed
     with pytest.raises(ValueError, match="noise_k"):

@@ -16,6 +16,7 @@ shrink to nothing:
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -40,6 +41,18 @@ COUNT_METRICS: frozenset[str] = frozenset({
 def is_count(metric: str) -> bool:
     """True for a metric the schedule alone fixes (see :data:`COUNT_METRICS`)."""
     return metric in COUNT_METRICS
+
+
+_TAIL_RE = re.compile(r"_(p9\d|max)(_|$)")
+#: tail figures whose names do not say so: counts and shares of the slowest token gaps
+_TAIL_NAMES = frozenset({"tbt_spikes", "tbt_spike_share", "starvation_max_s"})
+
+
+def is_tail(metric: str) -> bool:
+    """True for a time's tail (``*_p90``, ``*_p99``, ``*_max``, TBT spikes, the longest starvation):
+    a few of the slowest samples decide it, so it moves more between runs than a median or a rate
+    (the gate gives it a wider noise floor, :data:`kvbench.bench.gate.MIN_NOISE_TAIL`). Counts are never tails."""
+    return not is_count(metric) and (metric in _TAIL_NAMES or _TAIL_RE.search(metric) is not None)
 
 
 def _numbers(values: Sequence[float | None]) -> list[float]:

@@ -44,7 +44,10 @@ Repeats: a timed point served several times keeps every repeat's figures in ``re
 medians in ``metrics`` (what the report shows) and their spreads in ``spread`` (the gate's noise
 floor, :mod:`kvbench.bench.gate`). ``clock`` says how arrivals were released: ``"step"`` (by engine
 step, ``step_seconds`` virtual seconds each: counts repeat exactly when ``exact_counts``) or
-``"wall"``. Files written before repeats existed have ``repeats: []``, ``spread: {}``, ``clock: null``.
+``"wall"``; ``interleaved`` lists the engines whose repeats were served in the same rounds as this
+one's (repeat i of each next to repeat i of the others, what the gate's per-repeat ratios pair;
+:func:`kvbench.bench.scenarios.run_interleaved`), empty when it ran alone or absent in older files.
+Files written before repeats existed have ``repeats: []``, ``spread: {}``, ``clock: null``.
 
 Conventions the report relies on: ``mode`` names a variant of one engine inside a scenario
 (``"recompute"``/``"swap"``, ``"chunked"``/``"unchunked"``, ``"prefix_caching"``/``"no_prefix_caching"``);

@@ -10,6 +10,8 @@ exposed to the stateful refcount machine.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +69,10 @@ def _coerce(name: str, raw: str) -> Any:
     return raw
 
 
+#: the one option that is the adapter's, not ``EngineConfig``'s (see :meth:`ReferenceAdapter.step_delay`)
+STEP_DELAY_OPTION = "step_delay_ms"
+
+
 class ReferenceAdapter(EngineAdapter):
     """reference_engine in-process (white box: events, counters, block introspection)."""
 
@@ -94,6 +100,8 @@ class ReferenceAdapter(EngineAdapter):
         "dtype": "float32, float16 or bfloat16",
         "check_invariants": "run the block manager self-check after every step (slow)",
         "attention_backend": "decode attention: auto (triton on CUDA), torch or triton",
+        STEP_DELAY_OPTION: "testing aid, not an engine setting: sleep this many milliseconds after every engine step "
+                           "(a deliberate, known slowdown for checking that the regression gate catches one)",
     }
 
     knob_options = _KNOB_TO_CONFIG
@@ -106,14 +114,37 @@ class ReferenceAdapter(EngineAdapter):
         super().validate_options(options)
         from reference_engine import EngineConfig
 
+        cls._step_delay_of(options)
         EngineConfig(model="<model checked when the engine is built>",
-                     **{k: _coerce(k, v) for k, v in options.items()})
+                     **{k: _coerce(k, v) for k, v in options.items() if k != STEP_DELAY_OPTION})
+
+    @staticmethod
+    def _step_delay_of(options: dict[str, str]) -> float:
+        """``step_delay_ms`` in seconds (0 when absent); ValueError naming the option for a bad value."""
+        raw = options.get(STEP_DELAY_OPTION, "0")
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = math.nan
+        if not (math.isfinite(ms) and 0 <= ms <= 10_000):
+            raise ValueError(f"engine 'reference': option {STEP_DELAY_OPTION}={raw!r} must be a number of "
+                             "milliseconds from 0 to 10000")
+        return ms / 1000.0
+
+    @property
+    def step_delay(self) -> float:
+        """Seconds slept after every engine step when served (``step_delay_ms``; 0 by default).
+
+        A testing aid: a slowdown of known size that changes no count (on the step clock the schedule
+        is the same), so ``scripts/gate_selfcheck.sh`` can check that the gate catches a time
+        regression and names it. It is not an engine setting and never applies to ``generate``."""
+        return self._step_delay_of(self.options)
 
     def engine_config(self, knobs: Knobs = DEFAULT_KNOBS):
         """The EngineConfig for these options with the knobs applied over them."""
         from reference_engine import EngineConfig
 
-        values: dict[str, Any] = {k: _coerce(k, v) for k, v in self.options.items()}
+        values: dict[str, Any] = {k: _coerce(k, v) for k, v in self.options.items() if k != STEP_DELAY_OPTION}
         for knob, value in knobs.as_dict().items():
             values[_KNOB_TO_CONFIG[knob]] = value
         return EngineConfig(model=self.model_dir, **values)
@@ -200,8 +231,9 @@ class ReferenceAdapter(EngineAdapter):
         clock (:func:`kvbench.core.stepping.drive`), None on the wall clock."""
         engine = self.build_engine(knobs)
         requests = getattr(workload, "requests", workload)
-        drive(_Steppable(engine), requests, recorder, concurrency=getattr(workload, "concurrency", None),
-              progress=progress, step_seconds=step_seconds, liveness=self.liveness)
+        drive(_Steppable(engine, self.step_delay), requests, recorder,
+              concurrency=getattr(workload, "concurrency", None), progress=progress,
+              step_seconds=step_seconds, liveness=self.liveness)
         recorder.set_counters(counters_of(engine))
 
 
@@ -290,8 +322,9 @@ def _evidence(engine, limit: int = 20) -> list[str]:
 class _Steppable:
     """reference_engine seen through the driver's SteppableEngine protocol."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, step_delay: float = 0.0):
         self.engine = engine
+        self.step_delay = step_delay  # seconds slept after each step (the step_delay_ms testing aid)
         self._seen_events = 0
         self._produced: dict[str, int] = {}
 
@@ -310,6 +343,8 @@ class _Steppable:
 
     def step(self) -> StepReport:
         outputs = self.engine.step()
+        if self.step_delay:
+            time.sleep(self.step_delay)
         new_tokens, finished = {}, {}
         for out in outputs:
             n = len(out.token_ids) - self._produced.get(out.request_id, 0)

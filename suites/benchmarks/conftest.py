@@ -20,6 +20,15 @@ Choices made here, once for every benchmark:
   (:data:`kvbench.bench.scenarios.base.STEP_SECONDS` virtual seconds per step): arrivals and aborts are
   released by engine step, so its counts are identical every repeat and every run, while its
   times stay on the wall clock. Other engines (hf-cb's own loop thread) run on the wall clock.
+* **Engines interleaved.** pytest shows one test per scenario and engine, but a scenario is served
+  once per session on all its engines together (:class:`StormScheduler`): the first of its tests
+  to run serves round 1 of every job on every engine (job by job, engine after engine), then
+  round 2, and so on (:func:`kvbench.bench.scenarios.run_interleaved`); each test then records
+  and judges its own engine's outcome. So repeat i of an engine and repeat i of the reference
+  engine are measured seconds apart, and the gate's same-run ratios per repeat cancel a machine
+  whose load drifts over minutes. The engines of a scenario are those whose test for it is
+  selected in this session (``-k`` and shards respected) and not skipped; the first test's time
+  includes the others' serving. An engine that raises while served fails only its own test.
 * **One measurement per engine configuration.** A scenario that sets the preemption mode itself
   (or never preempts) runs once per engine kind and options: an ``--engine`` that differs from an
   earlier one only in its preemption mode or swap space is skipped with that reason.
@@ -38,8 +47,8 @@ import pytest
 from kvbench.bench import scenarios as sc
 from kvbench.bench.scenarios.base import STEP_SECONDS
 from kvbench.bench.threads import pinned_torch_threads
+from kvbench.engines.base import EngineAdapter
 from kvbench.engines.registry import EngineSpec, make_adapter
-from kvbench.plugin import require
 
 #: engine options that only say how to preempt (or where to swap): scenarios that fix the mode ignore them
 MODE_OPTIONS = frozenset({"preemption_mode", "swap_space", "num_cpu_blocks_override", "cpu_offload_gib"})
@@ -60,14 +69,17 @@ def bench_model(kvbench_session: Any) -> sc.Model:
 
 
 @pytest.fixture(scope="session")
-def bench_engine(request: pytest.FixtureRequest, engine_spec: EngineSpec, bench_model: sc.Model, model_dir: str):
-    """The adapter for ``engine_spec`` on the benchmark model (the plugin's ``engine`` when they agree)."""
-    if os.path.realpath(bench_model.path) == os.path.realpath(model_dir):
-        yield request.getfixturevalue("engine")
-        return
-    adapter = make_adapter(engine_spec, bench_model.path)
-    yield adapter
-    adapter.close()
+def storm_scheduler(kvbench_session: Any, bench_model: sc.Model) -> Iterator[StormScheduler]:
+    """The session's :class:`StormScheduler`; closes every adapter it made at the end of the session."""
+    scheduler = StormScheduler(kvbench_session, bench_model)
+    yield scheduler
+    scheduler.close()
+
+
+@pytest.fixture(scope="session")
+def bench_engine(engine_spec: EngineSpec, storm_scheduler: StormScheduler) -> EngineAdapter:
+    """The adapter for ``engine_spec`` on the benchmark model (one per spec, shared by the benchmarks)."""
+    return storm_scheduler.adapter(engine_spec)
 
 
 @pytest.fixture
@@ -148,31 +160,118 @@ def same_as_earlier(spec: EngineSpec, specs: list[EngineSpec]) -> EngineSpec | N
     return None
 
 
+def skip_reason(scenario: sc.Scenario, adapter: EngineAdapter, spec: EngineSpec,
+                specs: list[EngineSpec]) -> str | None:
+    """Why ``scenario`` does not run on this engine (the reason its test is skipped with), or None."""
+    missing = [c for c in scenario.needs if c not in adapter.capabilities]
+    if missing:
+        return f"{adapter.name} lacks capability {', '.join(missing)}"
+    for knob in scenario.knobs_needed:
+        if knob in adapter.unsupported_knobs:
+            return f"{adapter.name} cannot set {knob}: {adapter.unsupported_knobs[knob]}"
+    if not scenario.engine_mode_matters:
+        earlier = same_as_earlier(spec, specs)
+        if earlier is not None:
+            return (f"{scenario.name} does not depend on the engine's preemption mode: measured already on "
+                    f"{earlier.name}")
+    return None
+
+
+class StormScheduler:
+    """Serves every scenario once per session on all its engines, interleaved, and hands each
+    engine's test its outcome (see the module docstring, "Engines interleaved").
+
+    Contract: :meth:`outcome` for (test item, scenario) serves the scenario, on its first call, on
+    every engine of :meth:`engines_for`, and returns this item's engine's :class:`~kvbench.bench.
+    scenarios.Outcome` (re-raising what serving that engine raised); later calls for the other
+    engines return theirs without serving again. An outcome is handed out once and then dropped.
+    """
+
+    def __init__(self, ks: Any, model: sc.Model):
+        self.ks = ks
+        self.model = model
+        self._adapters: dict[str, EngineAdapter] = {}  # by spec name (specs are not hashable)
+        self._runs: dict[tuple[str, str], dict[str, sc.Outcome | Exception]] = {}
+
+    def adapter(self, spec: EngineSpec) -> EngineAdapter:
+        """The one adapter of ``spec`` on the benchmark model, made on first use."""
+        if spec.name not in self._adapters:
+            adapter = make_adapter(spec, self.model.path)
+            if self.ks.liveness is not None:
+                adapter.liveness = self.ks.liveness
+            self._adapters[spec.name] = adapter
+        return self._adapters[spec.name]
+
+    def engines_for(self, item: pytest.Item, scenario: sc.Scenario) -> list[EngineSpec]:
+        """The specs, in ``--engine`` order, whose test of the same function as ``item`` is selected in
+        this session and not skipped for ``scenario``."""
+        specs = self.ks.engine_specs
+        selected = {getattr(_spec_of(other), "name", None) for other in item.session.items
+                    if other.path == item.path and getattr(other, "originalname", None) == item.originalname}
+        return [spec for spec in specs if spec.name in selected
+                and skip_reason(scenario, self.adapter(spec), spec, specs) is None]
+
+    def outcome(self, item: pytest.Item, spec: EngineSpec, scenario: sc.Scenario,
+                progress_for: Callable[[int, str], contextlib.AbstractContextManager]) -> sc.Outcome:
+        """``spec``'s outcome of ``scenario``, serving it on every engine first if nobody has yet.
+        ``progress_for(total, description)`` opens a progress bar for the serving."""
+        key = (item.nodeid.split("[")[0], scenario.name)
+        if key not in self._runs:
+            engines = self.engines_for(item, scenario)
+            if spec.name not in {s.name for s in engines}:  # not among the selected (a direct call): alone
+                engines = [spec]
+            scale, repeats = self.ks.scale, self.ks.repeats
+            total = scenario.num_requests(scale, self.model) * repeats * len(engines)
+            names = ", ".join(s.name for s in engines)
+            with progress_for(total, f"{scenario.name} [{names}]") as progress:
+                self._runs[key] = sc.run_interleaved(
+                    scenario, {s.name: self.adapter(s) for s in engines}, self.model, scale, progress,
+                    repeats=repeats, step_seconds=STEP_SECONDS[scale])
+        runs = self._runs[key]
+        if spec.name not in runs:  # selected after its scenario was served (not expected): serve it alone
+            runs[spec.name] = sc.run_interleaved(scenario, {spec.name: self.adapter(spec)}, self.model,
+                                                 self.ks.scale, None, repeats=self.ks.repeats,
+                                                 step_seconds=STEP_SECONDS[self.ks.scale])[spec.name]
+        outcome = runs.pop(spec.name)
+        if not runs:
+            del self._runs[key]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def close(self) -> None:
+        """Close every adapter made (servers an adapter started are stopped by its ``close``)."""
+        adapters, self._adapters = list(self._adapters.values()), {}
+        for adapter in adapters:
+            adapter.close()
+
+
+def _spec_of(item: pytest.Item) -> EngineSpec | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("engine_spec") if callspec is not None else None
+
+
 @pytest.fixture
-def run_storm(request: pytest.FixtureRequest, bench_engine: Any, bench_model: sc.Model, engine_spec: EngineSpec,
-              kvbench_session: Any, kvbench_results: Any, pinned_threads: int) -> Callable[[sc.Scenario], sc.Outcome]:
-    """``run_storm(scenario)``: skip if the engine cannot run it, serve it, record it, assert its claims."""
+def run_storm(request: pytest.FixtureRequest, storm_scheduler: StormScheduler, bench_model: sc.Model,
+              engine_spec: EngineSpec, kvbench_session: Any, kvbench_results: Any,
+              pinned_threads: int) -> Callable[[sc.Scenario], sc.Outcome]:
+    """``run_storm(scenario)``: skip if the engine cannot run it, else take its outcome from the
+    interleaved serving of the scenario (:class:`StormScheduler`), record it, assert its claims."""
 
     def run(scenario: sc.Scenario) -> sc.Outcome:
-        require(bench_engine, *scenario.needs)
-        for knob in scenario.knobs_needed:
-            if knob in bench_engine.unsupported_knobs:
-                pytest.skip(f"{bench_engine.name} cannot set {knob}: {bench_engine.unsupported_knobs[knob]}")
-        if not scenario.engine_mode_matters:
-            earlier = same_as_earlier(engine_spec, kvbench_session.engine_specs)
-            if earlier is not None:
-                pytest.skip(f"{scenario.name} does not depend on the engine's preemption mode: measured already on "
-                            f"{earlier.name}")
-        scale, repeats = kvbench_session.scale, kvbench_session.repeats
-        total = scenario.num_requests(scale, bench_model) * repeats
-        with progress_bar(request.config, total, f"{scenario.name} [{bench_engine.name}]") as progress:
-            outcome = sc.run(scenario, bench_engine, bench_model, scale, progress, repeats=repeats,
-                             step_seconds=STEP_SECONDS[scale])
+        adapter = storm_scheduler.adapter(engine_spec)
+        reason = skip_reason(scenario, adapter, engine_spec, kvbench_session.engine_specs)
+        if reason:
+            pytest.skip(reason)
+        outcome = storm_scheduler.outcome(request.node, engine_spec, scenario,
+                                          lambda total, desc: progress_bar(request.config, total, desc))
         outcome.parameters["torch_threads"] = pinned_threads
-        outcome.parameters["repeats"] = repeats
+        outcome.parameters["repeats"] = kvbench_session.repeats
         outcome.parameters["clock"] = ("wall" if outcome.step_seconds is None else
                                        f"step ({outcome.step_seconds:g} s per engine step)")
-        sc.record(outcome, kvbench_results, bench_engine.describe(), slos=kvbench_session.slos)
+        if outcome.interleaved:
+            outcome.parameters["interleaved"] = ", ".join(outcome.interleaved)
+        sc.record(outcome, kvbench_results, adapter.describe(), slos=kvbench_session.slos)
         assert not outcome.failures(), outcome.explain()
         return outcome
 

@@ -8,6 +8,10 @@ one is always the same: serve every planned :class:`Job` on an engine adapter, t
     record(outcome, results, adapter.describe())        # results entries, sweeps, checks
     assert not outcome.failures(), outcome.explain()    # the scenario did what it claims
 
+Several engines are served together with ``run_interleaved(scenario, {name: adapter, ...}, ...)``:
+repeat i of each in the same round, in-process engines in lockstep, so same-run ratios compare
+measurements taken under the same load (what the regression gate divides, repeat by repeat).
+
 Contracts:
 
 * **Claims are about what happened, never about time.** A storm must have preempted, a surge must
@@ -58,6 +62,7 @@ from kvbench.bench.scenarios.base import (
     preemptions_between,
     record,
     run,
+    run_interleaved,
     serve,
     ttft_by,
 )
@@ -130,6 +135,6 @@ __all__ = [
     "arrival_rate_ratio", "before_after", "build_workload", "check_crossover_length", "chunked_claims",
     "class_figures", "describe_spec", "exhaustion_claims", "first_fallback", "first_token_steps", "knee_within",
     "last_event", "percentile", "positive", "preemptions_between", "prefix_claims", "priority_claims",
-    "priority_vs_fcfs_claims", "record", "resume_cost", "run", "serve",
+    "priority_vs_fcfs_claims", "record", "resume_cost", "run", "run_interleaved", "serve",
     "stall_steps", "storm_claims", "summarize_costs", "ttft_by",
 ]

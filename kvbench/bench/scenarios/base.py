@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.bench import metrics, repeats
+from kvbench.bench.lockstep import serve_lockstep
 from kvbench.bench.scenarios.declare import Headline, Pressure, Score
 from kvbench.bench.workloads import (
     AllAtOnce,
@@ -132,6 +133,9 @@ class Outcome:
     repeats: list[Outcome] = field(default_factory=list, repr=False)
     #: virtual seconds per step when the runs were on the step clock, None on the wall clock
     step_seconds: float | None = None
+    #: the engines whose repeats were served in the same rounds as this one's (this one among them;
+    #: empty when it ran alone): repeat i of each was measured next to repeat i of the others
+    interleaved: tuple[str, ...] = ()
 
     def failures(self) -> list[str]:
         return [claim for claim, held in self.claims.items() if held is False]
@@ -274,14 +278,16 @@ def _accepts_progress(adapter: EngineAdapter) -> bool:
 
 
 def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | None = None,
-          step_seconds: float | None = None) -> Trace:
+          step_seconds: float | None = None, recorder: TraceRecorder | None = None) -> Trace:
     """Serve one job and return its trace, its duration ending at the last token or finish.
 
     ``step_seconds``: serve on the step clock (:mod:`kvbench.core.stepping`) when the adapter is
     ``steppable``; ignored (wall clock) otherwise. Progress is reported per finished request when
     the adapter can (``serve(progress=...)``), else all at once when the workload is done.
+    ``recorder``: record into this one (a lockstep participant's, :mod:`kvbench.bench.lockstep`)
+    instead of a new one.
     """
-    recorder = TraceRecorder(adapter.name, scenario)
+    recorder = recorder if recorder is not None else TraceRecorder(adapter.name, scenario)
     kwargs: dict[str, Any] = {}
     if step_seconds is not None and getattr(adapter, "steppable", False):
         kwargs["step_seconds"] = step_seconds
@@ -292,6 +298,20 @@ def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | 
         if progress is not None:
             progress(len(job.workload))
     trace = recorder.finish()
+    trace.duration = last_event(trace) or trace.duration
+    return trace
+
+
+def _server(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | None,
+            step_seconds: float | None) -> Callable[[TraceRecorder], None]:
+    """``serve`` of one job as a lockstep participant: into the recorder it is given."""
+    def run(recorder: TraceRecorder) -> None:
+        serve(adapter, job, scenario, progress, step_seconds, recorder=recorder)
+
+    return run
+
+
+def _ended(trace: Trace) -> Trace:
     trace.duration = last_event(trace) or trace.duration
     return trace
 
@@ -309,19 +329,84 @@ def run(scenario: Scenario, adapter: EngineAdapter, model: Model, scale: str,
     each repeat; returns the first repeat's outcome with all of them in ``outcome.repeats``.
 
     ``step_seconds`` puts a ``steppable`` adapter on the step clock (identical counts every repeat,
-    wall-clock timings); other adapters run on the wall clock. Raises ValueError for ``repeats < 1``.
+    wall-clock timings); other adapters run on the wall clock. Raises ValueError for ``repeats < 1``,
+    and whatever serving or judging raised. :func:`run_interleaved` serves several engines.
+    """
+    result = run_interleaved(scenario, {adapter.name: adapter}, model, scale, progress, repeats, step_seconds)
+    outcome = result[adapter.name]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def run_interleaved(scenario: Scenario, adapters: Mapping[str, EngineAdapter], model: Model, scale: str,
+                    progress: Progress | None = None, repeats: int = 1,
+                    step_seconds: float | None = None) -> dict[str, Outcome | Exception]:
+    """Serve ``scenario`` on every adapter (by engine name), ``repeats`` rounds, interleaved by job.
+
+    Schedule: round ``r`` serves job 1 on every engine, then job 2 on every engine, and so on;
+    round ``r + 1`` starts only when round ``r`` is done. Within a job, the ``steppable`` engines
+    (two or more) are served in lockstep, one engine step of each in turn, each timed on its own
+    clock (:mod:`kvbench.bench.lockstep`); the others one after another, in the mapping's order.
+    So repeat ``r`` of one engine and repeat ``r`` of another were measured under the same load
+    (milliseconds apart in lockstep, seconds apart otherwise), and their ratio (what the gate
+    compares, :mod:`kvbench.bench.gate`) cancels a machine that got busier or quieter over the
+    minutes a benchmark takes. Serving all of one engine's repeats before the other's did not: a
+    self-gated run moved a p99 TTFT ratio from 0.73 to 1.19 that way. The order is the same every
+    round and every run, so whatever it favours, it favours the baseline alike.
+
+    Each engine's repeats are judged separately; its value is its first repeat's :class:`Outcome`
+    with all of them in ``outcome.repeats`` (``outcome.interleaved`` names every engine served in
+    the same rounds), or the exception serving or judging it raised: that engine is dropped from
+    later rounds and the others go on, so one broken engine fails only its own benchmark.
+    Raises ValueError for ``repeats < 1``.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    clock = step_seconds if getattr(adapter, "steppable", False) else None
-    outcomes = []
+    clocks = {name: step_seconds if getattr(a, "steppable", False) else None for name, a in adapters.items()}
+    judged: dict[str, list[Outcome]] = {name: [] for name in adapters}
+    failed: dict[str, Exception] = {}
     for _ in range(repeats):
-        jobs = scenario.plan(scale, model)
-        served = [Served(job, serve(adapter, job, scenario.name, progress, clock)) for job in jobs]
-        outcomes.append(scenario.judge(served, scale, model))
-    first = outcomes[0]
-    first.repeats, first.step_seconds = outcomes, clock
-    return first
+        live = [name for name in adapters if name not in failed]
+        plans = {name: scenario.plan(scale, model) for name in live}  # fresh workloads for every serve
+        served: dict[str, list[Served]] = {name: [] for name in live}
+        for j in range(max((len(plan) for plan in plans.values()), default=0)):
+            now = [name for name in live if name not in failed and j < len(plans[name])]
+            stepped = [name for name in now if getattr(adapters[name], "steppable", False)]
+            lockstep = stepped if len(stepped) > 1 else []
+            if lockstep:
+                traces = serve_lockstep({name: (adapters[name].name, scenario.name, _server(
+                    adapters[name], plans[name][j], scenario.name, progress, clocks[name])) for name in lockstep})
+                for name in lockstep:
+                    trace = traces[name]
+                    if isinstance(trace, Exception):
+                        failed[name] = trace
+                    else:
+                        served[name].append(Served(plans[name][j], _ended(trace)))
+            for name in (n for n in now if n not in lockstep):
+                job = plans[name][j]
+                try:
+                    served[name].append(Served(job, serve(adapters[name], job, scenario.name, progress,
+                                                          clocks[name])))
+                except Exception as e:  # handed to that engine's benchmark, which raises it
+                    failed[name] = e
+        for name in live:
+            if name in failed:
+                continue
+            try:
+                judged[name].append(scenario.judge(served[name], scale, model))
+            except Exception as e:  # as above
+                failed[name] = e
+    together = tuple(adapters) if len(adapters) > 1 else ()
+    result: dict[str, Outcome | Exception] = {}
+    for name in adapters:
+        if name in failed:
+            result[name] = failed[name]
+            continue
+        first = judged[name][0]
+        first.repeats, first.step_seconds, first.interleaved = judged[name], clocks[name], together
+        result[name] = first
+    return result
 
 
 def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
@@ -333,7 +418,8 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
     unknown = [f"not measurable on this engine: {c}" for c, v in outcome.claims.items() if v is None]
     params = {**outcome.parameters}
     runs = outcome.repeats or [outcome]
-    clock = {"clock": "wall" if outcome.step_seconds is None else "step", "step_seconds": outcome.step_seconds}
+    clock = {"clock": "wall" if outcome.step_seconds is None else "step", "step_seconds": outcome.step_seconds,
+             "interleaved": list(outcome.interleaved)}
     for j, entry in enumerate(outcome.entries):
         per_repeat = [{**metrics.summarize(o.entries[j].trace, slos), **o.entries[j].extra} for o in runs]
         medians, spreads = repeats.aggregate(per_repeat)

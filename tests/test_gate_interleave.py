@@ -1,0 +1,186 @@
+"""The runner the gate's ratios rely on: engines' repeats served in the same rounds, steppable
+engines in lockstep on their own clocks, and a broken engine failing only itself."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from kvbench.bench import scenarios as sc
+from kvbench.bench.lockstep import Baton, serve_lockstep
+from kvbench.bench.scenarios.base import SANITY_CLAIM
+from kvbench.bench.workloads import Workload
+from kvbench.core.requests import WorkloadRequest
+from kvbench.core.stepping import StepReport, drive
+from kvbench.core.trace import StepRecord
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter
+
+MODEL = sc.Model("/nonexistent", "tiny", 512, 1024)
+
+
+def workload(name: str, n: int = 2, tokens: int = 3) -> Workload:
+    reqs = [WorkloadRequest(f"{name}-{i}", [1, 2, 3], tokens, 0.0) for i in range(n)]
+    return Workload(name, reqs, None, {"name": name})
+
+
+class TwoJobs(sc.Scenario):
+    """Two tiny jobs; the judge claims only that every request finished."""
+
+    name = "two_jobs"
+    sizes = {"quick": None}  # noqa: RUF012
+
+    def plan(self, scale, model):
+        return [sc.Job(workload("job1"), DEFAULT_KNOBS, mode="a"), sc.Job(workload("job2"), DEFAULT_KNOBS, mode="b")]
+
+    def parameters(self, scale, model):
+        return {"scale": scale}
+
+    def judge(self, served, scale, model):
+        outcome = self.outcome(scale, model)
+        outcome.entries = [sc.ResultEntry(s.trace, s.job.mode) for s in served]
+        outcome.claims = {SANITY_CLAIM: all(sc.all_finished(s.trace) for s in served)}
+        return outcome
+
+
+class _Engine:
+    """A steppable engine: every running request gets one token per step; each step logs its name
+    and sleeps ``step_s``."""
+
+    def __init__(self, name: str, log: list[str], step_s: float):
+        self.name, self.log, self.step_s = name, log, step_s
+        self.left: dict[str, int] = {}
+
+    def submit(self, request: Any) -> None:
+        self.left[request.request_id] = request.max_tokens
+
+    def abort(self, request_id: str) -> None:  # pragma: no cover - no aborts here
+        self.left.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.left)
+
+    def step(self) -> StepReport:
+        self.log.append(self.name)
+        time.sleep(self.step_s)
+        new = dict.fromkeys(self.left, 1)
+        for rid in new:
+            self.left[rid] -= 1
+        done = {rid: "length" for rid, n in self.left.items() if n == 0}
+        for rid in done:
+            del self.left[rid]
+        return StepReport(new, done, [], [], [], StepRecord(0.0, 0.0, len(self.left), 0))
+
+
+class FakeAdapter(EngineAdapter):
+    """Serves through the step driver (``steppable``) or, with ``steppable=False``, the same loop but
+    declared unsteppable; logs "serve <job>" and every step; ``fail_on`` a job name raises there."""
+
+    kind = "fake"
+    capabilities = frozenset()
+
+    def __init__(self, name: str, log: list[str], *, steppable: bool = True, step_s: float = 0.0,
+                 fail_on: str | None = None):
+        super().__init__("/nonexistent", name=name)
+        self.log, self.steppable, self.step_s, self.fail_on = log, steppable, step_s, fail_on
+
+    def generate(self, requests, knobs=DEFAULT_KNOBS):  # pragma: no cover - not used
+        raise NotImplementedError
+
+    def serve(self, workload, recorder, knobs=DEFAULT_KNOBS, step_seconds=None) -> None:
+        self.log.append(f"serve {self.name} {workload.name}")
+        if workload.name == self.fail_on:
+            raise RuntimeError(f"{self.name} broke on {workload.name}")
+        drive(_Engine(self.name, self.log, self.step_s), workload.requests, recorder, step_seconds=step_seconds)
+
+
+def test_rounds_serve_each_job_on_every_engine_before_the_next_job():
+    log: list[str] = []
+    adapters = {n: FakeAdapter(n, log, steppable=False) for n in ("A", "B")}
+    result = sc.run_interleaved(TwoJobs(), adapters, MODEL, "quick", repeats=2)
+    serves = [line for line in log if line.startswith("serve")]
+    assert serves == ["serve A job1", "serve B job1", "serve A job2", "serve B job2"] * 2
+    for name in ("A", "B"):
+        outcome = result[name]
+        assert isinstance(outcome, sc.Outcome) and len(outcome.repeats) == 2
+        assert outcome.interleaved == ("A", "B") and not outcome.failures()
+
+
+def test_steppable_engines_take_turns_step_by_step():
+    log: list[str] = []
+    adapters = {n: FakeAdapter(n, log) for n in ("A", "B")}
+    sc.run_interleaved(TwoJobs(), adapters, MODEL, "quick", repeats=1, step_seconds=0.01)
+    steps = [line for line in log if not line.startswith("serve")]
+    # each job: 3 steps per engine, alternating A B A B A B
+    assert steps == ["A", "B"] * 6
+
+
+def test_each_engine_is_timed_on_its_own_clock():
+    """B's slow steps are not A's time: A's trace measures only A's own steps."""
+    log: list[str] = []
+    adapters = {"A": FakeAdapter("A", log, step_s=0.0), "B": FakeAdapter("B", log, step_s=0.05)}
+    result = sc.run_interleaved(TwoJobs(), adapters, MODEL, "quick", repeats=1, step_seconds=0.01)
+    a, b = (result[n].entries[0].trace for n in ("A", "B"))
+    assert b.duration >= 3 * 0.05 * 0.9  # B's three steps
+    assert a.duration < 0.05  # A never waits its 3 x 50 ms for B inside its own time
+    first_token_gaps = [r.token_times[0] - r.arrival for r in a.requests.values()]
+    assert max(first_token_gaps) < 0.05
+
+
+def test_a_broken_engine_fails_only_itself():
+    log: list[str] = []
+    adapters = {"A": FakeAdapter("A", log, fail_on="job2"), "B": FakeAdapter("B", log)}
+    result = sc.run_interleaved(TwoJobs(), adapters, MODEL, "quick", repeats=2, step_seconds=0.01)
+    assert isinstance(result["A"], RuntimeError) and "A broke on job2" in str(result["A"])
+    assert isinstance(result["B"], sc.Outcome) and len(result["B"].repeats) == 2
+    assert [line for line in log if line.startswith("serve A")] == ["serve A job1", "serve A job2"]  # dropped after
+    with pytest.raises(RuntimeError, match="A broke on job2"):
+        sc.run(TwoJobs(), FakeAdapter("A", [], fail_on="job2"), MODEL, "quick", repeats=1)
+
+
+def test_recorded_results_say_which_engines_shared_the_rounds():
+    from kvbench.bench.results import Results
+
+    log: list[str] = []
+    adapters = {n: FakeAdapter(n, log) for n in ("A", "B")}
+    result = sc.run_interleaved(TwoJobs(), adapters, MODEL, "quick", repeats=2, step_seconds=0.01)
+    results = Results()
+    sc.record(result["A"], results, {"name": "A", "kind": "fake"})
+    entry = results.scenario("two_jobs")["results"][0]
+    assert entry["clock"]["interleaved"] == ["A", "B"] and len(entry["repeats"]) == 2
+    assert entry["clock"]["exact_counts"] is True
+
+
+def test_baton_rotation_and_leaving():
+    baton = Baton(["A", "B", "C"])
+    baton.wait_turn("A")  # A holds it: returns at once
+    baton.pass_on("A")
+    baton.leave("B")  # B leaves while holding it: C is next
+    baton.wait_turn("C")
+    baton.pass_on("B")  # not the holder: nothing moves
+    baton.wait_turn("C")
+
+
+def test_serve_lockstep_hands_back_each_participants_exception():
+    def ok(recorder):
+        recorder.step(StepRecord(0.0, 0.0, 0, 0))
+
+    def broken(recorder):
+        raise ValueError("nope")
+
+    out = serve_lockstep({"A": ("A", "s", ok), "B": ("B", "s", broken)})
+    assert len(out["A"].steps) == 1 and isinstance(out["B"], ValueError)
+
+
+def test_step_delay_option_is_a_validated_testing_aid():
+    from kvbench.engines.reference import ReferenceAdapter
+
+    ReferenceAdapter.validate_options({"step_delay_ms": "5", "preemption_mode": "swap"})
+    for bad in ("-1", "soon", "nan"):
+        with pytest.raises(ValueError, match="step_delay_ms"):
+            ReferenceAdapter.validate_options({"step_delay_ms": bad})
+    adapter = ReferenceAdapter("/nonexistent", {"step_delay_ms": "5"})
+    assert adapter.step_delay == pytest.approx(0.005)
+    assert adapter.engine_config().model == "/nonexistent"  # not an EngineConfig field: left out of it
+    assert ReferenceAdapter("/nonexistent").step_delay == 0
