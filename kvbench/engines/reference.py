@@ -99,6 +99,7 @@ class ReferenceAdapter(EngineAdapter):
         "device": "cpu, cuda or cuda:N",
         "dtype": "float32, float16 or bfloat16",
         "check_invariants": "run the block manager self-check after every step (slow)",
+        "max_events": "events the engine keeps in its bounded log (default 10000; kvbench reads them through a sink)",
         "attention_backend": "decode attention: auto (triton on CUDA), torch or triton",
         STEP_DELAY_OPTION: "testing aid, not an engine setting: sleep this many milliseconds after every engine step "
                            "(a deliberate, known slowdown for checking that the regression gate catches one)",
@@ -325,7 +326,10 @@ class _Steppable:
     def __init__(self, engine, step_delay: float = 0.0):
         self.engine = engine
         self.step_delay = step_delay  # seconds slept after each step (the step_delay_ms testing aid)
-        self._seen_events = 0
+        # Events arrive through a sink: the engine's own log is bounded, so reading it by position would
+        # miss events once it is full.
+        self._new_events: list[Any] = []
+        engine.add_event_sink(self._new_events.append)
         self._produced: dict[str, int] = {}
 
     def submit(self, request: Any) -> None:
@@ -355,15 +359,14 @@ class _Steppable:
                 finished[out.request_id] = out.finish_reason
                 self._produced.pop(out.request_id, None)
         admitted, preempted, resumed = [], [], []
-        events = self.engine.events
-        for e in events[self._seen_events :]:
+        for e in self._new_events:
             if e.kind == "admitted":
                 (resumed if e.data.get("resumed") else admitted).append(e.request_id)
             elif e.kind == "preempted":
                 preempted.append((e.request_id, e.data["mode"]))
             elif e.kind == "swapped_in":
                 resumed.append(e.request_id)
-        self._seen_events = len(events)
+        self._new_events.clear()
         stats, last = self.engine.stats(), self.engine.last_step
         record = StepRecord(t=0.0, duration=0.0, num_running=stats["num_running"], num_waiting=stats["num_waiting"],
                             num_swapped=stats["num_swapped"], kv_usage=stats["gpu_cache_usage"],
