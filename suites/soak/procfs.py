@@ -1,0 +1,58 @@
+"""What a soak watches in a process, read from Linux's /proc (no psutil needed).
+
+Every reader takes a pid (default: this process) and returns None where /proc is not there (not
+Linux), so a caller can skip rather than fail on another OS.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes(pid: int | str = "self") -> int | None:
+    """Resident set size in bytes (/proc/<pid>/statm, second field, in pages)."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def thread_count(pid: int | str = "self") -> int | None:
+    """Threads of the process (the ``Threads:`` line of /proc/<pid>/status)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def socket_count(pid: int | str = "self") -> int | None:
+    """Open sockets of the process: its file descriptors that link to ``socket:[inode]``."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return None
+    count = 0
+    for name in names:
+        try:
+            count += os.readlink(fd_dir / name).startswith("socket:")
+        except OSError:  # closed between listdir and readlink
+            continue
+    return count
+
+
+def growth(samples: list[float]) -> float:
+    """Relative growth from the first quarter of ``samples`` to the last: max(last quarter) over
+    max(first quarter), minus 1. Maxima, because a leak raises every later peak while start-up
+    allocations (loaded weights, warmed allocators) are already inside the first quarter's peak."""
+    if len(samples) < 4:
+        raise ValueError(f"need at least 4 samples to compare quarters, got {len(samples)}")
+    quarter = len(samples) // 4
+    first, last = max(samples[:quarter]), max(samples[-quarter:])
+    return last / first - 1.0

@@ -1,0 +1,68 @@
+"""The soak's checks fail when they should: each is shown failing on data broken in exactly its way.
+
+Fast and not marked ``soak``: these run in every plain ``pytest``, so a check that could never fail
+does not hide behind the soak's ``--soak`` flag.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from suites.soak.procfs import growth, rss_bytes, socket_count, thread_count
+from suites.soak.test_soak import SoakRequest, _check_outputs
+
+REQUESTS = [SoakRequest("a", [5], 3, None), SoakRequest("b", [6], 3, 1), SoakRequest("c", [7], 3, None)]
+EXPECTED = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8, 9]}
+GOOD = {"a": [("length", [1, 2, 3])], "b": [("abort", [4])], "c": [("length", [7, 8, 9])]}
+
+
+def test_good_outputs_pass():
+    _check_outputs(REQUESTS, GOOD, {"b"}, EXPECTED)
+
+
+@pytest.mark.parametrize(("broken", "aborted", "message"), [
+    ({"a": GOOD["a"], "b": GOOD["b"]}, {"b"}, "lost"),
+    ({**GOOD, "a": GOOD["a"] * 2}, {"b"}, "finished more than once"),
+    ({**GOOD, "c": [("length", [7, 8, 0])]}, {"b"}, "differ from the unpressured run"),
+    ({**GOOD, "b": [("abort", [9])]}, {"b"}, "not a prefix"),
+    ({**GOOD, "b": [("length", [4])]}, {"b"}, "wrong finish reasons"),
+    ({**GOOD, "b": [("length", [4, 5, 6])]}, set(), "no request was aborted"),
+])
+def test_each_broken_output_fails(broken, aborted, message):
+    with pytest.raises(AssertionError, match=message):
+        _check_outputs(REQUESTS, broken, aborted, EXPECTED)
+
+
+def test_growth_flags_a_leak_and_not_a_warm_up():
+    warm_up_then_flat = [100.0, 150.0, 200.0] + [200.0] * 97
+    assert growth(warm_up_then_flat) == 0.0
+    leaking = [100.0 + i for i in range(100)]  # +1% of the start per sample
+    assert growth(leaking) > 0.05
+    with pytest.raises(ValueError, match="at least 4 samples"):
+        growth([1.0, 2.0])
+
+
+def test_proc_readers_see_sockets_threads_and_memory_change():
+    if rss_bytes() is None:
+        pytest.skip("no /proc here")
+    sockets_before, threads_before = socket_count(), thread_count()
+    held = [socket.socket() for _ in range(3)]
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        assert socket_count() == sockets_before + 3
+        assert thread_count() == threads_before + 1
+        before = rss_bytes()
+        block = bytearray(64 * 2**20)  # touched: resident
+        assert rss_bytes() - before > 32 * 2**20
+        del block
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+        for s in held:
+            s.close()
+    assert socket_count() == sockets_before
