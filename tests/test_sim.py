@@ -3,14 +3,16 @@ against the real engine's on the step clock, and a large run that completes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from kvbench.bench.workloads import AllAtOnce, Uniform, WorkloadSpec
+from kvbench.bench.workloads import AllAtOnce, Poisson, Uniform, WorkloadSpec
 from kvbench.checkpoints import builtin_checkpoint
 from kvbench.core.knobs import Knobs
 from kvbench.core.trace import TraceRecorder
@@ -212,3 +214,69 @@ def test_a_large_surge_completes(tiny):
     print(f"\n{n} requests simulated in {time.perf_counter() - t0:.1f} s "
           f"(engine loop {run.simulate_seconds:.1f} s): {run.figures}")
     assert run.figures["output_throughput"] and run.figures["output_throughput"] > 0
+
+
+# ------------------------------------------------------------------------------ the fast path
+def _pressured(seed: int = 5):
+    spec = WorkloadSpec("pressured", 60, Uniform(40, 300), Uniform(16, 120), Poisson(30.0), seed=seed)
+    return spec.build(512, max_prompt_len=1000)
+
+
+def _drive_sim(tiny, knobs, fast: bool, workload, step_seconds=None):
+    from kvbench.core.stepping import drive
+    from kvbench.engines.reference import counters_of
+    from kvbench.engines.sim import _SimSteppable, fast_path_liveness
+
+    adapter = make_adapter(parse_engine_spec("sim:hardware=h200,model=llama-3-8b"), tiny)
+    engine = adapter.build_engine(knobs)
+    recorder = TraceRecorder(adapter.name, "t")
+    drive(_SimSteppable(engine, recorder if fast else None), workload.requests, recorder,
+          step_seconds=step_seconds, virtual_clock=engine.clock,
+          liveness=fast_path_liveness(adapter.liveness, engine) if fast else adapter.liveness)
+    recorder.set_counters(counters_of(engine))
+    return engine, recorder.finish()
+
+
+def _steps(trace):
+    return [(s.t, s.duration, s.num_running, s.num_waiting, s.num_swapped, s.kv_usage, s.cpu_kv_usage,
+             s.num_prefill_tokens, s.num_decode_tokens, s.num_preempted) for s in trace.steps]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_fast_path_makes_the_plain_steps_decisions(tiny, mode, chunked):
+    """Lazy decodes change no decision: every preemption (request, time, mode), every token time, every
+    step record and every counter equal the plain path's, on a workload that preempts often."""
+    knobs = Knobs(block_size=16, num_gpu_blocks=60, num_cpu_blocks=100, preemption_mode=mode, max_num_seqs=16,
+                  enable_chunked_prefill=chunked)
+    plain_engine, plain = _drive_sim(tiny, knobs, False, _pressured())
+    fast_engine, fast = _drive_sim(tiny, knobs, True, _pressured())
+    assert plain.counters[f"preemptions_{mode}"] >= 10  # pressure: the fallback to plain steps fired
+    assert fast_engine.fast_steps > 5 * fast_engine.plain_steps > 0  # and the fast path did most steps
+    assert plain_engine.fast_steps == 0
+    assert fast.counters.to_dict() == plain.counters.to_dict()
+    assert _steps(fast) == _steps(plain)
+    for rid, p in plain.requests.items():
+        f = fast.requests[rid]
+        assert (f.admitted, f.preemptions, f.resumes, f.finished, f.finish_reason) == \
+               (p.admitted, p.preemptions, p.resumes, p.finished, p.finish_reason), rid
+        np.testing.assert_allclose(f.token_times, p.token_times, rtol=0, atol=1e-12)
+    assert not fast_engine.lazy.requests and fast_engine.block_manager.is_whole()
+
+
+def test_fast_path_aborts_and_lone_long_decodes(tiny):
+    """An abort of a lazy decoder syncs it first (its tokens so far reach the trace), and a request
+    decoding alone for longer than the watchdog's stall limit is not taken for a stall."""
+    spec = WorkloadSpec("long", 3, Uniform(30, 40), Uniform(600, 700), AllAtOnce(), seed=1)
+    requests = spec.build(512, max_prompt_len=1000).requests
+    requests[1] = dataclasses.replace(requests[1], abort_at=0.5)  # seconds of simulated time: mid-decode
+    workload = SimpleNamespace(requests=requests)
+    knobs = Knobs(block_size=16, num_gpu_blocks=200)
+    _, plain = _drive_sim(tiny, knobs, False, workload)
+    engine, fast = _drive_sim(tiny, knobs, True, workload)
+    aborted = fast.requests[workload.requests[1].request_id]
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_times) < 600
+    for rid, p in plain.requests.items():
+        assert fast.requests[rid].token_times == p.token_times
+        assert fast.requests[rid].finish_reason == p.finish_reason
+    assert engine.fast_steps > 600  # one long lazy stretch: far past the watchdog's 200 steps

@@ -18,17 +18,19 @@ It cannot check correctness (its tokens are placeholders): conformance checks sk
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cached_property
 from typing import Any
 
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
+from kvbench.core.liveness import Liveness
 from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
 from kvbench.engines.reference import _KNOB_TO_CONFIG, ReferenceAdapter, _coerce, counters_of
 
 #: why conformance checks skip a simulated engine
 SIMULATED_REASON = "simulated: no real tokens"
-_SIM_KEYS = ("hardware", "model", "clock")
+_SIM_KEYS = ("hardware", "model", "clock", "fast")
 _DEVICE_KEYS = ("device", "attention_backend", "kv_cache_space")  # no device: these mean nothing here
 CLOCKS = ("cost", "step")
 
@@ -49,6 +51,8 @@ class SimAdapter(ReferenceAdapter):
         "model": "llama-3-8b, llama-2-7b, llama-3-70b, or a config.json / model dir (default: the run's checkpoint)",
         "clock": "cost (release arrivals on the simulated clock, default) or step (by engine step, as the "
                  "reference engine's step clock: equal counts)",
+        "fast": "true (default): steady decoders advance lazily (same decisions, far less work); false: every "
+                "request through the plain step",
         **{k: v for k, v in ReferenceAdapter.option_keys.items() if k not in _DEVICE_KEYS},
         "dtype": "float32, float16 or bfloat16 (default: the hardware profile's)",
         "gpu_memory_utilization": "share of the device memory for weights + KV (default 0.9)",
@@ -65,6 +69,8 @@ class SimAdapter(ReferenceAdapter):
             load_model_shape(options["model"])
         if options.get("clock", "cost") not in CLOCKS:
             raise ValueError(f"engine 'sim': clock={options['clock']!r} is invalid: expected one of {CLOCKS}")
+        if options.get("fast", "true").lower() not in ("true", "false"):
+            raise ValueError(f"engine 'sim': fast={options['fast']!r} is invalid: expected true or false")
         ReferenceAdapter.validate_options({k: v for k, v in options.items() if k not in _SIM_KEYS})
 
     @cached_property
@@ -107,21 +113,44 @@ class SimAdapter(ReferenceAdapter):
         engine = self.build_engine(knobs)
         requests = getattr(workload, "requests", workload)
         by_step = step_seconds if self.options.get("clock", "cost") == "step" else None
-        drive(_SimSteppable(engine), requests, recorder, concurrency=getattr(workload, "concurrency", None),
-              progress=progress, step_seconds=by_step, liveness=self.liveness, virtual_clock=engine.clock)
+        fast = self.options.get("fast", "true").lower() == "true"
+        liveness = fast_path_liveness(self.liveness, engine) if fast else self.liveness
+        drive(_SimSteppable(engine, recorder if fast else None), requests, recorder,
+              concurrency=getattr(workload, "concurrency", None),
+              progress=progress, step_seconds=by_step, liveness=liveness, virtual_clock=engine.clock)
         recorder.set_counters(counters_of(engine))
+
+
+def fast_path_liveness(liveness: Liveness, engine: Any) -> Liveness:
+    """The watchdog's limits for a run on :meth:`SimEngine.step_fast`: a lazy decoder's tokens reach the
+    driver when its span closes, at the latest when it finishes (a state change), up to
+    ``max_model_len`` steps later; ``stall_steps`` counts from there."""
+    if liveness.stall_steps is None:
+        return liveness
+    return dataclasses.replace(liveness, stall_steps=liveness.stall_steps + engine.config.max_model_len)
 
 
 class _SimSteppable:
     """The sim engine seen through the driver's SteppableEngine protocol, built for long runs: events
     arrive through a sink (the engine's log keeps only the latest ``max_events``, and re-reading it
-    each step cost time), and per-step work is proportional to what the step touched."""
+    each step cost time), and per-step work is proportional to what the step touched.
 
-    def __init__(self, engine):
+    With a ``recorder`` it steps with :meth:`SimEngine.step_fast`: the tokens of lazy decoders come
+    back as spans of steps, and go straight into the trace here, at the end times of those steps
+    (the driver records everything else, as for any engine)."""
+
+    def __init__(self, engine, recorder: TraceRecorder | None = None):
         self.engine = engine
+        self.recorder = recorder
         self._events: list = []
         self._produced: dict[str, int] = {}
+        self._step_end: list[float] = [0.0] * (engine.scheduler.step_index + 1)  # [k]: when step k ended
         engine.add_event_sink(self._take)
+
+    def _record_spans(self, spans) -> None:
+        ends, requests = self._step_end, self.recorder.trace.requests
+        for span in spans:
+            requests[span.request_id].token_times.extend(ends[span.first:span.last + 1])
 
     def _take(self, event) -> None:
         if event.kind in ("admitted", "preempted", "swapped_in"):
@@ -136,11 +165,20 @@ class _SimSteppable:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
+        if self.recorder is not None:
+            spans, self.engine.lazy.closed = self.engine.lazy.closed, []
+            self._record_spans(spans)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
     def step(self) -> StepReport:
+        if self.recorder is not None:
+            done = self.engine.step_fast()
+            self._step_end.append(self.recorder.now())
+            assert len(self._step_end) == self.engine.scheduler.step_index + 1, "one step per call"
+            self._record_spans(done.spans)
+            return self._report(dict.fromkeys(done.tokens, 1), done.finished)
         outputs = self.engine.step()
         new_tokens, finished = {}, {}
         produced = self._produced
@@ -154,6 +192,9 @@ class _SimSteppable:
                 produced.pop(rid, None)
             else:
                 produced[rid] = len(out.token_ids)
+        return self._report(new_tokens, finished)
+
+    def _report(self, new_tokens: dict[str, int], finished: dict[str, str | None]) -> StepReport:
         admitted, preempted, resumed = [], [], []
         for e in self._events:
             if e.kind == "admitted":

@@ -25,8 +25,10 @@ from reference_engine.counters import EngineCounters
 from reference_engine.engine import LLMEngine
 from reference_engine.events import EventLog, EventSink
 from reference_engine.outputs import RequestOutput
-from reference_engine.scheduler import Scheduler
-from reference_engine.sim.cost_model import CostModel
+from reference_engine.request import RequestStatus
+from reference_engine.scheduler import Scheduler, _StepBuilder
+from reference_engine.sim.cost_model import CostModel, StepShape
+from reference_engine.sim.lazy import LazyDecodes, Span
 from reference_engine.sim.models import ModelShape
 from reference_engine.sim.profiles import HardwareProfile
 from reference_engine.sim.runner import SimKVCache, SimRunner, VirtualClock, placeholder_token
@@ -90,13 +92,26 @@ class SimEngine(LLMEngine):
         self._ids = itertools.count()
         self.last_step: dict[str, float | int] = {}
         self.timer = self.clock.now
+        self.lazy = LazyDecodes(config.block_size, config.max_model_len, self.runner.token)
+        # The fast path replays schedule() for steps it proves preemption-free; under the priority
+        # policy admission itself may preempt, and prefix caching registers blocks every step.
+        self.fast_path_eligible = config.scheduling_policy == "fcfs" and not config.enable_prefix_caching
+        self.fast_steps = self.plain_steps = 0  # how often step_fast could take its fast path
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.lazy.requests.get(request_id)
+        if req is not None:
+            self.lazy.leave(req, self.scheduler.step_index + 1)
+        return super().abort_request(request_id)
 
     def step(self) -> list[RequestOutput]:
         """:meth:`LLMEngine.step`'s four calls (schedule, swap copies, run, update) on the virtual clock.
 
         Its outputs differ in one way: their ``token_ids`` and ``prompt_token_ids`` are the request's
         own lists, not copies (placeholders, read at once; copying them every step was a third of a
-        large simulation's time)."""
+        large simulation's time). Lazy requests (left by :meth:`step_fast`) are synced first."""
+        if self.lazy.requests:
+            self.lazy.leave_all(self.scheduler.step_index + 1)
         t0 = self.timer()
         out = self.scheduler.schedule()
         self._copy_swapped_blocks(out)
@@ -109,6 +124,131 @@ class SimEngine(LLMEngine):
                           "num_prefill_tokens": out.num_prefill_tokens, "num_decode_tokens": out.num_decode_tokens,
                           "num_preempted": out.num_preempted}
         return outputs
+
+
+    # ------------------------------------------------------------------ the fast path
+    def step_fast(self) -> FastStep:
+        """One engine step with the same decisions as :meth:`step`, at a cost proportional to what
+        happens in it rather than to the running batch (:mod:`reference_engine.sim.lazy`).
+
+        A step is taken fast when nothing in it can preempt: every lazy decoder crossing a block
+        boundary and every partial prefill gets its blocks from the free pool, and the token budget
+        covers the decodes. It then replays :meth:`Scheduler.schedule` (the decodes in admission
+        order, partial prefills, then the scheduler's own ``_schedule_swapped`` and
+        ``_schedule_waiting``, which under FCFS never preempt) with the lazy decoders added by count.
+        Any other step is a plain :meth:`step` with every lazy request synced first, after which the
+        steady decoders turn lazy again. Tokens of lazy requests come back as
+        :class:`~reference_engine.sim.lazy.Span` s, in ``FastStep.spans`` (aborts add theirs to
+        ``lazy.closed``, drained by the next step)."""
+        s = self.scheduler.step_index + 1
+        if not self._can_step_fast(s):
+            self.plain_steps += 1
+            num_aborted = len(self._pending)
+            outputs = self.step()
+            self._join_decoders(self.scheduler.running)
+            return self._fast_result(outputs, num_aborted, [])
+        self.fast_steps += 1
+        return self._step_fast(s)
+
+    def _partial_prefills(self) -> list:
+        sched = self.scheduler
+        if len(sched.running) == len(self.lazy):
+            return []
+        return [r for r in sched.running if r.request_id not in self.lazy.requests]
+
+    def _can_step_fast(self, s: int) -> bool:
+        if not self.fast_path_eligible:
+            return False
+        sched, bm, lazy = self.scheduler, self.block_manager, self.lazy
+        budget = sched.max_num_batched_tokens - len(lazy)
+        if budget < 0:
+            return False
+        needed = len(lazy.crossing(s))
+        for req in self._partial_prefills():
+            gap = req.num_tokens - req.num_computed_tokens
+            if gap <= 1:  # a decoder that could not turn lazy: the plain step orders it among the others
+                return False
+            if budget == 0:
+                continue
+            n = min(gap, budget)
+            held = len(bm.block_tables.get(req.request_id, ()))
+            needed += max(0, bm.blocks_needed(req.num_computed_tokens + n) - held)
+            budget -= n
+        return needed <= bm.num_free_gpu_blocks
+
+    def _step_fast(self, s: int) -> FastStep:
+        t0 = self.timer()
+        sched, bm, lazy, counters = self.scheduler, self.block_manager, self.lazy, self._counters
+        pending = len(self._pending)
+        # -- schedule(), as Scheduler.schedule does it, with the lazy decodes by count
+        counters.steps += 1
+        step = _StepBuilder(s, sched.max_num_batched_tokens)
+        step.budget -= len(lazy)
+        for req in lazy.crossing(s):
+            lazy.sync(req, s)
+            allocated = bm.allocate_slots(req, 1)
+            assert allocated, "_can_step_fast counted the blocks"
+            lazy.allocated(req.request_id, s)
+        for req in self._partial_prefills():
+            if step.budget == 0:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            allocated = bm.allocate_slots(req, n)
+            assert allocated, "_can_step_fast counted the blocks"
+            step.add_chunk(req, n)
+        # The scheduler's own admission helpers, unchanged (a step that preempted never gets here).
+        sched._schedule_swapped(step)
+        if not sched.swapped:
+            sched._schedule_waiting(step)
+        counters.prefill_chunks += sum(1 for c in step.chunks.values() if not c.completes)
+        out = step.build(bm)
+        # -- swap copies, the run, the update
+        self._copy_swapped_blocks(out)
+        n = len(lazy)
+        context = lazy.computed_before(s) + n
+        decodes = StepShape(0, n, n, n, context, context)
+        sampled = self.runner.execute(out, extra=decodes)
+        counters.computed_tokens += n
+        counters.generated_tokens += n
+        finishing = lazy.finishing(s)
+        for req in finishing:  # decodes come first in update()'s order too
+            lazy.leave(req, s + 1)
+            sched.finish(req, RequestStatus.FINISHED_LENGTH)
+        lazy.forget_step(s)
+        touched = sched.update(out, sampled)
+        self._join_decoders(touched)
+        outputs = self._pending + [_output_of(r) for r in finishing + touched]
+        self._pending = []
+        self.last_step = {"seconds": self.timer() - t0, "num_tokens": out.num_tokens + n,
+                          "num_prefill_tokens": out.num_prefill_tokens, "num_decode_tokens": out.num_decode_tokens + n,
+                          "num_preempted": 0}
+        return self._fast_result(outputs, pending, finishing)
+
+    def _join_decoders(self, requests) -> None:
+        if not self.fast_path_eligible:
+            return
+        lazy, bm, s = self.lazy, self.block_manager, self.scheduler.step_index + 1
+        for req in requests:
+            if req.request_id not in lazy.requests and lazy.can_join(req):
+                lazy.join(req, len(bm.block_tables[req.request_id]), s)
+
+    def _fast_result(self, outputs: list[RequestOutput], num_aborted: int, finishing: list) -> FastStep:
+        lazy_done = {r.request_id for r in finishing}
+        tokens = [o.request_id for o in outputs[num_aborted:] if o.request_id not in lazy_done]
+        finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
+        spans, self.lazy.closed = self.lazy.closed, []
+        return FastStep(tokens, finished, spans)
+
+
+class FastStep:
+    """What one :meth:`SimEngine.step_fast` did for the driver: ``tokens``: requests that got one
+    token at the end of this step; ``spans``: lazy requests' tokens, one at the end of every step of
+    each span (closed this step or by aborts since the last one); ``finished``: request id -> reason."""
+
+    __slots__ = ("finished", "spans", "tokens")
+
+    def __init__(self, tokens: list[str], finished: dict[str, str | None], spans: list[Span]):
+        self.tokens, self.finished, self.spans = tokens, finished, spans
 
 
 def _output_of(req) -> RequestOutput:

@@ -52,12 +52,17 @@ class SimRunner:
         self.last_shape = StepShape()
         self.last_seconds = 0.0
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Advance the clock by the step's cost; a placeholder token for every completing chunk."""
-        if not out.chunks:
+    def execute(self, out: SchedulerOutput, extra: StepShape | None = None) -> dict[str, int]:
+        """Advance the clock by the step's cost; a placeholder token for every completing chunk.
+        ``extra``: work of the step that is not in ``out.chunks`` (the fast path's lazy decodes,
+        whose tokens the caller accounts for)."""
+        shape = StepShape.of_chunks((c.start, c.num_tokens, c.completes) for c in out.chunks)
+        if extra is not None and extra.num_seqs:
+            shape = shape + extra
+        if not shape.num_seqs:
             self.last_shape, self.last_seconds = StepShape(), 0.0
             return {}
-        self.last_shape = shape = StepShape.of_chunks((c.start, c.num_tokens, c.completes) for c in out.chunks)
+        self.last_shape = shape
         self.last_seconds = self.cost.step_seconds(shape)
         self.clock.advance(self.last_seconds)
         token = self.token
