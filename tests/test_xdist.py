@@ -305,3 +305,30 @@ def test_without_the_lock_concurrent_callers_write_twice(tmp_path: Path, monkeyp
 def test_xdist_is_a_declared_dependency():
     text = (ROOT / "pyproject.toml").read_text()
     assert '"pytest-xdist>=' in text and '"filelock>=' in text
+
+
+# --------------------------------------------------------------------------------------------
+# the CI example
+
+
+def test_the_ci_example_uses_real_options_and_uploads_the_report():
+    """The workflow is not run here; at least every kvbench option it passes must exist, and the artifact
+    the benchmark job uploads on main must be the one later runs download as their baseline."""
+    yaml = pytest.importorskip("yaml")
+    import re
+
+    from kvbench.cli import build_parser
+
+    text = (ROOT / ".github" / "workflows" / "kvbench.yml").read_text()
+    workflow = yaml.safe_load(text)
+    assert set(workflow["jobs"]) == {"conformance", "benchmarks"}
+    assert len(workflow["jobs"]["conformance"]["strategy"]["matrix"]["engine"]) >= 2
+    help_text = subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=120).stdout
+    for option in set(re.findall(r"(--(?:engine|benchmark|report-dir|baseline|kvbench-[a-z-]+|junit-xml|dist)\b)",
+                                 text)):
+        assert option in help_text, f"the workflow passes {option}, which pytest does not know"
+    assert "-n auto" in text and "--baseline" in text and "actions/upload-artifact" in text
+    assert "--name kvbench-benchmarks-main" in text and "kvbench-benchmarks-${{ github.ref == 'refs/heads/main'" \
+        " && 'main'" in text
+    assert build_parser()  # the CLI the README's merge instructions use is importable
