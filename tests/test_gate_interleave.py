@@ -184,3 +184,69 @@ def test_step_delay_option_is_a_validated_testing_aid():
     assert adapter.step_delay == pytest.approx(0.005)
     assert adapter.engine_config().model == "/nonexistent"  # not an EngineConfig field: left out of it
     assert ReferenceAdapter("/nonexistent").step_delay == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the benchmarks' scheduler: one interleaved serving per scenario, shared by its engines' tests
+
+
+class _Item:
+    """What StormScheduler reads of a pytest item: path, function name, engine param, the session's items."""
+
+    def __init__(self, spec, session, name: str = "test_two_jobs"):
+        from types import SimpleNamespace
+
+        self.path, self.originalname, self.session = "suites/benchmarks/test_storms.py", name, session
+        self.callspec = SimpleNamespace(params={"engine_spec": spec})
+        self.nodeid = f"{self.path}::{name}[{spec.name}]"
+
+
+def _scheduler(monkeypatch, log: list[str], specs):
+    from types import SimpleNamespace
+
+    import suites.benchmarks.conftest as bench
+
+    monkeypatch.setattr(bench, "make_adapter", lambda spec, path: FakeAdapter(spec.name, log))
+    ks = SimpleNamespace(engine_specs=specs, scale="quick", repeats=2, liveness=None)
+    return bench.StormScheduler(ks, MODEL)
+
+
+def _no_bar(total, desc):
+    import contextlib
+
+    return contextlib.nullcontext(None)
+
+
+def test_a_scenario_is_served_once_on_all_its_selected_engines(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvbench.engines.registry import parse_engine_spec
+
+    specs = [parse_engine_spec("reference"), parse_engine_spec("reference:preemption_mode=swap")]
+    log: list[str] = []
+    scheduler = _scheduler(monkeypatch, log, specs)
+    session = SimpleNamespace(items=[])
+    items = [_Item(s, session) for s in specs]
+    session.items = items
+    first = scheduler.outcome(items[0], specs[0], TwoJobs(), _no_bar)
+    served = [line for line in log if line.startswith("serve")]
+    assert served == [f"serve {n} {j}" for _ in range(2) for j in ("job1", "job2") for n in (s.name for s in specs)]
+    assert first.interleaved == tuple(s.name for s in specs)
+    second = scheduler.outcome(items[1], specs[1], TwoJobs(), _no_bar)
+    assert [line for line in log if line.startswith("serve")] == served  # taken, not served again
+    assert len(second.repeats) == 2 and not scheduler._runs  # handed out once, then dropped
+
+
+def test_a_deselected_engine_is_not_served(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvbench.engines.registry import parse_engine_spec
+
+    specs = [parse_engine_spec("reference"), parse_engine_spec("reference:preemption_mode=swap")]
+    log: list[str] = []
+    scheduler = _scheduler(monkeypatch, log, specs)
+    session = SimpleNamespace(items=[])
+    session.items = [_Item(specs[1], session)]  # -k selected only the swap engine's test
+    outcome = scheduler.outcome(session.items[0], specs[1], TwoJobs(), _no_bar)
+    assert {line.split()[1] for line in log if line.startswith("serve")} == {specs[1].name}
+    assert outcome.interleaved == ()
