@@ -27,7 +27,8 @@ class ConfigError(ValueError):
         super().__init__(f"EngineConfig.{field}={value!r} is invalid: expected {allowed}")
 
 
-PREEMPTION_MODES = ("recompute", "swap")
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (reference_engine.preemption_policy)
+ADMISSION_POLICIES = ("none", "watermark", "aimd")  # see reference_engine.admission
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -59,6 +60,17 @@ class EngineConfig:
     attention_backend: str = "auto"  # decode attention: "torch", "triton", or "auto" = triton on CUDA if importable
     # Events retained in LLMEngine.events (oldest dropped first; 0 keeps none). A sink sees them all.
     max_events: int = DEFAULT_MAX_EVENTS
+    # preemption_mode="auto" prices swap vs recompute with this hardware profile (a profile JSON file
+    # from `kvbench calibrate`, or a built-in name such as "h200"); None: costs measured at engine start.
+    cost_profile: str | None = None
+    # Admission control (reference_engine.admission): "none" admits whatever fits now (vLLM's rule);
+    # "watermark" admits only if the projected KV use over the next admission_horizon steps stays
+    # under (1 - admission_headroom) of the pool; "aimd" caps running requests, halving the cap when
+    # preemptions exceed preemption_budget per 100 steps and growing it by one per quiet window.
+    admission_policy: str = "none"
+    admission_headroom: float = 0.05
+    admission_horizon: int = 64
+    preemption_budget: float = 1.0
 
     def __post_init__(self) -> None:
         _positive_power_of_two("block_size", self.block_size, upper=128)
@@ -72,6 +84,12 @@ class EngineConfig:
         _optional_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
         _optional_int("max_model_len", self.max_model_len, low=2)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("admission_policy", self.admission_policy, ADMISSION_POLICIES)
+        _float_range("admission_headroom", self.admission_headroom, 0.0, 1.0, high_open=True)
+        _integer("admission_horizon", self.admission_horizon, low=0)
+        _float_range("preemption_budget", self.preemption_budget, 0.0, 100.0)
+        if self.cost_profile is not None and (not isinstance(self.cost_profile, str) or not self.cost_profile):
+            raise ConfigError("cost_profile", self.cost_profile, "None, a built-in profile name or a profile JSON path")
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -120,14 +138,15 @@ def _optional_int(name: str, value: Any, low: int) -> None:
         raise ConfigError(name, value, f"None or an integer >= {low}")
 
 
-def _float_range(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+def _float_range(name: str, value: Any, low: float, high: float, low_open: bool = False,
+                 high_open: bool = False) -> None:
     # Finite only: NaN fails every comparison, and inf passed them but crashed sizing the pools.
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
-        ok = (value > low if low_open else value >= low) and value <= high
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
         bracket = "(" if low_open else "["
-        closing = ")" if math.isinf(high) else "]"
+        closing = ")" if math.isinf(high) or high_open else "]"
         raise ConfigError(name, value, f"a finite number in {bracket}{low}, {high}{closing}")
 
 

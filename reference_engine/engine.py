@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from reference_engine.admission import make_admission
 from reference_engine.block_manager import BlockManager
 from reference_engine.config import EngineConfig, GiB
 from reference_engine.counters import EngineCounters
@@ -30,7 +31,7 @@ from reference_engine.outputs import RequestOutput
 from reference_engine.request import Request, RequestStatus
 from reference_engine.runner import ModelRunner
 from reference_engine.sampling_params import SamplingParams
-from reference_engine.scheduler import Scheduler, SchedulerOutput
+from reference_engine.scheduler import DEFAULT_COSTS, ScheduledChunk, Scheduler, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -54,7 +55,7 @@ class LLMEngine:
         num_gpu_blocks = config.num_gpu_blocks_override or self._device_pool_blocks(block_bytes)
         if config.num_cpu_blocks_override is not None:
             num_cpu_blocks = config.num_cpu_blocks_override
-        elif config.preemption_mode == "swap":
+        elif config.preemption_mode in ("swap", "auto"):
             num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
         else:
             num_cpu_blocks = 0  # recompute never swaps: reserve no host memory
@@ -69,12 +70,15 @@ class LLMEngine:
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            scheduling_policy=config.scheduling_policy, events=EventLog(config.max_events))
+            scheduling_policy=config.scheduling_policy, events=EventLog(config.max_events),
+            admission=admission_of(config))
         if event_sink is not None:
             self.add_event_sink(event_sink)
         self.attention_backend = _attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, config.seed,
                                   self.attention_backend)
+        if config.preemption_mode == "auto":
+            self.scheduler.preemption_costs = preemption_costs_of(self)
         self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step()
         self._ids = itertools.count()
         self.last_step: dict[str, float | int] = {}
@@ -231,6 +235,57 @@ class LLMEngine:
             "num_recomputed_tokens": c.recomputed_tokens, "num_generated_tokens": c.generated_tokens,
             "num_evicted_blocks": c.evicted_blocks, "num_steps": c.steps,
         }
+
+
+def admission_of(config: EngineConfig):
+    """The admission policy ``config`` names (:mod:`reference_engine.admission`)."""
+    return make_admission(config.admission_policy, max_num_seqs=config.max_num_seqs,
+                          horizon=config.admission_horizon, headroom=config.admission_headroom,
+                          budget=config.preemption_budget, max_model_len=config.max_model_len)
+
+
+def preemption_costs_of(engine: LLMEngine):
+    """What ``preemption_mode="auto"`` prices victims with: the step cost model on
+    ``config.cost_profile`` when one is given, else swap and prefill costs measured now on this
+    engine's own KV cache and model (:func:`reference_engine.preemption_policy.measure_linear_costs`)."""
+    from reference_engine.preemption_policy import ModelCosts, measure_linear_costs
+
+    config, kv = engine.config, engine.kv_cache
+    if config.cost_profile is not None:
+        from reference_engine.sim import CostModel, load_profile
+        from reference_engine.sim.models import ModelShape
+
+        mc = engine.model.config
+        shape = ModelShape("engine-model", mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
+                           mc.intermediate_size, mc.vocab_size, mc.max_position_embeddings, mc.head_dim,
+                           bool(getattr(mc, "tie_word_embeddings", False)))
+        return ModelCosts(CostModel(shape, load_profile(config.cost_profile), config.dtype), config.block_size)
+    num_blocks = min(8, kv.device_cache.shape[0], kv.host_cache.shape[0])
+
+    def copy_blocks(n: int) -> None:
+        # The swap-out path itself, index building included. Safe at start-up: it reads device blocks
+        # nobody holds and writes host blocks that are only ever read after a later swap-out wrote them.
+        kv.swap_out([(i, i) for i in range(n)])
+
+    def prefill(n: int) -> None:
+        # a prefill of n tokens alone, through the runner, into blocks borrowed and given back at once
+        # (the pool is empty at start-up: nothing is overwritten)
+        probe = Request("__auto_cost_probe__", [0] * n, SamplingParams(max_tokens=1), 0.0)
+        if not engine.block_manager.allocate_slots(probe, n):
+            raise RuntimeError("no room")
+        try:
+            chunk = ScheduledChunk(probe, 0, n, True)
+            engine.runner.execute(SchedulerOutput(step=0, chunks=(chunk,),
+                                                  block_ids={probe.request_id: tuple(engine.block_manager.blocks_of(
+                                                      probe.request_id))}))
+        finally:
+            engine.block_manager.forget(probe.request_id)
+
+    long = min(128, config.max_model_len - 1, engine.block_manager.num_free_gpu_blocks * config.block_size)
+    if long < 8 or num_blocks < 2:  # too small a pool to measure in: the documented defaults
+        return DEFAULT_COSTS
+    return measure_linear_costs(copy_blocks, prefill, time.perf_counter, blocks=num_blocks,
+                                short=max(long // 4, 1), long=long)
 
 
 def _attention_backend(choice: str, device: torch.device) -> str:

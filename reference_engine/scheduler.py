@@ -13,7 +13,9 @@ When a running request cannot get a block, a victim is preempted: FCFS takes the
 admitted, the priority policy the least important (highest ``priority`` value, then latest
 arrival). ``recompute`` frees the victim's blocks (shared and cached blocks survive through
 their refcounts) and puts it back at the head of the waiting queue; ``swap`` moves them to the
-host pool, or falls back to recompute when the host pool is full.
+host pool, or falls back to recompute when the host pool is full; ``auto`` chooses per victim by
+cost (:mod:`reference_engine.preemption_policy`). An admission policy
+(:mod:`reference_engine.admission`) may hold waiting requests back to keep preemptions rare.
 
 What a step decides lives in that step: ``schedule()`` builds a :class:`_StepBuilder` (budget
 left, chunks, swaps, preemptions), hands it to its helpers, and returns it frozen as a
@@ -32,9 +34,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from reference_engine.admission import AdmissionPolicy
 from reference_engine.block_manager import BlockManager
 from reference_engine.events import DEFAULT_MAX_EVENTS, EngineEvent, EventLog
+from reference_engine.preemption_policy import Decision, LinearCosts, PreemptionCosts, choose
 from reference_engine.request import Request, RequestStatus
+
+#: auto's prices until the engine measures or loads real ones (a CPU-ish guess: 20 us per copy, 5 us
+#: per block over the link, 50 us per recomputed token); plain-number tests pass their own
+DEFAULT_COSTS = LinearCosts(per_block_s=5e-6, per_copy_s=2e-5, per_token_s=5e-5, source="defaults")
 
 BlockPairs = tuple[tuple[int, int], ...]  # (source block, destination block) copies
 
@@ -153,9 +161,13 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = False, preemption_mode: str = "recompute",
                  scheduling_policy: str = "fcfs", clock: Callable[[], float] = time.monotonic,
-                 events: EventLog | None = None):
+                 events: EventLog | None = None, preemption_costs: PreemptionCosts | None = None,
+                 admission: AdmissionPolicy | None = None):
         """``events``: where events are recorded (a fresh bounded log if None). Counters go to the block
-        manager's record (``block_manager.counters``): one record per engine."""
+        manager's record (``block_manager.counters``): one record per engine. ``preemption_costs``:
+        what ``preemption_mode="auto"`` prices victims with (:data:`DEFAULT_COSTS` if None; the engine
+        replaces it with measured or profiled costs). ``admission``: the admission policy (admit what
+        fits now if None)."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -170,6 +182,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # unfinished only: a request leaves when it finishes
         self.events = events if events is not None else EventLog(DEFAULT_MAX_EVENTS)
         self.counters = block_manager.counters
+        self.preemption_costs: PreemptionCosts = preemption_costs or DEFAULT_COSTS
+        self.admission = admission or AdmissionPolicy()
         self._admit_seq = 0
 
     @property
@@ -211,6 +225,7 @@ class Scheduler:
         if not self.swapped and not step.preempted:
             self._schedule_waiting(step)
         self.counters.prefill_chunks += sum(1 for c in step.chunks.values() if not c.completes)
+        self.admission.after_step(len(step.preempted))
         return step.build(self.bm)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
@@ -258,6 +273,8 @@ class Scheduler:
             if not self.chunked and num_new > step.budget:
                 return
             num_new = min(num_new, step.budget)
+            if not self.admission.admits(req, self.running, self.bm):
+                return
             while not self.bm.allocate_slots(req, num_new, hits):
                 victim = self._pick_priority_victim_for(req, step)
                 if victim is None:
@@ -306,7 +323,13 @@ class Scheduler:
         victim.num_preemptions += 1
         num_blocks = len(self.bm.block_tables.get(victim.request_id, []))
         fallback = False
-        if self.preemption_mode == "swap":
+        wanted, why = self.preemption_mode, {}
+        if wanted == "auto":
+            decision = self._auto_decision(victim, num_blocks)
+            # A cheaper swap that does not fit the host pool goes the fixed swap mode's way: a fallback.
+            wanted = "swap" if decision.mode == "swap" or decision.reason.endswith("host pool full") else "recompute"
+            why = decision.event_data()
+        if wanted == "swap":
             if self.bm.can_swap_out(victim.request_id):
                 step.swap_out[victim.request_id] = tuple(self.bm.swap_out(victim.request_id))
                 step.preempted.append(Preemption(victim.request_id, "swap"))
@@ -314,7 +337,7 @@ class Scheduler:
                 self.swapped.append(victim)
                 self.counters.preemptions_swap += 1
                 self.counters.swap_outs += 1
-                self.record_event("preempted", victim.request_id, mode="swap", blocks=num_blocks)
+                self.record_event("preempted", victim.request_id, mode="swap", blocks=num_blocks, **why)
                 return
             fallback = True
             self.counters.swap_fallbacks += 1
@@ -326,8 +349,40 @@ class Scheduler:
         step.preempted.append(Preemption(victim.request_id, "recompute", fallback))
         self.counters.preemptions_recompute += 1
         self.record_event("preempted", victim.request_id, mode="recompute", blocks=num_blocks,
-                          tokens_discarded=discarded)
+                          tokens_discarded=discarded, **why)
         self._enqueue_waiting(victim, front=True)
+
+    def _auto_decision(self, victim: Request, num_blocks: int) -> Decision:
+        """Price swapping vs recomputing ``victim`` (still holding its blocks) for ``preemption_mode="auto"``.
+
+        Tokens in blocks that outlive a recompute are not priced as recomputed: a block another request
+        also holds stays on the device, and a cached block stays findable (unless evicted meanwhile), so
+        the readmission's prefix lookup gets it back. Only the leading run counts, as the lookup stops
+        at the first miss, and never the last token (always computed)."""
+        table = self.bm.block_tables.get(victim.request_id, [])
+        kept = 0
+        for block in table[: max(victim.num_tokens - 1, 0) // self.bm.block_size]:
+            if block.ref_cnt > 1 or block.block_hash is not None:
+                kept += 1
+            else:
+                break
+        surviving = min(kept * self.bm.block_size, victim.num_computed_tokens)
+        others = [r for r in self.running if r is not victim]
+        context = sum(r.num_computed_tokens for r in others)
+        # The host room to keep: what the largest running request would need, at its saving per block
+        # (its own shared or cached blocks ignored: an estimate of the dearest victim to come).
+        largest = max(others, key=lambda r: len(self.bm.block_tables.get(r.request_id, ())), default=None)
+        reserve, reserve_saving = 0, 0.0
+        if largest is not None:
+            reserve = len(self.bm.block_tables.get(largest.request_id, ()))
+            if reserve:
+                costs = self.preemption_costs
+                reserve_saving = (costs.recompute_seconds(largest.num_computed_tokens, len(others) - 1, context)
+                                  - costs.swap_seconds(reserve)) / reserve
+        return choose(self.preemption_costs, num_blocks=num_blocks, computed_tokens=victim.num_computed_tokens,
+                      surviving_tokens=surviving, free_host_blocks=self.bm.num_free_cpu_blocks,
+                      num_running=len(others), context_tokens=context, reserve_blocks=reserve,
+                      reserve_saving_per_block=reserve_saving)
 
     # ------------------------------------------------------------------ after the model ran
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

@@ -1,0 +1,171 @@
+"""``preemption_mode="auto"``: for each victim, swap or recompute, whichever the cost model says is cheaper.
+
+For a victim holding ``B`` device blocks with ``C`` computed tokens, of which ``H`` sit in blocks a
+recompute would not lose (prefix-cached, or shared with a running request, so still on the device
+when it is readmitted)::
+
+    swap      = round trip over the host link:  2 x (per_copy_s + B x block_bytes / link rate)
+    recompute = the prefill of the discarded tokens:  (C - H) x per-token prefill cost
+
+Swap is chosen when it is cheaper *and* the host pool has room for the ``B`` blocks; otherwise the
+victim is recomputed (if swap was cheaper but the host pool was full, that is a swap fallback, counted
+and recorded as one). Host blocks are a budget too: when a swap would leave less host room than the
+largest running request holds (the victim a fixed swap mode would then have to recompute), the victim
+is swapped only if it saves at least as much per host block as that request would. So victims whose
+blocks are mostly shared or cached (cheap to recompute, yet every block copied by a swap) leave the
+host pool to long victims whose recompute is dear. Each ``preempted`` event carries the choice: ``mode``, ``reason``,
+``estimated_swap_s`` and ``estimated_recompute_s``.
+
+Where the prices come from (:class:`PreemptionCosts`, a protocol with two methods):
+
+* :class:`LinearCosts`: per block over the link, per copy, per recomputed token. The engine measures
+  them once at start-up when no profile is given (:func:`measure_linear_costs` times a batched copy of
+  a few blocks and two prefills of different lengths on the engine's own model), so on this machine
+  "auto" prices with this machine's numbers. Simple and documented, not a fit: the measurement takes
+  a few tens of milliseconds and is noisy on a busy machine, which can only move victims near the
+  crossover from one mode to the other.
+* :class:`ModelCosts`: the capacity simulator's step cost model
+  (:class:`reference_engine.sim.cost_model.CostModel`) for a hardware profile
+  (``EngineConfig.cost_profile``: a calibrated profile file, or ``h200``...); the recompute is priced as
+  the extra cost of its prefill added to a decode step of the running batch, which is where it runs.
+
+Constructible from plain numbers: the decision (:func:`choose`) needs no model and no tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class PreemptionCosts(Protocol):
+    """Seconds a preemption of each kind will cost the engine, in total (out and back)."""
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        """Copy ``num_blocks`` blocks to the host and, later, back."""
+        ...
+
+    def recompute_seconds(self, num_tokens: int, num_running: int = 0, context_tokens: int = 0) -> float:
+        """Prefill ``num_tokens`` discarded tokens again, alongside ``num_running`` decodes reading
+        ``context_tokens`` KV tokens in all (0, 0: a step of its own)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LinearCosts:
+    """Costs linear in blocks and tokens: ``swap = 2 x (per_copy_s + blocks x per_block_s)``,
+    ``recompute = tokens x per_token_s``. ``source`` says where the numbers come from."""
+
+    per_block_s: float
+    per_copy_s: float
+    per_token_s: float
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        for name in ("per_block_s", "per_copy_s", "per_token_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"LinearCosts.{name}={value!r} is invalid: expected a finite number >= 0")
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 0.0 if num_blocks <= 0 else 2 * (self.per_copy_s + num_blocks * self.per_block_s)
+
+    def recompute_seconds(self, num_tokens: int, num_running: int = 0, context_tokens: int = 0) -> float:
+        return max(num_tokens, 0) * self.per_token_s
+
+
+class ModelCosts:
+    """Prices from the simulator's :class:`~reference_engine.sim.cost_model.CostModel` (any object with
+    its ``swap_seconds(nbytes)`` and ``recompute_seconds(tokens, alongside)``)."""
+
+    def __init__(self, cost_model: Any, block_size: int):
+        from reference_engine.sim.cost_model import StepShape
+
+        self.cost_model = cost_model
+        self.block_bytes = block_size * cost_model.kv_bytes_per_token
+        self._shape = StepShape
+        self.source = f"cost model: {cost_model.model.name} on {cost_model.profile.name}"
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * self.cost_model.swap_seconds(num_blocks * self.block_bytes)
+
+    def recompute_seconds(self, num_tokens: int, num_running: int = 0, context_tokens: int = 0) -> float:
+        alongside = None
+        if num_running > 0:
+            alongside = self._shape(0, num_running, num_running, num_running, context_tokens, context_tokens)
+        return self.cost_model.recompute_seconds(num_tokens, alongside)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What auto chose for one victim, and why (recorded on its ``preempted`` event)."""
+
+    mode: str  # "swap" | "recompute"
+    reason: str
+    estimated_swap_s: float
+    estimated_recompute_s: float
+    recompute_tokens: int  # computed tokens a recompute would compute again
+
+    def event_data(self) -> dict[str, Any]:
+        return {"reason": self.reason, "estimated_swap_s": self.estimated_swap_s,
+                "estimated_recompute_s": self.estimated_recompute_s}
+
+
+def choose(costs: PreemptionCosts, *, num_blocks: int, computed_tokens: int, surviving_tokens: int,
+           free_host_blocks: int, num_running: int = 0, context_tokens: int = 0, reserve_blocks: int = 0,
+           reserve_saving_per_block: float = 0.0) -> Decision:
+    """Swap or recompute a victim holding ``num_blocks`` blocks with ``computed_tokens`` computed, of
+    which ``surviving_tokens`` would survive a recompute (prefix-cached or shared). Ties go to
+    recompute (it holds no host memory). A victim that does not fit the host pool is recomputed; the
+    reason says whether swap would have been cheaper (the caller counts that as a swap fallback).
+    ``reserve_blocks``, ``reserve_saving_per_block``: the host room to keep for the largest running
+    request and what swapping it would save per block (see the module docstring)."""
+    tokens = max(computed_tokens - surviving_tokens, 0)
+    swap_s = costs.swap_seconds(num_blocks)
+    recompute_s = costs.recompute_seconds(tokens, num_running, context_tokens)
+    if swap_s < recompute_s:
+        if num_blocks > free_host_blocks:
+            return Decision("recompute", "swap cheaper but host pool full", swap_s, recompute_s, tokens)
+        saving = (recompute_s - swap_s) / max(num_blocks, 1)
+        if free_host_blocks - num_blocks < reserve_blocks and saving < reserve_saving_per_block:
+            return Decision("recompute", "host room kept for a longer victim", swap_s, recompute_s, tokens)
+        return Decision("swap", "swap cheaper", swap_s, recompute_s, tokens)
+    reason = "recompute cheaper"
+    if surviving_tokens and computed_tokens and tokens < computed_tokens:
+        reason = f"recompute cheaper ({surviving_tokens} of {computed_tokens} tokens kept by the prefix cache)"
+    return Decision("recompute", reason, swap_s, recompute_s, tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# measuring the linear costs on the engine's own model, once at start-up
+
+
+def measure_linear_costs(copy_blocks: Callable[[int], None], prefill: Callable[[int], None],
+                         timer: Callable[[], float] = time.perf_counter, *, blocks: int = 8,
+                         short: int = 32, long: int = 128, repeats: int = 3) -> LinearCosts:
+    """Time ``copy_blocks(n)`` (one batched copy of ``n`` blocks, one direction) at 1 and ``blocks``
+    blocks, and ``prefill(n)`` (a prefill of ``n`` tokens alone) at ``short`` and ``long`` tokens;
+    the best of ``repeats`` each after one warm-up. Per block and per token are the slopes (the
+    per-step fixed cost of a prefill step is paid anyway: the recompute runs in a step that runs)."""
+
+    def best(fn: Callable[[int], None], n: int) -> float:
+        fn(n)  # warm-up: first-call allocations and lazy initialisation are not the steady cost
+        times = []
+        for _ in range(repeats):
+            t0 = timer()
+            fn(n)
+            times.append(timer() - t0)
+        return min(times)
+
+    one, many = best(copy_blocks, 1), best(copy_blocks, blocks)
+    per_block = max(many - one, 0.0) / (blocks - 1) if blocks > 1 else many
+    per_block = per_block or many / blocks
+    per_copy = max(one - per_block, 0.0)
+    t_short, t_long = best(prefill, short), best(prefill, long)
+    per_token = max(t_long - t_short, 0.0) / (long - short)
+    per_token = per_token or t_long / long
+    return LinearCosts(per_block, per_copy, per_token,
+                       source=f"measured at engine start: copy of 1/{blocks} blocks, prefill of {short}/{long} tokens")

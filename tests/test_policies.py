@@ -1,0 +1,256 @@
+"""The two preemption-aware policies: ``preemption_mode="auto"`` and admission control.
+
+Decisions are tested on plain numbers (no model): :func:`choose` on given prices, the scheduler's
+auto victims and admission gates on a :class:`BlockManager` of a few blocks. One engine test on the
+tiny model proves auto fired both ways in one run and that its outputs equal an unpressured run's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from reference_engine import EngineConfig, LLMEngine, SamplingParams
+from reference_engine.admission import AIMD, AdmissionPolicy, Watermark, make_admission, remaining_growth
+from reference_engine.block_manager import BlockManager
+from reference_engine.config import ConfigError
+from reference_engine.preemption_policy import LinearCosts, choose, measure_linear_costs
+from reference_engine.request import Request, RequestStatus
+from reference_engine.scheduler import Scheduler
+
+BS = 4
+# swap: 2 x (10 us + 1 us per block); recompute: 10 us per token. Swap is cheaper from one block on.
+COSTS = LinearCosts(per_block_s=1e-6, per_copy_s=1e-5, per_token_s=1e-5)
+
+
+def req(rid: str, prompt: int | list[int], max_tokens: int = 8) -> Request:
+    tokens = list(range(100 + hash(rid) % 1000, 100 + hash(rid) % 1000 + prompt)) if isinstance(prompt, int) else prompt
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0.0)
+
+
+def sched(gpu: int, cpu: int = 0, *, mode: str = "recompute", caching: bool = False,
+          admission: AdmissionPolicy | None = None, max_num_seqs: int = 16) -> Scheduler:
+    bm = BlockManager(gpu, cpu, BS, caching)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=256,
+                     preemption_mode=mode, clock=lambda: 0.0, preemption_costs=COSTS, admission=admission)
+
+
+def run_step(s: Scheduler, token: int = 1):
+    out = s.schedule()
+    s.update(out, {c.request.request_id: token for c in out.chunks if c.completes})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# choose(): prices in, a mode and a reason out
+
+
+def test_choose_swaps_when_cheaper_and_recomputes_when_not():
+    long = choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=0, free_host_blocks=100)
+    assert (long.mode, long.reason) == ("swap", "swap cheaper")
+    assert long.estimated_swap_s == pytest.approx(2 * (1e-5 + 10e-6))
+    assert long.estimated_recompute_s == pytest.approx(40e-5)
+    # 39 of 40 tokens survive a recompute (prefix cache): one token to recompute beats a round trip
+    cached = choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=39, free_host_blocks=100)
+    assert cached.mode == "recompute" and "kept by the prefix cache" in cached.reason
+    assert cached.recompute_tokens == 1
+
+
+def test_choose_host_pool_full_and_host_room_reserved():
+    full = choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=0, free_host_blocks=9)
+    assert (full.mode, full.reason) == ("recompute", "swap cheaper but host pool full")
+    # Would leave 2 host blocks while the largest running request holds 20 that save more per block:
+    # keep the room for it.
+    kept = choose(COSTS, num_blocks=2, computed_tokens=8, surviving_tokens=0, free_host_blocks=4,
+                  reserve_blocks=20, reserve_saving_per_block=1.0)
+    assert (kept.mode, kept.reason) == ("recompute", "host room kept for a longer victim")
+    # The same victim with enough room left, or saving more per block than the reserve: swapped.
+    assert choose(COSTS, num_blocks=2, computed_tokens=8, surviving_tokens=0, free_host_blocks=40,
+                  reserve_blocks=20, reserve_saving_per_block=1.0).mode == "swap"
+    assert choose(COSTS, num_blocks=2, computed_tokens=8, surviving_tokens=0, free_host_blocks=4,
+                  reserve_blocks=20, reserve_saving_per_block=0.0).mode == "swap"
+
+
+def test_measure_linear_costs_takes_slopes():
+    clock = [0.0]
+    timer = lambda: clock[0]  # noqa: E731
+
+    def copy(n):
+        clock[0] += 3e-5 + n * 2e-6
+
+    def prefill(n):
+        clock[0] += 1e-3 + n * 5e-5
+
+    c = measure_linear_costs(copy, prefill, timer, blocks=8, short=32, long=128)
+    assert c.per_block_s == pytest.approx(2e-6) and c.per_copy_s == pytest.approx(3e-5)
+    assert c.per_token_s == pytest.approx(5e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# the scheduler in auto mode
+
+
+def test_auto_swaps_a_long_victim_and_records_why():
+    s = sched(gpu=6, cpu=16, mode="auto")
+    a, b = req("a", 8, max_tokens=12), req("b", 8, max_tokens=12)  # 2 blocks each, growing to 5
+    s.add(a)
+    s.add(b)
+    for _ in range(12):
+        run_step(s)
+        if s.counters.preemptions:
+            break
+    (ev,) = [e for e in s.events if e.kind == "preempted"]
+    assert ev.request_id == "b" and ev.data["mode"] == "swap" and ev.data["reason"] == "swap cheaper"
+    assert ev.data["estimated_swap_s"] < ev.data["estimated_recompute_s"]
+    assert s.counters.preemptions_swap == s.counters.swap_outs == 1 and s.counters.preemptions_recompute == 0
+    assert b.status is RequestStatus.SWAPPED
+
+
+def test_auto_recomputes_a_victim_whose_blocks_are_shared():
+    # Prefix caching on: b shares a's first 3 blocks, so recomputing b costs only its tail while a
+    # swap would copy all of its blocks.
+    s = sched(gpu=9, cpu=32, mode="auto", caching=True)
+    shared = list(range(500, 512))  # 3 full blocks
+    a, b = req("a", [*shared, 1], max_tokens=16), req("b", [*shared, 2], max_tokens=16)
+    s.add(a)
+    run_step(s)  # a's blocks computed and cached before b arrives
+    s.add(b)
+    for _ in range(20):
+        run_step(s)
+        if s.counters.preemptions:
+            break
+    (ev,) = [e for e in s.events if e.kind == "preempted"]
+    assert ev.data["mode"] == "recompute" and "kept by the prefix cache" in ev.data["reason"]
+    assert s.counters.preemptions_recompute == 1 and s.counters.swap_fallbacks == 0
+
+
+def test_auto_cheaper_swap_without_host_room_is_a_counted_fallback():
+    s = sched(gpu=6, cpu=1, mode="auto")
+    s.add(req("a", 8, max_tokens=12))
+    s.add(req("b", 8, max_tokens=12))
+    for _ in range(12):
+        run_step(s)
+        if s.counters.preemptions:
+            break
+    (ev,) = [e for e in s.events if e.kind == "preempted"]
+    assert ev.data["mode"] == "recompute" and ev.data["reason"] == "swap cheaper but host pool full"
+    assert s.counters.swap_fallbacks == 1 and s.counters.preemptions_recompute == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# admission
+
+
+def test_remaining_growth_is_bounded_by_max_tokens_and_model_len():
+    r = req("r", 10, max_tokens=5)
+    assert remaining_growth(r, 64) == 5 and remaining_growth(r, 3) == 3
+    assert remaining_growth(r, 64, max_model_len=12) == 2
+
+
+def test_watermark_projects_growth_of_running_requests():
+    bm = BlockManager(10, 0, BS)
+    running = req("a", 8, max_tokens=8)  # holds 2 blocks, will need 4 within 8 steps
+    assert bm.allocate_slots(running, 8)
+    new = req("n", 4, max_tokens=4)  # 2 blocks within the horizon
+    w = Watermark(horizon=8, headroom=0.0)
+    assert w.projected_blocks(new, [running], bm) == 2 + 2 + 2
+    assert w.admits(new, [running], bm)
+    tight = Watermark(horizon=8, headroom=0.5)  # 6 > 5 blocks allowed
+    assert not tight.admits(new, [running], bm)
+    assert tight.admits(new, [], bm), "an empty batch always admits: no stall"
+    assert Watermark(horizon=0, headroom=0.5).admits(new, [running], bm), "no look-ahead: 2 + 0 + 1 <= 5"
+
+
+def test_watermark_avoids_the_preemption_plain_admission_makes():
+    def serve(admission):
+        s = sched(gpu=8, admission=admission)
+        for i in range(3):
+            s.add(req(f"r{i}", 6, max_tokens=10))  # 2 blocks each at admission, 4 at the end
+        steps = 0
+        while s.has_unfinished():
+            run_step(s)
+            steps += 1
+        return s.counters.preemptions, steps
+
+    plain, _ = serve(None)
+    gated, _ = serve(Watermark(horizon=16, headroom=0.0))
+    assert plain > 0, "the workload must preempt without admission control, or the test shows nothing"
+    assert gated == 0
+
+
+def test_aimd_halves_on_excess_preemptions_and_grows_when_quiet():
+    p = AIMD(max_num_seqs=16, budget_per_window=1, window=10)
+    p.after_step(1)
+    assert p.cap == 16, "within the budget: no cut"
+    p.after_step(1)
+    assert p.cap == 8
+    bm = BlockManager(4, 0, BS)
+    assert p.admits(req("x", 1), [req(f"r{i}", 1) for i in range(7)], bm)
+    assert not p.admits(req("x", 1), [req(f"r{i}", 1) for i in range(8)], bm)
+    for _ in range(10):
+        p.after_step(0)
+    assert p.cap == 9
+
+
+def test_make_admission_and_config_validation():
+    assert isinstance(make_admission("watermark", max_num_seqs=4, horizon=8, headroom=0.1, budget=1), Watermark)
+    assert isinstance(make_admission("aimd", max_num_seqs=4, horizon=8, headroom=0.1, budget=1), AIMD)
+    for field, value in [("admission_policy", "fifo"), ("admission_headroom", 1.0), ("admission_headroom", -0.1),
+                         ("admission_horizon", -1), ("preemption_budget", float("nan")), ("preemption_mode", "autoo"),
+                         ("cost_profile", "")]:
+        with pytest.raises(ConfigError) as e:
+            EngineConfig(model="m", **{field: value})
+        assert e.value.field == field
+    EngineConfig(model="m", preemption_mode="auto", admission_policy="aimd", preemption_budget=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# on the tiny model: auto fires both ways, outputs exact
+
+
+def _mixed_workload():
+    """Twelve requests: short ones sharing a 32-token system prompt, and two long unique ones."""
+    rng = random.Random(0)
+    system = [rng.randrange(5, 500) for _ in range(32)]
+    prompts, params = [], []
+    for i in range(12):
+        if i % 6 == 3:
+            prompts.append([rng.randrange(5, 500) for _ in range(rng.randrange(200, 300))])
+            params.append(SamplingParams(max_tokens=32, ignore_eos=True))
+        else:
+            prompts.append(system + [rng.randrange(5, 500) for _ in range(rng.randrange(4, 20))])
+            params.append(SamplingParams(max_tokens=rng.randrange(16, 40), ignore_eos=True))
+    return prompts, params
+
+
+def test_auto_chooses_both_modes_in_one_run_and_outputs_are_exact(tiny_ckpt):
+    prompts, params = _mixed_workload()
+    alone = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=1024, enable_prefix_caching=True))
+    expected = [o.token_ids for o in alone.generate(prompts, params)]
+    assert alone.counters().preemptions == 0
+    engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=40, num_cpu_blocks_override=24,
+                                    preemption_mode="auto", enable_prefix_caching=True))
+    assert isinstance(engine.scheduler.preemption_costs, LinearCosts)
+    assert engine.scheduler.preemption_costs.source.startswith("measured")
+    engine.scheduler.preemption_costs = COSTS  # fixed prices: the choices must not depend on the machine's load
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == expected
+    c = engine.counters()
+    modes = [e.data["mode"] for e in engine.events if e.kind == "preempted"]
+    assert c.preemptions_swap > 0 and c.preemptions_recompute > 0, modes
+    assert modes.count("swap") == c.preemptions_swap and modes.count("recompute") == c.preemptions_recompute
+    assert engine.block_manager.is_whole()
+
+
+def test_watermark_engine_outputs_exact_with_fewer_preemptions(tiny_ckpt):
+    prompts, params = _mixed_workload()
+    counts, outputs = {}, {}
+    for policy in ("none", "watermark"):
+        engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=40, admission_policy=policy,
+                                        admission_headroom=0.0))
+        outputs[policy] = [o.token_ids for o in engine.generate(prompts, params)]
+        counts[policy] = engine.counters().preemptions
+        assert engine.block_manager.is_whole()
+    assert outputs["none"] == outputs["watermark"]
+    assert counts["none"] > 0 and counts["watermark"] < counts["none"], counts
