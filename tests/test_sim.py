@@ -280,3 +280,29 @@ def test_fast_path_aborts_and_lone_long_decodes(tiny):
         assert fast.requests[rid].token_times == p.token_times
         assert fast.requests[rid].finish_reason == p.finish_reason
     assert engine.fast_steps > 600  # one long lazy stretch: far past the watchdog's 200 steps
+
+
+def test_served_interval_fit_recovers_per_step_and_per_request_costs(tiny):
+    """fit_intervals on synthetic served steps (a step's cost plus per_request_s per arrival before
+    it) recovers both; the simulated engine charges per_request_s when a request is added."""
+    from reference_engine import EngineConfig, SamplingParams
+    from reference_engine.sim import SimEngine
+    from reference_engine.sim.calibrate import IntervalSample, fit_intervals
+
+    shape = load_model_shape(tiny)
+    base = HardwareProfile("synthetic", 1e11, 5e9, 5e9, 1e10, combine="sum", dtype="float32")
+    truth = Coefficients(fixed_s=2e-3, per_seq_s=50e-6, dense=3.0, attention=8.0, memory=1.5, per_request_s=300e-6)
+    true_cost = CostModel(shape, base.with_coefficients(truth))
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(120):
+        chunks = [(int(rng.integers(0, 900)), 1, True) for _ in range(int(rng.integers(1, 32)))]
+        chunks.append((int(rng.integers(0, 200)), int(rng.integers(1, 400)), True))
+        s, arrivals = StepShape.of_chunks(chunks), int(rng.integers(0, 4))
+        samples.append(IntervalSample(s, arrivals, true_cost.step_seconds(s) + arrivals * truth.per_request_s))
+    fitted = fit_intervals(CostModel(shape, base), samples)
+    np.testing.assert_allclose([fitted.fixed_s, fitted.per_seq_s, fitted.dense, fitted.attention, fitted.memory,
+                                fitted.per_request_s], [2e-3, 50e-6, 3.0, 8.0, 1.5, 300e-6], rtol=1e-6)
+    engine = SimEngine(EngineConfig(model=tiny, dtype="float32"), shape, base.with_coefficients(truth))
+    engine.add_request("r", [5] * 10, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.clock.now() == pytest.approx(300e-6)

@@ -209,7 +209,7 @@ def _measure_steps(model_dir: str, grid: Grid, seed: int) -> list[Sample]:
     return samples
 
 
-def _fit_swap(model_dir: str, grid: Grid, link_bandwidth: float) -> tuple[float, float]:
+def fit_swap(model_dir: str, grid: Grid, link_bandwidth: float) -> tuple[float, float]:
     """(per_copy_s, link coefficient) from timed batched copies of 1..64 blocks."""
     import torch
 
@@ -253,7 +253,7 @@ def calibrate(model_dir: str | Path, name: str = "this-machine", grid: Grid | No
         train = [s for s in points if s.context not in grid.heldout_contexts]
         heldout = [s for s in points if s.context in grid.heldout_contexts]
         fitted = fit_coefficients(CostModel(shape, base), train)
-        per_copy, link = _fit_swap(model_dir, grid, bandwidth)
+        per_copy, link = fit_swap(model_dir, grid, bandwidth)
     finally:
         torch.set_num_threads(before)
     coefficients = Coefficients(**dict(zip(FEATURES, fitted, strict=True)), link=link, per_copy_s=per_copy)
@@ -272,3 +272,57 @@ def calibrate(model_dir: str | Path, name: str = "this-machine", grid: Grid | No
     }
     source = f"kvbench calibrate on {fit['machine']} ({shape.name}, {torch_threads} torch thread(s))"
     return Calibration(profile.with_coefficients(coefficients, fit=fit, source=source), samples, train_err, held_err)
+
+
+# ------------------------------------------------------------------------------ served runs
+@dataclass(frozen=True)
+class IntervalSample:
+    """One step of a *served* run as the driver saw it: the step's shape, the requests released
+    right before it, and ``seconds`` from the previous step's end to this one's (the engine step plus
+    everything the driver did in between: recording, events, the watchdog, releases)."""
+
+    shape: StepShape
+    arrivals: int
+    seconds: float
+    group: str = ""  # e.g. the scenario, for leave-one-group-out fits
+
+
+def fit_intervals(cost: CostModel, samples: list[IntervalSample], relative: bool = False,
+                  trim: float = 3.0) -> Coefficients:
+    """Coefficients of :data:`FEATURES` plus ``per_request_s`` fitted (non-negative least squares) to
+    served step intervals; swap terms are left at ``cost``'s profile.
+
+    ``relative=False`` (the default) minimises the squared error in seconds, so the predicted
+    intervals add up to the measured ones: on a loaded machine an interval is the step's work *plus
+    the time the process waited for a core*, a heavy tail (median ~1 ms, some 5-10 ms at load 11 on
+    2 cores) that throughput and TTFT sum over. ``relative=True`` fits the typical step instead
+    (relative error, one trimming round dropping intervals more than ``trim`` x off the first fit):
+    what the step costs on an idle core, ~3x less than the mean there."""
+    rows = [s for s in samples if s.shape.num_seqs and s.seconds > 0]
+    if len(rows) < len(FEATURES) + 1:
+        raise ValueError(f"fit_intervals: {len(rows)} non-empty steps are too few to fit {len(FEATURES) + 1} terms")
+
+    def design(rows: list[IntervalSample]) -> tuple[np.ndarray, np.ndarray]:
+        return (np.array([[*cost.features(s.shape), float(s.arrivals)] for s in rows]),
+                np.array([s.seconds for s in rows]))
+
+    a, y = design(rows)
+    if relative:
+        x = nnls(a / y[:, None], np.ones_like(y))
+        ratio = y / np.maximum(a @ x, 1e-12)
+        keep = (ratio >= 1 / trim) & (ratio <= trim)
+        if keep.sum() >= len(FEATURES) + 1:
+            x = nnls(a[keep] / y[keep, None], np.ones(int(keep.sum())))
+    else:
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns of ~1: a well-conditioned active set
+        x = nnls(a / scale, y) / scale
+    c = cost.profile.coefficients
+    return Coefficients(**dict(zip(FEATURES, (float(v) for v in x[:-1]), strict=True)), link=c.link,
+                        per_copy_s=c.per_copy_s, per_request_s=float(x[-1]))
+
+
+def interval_errors(cost: CostModel, samples: list[IntervalSample]) -> list[float]:
+    """Relative error of each non-empty interval's prediction (step cost + arrivals x per_request_s)."""
+    per_request = cost.profile.coefficients.per_request_s
+    return [abs(cost.step_seconds(s.shape) + per_request * s.arrivals - s.seconds) / s.seconds
+            for s in samples if s.shape.num_seqs and s.seconds > 0]

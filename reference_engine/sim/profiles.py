@@ -42,7 +42,9 @@ class Coefficients:
 
     where ``dense_s``, ``attention_s`` are the step's FLOPs over the peak compute rate and ``memory_s``
     its bytes over the peak memory bandwidth (so ``dense = 1 / efficiency``). A swap copy costs
-    ``per_copy_s + link * bytes / link_bandwidth``.
+    ``per_copy_s + link * bytes / link_bandwidth``; taking in a request ``per_request_s`` (0 in the
+    built-in GPU profiles; fitted on served runs here, where it is the driver's and the engine's
+    Python work per arrival).
     """
 
     fixed_s: float = 0.0  # per step: scheduling, launches, host-side preparation
@@ -52,6 +54,7 @@ class Coefficients:
     memory: float = 1.0  # multiplier on the ideal time to read weights and KV
     link: float = 1.0  # multiplier on the ideal host-link transfer time
     per_copy_s: float = 0.0  # per batched swap copy (one per direction per step)
+    per_request_s: float = 0.0  # host work to take in one request (validation, queueing, the driver's release)
 
     def __post_init__(self) -> None:
         for key, value in asdict(self).items():
