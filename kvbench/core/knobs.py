@@ -26,8 +26,11 @@ class Knobs:
     max_model_len: int | None = None
     enable_chunked_prefill: bool | None = None
     enable_prefix_caching: bool | None = None
-    preemption_mode: str | None = None  # "recompute" | "swap"
+    preemption_mode: str | None = None  # "recompute" | "swap" ("auto": reference_engine's per-victim choice)
     scheduling_policy: str | None = None  # "fcfs" | "priority"
+    # "none" | "watermark" | "aimd": reference_engine's admission control (capability "admission_control");
+    # only scenarios that need that capability set it
+    admission_policy: str | None = None
 
     def merged(self, other: Knobs) -> Knobs:
         """``other``'s non-None fields win over ours."""

@@ -29,6 +29,7 @@ _KNOB_TO_CONFIG = {
     "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
     "enable_chunked_prefill": "enable_chunked_prefill", "enable_prefix_caching": "enable_prefix_caching",
     "preemption_mode": "preemption_mode", "scheduling_policy": "scheduling_policy",
+    "admission_policy": "admission_policy",
 }
 # stats() key -> kvbench counter name
 _STATS_TO_COUNTERS = {
@@ -78,7 +79,8 @@ class ReferenceAdapter(EngineAdapter):
 
     kind = "reference"
     capabilities = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority",
-                              "block_introspection", "events", "sampling", "abort", "stop_token_ids"})
+                              "block_introspection", "events", "sampling", "abort", "stop_token_ids",
+                              "auto_preemption", "admission_control"})
     #: kvbench steps this engine itself, so ``serve`` can run on the step clock (deterministic counts)
     steppable = True
     option_keys = {  # noqa: RUF012
@@ -93,7 +95,12 @@ class ReferenceAdapter(EngineAdapter):
         "max_model_len": "longest sequence (default: the model's)",
         "enable_chunked_prefill": "true/false",
         "enable_prefix_caching": "true/false",
-        "preemption_mode": "recompute or swap",
+        "preemption_mode": "recompute, swap or auto (per victim, by cost)",
+        "cost_profile": "hardware profile (JSON file or built-in name) auto prices victims with; default: measured",
+        "admission_policy": "none, watermark (projected KV use) or aimd (concurrency cap driven by preemptions)",
+        "admission_headroom": "watermark: share of the pool kept free of projected use (default 0.05)",
+        "admission_horizon": "watermark: steps of output growth projected (default 64)",
+        "preemption_budget": "aimd: preemptions allowed per 100 steps before the cap halves (default 1)",
         "scheduling_policy": "fcfs or priority",
         "seed": "engine seed for unseeded sampling",
         "device": "cpu, cuda or cuda:N",

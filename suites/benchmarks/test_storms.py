@@ -74,3 +74,8 @@ def test_priority_online_beside_offline(storm):
 def test_swap_space_exhaustion(storm):
     """Seeds 001/004: a host pool too small; the moment swap falls back to recompute."""
     storm(sc.SWAP_EXHAUSTION)
+
+
+def test_preemption_policies(storm):
+    """Issue 11: static configuration vs preemption_mode=auto vs admission control, side by side."""
+    storm(sc.PREEMPTION_POLICIES)

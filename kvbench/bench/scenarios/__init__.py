@@ -34,7 +34,8 @@ Modules: :mod:`~kvbench.bench.scenarios.base` (models, jobs, outcomes, the runne
 claims), :mod:`~kvbench.bench.scenarios.surges` (evening surge, flash crowd),
 :mod:`~kvbench.bench.scenarios.storms` (preemption storm, swap-space exhaustion),
 :mod:`~kvbench.bench.scenarios.crossover` (swap vs recompute), :mod:`~kvbench.bench.scenarios.mechanisms`
-(prefix caching, chunked prefill, priority). Everything public is re-exported here.
+(prefix caching, chunked prefill, priority), :mod:`~kvbench.bench.scenarios.policies` (static vs
+auto preemption vs admission control). Everything public is re-exported here.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ from kvbench.bench.scenarios.mechanisms import (
     priority_vs_fcfs_claims,
     stall_steps,
 )
+from kvbench.bench.scenarios.policies import PoliciesSize, PreemptionPolicies
 from kvbench.bench.scenarios.storms import (
     ExhaustionSize,
     PreemptionStorm,
@@ -119,17 +121,20 @@ PREFIX_CACHING = PrefixCachingRecompute()
 CHUNKED_PREFILL = ChunkedPrefillStalls()
 PRIORITY = PriorityOnlineOffline()
 SWAP_EXHAUSTION = SwapSpaceExhaustion()
+PREEMPTION_POLICIES = PreemptionPolicies()
 
 #: every scenario by name, in the order the seeds tell the story
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     EVENING_SURGE, FLASH_CROWD, PREEMPTION_STORM, SWAP_VS_RECOMPUTE, PREFIX_CACHING, CHUNKED_PREFILL, PRIORITY,
-    SWAP_EXHAUSTION)}
+    SWAP_EXHAUSTION, PREEMPTION_POLICIES)}
 
 __all__ = [
     "BLOCK_SIZE", "CHUNKED_PREFILL", "DOUBLED", "EVENING_SURGE", "FLASH_CROWD", "FULL_POOL", "HIGH", "LOW",
-    "MODEL_PRESETS", "PREEMPTION_STORM", "PREFIX_CACHING", "PRIORITY", "SCALES", "SCENARIOS", "SWAP_EXHAUSTION",
+    "MODEL_PRESETS", "PREEMPTION_POLICIES",
+    "PREEMPTION_STORM", "PREFIX_CACHING", "PRIORITY", "SCALES", "SCENARIOS", "SWAP_EXHAUSTION",
     "SWAP_VS_RECOMPUTE", "VICTIM", "ChunkedPrefillStalls", "ChunkedSize", "CrossoverSize", "EveningSurge",
-    "ExhaustionSize", "FlashCrowd", "FlashSize", "Job", "Model", "Outcome", "PreemptionStorm", "PrefixCachingRecompute",
+    "ExhaustionSize", "FlashCrowd", "FlashSize", "Job", "Model", "Outcome", "PoliciesSize", "PreemptionPolicies",
+    "PreemptionStorm", "PrefixCachingRecompute",
     "PrefixSize", "PriorityOnlineOffline", "PrioritySize", "Progress", "ResultEntry", "ResumeCost", "Scenario",
     "Served", "StormSize", "SurgeSize", "SwapSpaceExhaustion", "SwapVsRecompute", "SweepPoint", "all_finished",
     "arrival_rate_ratio", "before_after", "build_workload", "check_crossover_length", "chunked_claims",

@@ -1,0 +1,188 @@
+"""Preemption-aware policies side by side (issue 11): static configuration, ``preemption_mode="auto"``
+and admission control, on one engine in one run.
+
+Two parts, each served in every mode so the modes' ratios never mix moments:
+
+* **mixed victims** (modes ``recompute``, ``swap``, ``auto``): many short requests sharing a system
+  prompt (prefix caching on: a recompute of one costs only its own tail, while a swap copies every
+  block, shared ones too) plus a few long unique ones (a recompute re-prefills hundreds of tokens),
+  under a device pool too small for the mix and a host pool that holds the long ones but not
+  everything. Fixed swap fills the host pool with short victims and then has to recompute long
+  ones (fallbacks); fixed recompute re-prefills the long ones; auto recomputes the short and swaps
+  the long.
+* **admission** (modes ``static`` and ``watermark``, on the evening surge's and the flash crowd's
+  workloads and pools): vLLM's rule admits whatever fits now, the watermark admits only if the
+  projected KV use over the next steps stays under the pool.
+
+Claims are counts (deterministic on the step clock), never times: auto fired both ways, recomputed
+no more tokens than the recompute mode and fell back no more often than the swap mode; admission
+control preempted fewer times than the static configuration on both surges; everything finished.
+Times (output throughput, p99 TBT, duration) are in the table as same-run figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbench.bench.formatting import fmt_metric, fmt_time
+from kvbench.bench.scenarios.base import (
+    BLOCK_SIZE,
+    Job,
+    Model,
+    Outcome,
+    ResultEntry,
+    Scenario,
+    Served,
+    all_finished,
+    build_workload,
+    describe_spec,
+)
+from kvbench.bench.scenarios.declare import Headline, Pressure, num, result_of
+from kvbench.bench.scenarios.surges import EveningSurge, FlashCrowd
+from kvbench.bench.workloads import Poisson, SharedPrefix, Uniform, WorkloadSpec, combine
+from kvbench.engines.base import Knobs
+
+MIXED_MODES = ("recompute", "swap", "auto")
+ADMISSION_MODES = ("static", "watermark")
+SURGES = ("evening_surge", "flash_crowd")
+
+
+@dataclass(frozen=True)
+class PoliciesSize:
+    short: WorkloadSpec  # shares one system prompt
+    long: WorkloadSpec
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+
+class PreemptionPolicies(Scenario):
+    name = "preemption_policies"
+    seed_doc = "issue 11"
+    title = "Preemption policies"
+    description = ("Static configuration vs preemption_mode=auto vs admission control, side by side on one engine. "
+                   "Mixed victims (short requests sharing a system prompt, prefix caching on, plus a few long ones; "
+                   "a host pool that holds the long ones but not everything): recompute, swap and auto. Admission: "
+                   "the evening surge and the flash crowd, static vs the watermark policy. Claims: auto chose both "
+                   "modes, recomputed no more than recompute and fell back no more than swap; admission control "
+                   "preempted fewer times on both surges; every request finished.")
+    needs = ("swap", "prefix_caching", "auto_preemption", "admission_control")
+    knobs_needed = ("admission_policy",)
+    engine_mode_matters = False  # every job sets the mode itself
+    sizes = {  # noqa: RUF012
+        "quick": PoliciesSize(
+            short=WorkloadSpec("short", 40, Uniform(4, 24), Uniform(16, 48), Poisson(16.0),
+                               shared_prefix=SharedPrefix(1, 64), seed=11),
+            long=WorkloadSpec("long", 4, Uniform(400, 600), Uniform(32, 64), Poisson(2.0), seed=12),
+            num_gpu_blocks=72, num_cpu_blocks=48),
+        "full": PoliciesSize(
+            short=WorkloadSpec("short", 200, Uniform(8, 64), Uniform(32, 128), Poisson(8.0),
+                               shared_prefix=SharedPrefix(2, 256), seed=11),
+            long=WorkloadSpec("long", 16, Uniform(2048, 3072), Uniform(64, 256), Poisson(0.5), seed=12),
+            num_gpu_blocks=768, num_cpu_blocks=512),
+    }
+    pressure = Pressure(preemptions=True, kv_pinned=True)
+    score = None  # one engine's modes, not engines, are compared
+
+    def plan(self, scale: str, model: Model) -> list[Job]:
+        s = self.size(scale)
+        mixed = combine("mixed", build_workload(s.short, model), build_workload(s.long, model))
+        jobs = [Job(mixed, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=s.num_gpu_blocks,
+                                 num_cpu_blocks=s.num_cpu_blocks, enable_prefix_caching=True, preemption_mode=mode,
+                                 admission_policy="none"), mode=f"mixed/{mode}")
+                for mode in MIXED_MODES]
+        for surge in (EveningSurge(), FlashCrowd()):
+            (job,) = surge.plan(scale, model)
+            for mode in ADMISSION_MODES:
+                knobs = Knobs(block_size=job.knobs.block_size, num_gpu_blocks=job.knobs.num_gpu_blocks,
+                              preemption_mode="recompute",
+                              admission_policy="none" if mode == "static" else mode)
+                jobs.append(Job(surge.plan(scale, model)[0].workload, knobs, mode=f"{surge.name}/{mode}"))
+        return jobs
+
+    def parameters(self, scale: str, model: Model) -> dict[str, Any]:
+        s = self.size(scale)
+        return {**super().parameters(scale, model), "short": describe_spec(s.short), "long": describe_spec(s.long),
+                "num_cpu_blocks": s.num_cpu_blocks, "admission": "watermark (engine defaults) vs none",
+                "surges": "evening_surge, flash_crowd (their quick/full workloads and pools)"}
+
+    def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
+        out = self.outcome(scale, model)
+        by_mode = {run_.job.mode: run_ for run_ in served}
+        for run_ in served:
+            out.entries.append(ResultEntry(run_.trace, mode=run_.job.mode))
+        m = {mode: run_.metrics for mode, run_ in by_mode.items()}
+
+        def count(mode: str, key: str) -> float | None:
+            return num(m[mode].get(key))
+
+        swap_a, rec_a = count("mixed/auto", "preemptions_swap"), count("mixed/auto", "preemptions_recompute")
+        out.claims = {
+            "auto chose both modes on the mixed workload (swap and recompute preemptions)":
+                None if swap_a is None or rec_a is None else swap_a > 0 and rec_a > 0,
+            "auto recomputed no more tokens than the recompute mode": _le(count("mixed/auto", "recomputed_tokens"),
+                                                                          count("mixed/recompute",
+                                                                                "recomputed_tokens")),
+            "auto fell back to recompute no more often than the swap mode": _le(
+                count("mixed/auto", "swap_fallbacks"), count("mixed/swap", "swap_fallbacks")),
+            "the fixed modes preempted on the mixed workload (the comparison has victims)": _positive(
+                count("mixed/recompute", "preemptions")),
+        }
+        for surge in SURGES:
+            static, gated = count(f"{surge}/static", "preemptions"), count(f"{surge}/watermark", "preemptions")
+            out.claims[f"admission control preempted fewer times than static on {surge}"] = (
+                None if static is None or gated is None else static > 0 and gated < static)
+        out.claims["every request finished in every mode"] = all(all_finished(r.trace) for r in served)
+        return out
+
+    def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
+        engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
+        engine = reference if reference in engines else (engines[0] if engines else None)
+        if engine is None:
+            return Headline(self.title, None, "needs a run of this scenario")
+        parts = []
+        for surge in SURGES:
+            s = _metric(recorded, engine, f"{surge}/static", "preemptions")
+            w = _metric(recorded, engine, f"{surge}/watermark", "preemptions")
+            if s is not None and w is not None:
+                parts.append((surge, s, w))
+        if not parts:
+            return Headline(self.title, None, "needs preemption counts of the static and watermark runs")
+        value = ", ".join(f"{s:,.0f} → {w:,.0f}" for _, s, w in parts)
+        best = [_metric(recorded, engine, f"mixed/{m}", "duration_s") for m in ("recompute", "swap")]
+        auto = _metric(recorded, engine, "mixed/auto", "duration_s")
+        detail = ""
+        if auto is not None and all(b is not None for b in best):
+            detail = f"mixed victims: auto ÷ better fixed mode duration {auto / min(best):.2f} (same run)"
+        return Headline(self.title, value, "preemptions static → watermark admission (" + ", ".join(
+            p[0] for p in parts) + f"; {engine})", detail)
+
+    def tables(self, recorded: Mapping[str, Any]) -> list[dict[str, Any]]:
+        rows = []
+        for r in recorded.get("results", []):
+            m = r["metrics"]
+            rows.append([r["engine"], r.get("mode") or "-",
+                         f"{fmt_metric('preemptions', m.get('preemptions_recompute'))} / "
+                         f"{fmt_metric('preemptions', m.get('preemptions_swap'))}",
+                         fmt_metric("swap_fallbacks", m.get("swap_fallbacks")),
+                         fmt_metric("recomputed_tokens", m.get("recomputed_tokens")),
+                         fmt_metric("output_throughput", m.get("output_throughput")),
+                         fmt_time(num(m.get("tbt_p99"))), fmt_time(num(m.get("duration_s")))])
+        return [{"title": "Policies side by side", "rows": rows,
+                 "columns": ["engine", "workload/mode", "preemptions recompute / swap", "swap fallbacks",
+                             "recomputed tokens", "output throughput", "p99 TBT", "duration"],
+                 "note": "modes of one engine served in the same run; counts exact on the step clock"}]
+
+
+def _le(a: float | None, b: float | None) -> bool | None:
+    return None if a is None or b is None else a <= b
+
+
+def _positive(a: float | None) -> bool | None:
+    return None if a is None else a > 0
+
+
+def _metric(recorded: Mapping[str, Any], engine: str, mode: str, key: str) -> float | None:
+    r = result_of(recorded, engine, mode)
+    return num(r["metrics"].get(key)) if r else None
