@@ -30,6 +30,7 @@ with the same statistics as times (:mod:`kvbench.bench.gate`).
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -100,7 +101,10 @@ def drive(engine: SteppableEngine, requests: Sequence[Any], recorder: TraceRecor
         return
     pending = sorted(requests, key=lambda r: r.arrival_time)
     next_index = 0
-    in_flight: dict[str, float | None] = {}  # request id -> absolute abort deadline (None once sent)
+    in_flight: dict[str, None] = {}  # requests submitted and not yet finished
+    # (abort time, order, request id), soonest first: only requests that will be aborted are ever looked at,
+    # so thousands of requests in flight cost nothing per step
+    aborts_due: list[tuple[float, int, str]] = []
     recorder.restart_clock()
     while next_index < len(pending) or in_flight:
         now = recorder.now()
@@ -115,13 +119,11 @@ def drive(engine: SteppableEngine, requests: Sequence[Any], recorder: TraceRecor
             recorder.arrived(req.request_id, arrival, len(req.prompt_token_ids), req.max_tokens, req.priority)
             engine.submit(req)
             watchdog.submitted(req.request_id)
-            in_flight[req.request_id] = None if req.abort_at is None else arrival + req.abort_at
+            in_flight[req.request_id] = None
+            if req.abort_at is not None:
+                heapq.heappush(aborts_due, (arrival + req.abort_at, next_index, req.request_id))
             next_index += 1
-        for rid, deadline in list(in_flight.items()):
-            if deadline is not None and deadline <= now:
-                engine.abort(rid)
-                watchdog.abort_sent(rid)
-                in_flight[rid] = None  # once: the engine reports the finish on its next step
+        _send_aborts(engine, watchdog, aborts_due, in_flight, now)
         if not engine.has_work():
             if next_index < len(pending) and concurrency is None:
                 if virtual_clock is not None:  # nothing happens until the next arrival: jump, do not sleep
@@ -142,7 +144,8 @@ def _drive_step_clock(engine: SteppableEngine, requests: Sequence[Any], recorder
     release_at = [0 if concurrency is not None else step_index(r.arrival_time, step_seconds) for r in pending]
     next_index = 0
     k = 0  # the index of the next engine step; virtual time k * step_seconds
-    in_flight: dict[str, int | None] = {}  # request id -> step before which to abort it (None once sent)
+    in_flight: dict[str, None] = {}  # requests submitted and not yet finished
+    aborts_due: list[tuple[int, int, str]] = []  # (step before which to abort, order, request id), soonest first
     recorder.trace.step_seconds = step_seconds
     recorder.restart_clock()
     while next_index < len(pending) or in_flight:
@@ -156,13 +159,11 @@ def _drive_step_clock(engine: SteppableEngine, requests: Sequence[Any], recorder
             recorder.arrived(req.request_id, recorder.now(), len(req.prompt_token_ids), req.max_tokens, req.priority)
             engine.submit(req)
             watchdog.submitted(req.request_id)
-            in_flight[req.request_id] = None if req.abort_at is None else k + step_index(req.abort_at, step_seconds)
+            in_flight[req.request_id] = None
+            if req.abort_at is not None:
+                heapq.heappush(aborts_due, (k + step_index(req.abort_at, step_seconds), next_index, req.request_id))
             next_index += 1
-        for rid, abort_step in list(in_flight.items()):
-            if abort_step is not None and abort_step <= k:
-                engine.abort(rid)
-                watchdog.abort_sent(rid)
-                in_flight[rid] = None
+        _send_aborts(engine, watchdog, aborts_due, in_flight, k)
         if not engine.has_work():
             if next_index < len(pending) and concurrency is None:
                 k = max(k, release_at[next_index])  # nothing happens until then: jump, do not sleep
@@ -173,6 +174,17 @@ def _drive_step_clock(engine: SteppableEngine, requests: Sequence[Any], recorder
             continue
         _record_step(engine, recorder, in_flight, progress, virtual_t=k * step_seconds, watchdog=watchdog)
         k += 1
+
+
+def _send_aborts(engine: SteppableEngine, watchdog: DriverWatchdog, aborts_due: list[tuple[Any, int, str]],
+                 in_flight: dict[str, None], now: float) -> None:
+    """Abort every request whose abort time has come and that is still in flight (each once: the
+    engine reports the finish on a later step)."""
+    while aborts_due and aborts_due[0][0] <= now:
+        _, _, rid = heapq.heappop(aborts_due)
+        if rid in in_flight:
+            engine.abort(rid)
+            watchdog.abort_sent(rid)
 
 
 def _record_step(engine: SteppableEngine, recorder: TraceRecorder, in_flight: dict[str, Any],
