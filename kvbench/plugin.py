@@ -695,7 +695,9 @@ class Distribution:
         if self.shard is not None:  # after -k/-m deselection, so shards split what was selected
             from kvbench.bench.shards import in_shard
 
-            keep = in_shard((item.stash[_SHARD_NODEID_KEY] for item in items), self.shard)
+            # a benchmark's engines stay in one shard: they are served side by side
+            units = {item.stash[_SHARD_NODEID_KEY]: _shard_unit(item) for item in items}
+            keep = in_shard(units, self.shard, unit_of=units.__getitem__)
             dropped = [item for item in items if item.stash[_SHARD_NODEID_KEY] not in keep]
             if dropped:
                 config.hook.pytest_deselected(items=dropped)
@@ -737,3 +739,14 @@ class Distribution:
             ks.results = merge_results(parts)
         if self.shard is not None and (ks.results is not None or ks.conformance):
             ks.get_results().data["shard"] = self.shard.to_dict()
+
+
+def _shard_unit(item: pytest.Item) -> str:
+    """The unit ``--kvbench-shard`` keeps together: a benchmark without its engine parameter (its
+    engines are served side by side, so their times pair up only within one run), else the test."""
+    nodeid = item.stash[_SHARD_NODEID_KEY]
+    callspec = getattr(item, "callspec", None)
+    if item.get_closest_marker("benchmark") is None or callspec is None or "engine_spec" not in callspec.params:
+        return nodeid
+    others = [f"{k}={v!r}" for k, v in sorted(callspec.params.items()) if k != "engine_spec"]
+    return nodeid.split("[", 1)[0] + (f"[{','.join(others)}]" if others else "")

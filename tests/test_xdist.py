@@ -332,3 +332,15 @@ def test_the_ci_example_uses_real_options_and_uploads_the_report():
     assert "--name kvbench-benchmarks-main" in text and "kvbench-benchmarks-${{ github.ref == 'refs/heads/main'" \
         " && 'main'" in text
     assert build_parser()  # the CLI the README's merge instructions use is importable
+
+
+def test_a_storm_benchmarks_engines_stay_in_one_shard() -> None:
+    """Engines of one scenario are served side by side: splitting them would unpair their repeats."""
+    def scenario_unit(nodeid: str) -> str:
+        return nodeid.split("[", 1)[0]
+
+    ids = [f"suites/benchmarks/test_storms.py::test_{s}[{e}]" for s in ("a", "b", "c", "d") for e in ("ref", "swap")]
+    parts = [in_shard(ids, Shard(i, 2), unit_of=scenario_unit) for i in (1, 2)]
+    assert parts[0] | parts[1] == set(ids) and not parts[0] & parts[1]
+    for part in parts:
+        assert part and all(n.replace("[ref]", "[swap]") in part for n in part if n.endswith("[ref]"))

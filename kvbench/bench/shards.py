@@ -10,7 +10,7 @@ one run serially agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -44,7 +44,13 @@ def parse_shard(text: str) -> Shard:
     return shard
 
 
-def in_shard(nodeids: Iterable[str], shard: Shard) -> set[str]:
-    """The node ids of ``nodeids`` that belong to ``shard`` (round-robin over the sorted ids)."""
-    ordered = sorted(set(nodeids))
-    return {nodeid for i, nodeid in enumerate(ordered) if i % shard.count == shard.index - 1}
+def in_shard(nodeids: Iterable[str], shard: Shard, unit_of: Callable[[str], str] | None = None) -> set[str]:
+    """The node ids of ``nodeids`` that belong to ``shard``: round-robin over the sorted *units*, where
+    ``unit_of(nodeid)`` names the unit a test belongs to (default: itself). Tests of one unit always
+    land in the same shard: the storm benchmarks use this to keep one scenario's engines together,
+    since they are served side by side and their times are only comparable within one run."""
+    ids = set(nodeids)
+    unit = unit_of or (lambda nodeid: nodeid)
+    ordered = sorted({unit(n) for n in ids})
+    kept = {u for i, u in enumerate(ordered) if i % shard.count == shard.index - 1}
+    return {n for n in ids if unit(n) in kept}
