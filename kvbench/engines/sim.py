@@ -26,12 +26,13 @@ from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
 from kvbench.core.liveness import Liveness
 from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
-from kvbench.engines.reference import _KNOB_TO_CONFIG, ReferenceAdapter, _coerce, counters_of
+from kvbench.engines.reference import STEP_DELAY_OPTION, _KNOB_TO_CONFIG, ReferenceAdapter, _coerce, counters_of
 
 #: why conformance checks skip a simulated engine
 SIMULATED_REASON = "simulated: no real tokens"
 _SIM_KEYS = ("hardware", "model", "clock", "fast")
-_DEVICE_KEYS = ("device", "attention_backend", "kv_cache_space")  # no device: these mean nothing here
+# no device: these mean nothing here; the step delay is a testing aid of real engine steps
+_DEVICE_KEYS = ("device", "attention_backend", "kv_cache_space", STEP_DELAY_OPTION)
 CLOCKS = ("cost", "step")
 
 
