@@ -119,7 +119,8 @@ def add_conformance_options(group: Any) -> None:
                     help="fail an engine run after this long with no token and no state change (default 60)")
     group.addoption("--kvbench-expectations", action="append", default=None, metavar="FILE",
                     help="TOML file of checks expected to fail per engine kind; they run as strict xfails "
-                         "(repeatable; shipped: kvbench/conformance/expectations/<kind>.toml)")
+                         "(repeatable; a bare engine kind such as hf-cb or hf names the file kvbench ships, "
+                         "kvbench/conformance/expectations/<kind>.toml)")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -33,6 +33,18 @@ from suites.conformance import (
 FAULTY = "kvbench.conformance.faults:FaultyReferenceAdapter"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The benchmarks' thread policy (kvbench.bench.threads: one thread on CPU unless
+    KVBENCH_TORCH_THREADS says otherwise). With torch's default of one thread per core, OpenMP threads
+    spinning on the tiny model's small matrices cost this file 175 s of CPU on a loaded 2-core machine;
+    the tokens do not depend on it (the ground truth runs under the same pin)."""
+    from kvbench.bench.threads import pinned_torch_threads
+
+    with pinned_torch_threads("quick") as threads:
+        yield threads
+
+
 @pytest.fixture(scope="module")
 def model_dir() -> str:
     return str(builtin_checkpoint("tiny"))

@@ -3,6 +3,8 @@ versions, and in a pytest run they become strict xfails whose fix is reported as
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvbench.conformance.expectations import (
@@ -11,6 +13,7 @@ from kvbench.conformance.expectations import (
     ExpectationsError,
     load_expectations,
     matching,
+    resolve,
 )
 
 pytest_plugins = ["pytester"]
@@ -67,8 +70,6 @@ def test_matching_by_kind_check_variant_and_version():
 
 
 def test_the_shipped_files_load_and_name_checks_that_exist():
-    from pathlib import Path
-
     suites = Path(__file__).parent.parent / "suites" / "conformance"
     sources = "".join(p.read_text() for p in suites.glob("test_*.py"))
     files = sorted(SHIPPED.glob("*.toml"))
@@ -77,6 +78,20 @@ def test_the_shipped_files_load_and_name_checks_that_exist():
         for e in load_expectations(f):
             assert e.engine == f.stem
             assert f"def test_{e.check}(" in sources, f"{f.name}: no conformance test named {e.check}"
+
+
+def test_a_bare_engine_kind_names_the_shipped_file(tmp_path, monkeypatch):
+    assert resolve("hf-cb") == SHIPPED / "hf-cb.toml"
+    assert load_expectations("hf-cb") == load_expectations(SHIPPED / "hf-cb.toml")
+    with pytest.raises(ExpectationsError, match=r"'vllm': not a shipped file \(shipped: hf, hf-cb\)"):
+        resolve("vllm")
+    # anything that is a file, or looks like a path, is taken as given, never as a shipped name
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hf").write_text(ENTRY.format(engine="hf", check="mine", extra=""))
+    assert [e.check for e in load_expectations("hf")] == ["mine"]
+    assert resolve("sub/hf-cb") == Path("sub/hf-cb")
+    with pytest.raises(ExpectationsError, match=r"hf-cb\.toml: no such file"):
+        load_expectations("hf-cb.toml")
 
 
 SUITE = '''
@@ -127,3 +142,46 @@ def test_a_bad_expectations_file_is_a_usage_error(pytester, tmp_path):
     result = pytester.runpytest_subprocess("--kvbench-expectations", str(bad))
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--kvbench-expectations*field 'check' must be a non-empty string*"])
+
+
+# ------------------------------------------------------------------ a missing prerequisite is a skip
+@pytest.mark.parametrize("kind", ["hf", "hf-cb"])
+def test_an_engine_with_no_length_limit_skips_the_over_long_check_saying_why(kind):
+    """hf and hf-cb declare no_length_limit, so check 8's over-long prompt skips (not xfail, not fail); the
+    declaration is true: each runs a prompt past the model's positions without refusing it."""
+    from _pytest.outcomes import Skipped
+
+    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.conformance.prove import model_vocab
+    from kvbench.engines.base import GenRequest, Knobs
+    from kvbench.engines.registry import make_adapter, parse_engine_spec
+    from suites.conformance.test_bad_input import test_over_long_prompt_is_refused_and_others_are_served as check
+
+    model_dir = str(builtin_checkpoint("tiny"))
+    engine = make_adapter(parse_engine_spec(kind), model_dir)
+    try:
+        with pytest.raises(Skipped, match=f"{kind} has no per-request length limit to enforce: .*no"):
+            check(engine=engine, model_dir=model_dir, requests_greedy=[], truth=None)
+        _, max_len = model_vocab(model_dir)
+        knobs = Knobs() if kind == "hf" else Knobs(block_size=16, num_gpu_blocks=128)
+        [out] = engine.generate([GenRequest("too-long", [5] * (max_len + 10), 2)], knobs).outputs
+        assert (out.finish_reason, len(out.token_ids)) == ("length", 2), "it refused: remove no_length_limit"
+    finally:
+        engine.close()
+
+
+def test_an_engine_with_a_length_limit_is_held_to_it():
+    """The skip is not a blanket: an engine that declares no missing limit and runs the over-long prompt fails."""
+    from kvbench.core.requests import GenOutput, GenResult
+    from suites.conformance.test_bad_input import test_over_long_prompt_is_refused_and_others_are_served as check
+
+    class Accepts:
+        name, kind, no_length_limit = "accepts-everything", "fake", None
+
+        def generate(self, requests, knobs):
+            return GenResult([GenOutput(r.request_id, [1], "length") for r in requests])
+
+    from kvbench.checkpoints import builtin_checkpoint
+
+    with pytest.raises(pytest.fail.Exception, match="the bad request was not refused"):
+        check(engine=Accepts(), model_dir=str(builtin_checkpoint("tiny")), requests_greedy=[], truth=GenResult([]))

@@ -1,9 +1,10 @@
 """Expected failures: checks an engine is known to fail, listed in a TOML file with a reason and a
 reproduction each, so that a run can gate an engine upgrade.
 
-``pytest suites/ --engine hf-cb --kvbench-expectations kvbench/conformance/expectations/hf-cb.toml``
-runs every listed check as a *strict* xfail: the run passes while the finding stands (and prints
-it), and a fixed bug fails the run with "now passes: remove it from the expectations file".
+``pytest suites/ --engine hf-cb --kvbench-expectations hf-cb`` (a bare name is the file shipped for
+that engine kind, ``kvbench/conformance/expectations/hf-cb.toml``; anything else is a path) runs
+every listed check as a *strict* xfail: the run passes while the finding stands (and prints it),
+and a fixed bug fails the run with "now passes: remove it from the expectations file".
 
 File format (``tomllib``)::
 
@@ -78,11 +79,29 @@ def installed_version(package: str) -> str | None:
 _FIELDS = {"engine", "check", "reason", "reproduction", "versions"}
 
 
+def shipped_names() -> list[str]:
+    """Engine kinds kvbench ships an expectations file for (``SHIPPED/<kind>.toml``)."""
+    return sorted(p.stem for p in SHIPPED.glob("*.toml"))
+
+
+def resolve(value: str | Path) -> Path:
+    """The file ``--kvbench-expectations VALUE`` means: an existing file, or anything that looks like a
+    path (a separator, a ``.toml`` ending), is taken as given; any other bare name is the file shipped
+    for that engine kind, and an unknown one is an error listing the shipped names."""
+    text = str(value)
+    if isinstance(value, Path) or Path(text).is_file() or "/" in text or "\\" in text or text.endswith(".toml"):
+        return Path(value)
+    if text not in shipped_names():
+        raise ExpectationsError(f"expectations {text!r}: not a shipped file (shipped: {', '.join(shipped_names())}) "
+                                "and not a path (a path contains '/' or ends in .toml)")
+    return SHIPPED / f"{text}.toml"
+
+
 def load_expectations(path: str | Path) -> list[Expectation]:
-    """Read and validate one expectations file."""
+    """Read and validate one expectations file (``path`` as :func:`resolve` reads it)."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-    path = Path(path)
+    path = resolve(path)
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:

@@ -59,6 +59,9 @@ class EngineAdapter(abc.ABC):
     option_keys: dict[str, str] = {}  # noqa: RUF012 - read-only class-level table
     #: Knobs fields this adapter cannot map, with the reason
     unsupported_knobs: dict[str, str] = {}  # noqa: RUF012
+    #: why the engine has no per-request length limit at all (a prompt past the model's positions is run,
+    #: not refused), or None when it has one: the over-long-prompt check then lacks its prerequisite and skips
+    no_length_limit: str | None = None
     #: True when kvbench drives the engine's steps itself, so ``serve`` accepts ``step_seconds`` and
     #: releases arrivals by engine step (deterministic counts, see kvbench.core.stepping). Servers and
     #: engines with their own loop thread are not steppable: their counts are gated like times.

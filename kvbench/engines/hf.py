@@ -101,12 +101,14 @@ class HFAdapter(EngineAdapter):
         "num_cpu_blocks": _NO_POOL,
         "max_num_seqs": _NO_POOL,
         "max_num_batched_tokens": _NO_POOL,
-        "max_model_len": "hf does not cap sequence length beyond the model's position embeddings",
+        "max_model_len": "hf has no sequence length cap, not even the model's position embeddings",
         "enable_chunked_prefill": "hf prefills each prompt in one forward pass",
         "enable_prefix_caching": "hf has no cache shared across requests",
         "preemption_mode": _NO_POOL,
         "scheduling_policy": "hf runs requests one after another, in the order given",
     }
+    no_length_limit = ("hf (plain generate) has no admission control: a prompt longer than the model's "
+                       "max_position_embeddings is run, not refused (RoPE positions are computed on the fly)")
 
     @classmethod
     def validate_options(cls, options: dict[str, str]) -> None:

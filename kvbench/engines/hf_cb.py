@@ -287,6 +287,9 @@ class HFContinuousBatchingAdapter(EngineAdapter):
         "scheduling_policy": "hf-cb has no priorities: its fifo and prefill_first schedulers both admit "
                              "new requests in arrival order (only 'fcfs' is accepted)",
     }
+    no_length_limit = ("hf-cb (ContinuousBatchingManager, transformers 5.24) has no per-request length limit: "
+                       "a prompt longer than max_position_embeddings is generated without an error "
+                       "(scripts/findings/hf_cb_repro.py, case 2)")
 
     @classmethod
     def validate_options(cls, options: dict[str, str]) -> None:

@@ -7,7 +7,9 @@ batching (``hf-cb``), using transformers directly (no kvbench code), on the buil
    admitted, soft-reset while others run, and once alone the loop raises "No requests can be
    scheduled and no requests can be offloaded." (``_handle_critical_error`` then fails every request
    still in flight and the manager accepts no more: here the others happen to have finished);
-2. a prompt longer than ``max_position_embeddings`` is accepted and generated without a word;
+2. a prompt longer than ``max_position_embeddings`` is accepted and generated without a word (not an
+   expected failure: the engine has no per-request length limit at all, a missing prerequisite, so
+   the over-long-prompt check skips on hf-cb saying so; this case shows the adapter's claim is true);
 3. with block sharing (prefix caching) on, a soft-reset victim re-hits only blocks that another
    request still holds (the shared prefix, below); its own blocks are freed with ``no_cache=True``
    (offloading_manager.py, ``offload_requests``) after every cached block was evicted, so a victim
