@@ -244,10 +244,18 @@ def admission_of(config: EngineConfig):
                           budget=config.preemption_budget, max_model_len=config.max_model_len)
 
 
+#: costs measured by :func:`preemption_costs_of`, per (model, dtype, device, block size): measured once
+#: per process, so that engines built again for the same model (a benchmark's repeats, a conformance
+#: check's runs) make the same choices; a fresh measurement per engine moved victims near the
+#: crossover from one mode to the other between repeats on a loaded machine
+_MEASURED_COSTS: dict[tuple, object] = {}
+
+
 def preemption_costs_of(engine: LLMEngine):
     """What ``preemption_mode="auto"`` prices victims with: the step cost model on
-    ``config.cost_profile`` when one is given, else swap and prefill costs measured now on this
-    engine's own KV cache and model (:func:`reference_engine.preemption_policy.measure_linear_costs`)."""
+    ``config.cost_profile`` when one is given, else swap and prefill costs measured on this engine's
+    own KV cache and model (:func:`reference_engine.preemption_policy.measure_linear_costs`), once per
+    process and model (:data:`_MEASURED_COSTS`)."""
     from reference_engine.preemption_policy import ModelCosts, measure_linear_costs
 
     config, kv = engine.config, engine.kv_cache
@@ -284,8 +292,11 @@ def preemption_costs_of(engine: LLMEngine):
     long = min(128, config.max_model_len - 1, engine.block_manager.num_free_gpu_blocks * config.block_size)
     if long < 8 or num_blocks < 2:  # too small a pool to measure in: the documented defaults
         return DEFAULT_COSTS
-    return measure_linear_costs(copy_blocks, prefill, time.perf_counter, blocks=num_blocks,
-                                short=max(long // 4, 1), long=long)
+    key = (config.model, config.dtype, config.device, config.block_size)
+    if key not in _MEASURED_COSTS:
+        _MEASURED_COSTS[key] = measure_linear_costs(copy_blocks, prefill, time.perf_counter, blocks=num_blocks,
+                                                    short=max(long // 4, 1), long=long)
+    return _MEASURED_COSTS[key]
 
 
 def _attention_backend(choice: str, device: torch.device) -> str:
