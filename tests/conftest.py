@@ -14,6 +14,16 @@ from reference_engine.checkpoint import write_checkpoint
 NUM_REQUESTS = 32
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pinned_torch_threads(request: pytest.FixtureRequest):
+    """One torch thread on CPU, as the benchmarks pin (``kvbench.bench.threads``): on a 2-core machine
+    torch's default of a spinning thread per core made these small-model runs up to 10x slower."""
+    from kvbench.bench.threads import pinned_torch_threads
+
+    with pinned_torch_threads("quick") as threads:
+        yield threads
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(write_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=0))

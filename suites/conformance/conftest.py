@@ -9,6 +9,16 @@ from kvbench.engines.base import GenRequest, GenResult, Knobs
 from kvbench.engines.registry import EngineSpec, make_adapter
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pinned_torch_threads(request: pytest.FixtureRequest):
+    """One torch thread on CPU, as the benchmarks pin (``kvbench.bench.threads``): on a 2-core machine
+    torch's default of a spinning thread per core made these small-model runs up to 10x slower."""
+    from kvbench.bench.threads import pinned_torch_threads
+
+    with pinned_torch_threads(request.config.getoption("--benchmark-scale", "quick")) as threads:
+        yield threads
+
+
 @pytest.fixture(scope="session")
 def requests_greedy(model_dir: str) -> list[GenRequest]:
     return conformance_requests(model_dir)
