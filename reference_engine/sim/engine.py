@@ -22,9 +22,10 @@ import itertools
 from reference_engine.block_manager import BlockManager
 from reference_engine.config import ConfigError, EngineConfig, GiB
 from reference_engine.counters import EngineCounters
-from reference_engine.engine import LLMEngine
+from reference_engine.engine import LLMEngine, admission_of
 from reference_engine.events import EventLog, EventSink
 from reference_engine.outputs import RequestOutput
+from reference_engine.preemption_policy import ModelCosts
 from reference_engine.request import RequestStatus
 from reference_engine.scheduler import Scheduler, _StepBuilder
 from reference_engine.sim.cost_model import CostModel, StepShape
@@ -70,7 +71,7 @@ class SimEngine(LLMEngine):
         num_gpu_blocks = config.num_gpu_blocks_override or device_pool_blocks(model, profile, config, block_bytes)
         if config.num_cpu_blocks_override is not None:
             num_cpu_blocks = config.num_cpu_blocks_override
-        elif config.preemption_mode == "swap":
+        elif config.preemption_mode in ("swap", "auto"):  # auto may swap: it needs the host pool too
             num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
         else:
             num_cpu_blocks = 0
@@ -83,7 +84,10 @@ class SimEngine(LLMEngine):
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            scheduling_policy=config.scheduling_policy, clock=self.clock.now, events=EventLog(config.max_events))
+            scheduling_policy=config.scheduling_policy, clock=self.clock.now, events=EventLog(config.max_events),
+            admission=admission_of(config),
+            # auto prices victims with the same cost model that advances the clock
+            preemption_costs=ModelCosts(self.cost, config.block_size))
         if event_sink is not None:
             self.add_event_sink(event_sink)
         self.attention_backend = "simulated"
@@ -95,7 +99,10 @@ class SimEngine(LLMEngine):
         self.lazy = LazyDecodes(config.block_size, config.max_model_len, self.runner.token)
         # The fast path replays schedule() for steps it proves preemption-free; under the priority
         # policy admission itself may preempt, and prefix caching registers blocks every step.
-        self.fast_path_eligible = config.scheduling_policy == "fcfs" and not config.enable_prefix_caching
+        # The lazy decoders' token counts are stale between syncs, and admission control reads them (and AIMD
+        # needs every step's outcome): with admission on, every step takes the plain path.
+        self.fast_path_eligible = (config.scheduling_policy == "fcfs" and not config.enable_prefix_caching
+                                   and config.admission_policy == "none")
         self.fast_steps = self.plain_steps = 0  # how often step_fast could take its fast path
 
     def _validate(self, request_id, prompt, params) -> None:
