@@ -224,6 +224,25 @@ def test_transformers_dialect_sends_text_and_says_extras_through_generation_conf
         CompletionClient("http://127.0.0.1:1", dialect="tgi")
 
 
+def test_a_client_side_trace_reads_unseen_counts_as_not_exposed_never_zero():
+    from kvbench.bench.metrics import summarize
+    from kvbench.core.counters import Counters
+    from kvbench.core.trace import RequestTrace, Trace
+    from kvbench.engines.http_serve import CLIENT_SIDE_BLIND_SPOTS
+
+    def trace(counters: Counters) -> Trace:
+        reqs = {"a": RequestTrace("a", 0.0, 8, 3, token_times=[0.1, 0.2, 0.3], finished=0.3, finish_reason="length",
+                                  finish_count=1)}  # no preemptions recorded: a client cannot see them
+        return Trace("e", "s", requests=reqs, counters=counters, not_exposed=dict(CLIENT_SIDE_BLIND_SPOTS))
+
+    blind = summarize(trace(Counters()))  # a server without /metrics (transformers serve)
+    for name in ("preemptions", "preemptions_recompute", "recomputed_tokens", "prefix_cache_hits"):
+        assert blind[name] is None, name
+    published = summarize(trace(Counters(preemptions_recompute=3, preemptions_swap=0, recomputed_tokens=40)))
+    assert (published["preemptions"], published["recomputed_tokens"]) == (3.0, 40.0)
+    assert published["max_preemptions_per_request"] is None, "per request: not seen over HTTP"
+
+
 def test_sampled_steps_leave_per_step_token_claims_undecided():
     from kvbench.bench.metrics import step_tokens_known, summarize
     from kvbench.bench.scenarios.mechanisms import chunked_claims

@@ -29,9 +29,17 @@ from kvbench.engines.http_client import Completion, CompletionClient
 from kvbench.engines.http_metrics import MetricsSnapshot, sampled_step
 
 #: what a client-side trace never holds, and why (shown by the report instead of zeros)
+#: (keys are the names :mod:`kvbench.bench.metrics` reads, so a per-request figure nobody could see is
+#: "not exposed" rather than rebuilt as 0 from empty per-request records; run totals still come from
+#: the counters where /metrics publishes them)
 CLIENT_SIDE_BLIND_SPOTS = {
     "admission": "over HTTP the client sees the first token, not when the server admitted the request",
-    "per_request_preemptions": "over HTTP preemptions are counted from /metrics for the whole run, not per request",
+    "events": "over HTTP there are no engine events: preemptions are counted from /metrics for the whole run, "
+              "not per request",
+    "recompute": "over HTTP recomputed tokens are not seen per request; the run's total comes from /metrics where "
+                 "the server publishes it",
+    "prefix_cache": "over HTTP prefix-cache hits are not seen per request; the run's totals come from /metrics "
+                    "where the server publishes them",
     "engine_steps": "queue and KV-usage records are /metrics samples taken by a poller, not engine steps: "
                     "they carry no token counts, preemptions or step durations",
 }
