@@ -27,7 +27,7 @@ FAULTS: dict[str, str] = {
     "ignores_token_budget": "max_num_batched_tokens is ignored, so no prefill is ever split (check 4)",
     "never_aborts": "abort_request is accepted but does nothing (check 6)",
     "finishes_twice": "a finished request is reported finished again on the next step (check 6)",
-    "leaks_block": "the first aborted request's blocks are never freed (check 6)",
+    "leaks_block": "the first request released with device blocks (finished or aborted) keeps them (check 6)",
     "ignores_seed": "per-request seeds are ignored (check 7)",
     "vague_rejection": "a refused request's error does not say why (check 8)",
     "fcfs_oldest_victim": "under FCFS the oldest running request is preempted, not the latest (check 9)",
@@ -125,21 +125,18 @@ class FaultyReferenceAdapter(ReferenceAdapter):
 
     @staticmethod
     def _patch_leaks_block(engine: Any) -> None:
-        abort, leaked = engine.abort_request, []
+        # Leaks on the first release of a request holding device blocks, finished or aborted: tying it
+        # to an abort made the fault depend on timing (a request aborted while still waiting holds none).
+        bm = engine.block_manager
+        forget, leaked = bm.forget, []
 
-        def leaky_abort(request_id):
-            bm = engine.block_manager
+        def leaky_forget(request_id):
             if not leaked and bm.blocks_of(request_id):
-                forget = bm.forget
-                bm.forget = lambda rid: None  # this request's blocks stay allocated
-                leaked.append(request_id)
-                try:
-                    return abort(request_id)
-                finally:
-                    bm.forget = forget
-            return abort(request_id)
+                leaked.append(request_id)  # this request's blocks stay allocated
+                return None
+            return forget(request_id)
 
-        engine.abort_request = leaky_abort
+        bm.forget = leaky_forget
 
     @staticmethod
     def _patch_livelock(engine: Any) -> None:
