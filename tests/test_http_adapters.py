@@ -413,8 +413,10 @@ def test_reference_server_matches_in_process_under_recompute_pressure(reference_
     assert c["preemptions_recompute"] > 0 and c["recomputed_tokens"] > 0, "the /metrics deltas saw the preemptions"
     assert c["leaked_blocks"] == 0 and c["num_gpu_blocks"] == POOL
     assert c["generated_tokens"] == sum(r.max_tokens for r in requests)
-    # the reference server's per-request extension field adds up to /metrics' total, as in-process
-    assert [o.num_preemptions for o in over_http.outputs] == [o.num_preemptions for o in in_process.outputs]
+    # the reference server's per-request extension field adds up to /metrics' total. (Not compared request by
+    # request with in-process: over HTTP the requests reach the engine across its first steps, not all before
+    # it, so which ones get preempted may differ; the tokens may not.)
+    assert all(o.num_preemptions is not None for o in over_http.outputs)
     assert sum(o.num_preemptions for o in over_http.outputs) == c.preemptions
 
 
