@@ -66,6 +66,10 @@ class EngineAdapter(abc.ABC):
     #: releases arrivals by engine step (deterministic counts, see kvbench.core.stepping). Servers and
     #: engines with their own loop thread are not steppable: their counts are gated like times.
     steppable: bool = False
+    #: True when an abort is a message the engine may act on after the request already finished (a closed
+    #: HTTP stream): the engine then counts fewer aborts than the client asked for, and check 6 allows that
+    #: (never more, and at least one).
+    aborts_race_finishes: bool = False
 
     #: Knobs field -> the option key it overrides, where the names differ (e.g. ``num_gpu_blocks`` ->
     #: ``num_gpu_blocks_override``). A knob named like an option key overrides that option without an entry.

@@ -71,6 +71,8 @@ class KnobsNotSettable(pytest.skip.Exception):  # type: ignore[misc,name-defined
 class OpenAIAdapter(EngineAdapter):
     """An OpenAI-compatible server already running at ``url`` (knobs as it was started)."""
 
+    aborts_race_finishes = True  # an abort is a closed stream; the server may finish first
+
     kind = "openai"
     capabilities = REMOTE_CAPABILITIES
     option_keys = {  # noqa: RUF012

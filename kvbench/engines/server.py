@@ -35,6 +35,8 @@ _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "pre
 class ServerAdapter(EngineAdapter):
     """A server kvbench launches per knob set, from a preset or a command template."""
 
+    aborts_race_finishes = True  # an abort is a closed stream; the server may finish first
+
     kind = "server"
     option_keys = {  # noqa: RUF012
         "preset": f"one of {', '.join(PRESETS)}: the command and how knobs map onto its flags",

@@ -51,8 +51,13 @@ def test_every_request_finishes_exactly_once(mode, engine, model_dir):
     assert aborted, (f"the workload asked for {sum(r.abort_at is not None for r in workload.requests)} aborts but "
                      f"{engine.name} finished no request as aborted: the aborts never reached the engine")
     if "aborts" in trace.counters:
-        assert trace.counters["aborts"] == len(aborted), \
-            f"aborts counter {trace.counters['aborts']} but {len(aborted)} requests finished aborted"
+        counted = trace.counters["aborts"]
+        if getattr(engine, "aborts_race_finishes", False):
+            # a closed stream reaches the server late: a request it finished meanwhile is not an abort there
+            assert 0 < counted <= len(aborted), \
+                f"aborts counter {counted} but {len(aborted)} requests were aborted by the client"
+        else:
+            assert counted == len(aborted), f"aborts counter {counted} but {len(aborted)} requests finished aborted"
     if "leaked_blocks" in trace.counters:
         assert trace.counters["leaked_blocks"] == 0, \
             f"{trace.counters['leaked_blocks']} blocks are still held after every request finished"
