@@ -268,9 +268,9 @@ def _synthetic_data(engines: tuple[str, ...], seed: int, slos: str) -> dict:
                           chunked=chunked, budget=256 if chunked else 4096, capacity_tokens=20000, **cost)
             res.add_trace(tr, mode=mode, slos=slos)
         for mode, caching in (("prefix_caching", True), ("no_prefix_caching", False)):
-            tr = simulate(40, seed=seed, rate=120, engine=eng, scenario="prefix_caching_recompute", prompt_len=(300, 400),
-                          max_tokens=(32, 96), prefix_len=256, prefix_caching=caching, capacity_tokens=4000,
-                          **cost)
+            tr = simulate(40, seed=seed, rate=120, engine=eng, scenario="prefix_caching_recompute",
+                          prompt_len=(300, 400), max_tokens=(32, 96), prefix_len=256, prefix_caching=caching,
+                          capacity_tokens=4000, **cost)
             res.add_trace(tr, mode=mode, slos=slos)
     return res.to_dict()
 

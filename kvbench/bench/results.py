@@ -222,11 +222,12 @@ class Results:
                             counters: Counters | Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Add (or replace) the result of ``engine`` (in ``mode``) on ``scenario``; returns the entry.
 
-        ``metrics`` are the figures shown (the medians when the point was repeated); ``repeats`` every
-        repeat's figures, ``spread`` their spreads, ``clock`` how arrivals were released (module docstring).
         ``counters`` (the engine's own: :class:`~kvbench.core.counters.Counters` or a mapping of its
         names) is stored as ``Counters.to_dict()``, every counter of the contract with null = not
         exposed; omitted, the entry's ``counters`` is null (not recorded).
+
+        ``metrics`` are the figures shown (the medians when the point was repeated); ``repeats`` every
+        repeat's figures, ``spread`` their spreads, ``clock`` how arrivals were released (module docstring).
         """
         name = self.add_engine(engine)["name"]
         sc = self.scenario(scenario, create=True, parameters=parameters, description=description)

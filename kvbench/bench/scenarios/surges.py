@@ -34,6 +34,7 @@ from kvbench.bench.workloads import (
     WorkloadSpec,
     combine,
 )
+from kvbench.core.stepping import workload_clock
 from kvbench.core.trace import Trace
 from kvbench.engines.base import Knobs
 
@@ -190,7 +191,9 @@ def before_after(trace: Trace, t_surge: float) -> dict[str, float | None]:
     """Preemptions, and TTFT of the requests arriving, before and after ``t_surge``. Preemption
     counts are None when the engine records no per-request preemptions (it cannot tell when)."""
     known = not ({"preemptions", "events"} & set(trace.not_exposed))
-    before, after = ttft_by(trace, lambda r: r.arrival < t_surge), ttft_by(trace, lambda r: r.arrival >= t_surge)
+    clock = workload_clock(trace)  # arrivals on the workload's clock, also on the step clock
+    before = ttft_by(trace, lambda r: clock(r.arrival) < t_surge)
+    after = ttft_by(trace, lambda r: clock(r.arrival) >= t_surge)
     return {"preemptions_before_surge": float(preemptions_between(trace, 0.0, t_surge)) if known else None,
             "preemptions_after_surge": float(preemptions_between(trace, t_surge, math.inf)) if known else None,
             "ttft_p50_before_surge": percentile(before, 50), "ttft_p99_before_surge": percentile(before, 99),
@@ -234,7 +237,8 @@ def surge_table(recorded: Mapping[str, Any], what: str) -> dict[str, Any]:
 
 def arrival_rate_ratio(trace: Trace, t_step: float, t_end: float) -> float | None:
     """Arrivals per second in ``[t_step, t_end)`` over arrivals per second in ``[0, t_step)``."""
-    arrivals = [r.arrival for r in trace.requests.values()]
+    clock = workload_clock(trace)  # on the step clock, a release's wall time maps back to its step's virtual time
+    arrivals = [clock(r.arrival) for r in trace.requests.values()]
     before = sum(1 for a in arrivals if a < t_step) / t_step
     after = sum(1 for a in arrivals if t_step <= a < t_end) / (t_end - t_step)
     return after / before if before > 0 else None
