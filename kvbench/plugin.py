@@ -543,6 +543,21 @@ def _conformance_summary(tr: Any, ks: KvbenchSession) -> None:
         tr.write_line(f"conformance results: {ks.results_path} (key \"conformance\")")
 
 
+def _claim_run_dir(report_dir: Path, run_name: str) -> str:
+    """Create ``report_dir/run_name`` for this session alone and return the name used: two sessions
+    started in the same second (a conformance run beside a benchmark run) would otherwise write
+    into one folder, the later one overwriting the other's results. ``-2``, ``-3``... are appended."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    name, n = run_name, 1
+    while True:
+        try:
+            (report_dir / name).mkdir()
+            return name
+        except FileExistsError:
+            n += 1
+            name = f"{run_name}-{n}"
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     ks = config.stash.get(_SESSION_KEY, None)
@@ -551,6 +566,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _add_conformance_to_results(ks)
     if ks.results is None:
         return
+    ks.run_name = _claim_run_dir(ks.report_dir, ks.run_name)
     if not ks.results.scenarios:  # conformance only: results.json, no report to draw
         ks.results_path = ks.results.save(ks.report_dir / ks.run_name / "results.json")
         return

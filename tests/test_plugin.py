@@ -320,3 +320,12 @@ def test_conformance_records_survive_xdist(pytester: pytest.Pytester):
     assert records["named_check"]["near_ties"] == 1
     assert records["expected_failure_now_passes"]["outcome"] == "xpassed"
     assert records["setup_error"]["outcome"] == "error"
+
+
+def test_two_sessions_started_in_the_same_second_write_two_run_folders(tmp_path):
+    """A conformance run beside a benchmark run used to share reports/<second>/ and overwrite each other."""
+    from kvbench.plugin import _claim_run_dir
+
+    names = [_claim_run_dir(tmp_path, "20261201-070603") for _ in range(3)]
+    assert names == ["20261201-070603", "20261201-070603-2", "20261201-070603-3"]
+    assert all((tmp_path / n).is_dir() for n in names)

@@ -147,3 +147,8 @@ def test_commit_info_without_a_repository_or_without_git(tmp_path, monkeypatch):
 def test_machine_info_takes_the_device_from_the_caller():
     info = machine_info("cuda:0 test")
     assert info["device"] == "cuda:0 test" and info["cpu_count"] >= 1 and info["python"].count(".") == 2
+
+
+def test_saved_results_are_readable_by_others(tmp_path):
+    path = Results().save(tmp_path / "results.json")
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -342,7 +342,8 @@ class Results:
     # -- persistence ------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write JSON atomically (a reader never sees half a file); creates parent folders."""
+        """Write JSON atomically (a reader never sees half a file), mode 0644 like the report beside it
+        (mkstemp's 0600 would hide results from a CI artifact step or a colleague); creates parent folders."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(_jsonable(self.data), indent=1, allow_nan=False, sort_keys=False)
@@ -350,6 +351,7 @@ class Results:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
+            os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
