@@ -222,3 +222,11 @@ def test_chromium_harness_does_catch_errors_and_requests(tmp_path):
     assert page.console_errors == ["boom"]
     assert any("undefinedFn" in e for e in page.exceptions)
     assert "http://127.0.0.1:9/x.png" in page.requests
+
+
+def test_polylines_drop_redundant_points_but_keep_spikes():
+    from kvbench.report.charts import _without_redundant_points
+
+    # a flat run and a repeat collapse; a spike inside one pixel column (up to 50, back to 20) stays
+    assert _without_redundant_points([(0, 10), (5, 10), (5, 10), (9, 10), (9, 50), (9, 20), (12, 20)]) == \
+        [(0, 10), (9, 10), (9, 50), (9, 20), (12, 20)]

@@ -279,18 +279,38 @@ def decimate(seg: list[tuple[float, float]], sx: Callable[[float], float], bucke
     return out
 
 
+def _without_redundant_points(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The same drawing with fewer points: repeats dropped, and the middle of three points on one
+    horizontal or vertical run when it lies between the other two (a step line's flat stretches, once
+    rounded to whole units). A point that sticks out of its run (a spike within one pixel column) stays."""
+    out: list[tuple[int, int]] = []
+    for p in points:
+        if out and p == out[-1]:
+            continue
+        if len(out) >= 2:
+            (ax, ay), (bx, by) = out[-2], out[-1]
+            vertical = ax == bx == p[0] and min(ay, p[1]) <= by <= max(ay, p[1])
+            horizontal = ay == by == p[1] and min(ax, p[0]) <= bx <= max(ax, p[0])
+            if vertical or horizontal:
+                out[-1] = p  # b lies on the straight run from a to p
+                continue
+        out.append(p)
+    return out
+
+
 def _line(ln: Line, sx: Callable[[float], float], sy: Callable[[float], float], base: float, extra: float = 0.0,
           buckets: int = 300) -> list[Markup]:
     out = []
     for seg in _segments(ln):
         if not ln.step:  # a step line (a CDF) must keep each step's corner
             seg = decimate(seg, sx, buckets)
-        pts = []
+        raw: list[tuple[int, int]] = []
         for i, (x, y) in enumerate(seg):
             # whole viewBox units (about a pixel each): a decimal per coordinate was a third of the file
             if ln.step and i:
-                pts.append(f"{sx(x):.0f},{sy(seg[i - 1][1]):.0f}")
-            pts.append(f"{sx(x):.0f},{sy(y):.0f}")
+                raw.append((round(sx(x)), round(sy(seg[i - 1][1]))))
+            raw.append((round(sx(x)), round(sy(y))))
+        pts = [f"{x},{y}" for x, y in _without_redundant_points(raw)]
         if ln.area:
             poly = f"{sx(seg[0][0]):.0f},{base:.0f} " + " ".join(pts) + f" {sx(seg[-1][0]):.0f},{base:.0f}"
             out.append(tag("polygon", points=poly, fill=ln.color, class_="c-area"))

@@ -488,7 +488,20 @@ def _without_series(data: dict[str, Any]) -> dict[str, Any]:
     out["scenarios"] = [{**sc, "results": [slim(r) for r in sc["results"]],
                          "sweeps": [{**sw, "points": [slim(p) for p in sw["points"]]} for sw in sc["sweeps"]]}
                         for sc in data.get("scenarios", [])]
-    return out
+    return _rounded(out)
+
+
+def _rounded(value: Any, digits: int = 6) -> Any:
+    """Floats to ``digits`` significant digits, in nested dicts and lists: the page shows figures to
+    three or four digits, and seventeen-digit floats were a quarter of a quick report's weight
+    (``results.json`` keeps full precision)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_rounded(v, digits) for v in value]
+    return value
 
 
 def write_text_file(path: str | os.PathLike[str], text: str) -> Path:
