@@ -291,3 +291,16 @@ def test_cli_report_says_what_it_wrote_and_refuses_to_overwrite(tmp_path, capsys
     assert "--force" in capsys.readouterr().err and (tmp_path / "report.html").read_text() == "keep me"
     assert cli(["report", str(src), "--force"]) == 0
     assert (tmp_path / "report.html").read_text() == before
+
+
+def test_scoreboard_does_not_rank_open_loop_runs_on_different_clocks():
+    """A step-clock engine sees an open-loop workload's arrivals sooner than a wall-clock one: not like for like.
+    A closed-loop workload has no arrival times, so there the clocks do not matter."""
+    for workload, ranked in (("72 requests, Poisson 8/s", False), ("16 requests, outputs 192, closed loop", True)):
+        r = Results()
+        for engine, clock, ttft in (("reference", "step", 1.3), ("hf-cb", "wall", 0.1)):
+            r.add_scenario_result("flash_crowd", engine, {"ttft_p99_after_surge": ttft, "output_throughput": 1 / ttft},
+                                  parameters={"workload": workload}, clock={"clock": clock})
+        row = next(x for x in verdict.scoreboard(r, "reference") if x["scenario"] == "flash_crowd")
+        assert bool(row["leader"]) is ranked, row
+        assert ranked or "different clocks" in row["note"]

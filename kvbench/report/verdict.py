@@ -59,6 +59,18 @@ def headlines(results: Results, reference: str | None) -> list[dict[str, Any]]:
     return cards
 
 
+def _clock_of(result: dict[str, Any]) -> str:
+    """"step" or "wall": how the result's arrivals were released (older results: wall)."""
+    clock = result.get("clock")
+    return str(clock.get("clock", "wall")) if isinstance(clock, dict) else "wall"
+
+
+def _closed_loop(sc: dict[str, Any]) -> bool:
+    """A closed-loop workload has no arrival times (a request comes when one finishes): the clock it
+    ran on cannot change what it served."""
+    return any("closed loop" in str(v) for v in sc.get("parameters", {}).values())
+
+
 def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
     """Per scenario: the engines' values of its declared score, the leader, by what ratio, with its noise."""
     rows = []
@@ -80,6 +92,13 @@ def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
             continue
         if len(entries) == 1:
             row["leader"], row["note"] = entries[0][0]["engine"], "the only engine measured"
+            continue
+        clocks = {_clock_of(r) for r, _ in entries}
+        if len(clocks) > 1 and not _closed_loop(sc):
+            # On the step clock arrivals come by engine step, on the wall clock by time: a fast engine on
+            # the step clock sees the same requests sooner. Open-loop figures are then not like for like.
+            row["note"] = ("not ranked: engines ran on different clocks (" + ", ".join(sorted(clocks)) +
+                           "), so their arrivals differed; closed-loop scenarios and counts within one clock compare")
             continue
         entries.sort(key=lambda e: e[1], reverse=score.higher_is_better)
         (best, bv), (second, sv) = entries[0], entries[1]
