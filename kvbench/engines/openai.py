@@ -47,6 +47,19 @@ REMOTE_CAPABILITIES = frozenset({"recompute", "swap", "prefix_caching", "chunked
                                  "abort", "stop_token_ids"})
 
 
+def check_client_options(kind: str, options: dict[str, str], timeout_keys: Sequence[str]) -> None:
+    """The options every HTTP adapter shares (``preemptions_are``, ``dialect``, timeouts): ValueError
+    naming the option."""
+    preempt = options.get("preemptions_are")
+    if preempt not in (None, "recompute", "swap"):
+        raise ValueError(f"engine {kind!r}: preemptions_are must be recompute or swap, got {preempt!r}")
+    if options.get("dialect", "vllm") not in DIALECTS:
+        raise ValueError(f"engine {kind!r}: dialect must be one of {', '.join(DIALECTS)}, got {options['dialect']!r}")
+    for key in timeout_keys:
+        if key in options:
+            _positive(kind, key, options[key])
+
+
 def _positive(kind: str, key: str, raw: str) -> None:
     """ValueError naming ``key`` unless ``raw`` is a number > 0."""
     try:
@@ -99,15 +112,7 @@ class OpenAIAdapter(EngineAdapter):
         if not url.startswith("http://"):
             raise ValueError(f"engine {cls.kind!r}: option url must be an http:// URL "
                              f"(e.g. url=http://127.0.0.1:8000), got {url!r}")
-        preempt = options.get("preemptions_are")
-        if preempt not in (None, "recompute", "swap"):
-            raise ValueError(f"engine {cls.kind!r}: preemptions_are must be recompute or swap, got {preempt!r}")
-        if options.get("dialect", "vllm") not in DIALECTS:
-            raise ValueError(f"engine {cls.kind!r}: dialect must be one of {', '.join(DIALECTS)}, "
-                             f"got {options['dialect']!r}")
-        for key in ("timeout", "settle_timeout"):
-            if key in options:
-                _positive(cls.kind, key, options[key])
+        check_client_options(cls.kind, options, ("timeout", "settle_timeout"))
         for knob in set(options) & set(_KNOB_NAMES):
             parse_knob(knob, options[knob])
 

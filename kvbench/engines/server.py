@@ -24,9 +24,8 @@ from typing import Any
 
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenRequest, GenResult, Knobs
-from kvbench.engines.http_client import DIALECTS
 from kvbench.engines.http_process import ServerProcess, free_port
-from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter, _positive
+from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter, check_client_options
 from kvbench.engines.server_presets import CUSTOM, PRESETS, Preset
 
 _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect")
@@ -63,15 +62,7 @@ class ServerAdapter(EngineAdapter):
             raise ValueError(f"engine {cls.kind!r}: unknown preset {preset_name!r}; presets: {', '.join(PRESETS)}")
         if cmd and "{port}" not in cmd:
             raise ValueError(f"engine {cls.kind!r}: cmd must contain {{port}} (kvbench picks a free port)")
-        preempt = options.get("preemptions_are")
-        if preempt not in (None, "recompute", "swap"):
-            raise ValueError(f"engine {cls.kind!r}: preemptions_are must be recompute or swap, got {preempt!r}")
-        if options.get("dialect", "vllm") not in DIALECTS:
-            raise ValueError(f"engine {cls.kind!r}: dialect must be one of {', '.join(DIALECTS)}, "
-                             f"got {options['dialect']!r}")
-        for key in ("startup_timeout", "timeout", "settle_timeout"):
-            if key in options:
-                _positive(cls.kind, key, options[key])
+        check_client_options(cls.kind, options, ("startup_timeout", "timeout", "settle_timeout"))
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
