@@ -352,18 +352,23 @@ adapter.generate([GenRequest("r", [3], 1)])
 open({pgid_file!r}, "w").write(str(adapter._server.pgid))
 if sys.argv[1] == "raise":
     raise RuntimeError("a failing run")
+if sys.argv[1] == "terminate":
+    os.kill(os.getpid(), signal.SIGTERM)  # kill, or a CI runner's time limit
 os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
 """
 
 
-@pytest.mark.parametrize("how", ["raise", "interrupt"])
+@pytest.mark.parametrize("how", ["raise", "interrupt", "terminate"])
 def test_no_orphan_when_the_run_fails_or_is_interrupted(how, tmp_path):
     pgid_file = tmp_path / "pgid"
     script = ORPHAN_SCRIPT.format(cmd=STUB, log_dir=str(tmp_path), pgid_file=str(pgid_file))
     done = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=120,
                           cwd=ROOT)
     assert done.returncode != 0
-    assert ("RuntimeError" if how == "raise" else "KeyboardInterrupt") in done.stderr
+    if how == "terminate":
+        assert done.returncode == -signal.SIGTERM, "ends as SIGTERM would, after stopping the servers"
+    else:
+        assert ("RuntimeError" if how == "raise" else "KeyboardInterrupt") in done.stderr
     pgid = int(pgid_file.read_text())
     assert not group_alive(pgid), f"server group {pgid} outlived the kvbench process"
 

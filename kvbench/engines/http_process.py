@@ -9,7 +9,8 @@ answers, and stopped with its whole group, never leaving an orphan.
   configuration says why there).
 * Stop: SIGTERM to the group, wait; SIGKILL to the group if it is still there; wait again (bounded).
   Every started server is also stopped at interpreter exit (``atexit``), which covers a failing test,
-  an exception in a fixture and Ctrl-C (KeyboardInterrupt unwinds to a normal exit).
+  an exception in a fixture and Ctrl-C (KeyboardInterrupt unwinds to a normal exit); SIGTERM and SIGHUP
+  stop them too (a handler installed with the first server), then end the process as the signal would.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import shlex
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -70,6 +73,7 @@ class ServerProcess:
                                          start_new_session=True, env=self.env)
         self.pgid = self.proc.pid  # a new session's leader: its pid is the group id
         _LIVE.add(self)
+        _stop_servers_on_termination()
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -127,6 +131,28 @@ class ServerProcess:
             pass
         finally:
             _LIVE.discard(self)
+
+
+#: signals that end a run without unwinding it (``kill``, a CI runner's time limit, a closed terminal)
+TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_servers_on_termination() -> None:
+    """Make SIGTERM/SIGHUP stop our servers first: their default action ends the process without
+    ``atexit``, which would leave every server's group running. Only where the signal still has its
+    default action (an application's own handler is left alone), and only from the main thread
+    (the only one that may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in TERMINATION_SIGNALS:
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _on_termination)
+
+
+def _on_termination(signum: int, frame: Any) -> None:
+    stop_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # end as the signal would have, exit status included
 
 
 @atexit.register
