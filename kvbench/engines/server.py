@@ -16,7 +16,9 @@ log is kept (``log_dir``, default a fresh temporary directory); its path is in t
 
 from __future__ import annotations
 
+import os
 import shlex
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,7 +102,7 @@ class ServerAdapter(EngineAdapter):
         port = free_port()
         argv = self.argv(knobs, port)
         log = self.log_dir / f"{self.preset.name}-{len(self.logs) + 1:03d}-port{port}.log"
-        server = ServerProcess(argv, log)
+        server = ServerProcess(argv, log, env=_server_env())
         self.logs.append(str(log))
         server.start()
         self._server = server
@@ -135,3 +137,14 @@ class ServerAdapter(EngineAdapter):
 
     def close(self) -> None:
         self.stop_server()
+
+
+def _server_env() -> dict[str, str]:
+    """The launched server's environment: ours, with torch's thread count as this process has it (the
+    benchmarks pin one thread at quick scale on CPU). A server left at torch's default spins a thread
+    per core and takes the cores from the client measuring it. An ``OMP_NUM_THREADS`` already set wins."""
+    env = dict(os.environ)
+    torch = sys.modules.get("torch")
+    if torch is not None and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    return env
