@@ -207,6 +207,13 @@ def others_first(engines: Sequence[str], reference: str | None) -> list[str]:
     return sorted(rest, key=lambda e: e.startswith(reference + ":"))
 
 
+def engines_reference_first(recorded: Mapping[str, Any], reference: str | None) -> list[str]:
+    """The engines a scenario recorded, each once: ``reference`` first (when it ran), then the others
+    in the order they were recorded."""
+    engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
+    return ([reference] if reference in engines else []) + [e for e in engines if e != reference]
+
+
 def ratio_headline(recorded: Mapping[str, Any], reference: str | None, *, title: str, metric: str, what: str,
                    mode: str | None = None) -> Headline:
     """"<other> ÷ <reference> <what>" as a same-run ratio with its noise, or "within noise"."""

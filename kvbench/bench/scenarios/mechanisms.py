@@ -30,6 +30,7 @@ from kvbench.bench.scenarios.declare import (
     Headline,
     Pressure,
     Score,
+    engines_reference_first,
     metric_of,
     noise_words,
     num,
@@ -110,8 +111,7 @@ class PrefixCachingRecompute(Scenario):
 
     def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
         title = "Recomputed tokens saved by prefix caching"
-        engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
-        for engine in ([reference] if reference in engines else []) + [e for e in engines if e != reference]:
+        for engine in engines_reference_first(recorded, reference):
             on = metric_of(recorded, engine, "recomputed_tokens", "prefix_caching")
             off = metric_of(recorded, engine, "recomputed_tokens", "no_prefix_caching")
             if on is None or off is None:
@@ -226,8 +226,7 @@ class ChunkedPrefillStalls(Scenario):
 
     def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
         title = "p99 TBT with vs without chunked prefill"
-        engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
-        for engine in ([reference] if reference in engines else []) + [e for e in engines if e != reference]:
+        for engine in engines_reference_first(recorded, reference):
             on_res, off_res = result_of(recorded, engine, "chunked"), result_of(recorded, engine, "unchunked")
             on = num(on_res["metrics"].get("tbt_p99")) if on_res else None
             off = num(off_res["metrics"].get("tbt_p99")) if off_res else None
@@ -335,8 +334,7 @@ class PriorityOnlineOffline(Scenario):
 
     def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
         title = "Online TTFT: priority vs FCFS"
-        engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
-        for engine in ([reference] if reference in engines else []) + [e for e in engines if e != reference]:
+        for engine in engines_reference_first(recorded, reference):
             prio, fcfs = result_of(recorded, engine, "priority"), result_of(recorded, engine, "fcfs")
             p = num(prio["metrics"].get("ttft_p50_high")) if prio else None
             f = num(fcfs["metrics"].get("ttft_p50_high")) if fcfs else None

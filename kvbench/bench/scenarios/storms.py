@@ -24,7 +24,7 @@ from kvbench.bench.scenarios.base import (
     describe_spec,
     positive,
 )
-from kvbench.bench.scenarios.declare import Headline, Pressure, Score, num, ratio_headline
+from kvbench.bench.scenarios.declare import Headline, Pressure, Score, engines_reference_first, num, ratio_headline
 from kvbench.bench.workloads import (
     ClosedLoop,
     Fixed,
@@ -207,8 +207,7 @@ class SwapSpaceExhaustion(Scenario):
 
     def headline(self, recorded: Mapping[str, Any], reference: str | None) -> Headline:
         title = "Swap-space exhaustion"
-        engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", [])))
-        for engine in ([reference] if reference in engines else []) + [e for e in engines if e != reference]:
+        for engine in engines_reference_first(recorded, reference):
             small = next((r["metrics"] for r in recorded["results"] if r["engine"] == engine
                           and r.get("mode") == "exhausted_swap_space"), None)
             if small is None:
