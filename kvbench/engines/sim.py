@@ -26,7 +26,14 @@ from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
 from kvbench.core.liveness import Liveness
 from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
-from kvbench.engines.reference import _KNOB_TO_CONFIG, STEP_DELAY_OPTION, ReferenceAdapter, _coerce, counters_of
+from kvbench.engines.reference import (
+    _KNOB_TO_CONFIG,
+    STEP_DELAY_OPTION,
+    ReferenceAdapter,
+    _coerce,
+    _Steppable,
+    counters_of,
+)
 
 #: why conformance checks skip a simulated engine
 SIMULATED_REASON = "simulated: no real tokens"
@@ -131,7 +138,7 @@ def fast_path_liveness(liveness: Liveness, engine: Any) -> Liveness:
     return dataclasses.replace(liveness, stall_steps=liveness.stall_steps + engine.config.max_model_len)
 
 
-class _SimSteppable:
+class _SimSteppable(_Steppable):  # submit and has_work as the reference engine's
     """The sim engine seen through the driver's SteppableEngine protocol, built for long runs: events
     arrive through a sink (the engine's log keeps only the latest ``max_events``, and re-reading it
     each step cost time), and per-step work is proportional to what the step touched.
@@ -140,7 +147,7 @@ class _SimSteppable:
     back as spans of steps, and go straight into the trace here, at the end times of those steps
     (the driver records everything else, as for any engine)."""
 
-    def __init__(self, engine, recorder: TraceRecorder | None = None):
+    def __init__(self, engine, recorder: TraceRecorder | None = None):  # not super(): its own event sink
         self.engine = engine
         self.recorder = recorder
         self._events: list = []
@@ -157,21 +164,11 @@ class _SimSteppable:
         if event.kind in ("admitted", "preempted", "swapped_in"):
             self._events.append(event)
 
-    def submit(self, request: Any) -> None:
-        from reference_engine import SamplingParams
-
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
-                                ignore_eos=True)
-        self.engine.add_request(request.request_id, request.prompt_token_ids, params, priority=request.priority)
-
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         if self.recorder is not None:
             spans, self.engine.lazy.closed = self.engine.lazy.closed, []
             self._record_spans(spans)
-
-    def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
 
     def step(self) -> StepReport:
         if self.recorder is not None:
