@@ -156,6 +156,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     # ------------------------------------------------------------------ the step
+    def _output_of(self, request: Request) -> RequestOutput:
+        """What ``step`` reports of a request it touched (a snapshot: its own lists copied)."""
+        return RequestOutput.of(request)
+
     def step(self) -> list[RequestOutput]:
         t0 = self.timer()
         out = self.scheduler.schedule()
@@ -164,7 +168,7 @@ class LLMEngine:
         touched = self.scheduler.update(out, sampled)
         if self.config.check_invariants:
             self.block_manager.check_invariants()
-        outputs, self._pending = self._pending + [RequestOutput.of(r) for r in touched], []
+        outputs, self._pending = self._pending + [self._output_of(r) for r in touched], []
         self.last_step = {"seconds": self.timer() - t0, "num_tokens": out.num_tokens,
                           "num_prefill_tokens": out.num_prefill_tokens, "num_decode_tokens": out.num_decode_tokens,
                           "num_preempted": out.num_preempted}
