@@ -43,6 +43,7 @@ from reference_engine.serve.protocol import (
 )
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~100k token ids as JSON, far above max_model_len of these models
+_CHOICE_ORDER = tuple(CompletionChoice.model_fields)  # the order model_dump writes a choice's fields in
 
 
 class BadRequest(Exception):
@@ -246,10 +247,16 @@ async def _until_finished(outputs: asyncio.Queue) -> RequestOutput:
 
 
 async def _sse(outputs: asyncio.Queue, render: _Renderer, reply: dict[str, Any], body: CompletionRequest,
-               abort: _once) -> AsyncIterator[str]:
+               abort: _once) -> AsyncIterator[bytes]:
     """Server-sent events: a chunk per step that produced tokens, the finish reason on the last one,
     then usage (if ``stream_options.include_usage``) and ``[DONE]``. ``abort`` is disarmed once the
-    request is over, so closing the stream afterwards aborts nothing."""
+    request is over, so closing the stream afterwards aborts nothing.
+
+    Each chunk is what ``CompletionResponse(**reply, choices=[choice]).model_dump(exclude_none=True)``
+    would serialise to, byte for byte, but written as bytes around a pre-encoded head: a chunk is sent
+    for every token of every request, and pydantic per chunk cost as much CPU as the engine's step
+    (the event loop shares the GIL with the engine thread, so that CPU comes out of the steps)."""
+    head, tail = _chunk_frame(reply)
     sent = 0
     while True:
         item = await outputs.get()
@@ -259,11 +266,10 @@ async def _sse(outputs: asyncio.Queue, render: _Renderer, reply: dict[str, Any],
             break
         new = item.token_ids[sent:]
         if new or item.finished:
-            choice = render.choice(new, item, final=item.finished)
+            fields = render.choice_fields(new, item, final=item.finished)
             if sent == 0 and body.return_token_ids:
-                choice.prompt_token_ids = render.prompt_ids
-            chunk = CompletionResponse(**reply, choices=[choice])
-            yield _event(chunk.model_dump(exclude_none=True))
+                fields = _with_prompt_ids(fields, render.prompt_ids)
+            yield head + _json(fields).encode() + tail
             sent = len(item.token_ids)
         if item.finished:
             abort.disarm()
@@ -271,11 +277,30 @@ async def _sse(outputs: asyncio.Queue, render: _Renderer, reply: dict[str, Any],
                 yield _event(CompletionResponse(**reply, choices=[], usage=render.usage(item)).model_dump(
                     exclude_none=True))
             break
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def _json(payload: Any) -> str:
+    return json.dumps(payload, separators=(",", ":"))
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return f"data: {_json(payload)}\n\n".encode()
+
+
+def _chunk_frame(reply: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The bytes of a streamed chunk before and after its one choice: ``_event`` of a
+    ``CompletionResponse`` with ``reply``'s fields is ``head + json(choice) + tail`` (JSON nests)."""
+    marker = "\x00choice\x00"
+    whole = _json(CompletionResponse(**reply, choices=[]).model_dump(exclude_none=True) | {"choices": [marker]})
+    before, _, after = whole.partition(_json(marker))
+    return f"data: {before}".encode(), f"{after}\n\n".encode()
+
+
+def _with_prompt_ids(fields: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
+    """``fields`` with ``prompt_token_ids`` in its place in :class:`CompletionChoice`'s field order."""
+    fields = {**fields, "prompt_token_ids": prompt_ids}
+    return {k: fields[k] for k in _CHOICE_ORDER if k in fields}
 
 
 class _Renderer:
@@ -288,11 +313,17 @@ class _Renderer:
         self.body, self.prompt_ids, self.codec = body, prompt_ids, codec
         self.ids: list[int] = []
         self.text = ""
+        self._continuation = codec.after(prompt_ids) if codec is not None else None
 
     def _text_of(self, ids: list[int]) -> str:
-        return self.codec.continuation(self.prompt_ids, ids) if self.codec is not None else ""
+        return self._continuation(ids) if self._continuation is not None else ""
 
     def choice(self, new_ids: list[int], out: RequestOutput, final: bool) -> CompletionChoice:
+        return CompletionChoice(**self.choice_fields(new_ids, out, final))
+
+    def choice_fields(self, new_ids: list[int], out: RequestOutput, final: bool) -> dict[str, Any]:
+        """The choice as ``CompletionChoice(...).model_dump(exclude_none=True)`` gives it: the fields in
+        the model's order, those that are None left out (the streaming path serialises this directly)."""
         start = len(self.ids)
         logprobs = None
         if self.body.logprobs is not None:
@@ -301,14 +332,18 @@ class _Renderer:
         self.ids = self.ids + list(new_ids)
         text = self._text_of(self.ids)
         delta, self.text = text[len(self.text):] if text.startswith(self.text) else text, text
-        choice = CompletionChoice(index=0, text=delta, logprobs=logprobs,
-                                  finish_reason=out.finish_reason if final else None,
-                                  num_preemptions=out.num_preemptions if final else None)
+        fields: dict[str, Any] = {"index": 0, "text": delta}
+        if logprobs is not None:
+            fields["logprobs"] = logprobs.model_dump()
+        if final and out.finish_reason is not None:
+            fields["finish_reason"] = out.finish_reason
         if self.body.return_token_ids:
-            choice.token_ids = list(new_ids)
             if not self.body.stream:
-                choice.prompt_token_ids = self.prompt_ids
-        return choice
+                fields["prompt_token_ids"] = self.prompt_ids
+            fields["token_ids"] = list(new_ids)
+        if final and out.num_preemptions is not None:
+            fields["num_preemptions"] = out.num_preemptions
+        return fields
 
     def _logprobs(self, new_ids: list[int], entries: list[TokenLogprobs]) -> CompletionLogprobs:
         """OpenAI's completions format. A token's text is what it adds to the text before it, so

@@ -9,6 +9,7 @@ leading space, for one), so ``prompt text + completion text`` re-tokenises to pr
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 
 from tokenizers import Tokenizer
 
@@ -35,10 +36,19 @@ class TextCodec:
 
     def continuation(self, prompt_ids: list[int], output_ids: list[int]) -> str:
         """The text ``output_ids`` add after ``prompt_ids``."""
-        context = prompt_ids[-CONTEXT_TOKENS:]
+        return self.after(prompt_ids)(output_ids)
+
+    def after(self, prompt_ids: list[int]) -> Callable[[list[int]], str]:
+        """``continuation`` with ``prompt_ids`` fixed: the context's own text is decoded once, not
+        once per streamed chunk (the server calls this per step of every request)."""
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
         base = self.decode(context)
-        full = self.decode(context + output_ids)
-        return full[len(base):] if full.startswith(base) else full
+
+        def text_of(output_ids: list[int]) -> str:
+            full = self.decode(context + output_ids)
+            return full[len(base):] if full.startswith(base) else full
+
+        return text_of
 
 
 def load_codec(model_dir: str | pathlib.Path) -> TextCodec | None:

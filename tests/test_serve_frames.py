@@ -1,0 +1,75 @@
+"""reference_engine.serve writes streamed chunks as bytes around a pre-encoded head, not through pydantic:
+the bytes must be exactly what ``CompletionResponse(...).model_dump(exclude_none=True)`` serialised to."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from reference_engine.outputs import RequestOutput
+from reference_engine.sampling_params import TokenLogprobs
+from reference_engine.serve import app
+from reference_engine.serve.detokenize import load_codec
+from reference_engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+
+PROMPT = [5, 6, 7, 8, 9]
+#: non-ASCII and a quote: json.dumps escapes them, and the head must have done the same
+REPLY = {"id": "cmpl-\u00e9x", "created": 1234, "model": 'tiny "\u2603"'}
+
+
+def _outputs(steps: list[int], logprobs: int | None) -> list[RequestOutput]:
+    """Cumulative outputs of one request producing ``steps[i]`` tokens at step ``i``, then finished."""
+    items, ids, lps = [], [], []
+    for s, k in enumerate(steps):
+        new = [(37 * (len(ids) + j) + 11) % 500 for j in range(k)]
+        lps += [TokenLogprobs(t, -0.125 * (len(ids) + j), tuple((u, -0.5 - u / 1000) for u in range(logprobs or 0)))
+                for j, t in enumerate(new)]
+        ids = ids + new
+        last = s == len(steps) - 1
+        items.append(RequestOutput("r", PROMPT, list(ids), last, "length" if last else None, 2 if last else 0, 0, 0,
+                                   list(lps) if logprobs is not None else None))
+    return items
+
+
+def _pydantic_events(body: CompletionRequest, items: list[RequestOutput], codec) -> bytes:
+    """The stream as it was written before the fast path: a pydantic model per chunk."""
+    render = app._Renderer(body, PROMPT, codec)
+    out, sent = [], 0
+    for item in items:
+        new = item.token_ids[sent:]
+        if new or item.finished:
+            choice = CompletionChoice(**render.choice_fields(new, item, final=item.finished))
+            if sent == 0 and body.return_token_ids:
+                choice.prompt_token_ids = PROMPT
+            chunk = CompletionResponse(**REPLY, choices=[choice]).model_dump(exclude_none=True)
+            out.append(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode())
+            sent = len(item.token_ids)
+    out.append(b"data: [DONE]\n\n")
+    return b"".join(out)
+
+
+async def _streamed(body: CompletionRequest, items: list[RequestOutput], codec) -> bytes:
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in items:
+        queue.put_nowait(item)
+    chunks = [c async for c in app._sse(queue, app._Renderer(body, PROMPT, codec), REPLY, body,
+                                        app._once(lambda: None))]
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("return_token_ids", [False, True])
+@pytest.mark.parametrize("logprobs", [None, 2])
+@pytest.mark.parametrize("with_codec", [False, True])
+def test_streamed_chunks_are_the_pydantic_bytes(tiny_ckpt: str, return_token_ids: bool, logprobs: int | None,
+                                                with_codec: bool) -> None:
+    codec = load_codec(tiny_ckpt) if with_codec else None
+    body = CompletionRequest(prompt=PROMPT, max_tokens=8, stream=True, return_token_ids=return_token_ids,
+                             logprobs=logprobs)
+    items = _outputs([1, 3, 0, 2], logprobs)
+    fast = asyncio.run(_streamed(body, items, codec))
+    assert fast == _pydantic_events(body, items, codec)
+    first = json.loads(fast.split(b"\n\n")[0].removeprefix(b"data: "))
+    assert first["model"] == REPLY["model"]
+    assert ("prompt_token_ids" in first["choices"][0]) == return_token_ids
