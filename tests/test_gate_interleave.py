@@ -44,12 +44,23 @@ class TwoJobs(sc.Scenario):
         return outcome
 
 
+class FakeTime:
+    """A stand-in for the ``time`` module of :mod:`kvbench.bench.lockstep` whose ``perf_counter``
+    moves only when a fake step says so: durations are then exact, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 class _Engine:
     """A steppable engine: every running request gets one token per step; each step logs its name
-    and sleeps ``step_s``."""
+    and takes ``step_s``: slept, or added to ``fake_time`` when one is given."""
 
-    def __init__(self, name: str, log: list[str], step_s: float):
-        self.name, self.log, self.step_s = name, log, step_s
+    def __init__(self, name: str, log: list[str], step_s: float, fake_time: FakeTime | None = None):
+        self.name, self.log, self.step_s, self.fake_time = name, log, step_s, fake_time
         self.left: dict[str, int] = {}
 
     def submit(self, request: Any) -> None:
@@ -63,7 +74,10 @@ class _Engine:
 
     def step(self) -> StepReport:
         self.log.append(self.name)
-        time.sleep(self.step_s)
+        if self.fake_time is not None:
+            self.fake_time.now += self.step_s
+        else:
+            time.sleep(self.step_s)
         new = dict.fromkeys(self.left, 1)
         for rid in new:
             self.left[rid] -= 1
@@ -81,9 +95,10 @@ class FakeAdapter(EngineAdapter):
     capabilities = frozenset()
 
     def __init__(self, name: str, log: list[str], *, steppable: bool = True, step_s: float = 0.0,
-                 fail_on: str | None = None):
+                 fail_on: str | None = None, fake_time: FakeTime | None = None):
         super().__init__("/nonexistent", name=name)
         self.log, self.steppable, self.step_s, self.fail_on = log, steppable, step_s, fail_on
+        self.fake_time = fake_time
 
     def generate(self, requests, knobs=DEFAULT_KNOBS):  # pragma: no cover - not used
         raise NotImplementedError
@@ -92,7 +107,8 @@ class FakeAdapter(EngineAdapter):
         self.log.append(f"serve {self.name} {workload.name}")
         if workload.name == self.fail_on:
             raise RuntimeError(f"{self.name} broke on {workload.name}")
-        drive(_Engine(self.name, self.log, self.step_s), workload.requests, recorder, step_seconds=step_seconds)
+        drive(_Engine(self.name, self.log, self.step_s, self.fake_time), workload.requests, recorder,
+              step_seconds=step_seconds)
 
 
 def test_rounds_serve_each_job_on_every_engine_before_the_next_job():
@@ -116,16 +132,26 @@ def test_steppable_engines_take_turns_step_by_step():
     assert steps == ["A", "B"] * 6
 
 
-def test_each_engine_is_timed_on_its_own_clock():
-    """B's slow steps are not A's time: A's trace measures only A's own steps."""
+def test_each_engine_is_timed_on_its_own_clock(monkeypatch: pytest.MonkeyPatch):
+    """B's slow steps are not A's time: A's trace measures only A's own steps.
+
+    The lockstep clock reads a fake ``perf_counter`` that only the engines' steps move (A's take no
+    time, B's 50 ms each), so the durations are exact: with real sleeps a loaded machine could
+    stall A's own steps for as long as B's and the comparison would say nothing."""
+    import kvbench.bench.lockstep as lockstep
+
+    fake = FakeTime()
+    monkeypatch.setattr(lockstep, "time", fake)
     log: list[str] = []
-    adapters = {"A": FakeAdapter("A", log, step_s=0.0), "B": FakeAdapter("B", log, step_s=0.05)}
+    adapters = {"A": FakeAdapter("A", log, step_s=0.0, fake_time=fake),
+                "B": FakeAdapter("B", log, step_s=0.05, fake_time=fake)}
     result = sc.run_interleaved(TwoJobs(), adapters, MODEL, "quick", repeats=1, step_seconds=0.01)
     a, b = (result[n].entries[0].trace for n in ("A", "B"))
-    assert b.duration >= 3 * 0.05 * 0.9  # B's three steps
-    assert a.duration < 0.05  # A never waits its 3 x 50 ms for B inside its own time
+    assert fake.now == pytest.approx(2 * 3 * 0.05)  # both jobs' B steps ran on the fake clock
+    assert b.duration == pytest.approx(3 * 0.05)  # B's three steps
+    assert a.duration == pytest.approx(0.0, abs=1e-9)  # A never waits its 3 x 50 ms for B inside its own time
     first_token_gaps = [r.token_times[0] - r.arrival for r in a.requests.values()]
-    assert max(first_token_gaps) < 0.05
+    assert max(first_token_gaps) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_a_broken_engine_fails_only_itself():
