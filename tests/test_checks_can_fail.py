@@ -10,7 +10,6 @@ block managers in ``tests/test_stateful.py::test_machine_catches_a_broken_manage
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -164,12 +163,12 @@ def test_metrics_truth_fails_on_a_lying_counter(mode, fault, match, model_dir, r
 # ----------------------------------------------------------------------------------- liveness
 def test_a_livelocked_engine_fails_its_check_quickly_naming_the_stuck_requests(model_dir, truth, requests_greedy,
                                                                               truth_engine):
-    started = time.monotonic()
+    # "quickly" is decided by what fired, not by a stopwatch: the 200-step limit (the message says
+    # "200 steps"), not the 60 s no-progress limit, whose message gives seconds instead
     message = assert_fails(test_equivalence.test_recompute_preemption_equivalence,
                            r"no token and no state change for 200 steps", engine=faulty("livelock", model_dir),
                            truth=truth, requests_greedy=requests_greedy, truth_engine=truth_engine, near_ties=[])
     assert re.search(r"r00\d\d \((running|waiting)", message), message
-    assert time.monotonic() - started < 30, "the watchdog took too long to call it"
 
 
 def test_the_driver_watchdog_names_stuck_requests_of_a_timed_run(model_dir):
