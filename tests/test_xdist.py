@@ -257,13 +257,26 @@ def test_builtin_checkpoint_is_written_once_by_concurrent_callers(tmp_path: Path
 
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     writes: list[Path] = []
+    # The first writer waits until every caller has reached the lock (an event, not a sleep that a
+    # loaded machine could outlast), so the other three are contending for it while it writes.
+    at_lock = threading.Condition()
+    callers = {"n": 0}
+    real_lock = checkpoints.FileLock
 
-    def slow_write(out_dir, preset, seed):  # slow enough that every caller arrives while the first writes
+    def counted_lock(*args, **kwargs):
+        with at_lock:
+            callers["n"] += 1
+            at_lock.notify_all()
+        return real_lock(*args, **kwargs)
+
+    def slow_write(out_dir, preset, seed):
         writes.append(Path(out_dir))
-        threading.Event().wait(0.5)
+        with at_lock:
+            assert at_lock.wait_for(lambda: callers["n"] == 4, timeout=30), "not every caller reached the lock"
         (Path(out_dir) / "config.json").write_text("{}")
         (Path(out_dir) / "model.safetensors").write_bytes(b"x")
 
+    monkeypatch.setattr(checkpoints, "FileLock", counted_lock)
     monkeypatch.setattr(checkpoint, "write_checkpoint", slow_write)
     got: list[Path] = []
     threads = [threading.Thread(target=lambda: got.append(checkpoints.builtin_checkpoint("tiny"))) for _ in range(4)]
@@ -286,10 +299,13 @@ def test_without_the_lock_concurrent_callers_write_twice(tmp_path: Path, monkeyp
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     monkeypatch.setattr(checkpoints, "FileLock", lambda *a, **k: contextlib.nullcontext())
     writes: list[Path] = []
+    # every caller is inside the write before any finishes: the overlap the lock exists for, made
+    # certain by a barrier rather than hoped for with a sleep
+    all_writing = threading.Barrier(3, timeout=30)
 
     def slow_write(out_dir, preset, seed):
         writes.append(Path(out_dir))
-        threading.Event().wait(0.5)
+        all_writing.wait()
         (Path(out_dir) / "config.json").write_text("{}")
         (Path(out_dir) / "model.safetensors").write_bytes(b"x")
 
