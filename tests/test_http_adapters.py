@@ -473,11 +473,19 @@ def test_reference_server_invalid_configuration_is_named_by_the_server(model_dir
 
 def test_process_group_is_signalled_not_just_the_leader(tmp_path):
     """A server that forks a child which ignores SIGTERM: stop() still leaves nothing of the group."""
-    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
-    leader = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(300)"
+    ready = tmp_path / "child-ignores-sigterm"
+    child = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "pathlib.Path(sys.argv[1]).touch(); time.sleep(300)")
+    leader = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}, {str(ready)!r}]); "
+              "time.sleep(300)")
     server = ServerProcess([sys.executable, "-c", leader], tmp_path / "fork.log")
     server.start()
-    time.sleep(1.0)
+    # stop only once the child exists and ignores SIGTERM (a fixed sleep could stop a group whose
+    # child was not forked yet on a loaded machine, and the test would pass proving nothing)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.01)
     server.stop(term_timeout=2.0, kill_timeout=5.0)
     assert not group_alive(server.pgid)
     with pytest.raises(ProcessLookupError):
