@@ -6,6 +6,7 @@ does not hide behind the soak's ``--soak`` flag.
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 
@@ -48,6 +49,9 @@ def test_growth_flags_a_leak_and_not_a_warm_up():
 def test_proc_readers_see_sockets_threads_and_memory_change():
     if rss_bytes() is None:
         pytest.skip("no /proc here")
+    # Earlier tests' unreachable sockets (in reference cycles) close whenever the collector runs, which
+    # the allocations below could trigger mid-count: collect them now, before the baselines.
+    gc.collect()
     sockets_before, threads_before = socket_count(), thread_count()
     held = [socket.socket() for _ in range(3)]
     stop = threading.Event()
