@@ -19,7 +19,11 @@ Per finished or aborted request: ``vllm:prefix_cache_queries_total`` += prompt l
 "recompute"}`` += 1, ``vllm:generation_tokens_total`` += tokens sent, and
 ``vllm:request_success_total{finished_reason}`` += 1 ("abort" for a closed stream).
 
-A raw ASGI application (no framework) so the stub costs as little per chunk as uvicorn allows.
+A bare asyncio protocol (no framework, no ASGI server; uvloop's loop where installed) that answers a
+streamed completion with one write of pre-built bytes: the stub must cost far less per token than the
+driver it is the yardstick for. ``--cpu N`` pins it to one CPU, so that a benchmark can keep it off
+the driver's core. ``--per-token-writes`` writes each event on its own (yielding to the loop between
+them) as a server that emits tokens one by one would, still without waiting.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+import os
+import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +50,7 @@ def stub_token(prompt: list[int], i: int) -> int:
 @dataclass
 class StubState:
     token_delay: float = 0.0
+    per_token_writes: bool = False
     return_ids: bool = True
     max_model_len: int = 2048
     config: dict[str, str] = field(default_factory=dict)
@@ -53,6 +60,7 @@ class StubState:
     preemptions: int = BASE_TOTAL // 10
     generated: int = BASE_TOTAL
     finished: dict[str, int] = field(default_factory=lambda: {"length": 0, "stop": 0, "abort": 0})
+    bursts: dict[tuple[int, int], bytes] = field(default_factory=dict)  # pre-built streamed bodies
 
     def count(self, prompt_len: int, tokens: int, reason: str) -> None:
         self.queries += prompt_len
@@ -82,21 +90,39 @@ class StubState:
         return "\n".join(lines) + "\n"
 
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-async def _respond(send: Send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
-    await send({"type": "http.response.body", "body": body})
-
-
 def _error(message: str, param: str | None) -> bytes:
     return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": param,
                                  "code": 400}}).encode()
 
 
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 413: "Payload Too Large"}
 _EVENT_HEAD = 'data: {"id":"cmpl-stub","object":"text_completion","model":"stub","choices":['
+_LAST_CHUNK = b"0\r\n\r\n"
+MAX_HEAD = 64 * 1024  # a request head longer than this is refused (a stub has no reason to buffer more)
+_BURSTS = 4096  # pre-built streamed bodies kept (the bodies' variety: prompt sum mod the vocabulary x lengths)
+
+
+def _head(status: int, content_type: str, close: bool, length: int | None) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}", f"content-type: {content_type}"]
+    if length is None:
+        lines += ["transfer-encoding: chunked", "cache-control: no-cache"]
+    else:
+        lines.append(f"content-length: {length}")
+    if close:
+        lines.append("connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _chunk(payload: bytes) -> bytes:
+    """One HTTP/1.1 chunk (a server that streams frames each SSE event as its own chunk, as uvicorn does)."""
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+def _event(token: int, last: bool, return_ids: bool) -> bytes:
+    finish = '"length"' if last else "null"
+    ids_field = f',"token_ids":[{token}]' if return_ids else ""
+    # formatted, not json.dumps'd: the stub must cost far less per token than the driver it measures
+    return f'{_EVENT_HEAD}{{"index":0,"text":" t{token}"{ids_field},"finish_reason":{finish}}}]}}\n\n'.encode()
 
 
 def _choice(state: StubState, ids: list[int], finish: str | None) -> dict[str, Any]:
@@ -106,93 +132,158 @@ def _choice(state: StubState, ids: list[int], finish: str | None) -> dict[str, A
     return choice
 
 
-class StubApp:
-    """The ASGI application."""
+class StubProtocol(asyncio.Protocol):
+    """One HTTP/1.1 connection: requests parsed from the bytes as they come (``Content-Length`` bodies),
+    answered in order, kept alive unless the client says ``Connection: close`` or speaks HTTP/1.0.
+
+    A streamed completion without ``token_delay`` (and without ``per_token_writes``) is answered with
+    one write of pre-built bytes (head, one chunk per SSE event, ``[DONE]``, the last chunk): the least
+    a server can cost per token. With a delay (or ``per_token_writes``, a delay of 0) each event is its
+    own write after ``await asyncio.sleep(delay)``, and a client that closes its connection before the
+    last token is counted as an abort."""
 
     def __init__(self, state: StubState):
         self.state = state
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.busy = False  # a streamed answer is being written: later requests wait in ``buf``
+        self.lost = False
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        path, method = scope["path"], scope["method"]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.busy:
+            self._serve_buffered()
+
+    def _serve_buffered(self) -> None:
+        while not self.lost and not self.busy:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buf) > MAX_HEAD:
+                    self._answer(413, _error("request head too long", None), close=True)
+                return
+            lines = self.buf[:end].decode("latin-1").split("\r\n")
+            try:
+                method, target, version = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
+                length = int(headers.get("content-length", "0"))
+            except ValueError:
+                self._answer(400, _error("malformed request", None), close=True)
+                return
+            if len(self.buf) < end + 4 + length:
+                return  # the body is still on its way
+            body, self.buf = self.buf[end + 4:end + 4 + length], self.buf[end + 4 + length:]
+            close = version != "HTTP/1.1" or headers.get("connection", "").lower() == "close"
+            self._route(method, target.split("?", 1)[0], body, close)
+
+    def _answer(self, status: int, body: bytes, close: bool, content_type: str = "application/json") -> None:
+        assert self.transport is not None
+        self.transport.write(_head(status, content_type, close, len(body)) + body)
+        if close:
+            self.transport.close()
+            self.lost = True  # nothing more is read from a connection closed here
+
+    def _route(self, method: str, path: str, body: bytes, close: bool) -> None:
         if path == "/health":
-            await _respond(send, 200, b"")
+            self._answer(200, b"", close)
         elif path == "/v1/models":
-            await _respond(send, 200, b'{"object":"list","data":[{"id":"stub","object":"model"}]}')
+            self._answer(200, b'{"object":"list","data":[{"id":"stub","object":"model"}]}', close)
         elif path == "/metrics":
-            await _respond(send, 200, self.state.metrics().encode(), b"text/plain; version=0.0.4")
+            self._answer(200, self.state.metrics().encode(), close, "text/plain; version=0.0.4")
         elif path == "/v1/completions" and method == "POST":
-            await self.completions(receive, send)
+            self._completions(body, close)
         else:
-            await _respond(send, 404, _error(f"no route {method} {path}", None))
+            self._answer(404, _error(f"no route {method} {path}", None), close)
 
-    async def completions(self, receive: Receive, send: Send) -> None:
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+    def _completions(self, raw: bytes, close: bool) -> None:
+        state = self.state
         try:
             req = json.loads(raw)
         except ValueError:
-            await _respond(send, 400, _error("body is not JSON", None))
+            self._answer(400, _error("body is not JSON", None), close)
+            return
+        if not isinstance(req, dict):
+            self._answer(400, _error("body must be a JSON object", None), close)
             return
         prompt, max_tokens = req.get("prompt"), req.get("max_tokens", 16)
         if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
-            await _respond(send, 400, _error("prompt must be a non-empty list of token ids", "prompt"))
+            self._answer(400, _error("prompt must be a non-empty list of token ids", "prompt"), close)
             return
         if not isinstance(max_tokens, int) or max_tokens < 1:
-            await _respond(send, 400, _error(f"max_tokens must be >= 1, got {max_tokens!r}", "max_tokens"))
+            self._answer(400, _error(f"max_tokens must be >= 1, got {max_tokens!r}", "max_tokens"), close)
             return
-        if len(prompt) + max_tokens > self.state.max_model_len:
-            await _respond(send, 400, _error(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
-                                             f"max_model_len={self.state.max_model_len}", "prompt"))
+        if len(prompt) + max_tokens > state.max_model_len:
+            self._answer(400, _error(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                     f"max_model_len={state.max_model_len}", "prompt"), close)
             return
-        ids = [stub_token(prompt, i) for i in range(max_tokens)]
         if not req.get("stream"):
-            self.state.count(len(prompt), len(ids), "length")
-            body = {"id": "cmpl-stub", "object": "text_completion", "model": "stub",
-                    "choices": [_choice(self.state, ids, "length")]}
-            await _respond(send, 200, json.dumps(body).encode())
+            ids = [stub_token(prompt, i) for i in range(max_tokens)]
+            state.count(len(prompt), len(ids), "length")
+            out = {"id": "cmpl-stub", "object": "text_completion", "model": "stub",
+                   "choices": [_choice(state, ids, "length")]}
+            self._answer(200, json.dumps(out).encode(), close)
             return
-        await self.stream(receive, send, prompt, ids)
+        head = _head(200, "text/event-stream", close, None)
+        if state.token_delay or state.per_token_writes:
+            self.busy = True
+            task = asyncio.ensure_future(self._stream_slowly(head, prompt, max_tokens, close))
+            task.add_done_callback(self._streamed)
+            return
+        assert self.transport is not None
+        self.transport.write(head + self._burst(prompt, max_tokens))
+        state.count(len(prompt), max_tokens, "length")
+        if close:
+            self.transport.close()
+            self.lost = True
 
-    async def stream(self, receive: Receive, send: Send, prompt: list[int], ids: list[int]) -> None:
-        state = self.state
-        disconnected = asyncio.Event()
+    def _burst(self, prompt: list[int], max_tokens: int) -> bytes:
+        """The whole streamed body, built once per (prompt's token sum mod the vocabulary, length)."""
+        key = (sum(prompt) % (VOCAB - FIRST_ORDINARY_ID), max_tokens)
+        body = self.state.bursts.get(key)
+        if body is None:
+            events = [_chunk(_event(stub_token(prompt, i), i == max_tokens - 1, self.state.return_ids))
+                      for i in range(max_tokens)]
+            body = b"".join(events) + _chunk(b"data: [DONE]\n\n") + _LAST_CHUNK
+            if len(self.state.bursts) >= _BURSTS:
+                self.state.bursts.clear()
+            self.state.bursts[key] = body
+        return body
 
-        async def watch() -> None:  # the only way an ASGI app learns that the client went away
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected.set()
-
-        watcher = asyncio.ensure_future(watch())
+    async def _stream_slowly(self, head: bytes, prompt: list[int], max_tokens: int, close: bool) -> None:
+        state, transport = self.state, self.transport
+        assert transport is not None
         state.running += 1
         sent = 0
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-            for i, token in enumerate(ids):
-                if disconnected.is_set():
+            transport.write(head)
+            for i in range(max_tokens):
+                await asyncio.sleep(state.token_delay)
+                if self.lost:
                     break
-                if state.token_delay:
-                    await asyncio.sleep(state.token_delay)
-                finish = '"length"' if i == len(ids) - 1 else "null"
-                ids_field = f',"token_ids":[{token}]' if state.return_ids else ""
-                # formatted, not json.dumps'd: the stub must cost far less per token than the driver it measures
-                event = (f'{_EVENT_HEAD}{{"index":0,"text":" t{token}"{ids_field},"finish_reason":{finish}}}]}}\n\n')
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                transport.write(_chunk(_event(stub_token(prompt, i), i == max_tokens - 1, state.return_ids)))
                 sent += 1
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            if not self.lost:  # written in the same callback as the last token: no abort can fall between
+                transport.write(_chunk(b"data: [DONE]\n\n") + _LAST_CHUNK)
         finally:
             state.running -= 1
-            watcher.cancel()
-            state.count(len(prompt), sent, "length" if sent == len(ids) and not disconnected.is_set() else "abort")
+            state.count(len(prompt), sent, "length" if sent == max_tokens and not self.lost else "abort")
+        if close:
+            transport.close()
+            self.lost = True
+
+    def _streamed(self, task: asyncio.Future[None]) -> None:
+        self.busy = False
+        if not task.cancelled() and task.exception() is not None:  # a bug here: say so, drop the connection
+            print(f"stub: stream failed: {task.exception()!r}", file=sys.stderr, flush=True)
+            if self.transport is not None:
+                self.transport.close()
+            self.lost = True
+        self._serve_buffered()
 
 
 #: engine flags (vLLM's names, as the reference server takes them) echoed into vllm:cache_config_info
@@ -211,7 +302,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="stub", help="ignored (accepted so preset command templates fit)")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds before each streamed token")
+    p.add_argument("--per-token-writes", action="store_true",
+                   help="write each streamed event on its own, yielding between them (default: one write)")
     p.add_argument("--no-token-ids", action="store_true", help="return text only, no token_ids")
+    p.add_argument("--cpu", type=int, default=None,
+                   help="pin the stub to this CPU (os.sched_setaffinity), e.g. off the driver's core")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--fail-on-start", default=None, help="exit 3 at start-up printing this message (tests)")
     for flag in ENGINE_FLAGS:
@@ -221,22 +316,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+async def serve(state: StubState, host: str, port: int) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: StubProtocol(state), host, port, backlog=2048, reuse_address=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+
+
 def main(argv: list[str] | None = None) -> None:
-    import sys
-
-    import uvicorn
-
     args = parse_args(argv)
     if args.fail_on_start:
         print(args.fail_on_start, file=sys.stderr, flush=True)
         raise SystemExit(3)
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
     config = {label: getattr(args, flag[2:].replace("-", "_")) for flag, label in {**ENGINE_FLAGS, **SWITCHES}.items()}
     config = {k: str(v) for k, v in config.items() if v is not None}
     config["max_model_len"] = str(args.max_model_len)
-    state = StubState(token_delay=args.token_delay, return_ids=not args.no_token_ids,
-                      max_model_len=args.max_model_len, config=config)
-    uvicorn.run(StubApp(state), host=args.host, port=args.port, log_level="warning", access_log=False,
-                lifespan="on")
+    state = StubState(token_delay=args.token_delay, per_token_writes=args.per_token_writes,
+                      return_ids=not args.no_token_ids, max_model_len=args.max_model_len, config=config)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(state, args.host, args.port))
+    else:
+        uvloop.run(serve(state, args.host, args.port))
 
 
 if __name__ == "__main__":
