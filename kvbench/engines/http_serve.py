@@ -117,14 +117,21 @@ async def _serve_one(client: CompletionClient, req: Any, arrival: float,
     task = asyncio.ensure_future(client.stream(_body(client, req, True), on_tokens, clock=recorder.now,
                                                started=started))
     abort_at = getattr(req, "abort_at", None)
-    timeout = None if abort_at is None else max(0.0, arrival + abort_at - recorder.now())
-    try:
-        done: Completion = await asyncio.wait_for(asyncio.shield(task), timeout=timeout)
-    except TimeoutError:
-        done = await _abort(task, started, req)
-        if done is None:
-            recorder.finished(rid, recorder.now(), "abort")
-            return
+    deadline = None if abort_at is None else arrival + abort_at
+    while True:
+        timeout = None if deadline is None else max(0.0, deadline - recorder.now())
+        try:
+            done: Completion = await asyncio.wait_for(asyncio.shield(task), timeout=timeout)
+            break
+        except TimeoutError:
+            if deadline is not None and recorder.now() < deadline:
+                continue  # the timer fired early (uvloop's round to the millisecond): not time to abort yet
+            aborted = await _abort(task, started, req)
+            if aborted is None:
+                recorder.finished(rid, recorder.now(), "abort")
+                return
+            done = aborted
+            break
     recorder.finished(rid, recorder.now(), done.finish_reason or "error")
     stats.requests += 1
 
