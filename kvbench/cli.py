@@ -17,7 +17,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from kvbench import __version__
 from kvbench.bench import gate
@@ -165,17 +165,57 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 # kvbench calibrate / simulate (the capacity-planning simulator, kvbench.engines.sim)
 
 
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    """``"32,192,512"`` as integers; CLIError naming ``flag`` otherwise."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+#: ``kvbench calibrate``'s design flags, by the ``Design`` field each sets
+_CALIBRATE_FLAGS = {"contexts": "--contexts", "decode_batches": "--batches", "prefills": "--prefills",
+                    "heldout_contexts": "--heldout", "repeats": "--repeats"}
+
+
+def _calibrate_flags_named(text: str) -> str:
+    """``Design.contexts=...`` in an error as ``--contexts (Design.contexts)=...``: the flag the user typed."""
+    for key, flag in _CALIBRATE_FLAGS.items():
+        text = text.replace(f"Design.{key}=", f"{flag} (Design.{key})=")
+    return text
+
+
 def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.engines.sim import calibrate_profile
+    from kvbench.engines.calibrate import Design, calibrate_profile
 
     if args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    design_args: dict[str, Any] = {}
+    for key, flag in _CALIBRATE_FLAGS.items():
+        value = getattr(args, key)
+        if value is not None:
+            design_args[key] = value if isinstance(value, int) else _int_list(flag, value)
+    try:
+        design = Design(**design_args)
+    except ValueError as e:
+        raise CLIError(_calibrate_flags_named(str(e))) from None
     model = args.model
     if model is None:
         from kvbench.checkpoints import builtin_checkpoint
 
         model = str(builtin_checkpoint("tiny"))
-    print(calibrate_profile(model, args.output, name=args.name, torch_threads=args.threads), file=out)
+
+    def progress(line: str) -> None:
+        print(f"  {line}", file=out, flush=True)
+
+    print(f"calibrating on {model}: {len(design.cells())} cells to serve, fitted to served step intervals",
+          file=out, flush=True)
+    try:
+        report = calibrate_profile(model, args.output, name=args.name, design=design, torch_threads=args.threads,
+                                   progress=progress)
+    except ValueError as e:  # e.g. a cell that does not fit this model's max_model_len
+        raise CLIError(_calibrate_flags_named(str(e))) from None
+    print(report, file=out)
     return EXIT_OK
 
 
@@ -273,15 +313,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=48, help="device KV pool in blocks of 16 tokens")
     p.set_defaults(handler=_cmd_demo)
 
-    p = sub.add_parser("calibrate", help="fit the simulator's step cost model to the reference engine on this "
-                       "machine and save a hardware profile",
-                       description="Run the reference engine over a designed set of batch shapes (prefill sizes x "
-                                   "decode batch x context), fit the cost model's coefficients by non-negative "
-                                   "least squares and save the profile; prints the fit's error on held-out shapes.")
+    p = sub.add_parser("calibrate", help="fit the simulator's step cost model to the reference engine as kvbench "
+                       "serves it on this machine, and save a hardware profile",
+                       description="Serve the reference engine through kvbench's driver (step clock) over a designed "
+                                   "set of batch shapes: for each context x decode batch cell, the decodes run alone, "
+                                   "then a prefill of each size joins them for one step. Every step's shape and the "
+                                   "interval from the previous step's end to its end (engine step + the driver's "
+                                   "per-step work + releases) are recorded; the cost model's coefficients plus a "
+                                   "per-request term are fitted by non-negative least squares in seconds on the cells "
+                                   "outside --heldout. Swap copies are timed separately (1-64 blocks). Prints "
+                                   "progress per cell, then the fit's error (median and p90 relative error per "
+                                   "interval, R²) on the fitted and the held-out cells; the same figures are saved in "
+                                   "the profile's \"fit\". Load the profile with --engine sim:hardware=PROFILE.json.")
     p.add_argument("--model", metavar="DIR", help="checkpoint to calibrate on (default: the built-in tiny model)")
     p.add_argument("-o", "--output", default="profiles/this-machine.json", metavar="PROFILE.json")
     p.add_argument("--name", default="this-machine")
     p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (default 1)")
+    p.add_argument("--contexts", metavar="N,N,...", help="context tokens of the decodes, one cell row each "
+                   "(default 32,192,512)")
+    p.add_argument("--batches", dest="decode_batches", metavar="N,N,...", help="decode batch sizes (default 1,8,24)")
+    p.add_argument("--prefills", metavar="N,N,...", help="prefill tokens joining the decodes (default 16,96,384)")
+    p.add_argument("--heldout", dest="heldout_contexts", metavar="N,...", help="contexts held out of the fit to "
+                   "measure its error; each one of --contexts (default 192)")
+    p.add_argument("--repeats", type=int, help="joins per prefill size per cell (default 3)")
     p.set_defaults(handler=_cmd_calibrate)
 
     p = sub.add_parser("simulate", help="simulate the evening surge at scale on a sim engine; a capacity plan",

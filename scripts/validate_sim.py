@@ -23,7 +23,6 @@ whether every count (preemptions by mode, recomputed tokens) is equal. Exit stat
 from __future__ import annotations
 
 import argparse
-import bisect
 import os
 import statistics
 import sys
@@ -33,59 +32,14 @@ import time
 from kvbench.bench import metrics
 from kvbench.bench import scenarios as sc
 from kvbench.checkpoints import builtin_checkpoint
+from kvbench.engines.calibrate import base_profile, interval_samples, recording
 from kvbench.engines.registry import EngineSpec, make_adapter, parse_engine_spec
-from reference_engine.sim import CostModel, HardwareProfile, StepShape, load_model_shape
-from reference_engine.sim.calibrate import (
-    Grid,
-    IntervalSample,
-    copy_bandwidth,
-    fit_intervals,
-    fit_swap,
-    interval_errors,
-    peak_flops,
-)
+from reference_engine.sim import CostModel, load_model_shape
+from reference_engine.sim.calibrate import Design, IntervalSample, fit_intervals, interval_errors
 
 TIMES = ("output_throughput", "ttft_p50", "ttft_p99", "tbt_p99")
 COUNTS = ("preemptions_recompute", "preemptions_swap", "recomputed_tokens")
 STEP_SECONDS = 0.01
-
-
-def recording(adapter):
-    """Make ``adapter`` record each engine's step shapes: ``adapter.shape_runs`` gets one list per
-    engine it builds (one per served job, in order)."""
-    adapter.shape_runs = []
-    build = adapter.build_engine
-
-    def build_engine(*args, **kwargs):
-        engine = build(*args, **kwargs)
-        shapes: list[StepShape] = []
-        adapter.shape_runs.append(shapes)
-        execute = engine.runner.execute
-
-        def capture(out):
-            shapes.append(StepShape.of_chunks((c.start, c.num_tokens, c.completes) for c in out.chunks))
-            return execute(out)
-
-        engine.runner.execute = capture
-        return engine
-
-    adapter.build_engine = build_engine
-    return adapter
-
-
-def interval_samples(trace, shapes: list[StepShape], group: str) -> list[IntervalSample]:
-    """One sample per step of a served trace: its shape, the arrivals released since the previous
-    step ended, and the interval from that end to this step's end."""
-    if len(shapes) != len(trace.steps):
-        raise RuntimeError(f"{group}: {len(shapes)} shapes for {len(trace.steps)} steps")
-    arrivals = sorted(r.arrival for r in trace.requests.values())
-    out, prev = [], None
-    for shape, step in zip(shapes, trace.steps, strict=True):
-        start = step.t - step.duration if prev is None else prev
-        released = bisect.bisect_right(arrivals, step.t) - bisect.bisect_right(arrivals, start)
-        out.append(IntervalSample(shape, released, step.t - start, group))
-        prev = step.t
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,12 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(builtin_checkpoint("tiny"))
     names = args.scenario or list(sc.SCENARIOS)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
-    flops, bandwidth = peak_flops(), copy_bandwidth()
-    per_copy, link = fit_swap(model_dir, Grid(), bandwidth)
-    base = HardwareProfile("served-fit", compute_flops=flops, memory_bandwidth=bandwidth, link_bandwidth=bandwidth,
-                           memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-                           combine="sum", dtype="float32")
-    base = base.with_coefficients(base.coefficients.__class__(link=link, per_copy_s=per_copy))
+    base = base_profile(model_dir, Design(), "served-fit")  # peak rates and swap terms, as kvbench calibrate
     cost = CostModel(load_model_shape(model_dir), base)
     model = sc.Model.from_dir(model_dir, "tiny")
 

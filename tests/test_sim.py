@@ -26,7 +26,7 @@ from reference_engine.sim import (
     load_model_shape,
     load_profile,
 )
-from reference_engine.sim.calibrate import Sample, fit_coefficients, nnls
+from reference_engine.sim.calibrate import Design, IntervalSample, fit_error, nnls
 
 
 @pytest.fixture(scope="module")
@@ -111,21 +111,93 @@ def test_models_load_from_a_config_json(tiny):
 
 
 # ------------------------------------------------------------------------------ calibration
-def test_calibration_fit_recovers_known_coefficients_from_synthetic_steps(tiny):
-    shape = load_model_shape(tiny)
-    base = HardwareProfile("synthetic", 1e11, 5e9, 5e9, 1e10, combine="sum", dtype="float32")
-    truth = Coefficients(fixed_s=1.2e-3, per_seq_s=40e-6, dense=1.7, attention=6.0, memory=2.5)
-    true_cost = CostModel(shape, base.with_coefficients(truth))
-    rng = np.random.default_rng(0)
-    samples = []
-    for _ in range(80):
+def _synthetic_intervals(cost: CostModel, n: int, seed: int, per_request_s: float = 0.0) -> list[IntervalSample]:
+    """Served-step intervals priced exactly by ``cost`` (plus ``per_request_s`` per arrival)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
         chunks = [(int(rng.integers(0, 900)), 1, True) for _ in range(int(rng.integers(1, 32)))]
         chunks.append((int(rng.integers(0, 200)), int(rng.integers(1, 400)), True))
-        s = StepShape.of_chunks(chunks)
-        samples.append(Sample(s, true_cost.step_seconds(s), 0))
-    fitted = fit_coefficients(CostModel(shape, base), samples)
-    expected = (truth.fixed_s, truth.per_seq_s, truth.dense, truth.attention, truth.memory)
-    np.testing.assert_allclose(fitted, expected, rtol=1e-6)
+        s, arrivals = StepShape.of_chunks(chunks), int(rng.integers(0, 4))
+        out.append(IntervalSample(s, arrivals, cost.step_seconds(s) + arrivals * per_request_s))
+    return out
+
+
+def test_fit_error_is_zero_on_exact_intervals_and_grows_with_a_wrong_profile(tiny):
+    shape = load_model_shape(tiny)
+    base = HardwareProfile("synthetic", 1e11, 5e9, 5e9, 1e10, combine="sum", dtype="float32")
+    truth = base.with_coefficients(Coefficients(fixed_s=1.2e-3, per_seq_s=40e-6, dense=1.7, attention=6.0, memory=2.5))
+    samples = _synthetic_intervals(CostModel(shape, truth), 60, seed=0)
+    exact = fit_error(CostModel(shape, truth), samples)
+    assert exact["intervals"] == 60
+    assert exact["median_rel_error"] == pytest.approx(0, abs=1e-12) and exact["r2"] == pytest.approx(1.0)
+    assert exact["total_rel_error"] == pytest.approx(0, abs=1e-12)
+    # every interval predicted 1.5x too long: 50% off each, and their sum 50% off
+    slow = base.with_coefficients(Coefficients(fixed_s=1.8e-3, per_seq_s=60e-6, dense=2.55, attention=9.0,
+                                               memory=3.75))
+    wrong = fit_error(CostModel(shape, slow), samples)
+    assert wrong["median_rel_error"] == pytest.approx(0.5) and wrong["p90_rel_error"] == pytest.approx(0.5)
+    assert wrong["total_rel_error"] == pytest.approx(0.5) and wrong["r2"] < exact["r2"]
+    assert fit_error(CostModel(shape, truth), [])["median_rel_error"] is None
+
+
+def test_calibration_design_names_the_bad_field_and_plans_each_cell():
+    with pytest.raises(ValueError, match=r"Design\.contexts"):
+        Design(contexts=(0, 32))
+    with pytest.raises(ValueError, match=r"Design\.heldout_contexts"):
+        Design(contexts=(32, 64), heldout_contexts=(48,))
+    with pytest.raises(ValueError, match=r"Design\.heldout_contexts.*nothing to fit"):
+        Design(contexts=(32,), heldout_contexts=(32,))
+    with pytest.raises(ValueError, match=r"Design\.contexts.*max_model_len"):
+        Design(contexts=(1010,), heldout_contexts=()).check_fits(max_model_len=1024, num_blocks=1024, block_size=16)
+    with pytest.raises(ValueError, match=r"Design\.decode_batches.*KV blocks"):
+        Design(decode_batches=(200,)).check_fits(max_model_len=1024, num_blocks=1024, block_size=16)
+    d = Design(prefills=(16, 96), repeats=2, decode_steps=3)
+    plan = d.cell_plan(context=512, batch=4, token_budget=1024)
+    decodes, joins = plan[:4], plan[4:]
+    # 4 x 512 prompt tokens take 2 steps at 1024 a step, then 3 decode steps, then a join every other step
+    assert [step for step, _, _ in joins] == [5, 7, 9, 11] and [p for _, p, _ in joins] == [16, 16, 96, 96]
+    assert all(step == 0 and prompt == 512 for step, prompt, _ in decodes)
+    last_join_step = 11
+    assert decodes[0][2] > last_join_step - 2  # decodes (first token at step 2) still running at the last join
+
+
+def test_calibrate_cli_writes_a_loadable_profile_with_its_fit_error(tmp_path, tiny):
+    """A small design, served for real: the profile loads as a sim engine's hardware and carries the
+    fit error the CLI printed (figures not asserted: they are this machine's)."""
+    import io
+
+    from kvbench.cli import main
+    from kvbench.engines.registry import make_adapter, parse_engine_spec
+
+    out, path = io.StringIO(), tmp_path / "p.json"
+    code = main(["calibrate", "-o", str(path), "--model", tiny, "--contexts", "16,48", "--batches", "1,4",
+                 "--prefills", "8,32", "--heldout", "48", "--repeats", "1", "--name", "ci"], out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "cell 4/4: context 48, decode batch 4" in text and "(held out)" in text
+    assert "median relative error" in text and "R²" in text and str(path) in text
+    profile = load_profile(str(path))
+    assert profile.name == "ci" and profile.combine == "sum" and profile.coefficients.fixed_s > 0
+    fit = profile.fit or {}
+    assert fit["fit_contexts"] == [16] and fit["heldout_contexts"] == [48]
+    for part in ("train", "heldout"):
+        assert fit[part]["intervals"] > 0
+        assert f"{fit[part]['median_rel_error']:.1%}" in text
+    engine = make_adapter(parse_engine_spec(f"sim:hardware={path},clock=step"), tiny).build_engine()
+    assert engine.profile.coefficients == profile.coefficients
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--contexts", "16,x"), ("--batches", "0"), ("--heldout", "99"),
+                                             ("--repeats", "0"), ("--contexts", "192,2000")])
+def test_calibrate_cli_names_the_bad_argument(tmp_path, capsys, flag, value):
+    from kvbench.cli import main
+
+    path = tmp_path / "p.json"
+    code = main(["calibrate", "-o", str(path), flag, value])
+    err = capsys.readouterr().err
+    assert code != 0 and not path.exists()
+    assert f"error: {flag}" in err, err
 
 
 def test_nnls_keeps_coefficients_non_negative():

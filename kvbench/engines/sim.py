@@ -215,13 +215,3 @@ class _SimSteppable(_Steppable):  # submit and has_work as the reference engine'
 def is_simulated(adapter_or_class: Any) -> bool:
     """Whether an adapter (or adapter class) is a simulator whose tokens are placeholders."""
     return bool(getattr(adapter_or_class, "simulated", False))
-
-
-def calibrate_profile(model_dir: str, output: str, name: str = "this-machine", torch_threads: int = 1) -> str:
-    """``kvbench calibrate``: fit a profile on this machine with the reference engine on ``model_dir``,
-    save it to ``output`` and return the fit's summary (with its own held-out error)."""
-    from reference_engine.sim.calibrate import calibrate
-
-    result = calibrate(model_dir, name=name, torch_threads=torch_threads)
-    path = result.profile.save(output)
-    return f"{result.summary()}\nprofile written to {path} (use it as --engine sim:hardware={path})"

@@ -1,100 +1,93 @@
-"""Calibration: fit the step cost model's coefficients to the reference engine on this machine.
+"""Calibration maths: the designed batch shapes, and least-squares fits of the step cost model.
 
-``calibrate(model_dir)`` runs the real engine over a designed set of batch shapes: for every
-(context length C, decode batch D) cell, D requests with C-token prompts are prefilled, then decode
-a few steps, then a prefill of P tokens joins the decodes for one step, for every P. Every step is one
-sample: its shape (what the scheduler handed the runner) and its measured seconds
-(``LLMEngine.last_step["seconds"]``: schedule, run and update). Peak rates come from two micro
-benchmarks (a float32 matmul for FLOP/s, a large copy for bytes/s), so the fitted coefficients are
-"times the ideal" as for the GPU profiles.
-
-The fit is least squares on relative error (each row divided by its measured time), with the
-coefficients held non-negative (:func:`nnls`). Cells of the middle context length are held out of
-the fit; the report gives the median and p90 relative error on them (``fit`` in the profile).
-Swap copies are timed separately (1 to 64 blocks) and fitted to ``per_copy_s + link x bytes / B``.
+``kvbench calibrate`` (:mod:`kvbench.bench.calibrate`, which owns the serving loop: this package
+never imports kvbench) serves the reference engine over :class:`Design`'s batch shapes on the step
+clock, records every step's shape and the *interval* from one step's end to the next (the engine
+step plus the driver's per-step work and the releases before it: what a served run's times are made
+of), and fits them here with :func:`fit_intervals` (non-negative least squares, in seconds), plus a
+per-request term. Timing ``LLMEngine.step()`` alone, the earlier method, missed a consistent ~4x of
+what a served run spends per step. :func:`fit_error` is the fit's own error report (median and p90
+relative error per interval, and R² in seconds). Swap copies are timed on their own
+(:func:`fit_swap`, ``Design.swap_blocks``) and fitted to ``per_copy_s + link x bytes / B``. Peak
+rates come from two micro benchmarks (:func:`peak_flops`, :func:`copy_bandwidth`), so the fitted
+coefficients are "times the ideal" as for the GPU profiles.
 """
 
 from __future__ import annotations
 
-import os
-import platform
-import random
+import math
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from reference_engine.sim.cost_model import FEATURES, CostModel, StepShape
-from reference_engine.sim.models import load_model_shape
-from reference_engine.sim.profiles import Coefficients, HardwareProfile
+from reference_engine.sim.profiles import Coefficients
 
 
 @dataclass(frozen=True)
-class Grid:
-    """The designed shapes. The default keeps a calibration under a minute on two busy cores."""
+class Design:
+    """The designed batch shapes. For every (context ``C``, decode batch ``D``) cell: ``D`` requests
+    with ``C``-token prompts are prefilled, decode ``decode_steps`` steps alone, then a prefill of
+    ``P`` tokens joins the decodes for one step, for every ``P`` in ``prefills``, ``repeats`` times
+    each (a decode-only step between joins). Cells whose context is in ``heldout_contexts`` are kept
+    out of the fit and report its error. Swaps: batched copies of each of ``swap_blocks`` blocks,
+    ``swap_repeats`` times. The default takes about a minute on two busy cores."""
 
     contexts: tuple[int, ...] = (32, 192, 512)
     decode_batches: tuple[int, ...] = (1, 8, 24)
     prefills: tuple[int, ...] = (16, 96, 384)
     decode_steps: int = 5
-    repeats: int = 3  # of each prefill-beside-decodes point
-    heldout_contexts: tuple[int, ...] = (192,)  # cells held out of the fit, to measure its error
+    repeats: int = 3
+    heldout_contexts: tuple[int, ...] = (192,)
     swap_blocks: tuple[int, ...] = (1, 4, 16, 64)
     swap_repeats: int = 5
 
+    def __post_init__(self) -> None:
+        for name in ("contexts", "decode_batches", "prefills", "swap_blocks"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+                raise ValueError(f"Design.{name}={values!r} is invalid: expected one or more integers >= 1")
+        for name in ("decode_steps", "repeats", "swap_repeats"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Design.{name}={value!r} is invalid: expected an integer >= 1")
+        if any(c not in self.contexts for c in self.heldout_contexts):
+            raise ValueError(f"Design.heldout_contexts={self.heldout_contexts!r} is invalid: each must be one of "
+                             f"contexts {self.contexts!r}")
+        if not set(self.contexts) - set(self.heldout_contexts):
+            raise ValueError(f"Design.heldout_contexts={self.heldout_contexts!r} is invalid: it holds out every "
+                             "context, leaving nothing to fit on")
 
-@dataclass
-class Sample:
-    shape: StepShape
-    seconds: float
-    context: int  # the design cell's context length (decides held out or not)
-    key: tuple = ()  # the design point: repeats of one point share it
+    def cells(self) -> list[tuple[int, int]]:
+        """``(context, decode batch)`` per cell, in serving order."""
+        return [(c, d) for c in self.contexts for d in self.decode_batches]
 
+    def check_fits(self, max_model_len: int, num_blocks: int, block_size: int) -> None:
+        """ValueError naming the field when a cell cannot be served whole on this engine: a request
+        longer than ``max_model_len``, or a cell's decodes needing more KV blocks than the pool has
+        (a preemption would change the shapes the design asks for)."""
+        max_tokens = self.cell_plan(1, 1, max_model_len)[0][2]  # the decodes' output, the same in every cell
+        longest = max(self.contexts) + max_tokens
+        if longest > max_model_len or max(self.prefills) > max_model_len:
+            raise ValueError(f"Design.contexts={self.contexts!r} / prefills={self.prefills!r}: a request of "
+                             f"{max(longest, max(self.prefills))} tokens exceeds max_model_len {max_model_len}")
+        for context, batch in self.cells():
+            blocks = batch * math.ceil((context + max_tokens) / block_size) + math.ceil(max(self.prefills) / block_size)
+            if blocks > num_blocks:
+                raise ValueError(f"Design.decode_batches={self.decode_batches!r}: the cell (context {context}, "
+                                 f"batch {batch}) needs {blocks} KV blocks, the pool has {num_blocks}")
 
-def median_samples(samples: list[Sample]) -> list[Sample]:
-    """One sample per design point: the median time of its repeats, with its middle repeat's shape.
+    def cell_plan(self, context: int, batch: int, token_budget: int) -> list[tuple[int, int, int]]:
+        """The cell's requests as ``(release step, prompt tokens, max_tokens)``, in release order.
 
-    A shared machine slows a step now and then by several times (another process takes the core);
-    the median of a few repeats keeps those out of the fit."""
-    groups: dict[tuple, list[Sample]] = {}
-    for s in samples:
-        groups.setdefault(s.key or (id(s),), []).append(s)
-    out = []
-    for group in groups.values():
-        middle = group[len(group) // 2]
-        out.append(Sample(middle.shape, float(np.median([g.seconds for g in group])), middle.context, middle.key))
-    return out
-
-
-@dataclass
-class Calibration:
-    profile: HardwareProfile
-    samples: list[Sample] = field(repr=False)
-    train_errors: list[float] = field(repr=False)
-    heldout_errors: list[float] = field(repr=False)
-
-    def summary(self) -> str:
-        p, c = self.profile, self.profile.coefficients
-        fit = p.fit or {}
-
-        def pct(key: str) -> str:
-            return "-" if fit.get(key) is None else f"{fit[key]:.1%}"
-
-        return "\n".join([
-            f"calibrated profile {p.name!r} ({fit.get('model')}, {p.dtype}, {fit.get('torch_threads')} torch "
-            f"thread(s), combine={p.combine})",
-            f"  peak rates: {p.compute_flops / 1e9:.1f} GFLOP/s, memory {p.memory_bandwidth / 1e9:.1f} GB/s, "
-            f"copies {p.link_bandwidth / 1e9:.1f} GB/s",
-            f"  coefficients: fixed {c.fixed_s * 1e3:.3f} ms, per sequence {c.per_seq_s * 1e6:.1f} us, "
-            f"dense x{c.dense:.2f}, attention x{c.attention:.2f}, memory x{c.memory:.2f}, link x{c.link:.2f}, "
-            f"per copy {c.per_copy_s * 1e6:.1f} us",
-            f"  fit on {fit.get('train_points')} design points ({fit.get('steps')} steps in all): median relative "
-            f"error {pct('train_median_rel_error')}, p90 {pct('train_p90_rel_error')}",
-            f"  held out ({fit.get('heldout_points')} points, contexts {fit.get('heldout_contexts')}): median "
-            f"relative error {pct('heldout_median_rel_error')}, p90 {pct('heldout_p90_rel_error')}",
-        ])
+        The decodes are released at step 0 and take ``ceil(batch x context / token_budget)`` steps to
+        prefill; each prefill that joins them is released before its step and samples one token. The
+        decodes outlive the last join by a step, so every join meets all ``batch`` of them."""
+        first = math.ceil(batch * context / token_budget) + self.decode_steps
+        joins = [p for p in self.prefills for _ in range(self.repeats)]
+        max_tokens = self.decode_steps + 2 * len(joins) + 1
+        return [(0, context, max_tokens)] * batch + [(first + 2 * i, p, 1) for i, p in enumerate(joins)]
 
 
 # ------------------------------------------------------------------------------------ fitting
@@ -121,16 +114,6 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         w = a.T @ (b - a @ x)
     return x
 
-
-def fit_coefficients(cost: CostModel, samples: list[Sample]) -> tuple[float, ...]:
-    """Non-negative coefficients of :data:`FEATURES` minimising the relative error of ``sum`` combine."""
-    a = np.array([cost.features(s.shape) for s in samples])
-    y = np.array([s.seconds for s in samples])
-    return tuple(float(v) for v in nnls(a / y[:, None], np.ones_like(y)))
-
-
-def relative_errors(cost: CostModel, samples: list[Sample]) -> list[float]:
-    return [abs(cost.step_seconds(s.shape) - s.seconds) / s.seconds for s in samples]
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -161,68 +144,20 @@ def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
-def _measure_steps(model_dir: str, grid: Grid, seed: int) -> list[Sample]:
-    from reference_engine import EngineConfig, LLMEngine, SamplingParams
-
-    rng = random.Random(seed)
-    engine = LLMEngine(EngineConfig(model=model_dir, num_gpu_blocks_override=1024, max_num_seqs=256))
-    vocab = engine.model.config.vocab_size
-    shapes: list[StepShape] = []
-    execute = engine.runner.execute
-
-    def capture(out):
-        shapes.append(StepShape.of_chunks((c.start, c.num_tokens, c.completes) for c in out.chunks))
-        return execute(out)
-
-    engine.runner.execute = capture
-    samples: list[Sample] = []
-    ids = iter(range(1 << 30))
-
-    def step(context: int, key: tuple = ()) -> None:
-        shapes.clear()
-        engine.step()
-        if shapes and shapes[-1].num_seqs:
-            samples.append(Sample(shapes[-1], float(engine.last_step["seconds"]), context, key))
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(n)]
-
-    for context in grid.contexts:
-        for batch in grid.decode_batches:
-            # long enough to outlive the cell however many steps its prefills take
-            long_run = SamplingParams(max_tokens=engine.config.max_model_len - context - 1, ignore_eos=True)
-            running = [f"d{next(ids)}" for _ in range(batch)]
-            for rid in running:
-                engine.add_request(rid, prompt(context), long_run)
-            while any(len(engine.scheduler.requests[r].output_token_ids) == 0 for r in running):
-                step(context)  # the cell's prefills: samples too, one each
-            for _ in range(grid.decode_steps):
-                step(context, (context, batch, "decode"))
-            for p in grid.prefills:
-                for _ in range(grid.repeats):
-                    engine.add_request(f"p{next(ids)}", prompt(p), SamplingParams(max_tokens=1, ignore_eos=True))
-                    step(context, (context, batch, p))  # the prefill joins the decodes
-            for rid in running:
-                engine.abort_request(rid)
-            while engine.has_unfinished_requests():
-                engine.step()
-    return samples
-
-
-def fit_swap(model_dir: str, grid: Grid, link_bandwidth: float) -> tuple[float, float]:
-    """(per_copy_s, link coefficient) from timed batched copies of 1..64 blocks."""
+def fit_swap(model_dir: str, design: Design, link_bandwidth: float) -> tuple[float, float]:
+    """(per_copy_s, link coefficient) fitted to timed batched swap-outs of ``design.swap_blocks`` blocks."""
     import torch
 
     from reference_engine.kv_cache import KVCache
     from reference_engine.model import ModelConfig
 
     mc = ModelConfig.from_dir(model_dir)
-    n = max(grid.swap_blocks)
+    n = max(design.swap_blocks)
     kv = KVCache(2 * n, 2 * n, mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.float32, torch.device("cpu"))
     rows, times = [], []
-    for blocks in grid.swap_blocks:
+    for blocks in design.swap_blocks:
         mapping = [(2 * i, 2 * i + 1) for i in range(blocks)]  # scattered ids: the general (gather) path
-        for _ in range(grid.swap_repeats):
+        for _ in range(design.swap_repeats):
             t0 = time.perf_counter()
             nbytes = kv.swap_out(mapping)
             times.append(time.perf_counter() - t0)
@@ -230,48 +165,6 @@ def fit_swap(model_dir: str, grid: Grid, link_bandwidth: float) -> tuple[float, 
     a, y = np.array(rows), np.array(times)
     per_copy, link = nnls(a / y[:, None], np.ones_like(y))
     return float(per_copy), float(link)
-
-
-def calibrate(model_dir: str | Path, name: str = "this-machine", grid: Grid | None = None, seed: int = 0,
-              torch_threads: int = 1) -> Calibration:
-    """Measure, fit and return a calibrated profile (``combine="sum"``, the engine's float32) with its
-    own fit error. ``torch_threads``: the threads torch uses meanwhile (restored afterwards)."""
-    import torch
-
-    grid = grid or Grid()
-    model_dir = str(model_dir)
-    before = torch.get_num_threads()
-    torch.set_num_threads(torch_threads)
-    try:
-        flops, bandwidth = peak_flops(), copy_bandwidth()
-        samples = _measure_steps(model_dir, grid, seed)
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        base = HardwareProfile(name, compute_flops=flops, memory_bandwidth=bandwidth, link_bandwidth=bandwidth,
-                               memory_bytes=memory, combine="sum", dtype="float32")
-        shape = load_model_shape(model_dir)
-        points = median_samples(samples)
-        train = [s for s in points if s.context not in grid.heldout_contexts]
-        heldout = [s for s in points if s.context in grid.heldout_contexts]
-        fitted = fit_coefficients(CostModel(shape, base), train)
-        per_copy, link = fit_swap(model_dir, grid, bandwidth)
-    finally:
-        torch.set_num_threads(before)
-    coefficients = Coefficients(**dict(zip(FEATURES, fitted, strict=True)), link=link, per_copy_s=per_copy)
-    profile = base.with_coefficients(coefficients)
-    cost = CostModel(shape, profile)
-    train_err, held_err = relative_errors(cost, train), relative_errors(cost, heldout)
-    fit: dict[str, Any] = {
-        "model": shape.name, "torch_threads": torch_threads, "machine": f"{platform.machine()} {platform.node()}",
-        "cpus": os.cpu_count(), "steps": len(samples), "train_points": len(train), "heldout_points": len(heldout),
-        "heldout_contexts": list(grid.heldout_contexts),
-        "train_median_rel_error": float(np.median(train_err)),
-        "train_p90_rel_error": float(np.percentile(train_err, 90)),
-        "heldout_median_rel_error": float(np.median(held_err)) if held_err else None,
-        "heldout_p90_rel_error": float(np.percentile(held_err, 90)) if held_err else None,
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    source = f"kvbench calibrate on {fit['machine']} ({shape.name}, {torch_threads} torch thread(s))"
-    return Calibration(profile.with_coefficients(coefficients, fit=fit, source=source), samples, train_err, held_err)
 
 
 # ------------------------------------------------------------------------------ served runs
@@ -326,3 +219,25 @@ def interval_errors(cost: CostModel, samples: list[IntervalSample]) -> list[floa
     per_request = cost.profile.coefficients.per_request_s
     return [abs(cost.step_seconds(s.shape) + per_request * s.arrivals - s.seconds) / s.seconds
             for s in samples if s.shape.num_seqs and s.seconds > 0]
+
+
+def fit_error(cost: CostModel, samples: list[IntervalSample]) -> dict[str, float | int | None]:
+    """How well ``cost`` (its profile's coefficients) predicts ``samples``' non-empty intervals:
+    ``median_rel_error`` and ``p90_rel_error`` (|predicted - measured| / measured per interval),
+    ``r2`` (1 - residual / total sum of squares, in seconds; None when every interval is equal),
+    ``total_rel_error`` (of the intervals' sum: what a run's throughput sees, and what the fit in
+    seconds aims at; on a loaded machine a single interval may be several times its typical length
+    while the process waits for a core, so the per-interval errors stay large where the sum is close)
+    and ``intervals`` (how many). Every figure is None when there is no interval."""
+    rows = [s for s in samples if s.shape.num_seqs and s.seconds > 0]
+    if not rows:
+        return {"intervals": 0, "median_rel_error": None, "p90_rel_error": None, "r2": None, "total_rel_error": None}
+    per_request = cost.profile.coefficients.per_request_s
+    measured = np.array([s.seconds for s in rows])
+    predicted = np.array([cost.step_seconds(s.shape) + per_request * s.arrivals for s in rows])
+    rel = np.abs(predicted - measured) / measured
+    total = float(np.sum((measured - measured.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((measured - predicted) ** 2)) / total if total > 0 else None
+    return {"intervals": len(rows), "median_rel_error": float(np.median(rel)),
+            "p90_rel_error": float(np.percentile(rel, 90)), "r2": r2,
+            "total_rel_error": float(abs(predicted.sum() - measured.sum()) / measured.sum())}

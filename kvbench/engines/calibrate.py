@@ -1,0 +1,213 @@
+"""``kvbench calibrate``: fit a hardware profile to the reference engine as the driver serves it.
+
+Every cell of a :class:`~reference_engine.sim.calibrate.Design` (context x decode batch, with
+prefills joining the decodes) is served on the reference engine through kvbench's own driver
+(:func:`kvbench.core.stepping.drive`, as every benchmark serves it) on the step clock, so the same
+requests meet the same steps on every run. Each step's shape is recorded (what the scheduler handed
+the runner) beside the trace, and each step becomes an
+:class:`~reference_engine.sim.calibrate.IntervalSample`: the interval from the previous step's end
+to this one's, which is what a served run's throughput, TTFT and TBT are made of.
+:func:`~reference_engine.sim.calibrate.fit_intervals` fits the cost model's coefficients plus
+``per_request_s`` to the cells outside ``heldout_contexts`` (least squares in seconds); the
+printed error (median and p90 relative error per interval, R², and the error of their sum) is
+given on the fitted cells and on the held-out ones, and saved in the profile's ``fit``.
+``scripts/validate_sim.py`` uses the same recording and samples (:func:`recording`,
+:func:`interval_samples`) on the quick scenarios.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvbench.core.knobs import Knobs
+from kvbench.core.requests import WorkloadRequest
+from kvbench.core.trace import TraceRecorder
+from kvbench.engines.reference import ReferenceAdapter
+from reference_engine.sim import CostModel, HardwareProfile, StepShape, load_model_shape
+from reference_engine.sim.calibrate import (
+    Design,
+    IntervalSample,
+    copy_bandwidth,
+    fit_error,
+    fit_intervals,
+    fit_swap,
+    peak_flops,
+)
+from reference_engine.sim.profiles import Coefficients
+
+__all__ = ["Calibration", "Design", "base_profile", "calibrate", "calibrate_profile", "cell_requests",
+           "interval_samples", "recording"]
+
+#: virtual seconds per step on the step clock (only orders releases; every time kept is wall clock)
+STEP_SECONDS = 0.01
+#: the engine the design is served on: a pool large enough that no cell preempts
+KNOBS = Knobs(num_gpu_blocks=1024, block_size=16, max_num_seqs=256)
+
+
+# ------------------------------------------------------------------------------ recording served steps
+def recording(adapter: Any) -> Any:
+    """Make a reference ``adapter`` record each engine's step shapes: ``adapter.shape_runs`` gets one
+    list per engine it builds (one per served job, in order). Returns the adapter."""
+    adapter.shape_runs = []
+    build = adapter.build_engine
+
+    def build_engine(*args: Any, **kwargs: Any) -> Any:
+        engine = build(*args, **kwargs)
+        shapes: list[StepShape] = []
+        adapter.shape_runs.append(shapes)
+        execute = engine.runner.execute
+
+        def capture(out: Any) -> Any:
+            shapes.append(StepShape.of_chunks((c.start, c.num_tokens, c.completes) for c in out.chunks))
+            return execute(out)
+
+        engine.runner.execute = capture
+        return engine
+
+    adapter.build_engine = build_engine
+    return adapter
+
+
+def interval_samples(trace: Any, shapes: list[StepShape], group: str) -> list[IntervalSample]:
+    """One sample per step of a served trace: its shape, the arrivals released since the previous
+    step ended, and the interval from that end to this step's end (the first step: its duration).
+    RuntimeError when the shapes do not line up with the trace's steps."""
+    if len(shapes) != len(trace.steps):
+        raise RuntimeError(f"{group}: {len(shapes)} shapes for {len(trace.steps)} steps")
+    arrivals = sorted(r.arrival for r in trace.requests.values())
+    out, prev = [], None
+    for shape, step in zip(shapes, trace.steps, strict=True):
+        start = step.t - step.duration if prev is None else prev
+        released = bisect.bisect_right(arrivals, step.t) - bisect.bisect_right(arrivals, start)
+        out.append(IntervalSample(shape, released, step.t - start, group))
+        prev = step.t
+    return out
+
+
+def base_profile(model_dir: str, design: Design, name: str) -> HardwareProfile:
+    """This machine's peak rates (micro benchmarks) and fitted swap terms, ``combine="sum"``,
+    float32 (the reference engine on CPU); step coefficients at their defaults, to be fitted."""
+    flops, bandwidth = peak_flops(), copy_bandwidth()
+    per_copy, link = fit_swap(model_dir, design, bandwidth)
+    memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    base = HardwareProfile(name, compute_flops=flops, memory_bandwidth=bandwidth, link_bandwidth=bandwidth,
+                           memory_bytes=memory, combine="sum", dtype="float32")
+    return base.with_coefficients(Coefficients(link=link, per_copy_s=per_copy))
+
+
+# ------------------------------------------------------------------------------ the designed cells
+def cell_requests(design: Design, context: int, batch: int, token_budget: int, vocab_size: int,
+                  rng: np.random.Generator) -> list[WorkloadRequest]:
+    """The cell's requests (:meth:`Design.cell_plan`) released by step on a clock of ``STEP_SECONDS``;
+    random prompt tokens (no prefix is shared, so no step is shortened by a cache hit)."""
+    requests = []
+    for i, (step, prompt, max_tokens) in enumerate(design.cell_plan(context, batch, token_budget)):
+        tokens = rng.integers(3, vocab_size, size=prompt).tolist()
+        # half a step in, so float rounding cannot move a release to the step before
+        requests.append(WorkloadRequest(f"r{i:04d}", tokens, max_tokens, (step + 0.5) * STEP_SECONDS))
+    return requests
+
+
+@dataclass
+class Calibration:
+    """A fitted profile (its ``fit`` holds the error figures) and the samples behind it."""
+
+    profile: HardwareProfile
+    train: list[IntervalSample] = field(repr=False)
+    heldout: list[IntervalSample] = field(repr=False)
+
+    def summary(self) -> str:
+        """What was fitted and how well, in a few lines (the ``kvbench calibrate`` report)."""
+        p, c, fit = self.profile, self.profile.coefficients, self.profile.fit or {}
+
+        def err(part: str) -> str:
+            e = fit.get(part) or {}
+            if not e.get("intervals"):
+                return f"{part}: no intervals"
+            r2 = "-" if e.get("r2") is None else f"{e['r2']:.2f}"
+            return (f"{part} ({e['intervals']} intervals): median relative error {e['median_rel_error']:.1%}, "
+                    f"p90 {e['p90_rel_error']:.1%}, R² {r2}; their sum {e['total_rel_error']:.1%} off")
+
+        return "\n".join([
+            f"calibrated profile {p.name!r} ({fit.get('model')}, {p.dtype}, {fit.get('torch_threads')} torch "
+            f"thread(s), combine={p.combine}), fitted to served step intervals",
+            f"  peak rates: {p.compute_flops / 1e9:.1f} GFLOP/s, memory {p.memory_bandwidth / 1e9:.1f} GB/s, "
+            f"copies {p.link_bandwidth / 1e9:.1f} GB/s",
+            f"  coefficients: fixed {c.fixed_s * 1e3:.3f} ms, per sequence {c.per_seq_s * 1e6:.1f} us, "
+            f"per request {c.per_request_s * 1e6:.1f} us, dense x{c.dense:.2f}, attention x{c.attention:.2f}, "
+            f"memory x{c.memory:.2f}, link x{c.link:.2f}, per copy {c.per_copy_s * 1e6:.1f} us",
+            f"  fit on contexts {fit.get('fit_contexts')}: " + err("train"),
+            f"  held out, contexts {fit.get('heldout_contexts')}: " + err("heldout"),
+        ])
+
+
+def calibrate(model_dir: str, name: str = "this-machine", design: Design | None = None, seed: int = 0,
+              torch_threads: int = 1, progress: Callable[[str], None] | None = None) -> Calibration:
+    """Serve ``design`` on the reference engine (``model_dir``), fit, and return the calibrated profile
+    with its own fit error. ``torch_threads``: torch's threads meanwhile (restored afterwards).
+    ``progress`` gets one line per step of the calibration (rates, then each cell as it is served).
+    ValueError naming the ``Design`` field when a cell cannot be served whole on this model."""
+    import torch
+
+    design = design or Design()
+    say = progress or (lambda line: None)
+    shape = load_model_shape(model_dir)
+    adapter = recording(ReferenceAdapter(model_dir))
+    config = adapter.engine_config(KNOBS)
+    max_model_len = config.max_model_len or shape.max_position_embeddings
+    # without chunked prefill the token budget is max_model_len (the engine's default)
+    budget = config.max_num_batched_tokens or max_model_len
+    design.check_fits(max_model_len, KNOBS.num_gpu_blocks or 0, KNOBS.block_size or 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    rng = np.random.default_rng(seed)
+    train: list[IntervalSample] = []
+    heldout: list[IntervalSample] = []
+    try:
+        t0 = time.perf_counter()
+        base = base_profile(model_dir, design, name)
+        say(f"peak rates and swap copies measured in {time.perf_counter() - t0:.1f} s")
+        cells = design.cells()
+        for i, (context, batch) in enumerate(cells, 1):
+            t0 = time.perf_counter()
+            name = f"context {context}, batch {batch}"
+            recorder = TraceRecorder(adapter.name, "calibrate")
+            requests = cell_requests(design, context, batch, budget, shape.vocab_size, rng)
+            adapter.serve(requests, recorder, KNOBS, step_seconds=STEP_SECONDS)
+            got = interval_samples(recorder.finish(), adapter.shape_runs[-1], name)
+            (heldout if context in design.heldout_contexts else train).extend(got)
+            say(f"cell {i}/{len(cells)}: context {context}, decode batch {batch}: {len(got)} steps served in "
+                f"{time.perf_counter() - t0:.1f} s{' (held out)' if context in design.heldout_contexts else ''}")
+    finally:
+        torch.set_num_threads(before)
+    cost = CostModel(shape, base)
+    profile = base.with_coefficients(fit_intervals(cost, train))
+    fitted = CostModel(shape, profile)
+    machine = f"{platform.machine()} {platform.node()}"
+    fit: dict[str, Any] = {
+        "method": "served step intervals (kvbench.engines.calibrate, least squares in seconds)",
+        "model": shape.name, "torch_threads": torch_threads, "machine": machine, "cpus": os.cpu_count(),
+        "load_average": round(os.getloadavg()[0], 2),
+        "fit_contexts": [c for c in design.contexts if c not in design.heldout_contexts],
+        "heldout_contexts": list(design.heldout_contexts),
+        "train": fit_error(fitted, train), "heldout": fit_error(fitted, heldout),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    source = f"kvbench calibrate on {machine} ({shape.name}, {torch_threads} torch thread(s))"
+    return Calibration(profile.with_coefficients(profile.coefficients, fit=fit, source=source), train, heldout)
+
+
+def calibrate_profile(model_dir: str, output: str, name: str = "this-machine", design: Design | None = None,
+                      torch_threads: int = 1, progress: Callable[[str], None] | None = None) -> str:
+    """Calibrate, save the profile to ``output`` and return the report (with the fit's own error)."""
+    result = calibrate(model_dir, name=name, design=design, torch_threads=torch_threads, progress=progress)
+    path = result.profile.save(output)
+    return f"{result.summary()}\nprofile written to {path} (use it as --engine sim:hardware={path})"
