@@ -175,7 +175,7 @@ def _int_list(flag: str, text: str) -> tuple[int, ...]:
 
 #: ``kvbench calibrate``'s design flags, by the ``Design`` field each sets
 _CALIBRATE_FLAGS = {"contexts": "--contexts", "decode_batches": "--batches", "prefills": "--prefills",
-                    "heldout_contexts": "--heldout", "repeats": "--repeats"}
+                    "heldout_contexts": "--heldout", "repeats": "--repeats", "rounds": "--rounds"}
 
 
 def _calibrate_flags_named(text: str) -> str:
@@ -208,7 +208,8 @@ def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
     def progress(line: str) -> None:
         print(f"  {line}", file=out, flush=True)
 
-    print(f"calibrating on {model}: {len(design.cells())} cells to serve, fitted to served step intervals",
+    print(f"calibrating on {model}: {len(design.cells())} cells x {design.rounds} rounds to serve, fitted to served "
+          "step intervals",
           file=out, flush=True)
     try:
         report = calibrate_profile(model, args.output, name=args.name, design=design, torch_threads=args.threads,
@@ -336,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout", dest="heldout_contexts", metavar="N,...", help="contexts held out of the fit to "
                    "measure its error; each one of --contexts (default 192)")
     p.add_argument("--repeats", type=int, help="joins per prefill size per cell (default 3)")
+    p.add_argument("--rounds", type=int, help="times every cell is served, rounds interleaved (default 5)")
     p.set_defaults(handler=_cmd_calibrate)
 
     p = sub.add_parser("simulate", help="simulate the evening surge at scale on a sim engine; a capacity plan",

@@ -172,10 +172,10 @@ def test_calibrate_cli_writes_a_loadable_profile_with_its_fit_error(tmp_path, ti
 
     out, path = io.StringIO(), tmp_path / "p.json"
     code = main(["calibrate", "-o", str(path), "--model", tiny, "--contexts", "16,48", "--batches", "1,4",
-                 "--prefills", "8,32", "--heldout", "48", "--repeats", "1", "--name", "ci"], out=out)
+                 "--prefills", "8,32", "--heldout", "48", "--repeats", "1", "--rounds", "2", "--name", "ci"], out=out)
     text = out.getvalue()
     assert code == 0, text
-    assert "cell 4/4: context 48, decode batch 4" in text and "(held out)" in text
+    assert "cell 8/8 (round 2/2): context 48, decode batch 4" in text and "(held out)" in text
     assert "median relative error" in text and "R²" in text and str(path) in text
     profile = load_profile(str(path))
     assert profile.name == "ci" and profile.combine == "sum" and profile.coefficients.fixed_s > 0
@@ -189,7 +189,8 @@ def test_calibrate_cli_writes_a_loadable_profile_with_its_fit_error(tmp_path, ti
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--contexts", "16,x"), ("--batches", "0"), ("--heldout", "99"),
-                                             ("--repeats", "0"), ("--contexts", "192,2000")])
+                                             ("--repeats", "0"), ("--rounds", "0"),
+                                             ("--contexts", "192,2000")])
 def test_calibrate_cli_names_the_bad_argument(tmp_path, capsys, flag, value):
     from kvbench.cli import main
 

@@ -175,17 +175,18 @@ def calibrate(model_dir: str, name: str = "this-machine", design: Design | None 
         t0 = time.perf_counter()
         base = base_profile(model_dir, design, name)
         say(f"peak rates and swap copies measured in {time.perf_counter() - t0:.1f} s")
-        cells = design.cells()
-        for i, (context, batch) in enumerate(cells, 1):
+        cells = [(r, c, d) for r in range(design.rounds) for c, d in design.cells()]
+        for i, (r, context, batch) in enumerate(cells, 1):
             t0 = time.perf_counter()
             name = f"context {context}, batch {batch}"
             recorder = TraceRecorder(adapter.name, "calibrate")
             requests = cell_requests(design, context, batch, budget, shape.vocab_size, rng)
             adapter.serve(requests, recorder, KNOBS, step_seconds=STEP_SECONDS)
-            got = interval_samples(recorder.finish(), adapter.shape_runs[-1], name)
+            got = interval_samples(recorder.finish(), adapter.shape_runs.pop(), name)
             (heldout if context in design.heldout_contexts else train).extend(got)
-            say(f"cell {i}/{len(cells)}: context {context}, decode batch {batch}: {len(got)} steps served in "
-                f"{time.perf_counter() - t0:.1f} s{' (held out)' if context in design.heldout_contexts else ''}")
+            say(f"cell {i}/{len(cells)} (round {r + 1}/{design.rounds}): context {context}, decode batch {batch}: "
+                f"{len(got)} steps served in {time.perf_counter() - t0:.1f} s"
+                f"{' (held out)' if context in design.heldout_contexts else ''}")
     finally:
         torch.set_num_threads(before)
     cost = CostModel(shape, base)
@@ -195,7 +196,7 @@ def calibrate(model_dir: str, name: str = "this-machine", design: Design | None 
     fit: dict[str, Any] = {
         "method": "served step intervals (kvbench.engines.calibrate, least squares in seconds)",
         "model": shape.name, "torch_threads": torch_threads, "machine": machine, "cpus": os.cpu_count(),
-        "load_average": round(os.getloadavg()[0], 2),
+        "load_average": round(os.getloadavg()[0], 2), "rounds": design.rounds,
         "fit_contexts": [c for c in design.contexts if c not in design.heldout_contexts],
         "heldout_contexts": list(design.heldout_contexts),
         "train": fit_error(fitted, train), "heldout": fit_error(fitted, heldout),

@@ -30,15 +30,18 @@ class Design:
     """The designed batch shapes. For every (context ``C``, decode batch ``D``) cell: ``D`` requests
     with ``C``-token prompts are prefilled, decode ``decode_steps`` steps alone, then a prefill of
     ``P`` tokens joins the decodes for one step, for every ``P`` in ``prefills``, ``repeats`` times
-    each (a decode-only step between joins). Cells whose context is in ``heldout_contexts`` are kept
-    out of the fit and report its error. Swaps: batched copies of each of ``swap_blocks`` blocks,
-    ``swap_repeats`` times. The default takes about a minute on two busy cores."""
+    each (a decode-only step between joins). Every cell is served ``rounds`` times, rounds
+    interleaved (every cell once, then again), so a spell of load on the machine spreads over the
+    cells instead of landing on one. Cells whose context is in ``heldout_contexts`` are kept out of
+    the fit and report its error. Swaps: batched copies of each of ``swap_blocks`` blocks,
+    ``swap_repeats`` times."""
 
     contexts: tuple[int, ...] = (32, 192, 512)
     decode_batches: tuple[int, ...] = (1, 8, 24)
     prefills: tuple[int, ...] = (16, 96, 384)
     decode_steps: int = 5
     repeats: int = 3
+    rounds: int = 5
     heldout_contexts: tuple[int, ...] = (192,)
     swap_blocks: tuple[int, ...] = (1, 4, 16, 64)
     swap_repeats: int = 5
@@ -48,7 +51,7 @@ class Design:
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
                 raise ValueError(f"Design.{name}={values!r} is invalid: expected one or more integers >= 1")
-        for name in ("decode_steps", "repeats", "swap_repeats"):
+        for name in ("decode_steps", "repeats", "rounds", "swap_repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Design.{name}={value!r} is invalid: expected an integer >= 1")
@@ -60,7 +63,7 @@ class Design:
                              "context, leaving nothing to fit on")
 
     def cells(self) -> list[tuple[int, int]]:
-        """``(context, decode batch)`` per cell, in serving order."""
+        """``(context, decode batch)`` per cell, in serving order within a round."""
         return [(c, d) for c in self.contexts for d in self.decode_batches]
 
     def check_fits(self, max_model_len: int, num_blocks: int, block_size: int) -> None:
