@@ -71,6 +71,10 @@ class EngineConfig:
     admission_headroom: float = 0.05
     admission_horizon: int = 64
     preemption_budget: float = 1.0
+    # Prefill pacing (reference_engine.scheduler): while a request decodes, a step computes at most this
+    # many prefill tokens beside the decodes (unchunked: a longer prompt only as the step's one prefill);
+    # None: no cap.
+    prefill_pacing_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _positive_power_of_two("block_size", self.block_size, upper=128)
@@ -88,6 +92,7 @@ class EngineConfig:
         _float_range("admission_headroom", self.admission_headroom, 0.0, 1.0, high_open=True)
         _integer("admission_horizon", self.admission_horizon, low=0)
         _float_range("preemption_budget", self.preemption_budget, 0.0, 100.0)
+        _optional_int("prefill_pacing_tokens", self.prefill_pacing_tokens, low=1)
         if self.cost_profile is not None and (not isinstance(self.cost_profile, str) or not self.cost_profile):
             raise ConfigError("cost_profile", self.cost_profile, "None, a built-in profile name or a profile JSON path")
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)

@@ -71,7 +71,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy, events=EventLog(config.max_events),
-            admission=admission_of(config))
+            admission=admission_of(config), prefill_pacing_tokens=config.prefill_pacing_tokens)
         if event_sink is not None:
             self.add_event_sink(event_sink)
         self.attention_backend = _attention_backend(config.attention_backend, self.device)

@@ -17,6 +17,14 @@ host pool, or falls back to recompute when the host pool is full; ``auto`` choos
 cost (:mod:`reference_engine.preemption_policy`). An admission policy
 (:mod:`reference_engine.admission`) may hold waiting requests back to keep preemptions rare.
 
+Prefill pacing (``prefill_pacing_tokens``, off when None): while some running request decodes, a
+step computes at most that many prefill tokens beside the decodes, so a burst of new prompts does
+not stretch the decodes' inter-token gap. Without chunked prefill a prompt is never split: one
+longer than the cap is admitted only as the step's only prefill (at most one long prefill per
+step). With chunked prefill new admissions and continuing prefill chunks are cut to the room left.
+Steps without decodes are not paced (nobody waits between tokens), and swapped requests resume
+as before.
+
 What a step decides lives in that step: ``schedule()`` builds a :class:`_StepBuilder` (budget
 left, chunks, swaps, preemptions), hands it to its helpers, and returns it frozen as a
 :class:`SchedulerOutput` that says everything the engine and the runner need. Only the queues,
@@ -130,6 +138,8 @@ class _StepBuilder:
 
     step: int
     budget: int  # tokens still schedulable this step
+    # prefill tokens still allowed beside this step's decodes (prefill pacing); None: no cap
+    prefill_room: int | None = None
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # insertion order = schedule order
     swap_out: dict[str, BlockPairs] = field(default_factory=dict)
     swap_in: dict[str, BlockPairs] = field(default_factory=dict)
@@ -137,14 +147,19 @@ class _StepBuilder:
 
     def add_chunk(self, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
-        self.chunks[req.request_id] = ScheduledChunk(req, start, num_new, start + num_new == req.num_tokens)
+        chunk = ScheduledChunk(req, start, num_new, start + num_new == req.num_tokens)
+        self.chunks[req.request_id] = chunk
         self.budget -= num_new
+        if self.prefill_room is not None and not chunk.is_decode:
+            self.prefill_room -= num_new
 
     def drop_chunk(self, request_id: str) -> None:
         """Unschedule a request preempted after its chunk was scheduled: its budget comes back."""
         chunk = self.chunks.pop(request_id, None)
         if chunk is not None:
             self.budget += chunk.num_tokens
+            if self.prefill_room is not None and not chunk.is_decode:
+                self.prefill_room += chunk.num_tokens
 
     def build(self, bm: BlockManager) -> SchedulerOutput:
         chunks = tuple(self.chunks.values())
@@ -162,12 +177,13 @@ class Scheduler:
                  max_model_len: int, enable_chunked_prefill: bool = False, preemption_mode: str = "recompute",
                  scheduling_policy: str = "fcfs", clock: Callable[[], float] = time.monotonic,
                  events: EventLog | None = None, preemption_costs: PreemptionCosts | None = None,
-                 admission: AdmissionPolicy | None = None):
+                 admission: AdmissionPolicy | None = None, prefill_pacing_tokens: int | None = None):
         """``events``: where events are recorded (a fresh bounded log if None). Counters go to the block
         manager's record (``block_manager.counters``): one record per engine. ``preemption_costs``:
         what ``preemption_mode="auto"`` prices victims with (:data:`DEFAULT_COSTS` if None; the engine
         replaces it with measured or profiled costs). ``admission``: the admission policy (admit what
-        fits now if None)."""
+        fits now if None). ``prefill_pacing_tokens``: the prefill cap of steps with decodes (see the
+        module docstring; None: no cap)."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -184,6 +200,7 @@ class Scheduler:
         self.counters = block_manager.counters
         self.preemption_costs: PreemptionCosts = preemption_costs or DEFAULT_COSTS
         self.admission = admission or AdmissionPolicy()
+        self.prefill_pacing_tokens = prefill_pacing_tokens
         self._admit_seq = 0
 
     @property
@@ -216,7 +233,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         self.counters.steps += 1
-        step = _StepBuilder(self.step_index, self.max_num_batched_tokens)
+        step = _StepBuilder(self.step_index, self.max_num_batched_tokens, prefill_room=self._prefill_cap())
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step)
@@ -228,6 +245,14 @@ class Scheduler:
         self.admission.after_step(len(step.preempted))
         return step.build(self.bm)
 
+    def _prefill_cap(self) -> int | None:
+        """The prefill pacing cap of the step being scheduled: ``prefill_pacing_tokens`` when a running
+        request decodes (is one token behind), else None (no cap)."""
+        if self.prefill_pacing_tokens is None:
+            return None
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        return self.prefill_pacing_tokens if decoding else None
+
     def _schedule_running(self, step: _StepBuilder) -> None:
         # Decodes first, then partial prefills, each in admission order.
         order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.admitted_seq))
@@ -235,6 +260,11 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or step.budget == 0:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            if num_new > 1 and step.prefill_room is not None:
+                # A partial prefill (chunked prefill only) gets what pacing leaves of this step.
+                if step.prefill_room <= 0:
+                    continue
+                num_new = min(num_new, step.prefill_room)
             while not self.bm.allocate_slots(req, num_new):
                 victim = self._pick_victim(candidates=self.running)
                 self._preempt(victim, step)
@@ -273,6 +303,13 @@ class Scheduler:
             if not self.chunked and num_new > step.budget:
                 return
             num_new = min(num_new, step.budget)
+            room = step.prefill_room
+            if room is not None and num_new > room:
+                if self.chunked and room > 0:
+                    num_new = room
+                elif self.chunked or room < self.prefill_pacing_tokens:
+                    # Paced: no room left, or (unchunked) a prompt over the room joins no other prefill.
+                    return
             if not self.admission.admits(req, self.running, self.bm):
                 return
             while not self.bm.allocate_slots(req, num_new, hits):

@@ -7,6 +7,7 @@ tiny model proves auto fired both ways in one run and that its outputs equal an 
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -254,3 +255,109 @@ def test_watermark_engine_outputs_exact_with_fewer_preemptions(tiny_ckpt):
         assert engine.block_manager.is_whole()
     assert outputs["none"] == outputs["watermark"]
     assert counts["none"] > 0 and counts["watermark"] < counts["none"], counts
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill pacing: a cap on the prefill tokens of steps with decodes
+
+
+def _paced_sched(cap: int | None, *, chunked: bool = False) -> Scheduler:
+    bm = BlockManager(64, 0, BS)
+    return Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256, clock=lambda: 0.0,
+                     enable_chunked_prefill=chunked, prefill_pacing_tokens=cap)
+
+
+def _prefill_beside_decodes(s: Scheduler, steps: int = 40) -> list[tuple[int, int]]:
+    """(prefill tokens, decode tokens) of each step until done."""
+    shapes = []
+    while s.has_unfinished() and len(shapes) < steps:
+        out = run_step(s)
+        shapes.append((out.num_prefill_tokens, out.num_decode_tokens))
+    return shapes
+
+
+def test_pacing_unchunked_admits_one_long_prompt_per_step_beside_decodes():
+    def first_steps(cap):
+        s = _paced_sched(cap)
+        s.add(req("d", 4, max_tokens=20))
+        run_step(s)  # d decodes from now on
+        for i in range(3):
+            s.add(req(f"long{i}", 20))  # over the cap of 16: never split, so one per step
+        s.add(req("short", 6))
+        return [out for out in (run_step(s), run_step(s), run_step(s))]
+
+    plain = first_steps(None)
+    assert plain[0].num_prefill_tokens == 66, "without pacing all four are admitted beside the decode"
+    paced = first_steps(16)
+    assert [o.num_prefill_tokens for o in paced] == [20, 20, 20]
+    assert all(o.num_decode_tokens >= 1 for o in paced), "the decode ran every step"
+    # prompts that fit the cap share a step: two of 6 tokens beside the decode
+    s = _paced_sched(16)
+    s.add(req("d", 4, max_tokens=20))
+    run_step(s)
+    s.add(req("a", 6))
+    s.add(req("b", 6))
+    assert run_step(s).num_prefill_tokens == 12
+
+
+def test_pacing_chunked_caps_prefill_beside_decodes_and_not_without():
+    def shapes(cap):
+        s = _paced_sched(cap, chunked=True)
+        s.add(req("d", 4, max_tokens=30))
+        run_step(s)
+        for i in range(3):
+            s.add(req(f"p{i}", 50, max_tokens=4))
+        return _prefill_beside_decodes(s)
+
+    plain = shapes(None)
+    assert max(p for p, d in plain if d) == 150, "unpaced, all three prefill beside the decode at once"
+    paced = shapes(16)
+    assert all(p <= 16 for p, d in paced if d), paced
+    assert sum(p for p, _ in paced) == 150, "every prompt token was still prefilled"
+    # a step without decodes is not paced: the first step of a fresh engine prefills everything it can
+    s = _paced_sched(16, chunked=True)
+    for i in range(2):
+        s.add(req(f"q{i}", 50))
+    assert run_step(s).num_prefill_tokens == 100
+
+
+def test_pacing_config_validation():
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ConfigError) as e:
+            EngineConfig(model="m", prefill_pacing_tokens=bad)
+        assert e.value.field == "prefill_pacing_tokens"
+    assert EngineConfig(model="m", prefill_pacing_tokens=1).prefill_pacing_tokens == 1
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_pacing_with_watermark_engine_outputs_exact(tiny_ckpt, chunked):
+    """Pacing changes when prompts are prefilled, never what is generated; and it fired (a step beside
+    decodes that the unpaced run filled with more prefill than the cap)."""
+    prompts, params = _mixed_workload()
+    cap = 64
+
+    def serve(**extra):
+        engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=40, enable_chunked_prefill=chunked,
+                                        **extra))
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"r{i}", p, sp)
+        final, shapes = {}, []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    final[o.request_id] = o.token_ids
+            shapes.append((engine.last_step["num_prefill_tokens"], engine.last_step["num_decode_tokens"]))
+        assert engine.block_manager.is_whole()
+        admitted = collections.Counter(e.step for e in engine.events if e.kind == "admitted")
+        return [final[f"r{i}"] for i in range(len(prompts))], shapes, admitted
+
+    expected, plain, _ = serve()
+    got, paced, admitted = serve(admission_policy="watermark", prefill_pacing_tokens=cap)
+    assert got == expected
+    assert any(p > cap for p, d in plain if d), "the unpaced run must prefill past the cap beside decodes"
+    over = [step for step, (p, d) in enumerate(paced, start=1) if d and p > cap]
+    if chunked:
+        assert not over, paced
+    else:  # unsplit prompts: past the cap only as the step's one prefill (steps count from 1)
+        assert over, "a prompt over the cap must have been admitted beside decodes (the rule's case)"
+        assert all(admitted[step] == 1 for step in over), (over, admitted)

@@ -101,6 +101,8 @@ class ReferenceAdapter(EngineAdapter):
         "admission_headroom": "watermark: share of the pool kept free of projected use (default 0.05)",
         "admission_horizon": "watermark: steps of output growth projected (default 64)",
         "preemption_budget": "aimd: preemptions allowed per 100 steps before the cap halves (default 1)",
+        "prefill_pacing_tokens": "prefill tokens a step computes beside decodes (unchunked: a longer prompt only "
+                                 "as the step's one prefill); default none (no cap)",
         "scheduling_policy": "fcfs or priority",
         "seed": "engine seed for unseeded sampling",
         "device": "cpu, cuda or cuda:N",

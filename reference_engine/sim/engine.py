@@ -85,7 +85,7 @@ class SimEngine(LLMEngine):
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             scheduling_policy=config.scheduling_policy, clock=self.clock.now, events=EventLog(config.max_events),
-            admission=admission_of(config),
+            admission=admission_of(config), prefill_pacing_tokens=config.prefill_pacing_tokens,
             # auto prices victims with the same cost model that advances the clock
             preemption_costs=ModelCosts(self.cost, config.block_size))
         if event_sink is not None:
@@ -101,8 +101,9 @@ class SimEngine(LLMEngine):
         # policy admission itself may preempt, and prefix caching registers blocks every step.
         # The lazy decoders' token counts are stale between syncs, and admission control reads them (and AIMD
         # needs every step's outcome): with admission on, every step takes the plain path.
+        # Prefill pacing reads whether anyone decodes, which the lazy decoders hide: also the plain path.
         self.fast_path_eligible = (config.scheduling_policy == "fcfs" and not config.enable_prefix_caching
-                                   and config.admission_policy == "none")
+                                   and config.admission_policy == "none" and config.prefill_pacing_tokens is None)
         self.fast_steps = self.plain_steps = 0  # how often step_fast could take its fast path
 
     def _validate(self, request_id, prompt, params) -> None:
