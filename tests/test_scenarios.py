@@ -3,6 +3,7 @@ in which nothing happened (a benchmark that passes because the storm never came 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -333,6 +334,13 @@ def test_priority_claims_compare_with_the_fcfs_control_run():
     bare = make_trace(req("on", 0.2, [0.3]))
     bare.requests["on"].priority = sc.HIGH
     assert set(sc.priority_vs_fcfs_claims(bare, bare).values()) == {None}
+    # a server's /metrics samples are not engine steps: undecidable, never counted as steps
+    sampled_fast, sampled_slow = _prio_trace(3), _prio_trace(9)
+    for t in (sampled_fast, sampled_slow):
+        t.steps = [dataclasses.replace(s, sampled=True) for s in t.steps]
+    assert set(sc.priority_vs_fcfs_claims(sampled_fast, sampled_slow).values()) == {None}
+    # an FCFS control in which online requests never waited: nothing to win back, undecidable
+    assert set(sc.priority_vs_fcfs_claims(_prio_trace(2), _prio_trace(3)).values()) == {None}
 
 
 def test_exhaustion_checker_rejects_a_small_pool_that_never_ran_out():
