@@ -1,20 +1,25 @@
 """``preemption_mode="auto"``: for each victim, swap or recompute, whichever the cost model says is cheaper.
 
-For a victim holding ``B`` device blocks with ``C`` computed tokens, of which ``H`` sit in blocks a
-recompute would not lose (prefix-cached, or shared with a running request, so still on the device
-when it is readmitted)::
+For a victim holding ``B`` device blocks with ``C`` computed tokens, of which ``H`` a recompute would
+get back from the prefix cache (see below)::
 
     swap      = round trip over the host link:  2 x (per_copy_s + B x block_bytes / link rate)
     recompute = the prefill of the discarded tokens:  (C - H) x per-token prefill cost
 
 Swap is chosen when it is cheaper *and* the host pool has room for the ``B`` blocks; otherwise the
 victim is recomputed (if swap was cheaper but the host pool was full, that is a swap fallback, counted
-and recorded as one). Host blocks are a budget too: when a swap would leave less host room than the
-largest running request holds (the victim a fixed swap mode would then have to recompute), the victim
-is swapped only if it saves at least as much per host block as that request would. So victims whose
-blocks are mostly shared or cached (cheap to recompute, yet every block copied by a swap) leave the
-host pool to long victims whose recompute is dear. Each ``preempted`` event carries the choice: ``mode``, ``reason``,
-``estimated_swap_s`` and ``estimated_recompute_s``.
+and recorded as one). Host blocks are a scarce resource: a swap that would leave less host room than
+the next victim in line needs (the scheduler's own victim order over the other running requests, when
+swapping that one would save time) goes ahead only if it saves at least as much time per host block as
+that one would. So host room is spent where it saves the most per block: a victim that is cheap to
+recompute (short, or mostly shared) does not take the room a long one behind it would need.
+
+``H``, the tokens a recompute gets back (the scheduler's ``_surviving_tokens``): the victim's leading
+blocks that another running request also holds (they stay on the device), and its own cached blocks
+unless the running requests draw them from the free queue before the victim can be readmitted (their
+growth until the first of them can finish, less the blocks free now; the victim's last blocks go
+first). Each ``preempted`` event carries the choice: ``mode``, ``reason``, ``estimated_swap_s`` and
+``estimated_recompute_s``.
 
 Where the prices come from (:class:`PreemptionCosts`, a protocol with two methods):
 
@@ -121,8 +126,8 @@ def choose(costs: PreemptionCosts, *, num_blocks: int, computed_tokens: int, sur
     which ``surviving_tokens`` would survive a recompute (prefix-cached or shared). Ties go to
     recompute (it holds no host memory). A victim that does not fit the host pool is recomputed; the
     reason says whether swap would have been cheaper (the caller counts that as a swap fallback).
-    ``reserve_blocks``, ``reserve_saving_per_block``: the host room to keep for the largest running
-    request and what swapping it would save per block (see the module docstring)."""
+    ``reserve_blocks``, ``reserve_saving_per_block``: the host room to keep for the next victim in line
+    and what swapping it would save per block (0, 0: none to keep; see the module docstring)."""
     tokens = max(computed_tokens - surviving_tokens, 0)
     swap_s = costs.swap_seconds(num_blocks)
     recompute_s = costs.recompute_seconds(tokens, num_running, context_tokens)
@@ -131,7 +136,7 @@ def choose(costs: PreemptionCosts, *, num_blocks: int, computed_tokens: int, sur
             return Decision("recompute", "swap cheaper but host pool full", swap_s, recompute_s, tokens)
         saving = (recompute_s - swap_s) / max(num_blocks, 1)
         if free_host_blocks - num_blocks < reserve_blocks and saving < reserve_saving_per_block:
-            return Decision("recompute", "host room kept for a longer victim", swap_s, recompute_s, tokens)
+            return Decision("recompute", "host room kept for the next victim in line", swap_s, recompute_s, tokens)
         return Decision("swap", "swap cheaper", swap_s, recompute_s, tokens)
     reason = "recompute cheaper"
     if surviving_tokens and computed_tokens and tokens < computed_tokens:

@@ -65,7 +65,7 @@ def test_choose_host_pool_full_and_host_room_reserved():
     # keep the room for it.
     kept = choose(COSTS, num_blocks=2, computed_tokens=8, surviving_tokens=0, free_host_blocks=4,
                   reserve_blocks=20, reserve_saving_per_block=1.0)
-    assert (kept.mode, kept.reason) == ("recompute", "host room kept for a longer victim")
+    assert (kept.mode, kept.reason) == ("recompute", "host room kept for the next victim in line")
     # The same victim with enough room left, or saving more per block than the reserve: swapped.
     assert choose(COSTS, num_blocks=2, computed_tokens=8, surviving_tokens=0, free_host_blocks=40,
                   reserve_blocks=20, reserve_saving_per_block=1.0).mode == "swap"
@@ -141,6 +141,41 @@ def test_auto_cheaper_swap_without_host_room_is_a_counted_fallback():
 
 # ---------------------------------------------------------------------------------------------
 # admission
+
+
+def test_auto_prices_own_cached_blocks_as_lost_when_running_requests_will_draw_them():
+    # v's first 3 blocks are cached but held only by v. With a running over many more steps, its growth
+    # draws them off the free queue before v could be readmitted: priced as recomputed. With a about
+    # to finish (one token left, 2 blocks free), they are kept.
+    for a_tokens, expected in ((100, 13), (2, 1)):
+        s = sched(gpu=8, cpu=32, mode="auto", caching=True)
+        a, v = req("a", 8, max_tokens=a_tokens), req("v", 13, max_tokens=100)
+        s.add(a)
+        s.add(v)
+        run_step(s)
+        assert s.bm.num_free_gpu_blocks == 2 and v.num_computed_tokens == 13
+        decision = s._auto_decision(v, 4)
+        assert decision.recompute_tokens == expected, a_tokens
+
+
+def test_auto_keeps_host_room_for_the_next_victim_in_line():
+    # Linear prices: saving per block grows with the victim's size (38 us - 20 us / blocks). A 2-block
+    # victim would leave 4 of 6 host blocks while the next victim in line needs 5 and saves more per
+    # block: recomputed. With room for both, or when the next in line is the smaller one: swapped.
+    # The largest running request is not the one kept room for unless it is next in line.
+    def decide(*sizes: int, cpu: int):
+        s = sched(gpu=24, cpu=cpu, mode="auto")
+        for i, n in enumerate(sizes):
+            s.add(req(f"r{i}", n))
+        run_step(s)
+        late = f"r{len(sizes) - 1}"
+        return s._auto_decision(s.requests[late], len(s.bm.block_tables[late]))
+
+    kept = decide(20, 8, cpu=6)
+    assert (kept.mode, kept.reason) == ("recompute", "host room kept for the next victim in line")
+    assert decide(20, 8, cpu=7).mode == "swap"
+    assert decide(8, 20, cpu=6).mode == "swap"
+    assert decide(20, 4, 8, cpu=6).mode == "swap"  # next in line: the 1-block r1, not the 5-block r0
 
 
 def test_remaining_growth_is_bounded_by_max_tokens_and_model_len():
