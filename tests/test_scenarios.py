@@ -4,6 +4,7 @@ in which nothing happened (a benchmark that passes because the storm never came 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from kvbench.bench import metrics
 from kvbench.bench import scenarios as sc
 from kvbench.bench.results import Results, validate
+from kvbench.bench.scenarios.base import STEP_SECONDS
 from kvbench.engines.base import EngineAdapter, GenResult, Knobs
 from tests.trace_factory import make_trace, req, step
 
@@ -59,6 +61,35 @@ def test_quick_scale_is_small_and_full_is_bigger():
     # modes side by side)
     assert sum(quick.values()) <= 760, quick
     assert all(full[n] > quick[n] for n in quick), (quick, full)
+
+
+@pytest.fixture(scope="module")
+def preset_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, sc.Model]:
+    """Each scale's built-in model as a config.json alone: all the simulator reads."""
+    from reference_engine.checkpoint import build_config
+
+    models = {}
+    for scale, preset in sc.MODEL_PRESETS.items():
+        path = tmp_path_factory.mktemp(preset)
+        (path / "config.json").write_text(json.dumps(build_config(preset)))
+        models[scale] = sc.Model.from_dir(path, preset)
+    return models
+
+
+@pytest.mark.parametrize("scale", sc.SCALES)
+@pytest.mark.parametrize("name", sorted(sc.SCENARIOS))
+def test_every_claim_holds_on_the_reference_engines_schedule(name, scale, preset_dirs):
+    """Resizing a scale must not leave a claim unshown: served on the simulator on the step clock,
+    whose counts are the reference engine's (tests/test_sim.py), in both preemption modes where the
+    engine's mode matters, every claim is decided and holds (preemptions where a storm claims them, a
+    fallback where the host pool is too small...). Only the schedule is checked here, never a time."""
+    from kvbench.engines.registry import make_adapter, parse_engine_spec
+
+    scenario, model = sc.SCENARIOS[name], preset_dirs[scale]
+    for mode in ("recompute", "swap") if scenario.engine_mode_matters else ("recompute",):
+        adapter = make_adapter(parse_engine_spec(f"sim:clock=step,preemption_mode={mode}"), model.path)
+        outcome = sc.run(scenario, adapter, model, scale, step_seconds=STEP_SECONDS[scale])
+        assert {c: v for c, v in outcome.claims.items() if v is not True} == {}, (mode, outcome.explain())
 
 
 def test_plans_are_seeded():

@@ -67,7 +67,7 @@ class SwapVsRecompute(Scenario):
     engine_mode_matters = False
     sizes = {  # noqa: RUF012
         "quick": CrossoverSize(lengths=(8, 16, 32, 64, 128, 256, 512, 1000), repeats=5),
-        "full": CrossoverSize(lengths=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4000), repeats=5),
+        "full": CrossoverSize(lengths=(8, 16, 32, 64, 128, 256, 512, 1024, 2048), repeats=5),
     }
     modes = ("recompute", "swap")
     pressure = Pressure(preemptions=True, kv_pinned=True)  # both modes forced in turn, one preemption per run

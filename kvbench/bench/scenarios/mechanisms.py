@@ -76,8 +76,8 @@ class PrefixCachingRecompute(Scenario):
     sizes = {  # noqa: RUF012
         "quick": PrefixSize(WorkloadSpec("prefix", 32, Uniform(32, 96), Fixed(64), ClosedLoop(12),
                                          shared_prefix=SharedPrefix(1, 256), seed=5), num_gpu_blocks=96),
-        "full": PrefixSize(WorkloadSpec("prefix", 96, Uniform(64, 256), Fixed(256), ClosedLoop(24),
-                                        shared_prefix=SharedPrefix(1, 1024), seed=5), num_gpu_blocks=512),
+        "full": PrefixSize(WorkloadSpec("prefix", 36, Uniform(32, 128), Fixed(96), ClosedLoop(16),
+                                        shared_prefix=SharedPrefix(1, 512), seed=5), num_gpu_blocks=224),
     }
     modes = ("no_prefix_caching", "prefix_caching")
     pressure = Pressure(preemptions=True, kv_pinned=True, forced_mode="recompute")
@@ -170,9 +170,9 @@ class ChunkedPrefillStalls(Scenario):
             budget_note="512 and 2048 at full scale (3,072-token prompts) scaled by 1/4 to the tiny model's "
                         "768-token prompts: 128 and 512"),
         "full": ChunkedSize(
-            decoders=WorkloadSpec("decoders", 16, Uniform(64, 128), Fixed(1000), AllAtOnce(), seed=6),
-            long_prompts=WorkloadSpec("long", 8, Uniform(2816, 3328), Fixed(8), Poisson(2.0), seed=7),
-            long_start_s=1.0, budgets=(512, 2048), num_gpu_blocks=2048,
+            decoders=WorkloadSpec("decoders", 10, Uniform(32, 64), Fixed(192), AllAtOnce(), seed=6),
+            long_prompts=WorkloadSpec("long", 3, Uniform(2112, 2304), Fixed(4), Poisson(2.0), seed=7),
+            long_start_s=1.0, budgets=(512, 2048), num_gpu_blocks=1024,
             budget_note="512 (vLLM's chunked-prefill default, tuned for ITL) and 2048 (its advice for throughput)"),
     }
     modes = ("unchunked", "chunked", "chunked_large")
@@ -299,11 +299,11 @@ class PriorityOnlineOffline(Scenario):
                                 priorities=Priorities((HIGH,), (1.0,)), seed=9),
             online_start_s=0.3, num_gpu_blocks=96),
         "full": PrioritySize(
-            offline=WorkloadSpec("offline", 64, Uniform(1024, 2048), Fixed(512), AllAtOnce(),
+            offline=WorkloadSpec("offline", 16, Uniform(256, 448), Fixed(96), AllAtOnce(),
                                  priorities=Priorities((LOW,), (1.0,)), seed=8),
-            online=WorkloadSpec("online", 120, Uniform(64, 256), Fixed(128), Poisson(2.0),
+            online=WorkloadSpec("online", 24, Uniform(64, 160), Fixed(32), Poisson(2.0),
                                 priorities=Priorities((HIGH,), (1.0,)), seed=9),
-            online_start_s=5.0, num_gpu_blocks=1024),
+            online_start_s=2.0, num_gpu_blocks=160),
     }
     modes = ("priority", "fcfs")
     pressure = Pressure(preemptions=True, kv_pinned=True, starvation=True)

@@ -81,10 +81,10 @@ class PreemptionPolicies(Scenario):
             long=WorkloadSpec("long", 4, Uniform(300, 500), Uniform(32, 64), Poisson(4.0), seed=12),
             num_gpu_blocks=40, num_cpu_blocks=40, surges=("evening_surge",)),
         "full": PoliciesSize(
-            short=WorkloadSpec("short", 200, Uniform(8, 64), Uniform(32, 128), Poisson(8.0),
-                               shared_prefix=SharedPrefix(2, 256), seed=11),
-            long=WorkloadSpec("long", 16, Uniform(2048, 3072), Uniform(64, 256), Poisson(0.5), seed=12),
-            num_gpu_blocks=768, num_cpu_blocks=512),
+            short=WorkloadSpec("short", 24, Uniform(8, 48), Uniform(32, 96), Poisson(8.0),
+                               shared_prefix=SharedPrefix(2, 128), seed=11),
+            long=WorkloadSpec("long", 4, Uniform(768, 1024), Uniform(48, 96), Poisson(1.0), seed=12),
+            num_gpu_blocks=128, num_cpu_blocks=96),
     }
     pressure = Pressure(preemptions=True, kv_pinned=True)
     score = None  # one engine's modes, not engines, are compared

@@ -57,8 +57,8 @@ class PreemptionStorm(Scenario):
     sizes = {  # noqa: RUF012
         "quick": StormSize(WorkloadSpec("storm", 16, Uniform(32, 128), Fixed(192), ClosedLoop(1), seed=3),
                            concurrencies=(2, 4, 6, 8, 12, 16), num_gpu_blocks=128),
-        "full": StormSize(WorkloadSpec("storm", 96, Uniform(512, 1536), Fixed(384), ClosedLoop(1), seed=3),
-                          concurrencies=(2, 4, 8, 12, 16, 24, 32, 48), num_gpu_blocks=1024),
+        "full": StormSize(WorkloadSpec("storm", 24, Uniform(128, 384), Fixed(128), ClosedLoop(1), seed=3),
+                          concurrencies=(4, 8, 12, 16, 24), num_gpu_blocks=128),
     }
     pressure = Pressure(preemptions=True, kv_pinned=True)
     score = Score("output_throughput", True, label="output throughput at the top of the sweep")
@@ -159,7 +159,7 @@ class ExhaustionSize:
     spec: WorkloadSpec  # closed loop past capacity
     num_gpu_blocks: int
     ample_cpu_blocks: int
-    small_cpu_blocks: int  # a quarter of the device pool: room for two or three victims
+    small_cpu_blocks: int  # room for one to three victims (quick: a quarter of the device pool; full: 15%)
 
 
 class SwapSpaceExhaustion(Scenario):
@@ -175,8 +175,8 @@ class SwapSpaceExhaustion(Scenario):
     sizes = {  # noqa: RUF012
         "quick": ExhaustionSize(WorkloadSpec("exhaustion", 24, Uniform(64, 192), Fixed(128), ClosedLoop(16), seed=10),
                                 num_gpu_blocks=96, ample_cpu_blocks=1024, small_cpu_blocks=24),
-        "full": ExhaustionSize(WorkloadSpec("exhaustion", 96, Uniform(256, 768), Fixed(512), ClosedLoop(32), seed=10),
-                               num_gpu_blocks=512, ample_cpu_blocks=8192, small_cpu_blocks=128),
+        "full": ExhaustionSize(WorkloadSpec("exhaustion", 32, Uniform(128, 384), Fixed(96), ClosedLoop(16), seed=10),
+                               num_gpu_blocks=160, ample_cpu_blocks=2048, small_cpu_blocks=24),
     }
     modes = ("ample_swap_space", "exhausted_swap_space")
     pressure = Pressure(preemptions=True, kv_pinned=True, forced_mode="swap", swap_fallback=True)

@@ -62,10 +62,12 @@ class EveningSurge(Scenario):
             steady=WorkloadSpec("steady", 40, Uniform(32, 128), Uniform(32, 64), Poisson(8.0), seed=0),
             wave=WorkloadSpec("wave", 12, Uniform(512, 768), Uniform(96, 160), Poisson(10.0), seed=1),
             wave_start_s=3.0, num_gpu_blocks=128),
+        # full (as every full size: see "Scales" in kvbench/bench/scenarios/__init__.py): the wave's
+        # prompts are longer than the tiny model's whole context
         "full": SurgeSize(
-            steady=WorkloadSpec("steady", 300, Uniform(64, 512), Uniform(64, 256), Poisson(5.0), seed=0),
-            wave=WorkloadSpec("wave", 60, Uniform(2048, 3072), Uniform(512, 1000), Poisson(1.0), seed=1),
-            wave_start_s=45.0, num_gpu_blocks=1024),
+            steady=WorkloadSpec("steady", 44, Uniform(48, 192), Uniform(24, 64), Poisson(2.0), seed=0),
+            wave=WorkloadSpec("wave", 10, Uniform(768, 1152), Uniform(48, 96), Poisson(2.0), seed=1),
+            wave_start_s=10.0, num_gpu_blocks=160),
     }
     pressure = Pressure(preemptions=True, kv_pinned=True)
     score = Score("ttft_p99_wave", False, label="p99 TTFT of the long-context wave")
@@ -142,8 +144,8 @@ class FlashCrowd(Scenario):
         # the step (at 4 -> 8 req/s a faster reference engine kept up and never preempted).
         "quick": FlashSize(WorkloadSpec("flash", 72, Uniform(64, 256), Uniform(32, 96),
                                         StepSurge(((3.0, 8.0), (3.0, 16.0))), seed=2), num_gpu_blocks=48),
-        "full": FlashSize(WorkloadSpec("flash", 360, Uniform(256, 1024), Uniform(128, 512),
-                                       StepSurge(((60.0, 2.0), (60.0, 4.0))), seed=2), num_gpu_blocks=512),
+        "full": FlashSize(WorkloadSpec("flash", 84, Uniform(96, 320), Uniform(32, 96),
+                                       StepSurge(((8.0, 3.5), (8.0, 7.0))), seed=2), num_gpu_blocks=128),
     }
     pressure = Pressure(preemptions=True, kv_pinned=True)
     score = Score("ttft_p99_after_surge", False, label="p99 TTFT of requests arriving after the surge")
