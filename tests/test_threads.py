@@ -10,13 +10,12 @@ import torch
 from kvbench.bench.threads import ENV_VAR, describe, pinned_torch_threads, torch_threads
 
 
-def test_policy_one_thread_at_quick_scale_on_cpu_else_torch_default(monkeypatch):
+def test_policy_one_thread_on_cpu_at_both_scales_else_torch_default(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert torch_threads("quick") == 1
-    assert torch_threads("full") is None
+    assert torch_threads("quick") == torch_threads("full") == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert torch_threads("quick") is None
+    assert torch_threads("quick") is None and torch_threads("full") is None
 
 
 def test_the_environment_overrides_and_a_bad_value_names_the_variable(monkeypatch):
