@@ -9,7 +9,7 @@ Options (group "kvbench")::
     --report-dir DIR                where runs are written (default reports/)
     --baseline RESULTS.json         compare with a saved run; regressions fail the session
     --threshold EXPR                regression threshold, repeatable (default: see kvbench.bench.gate)
-    --benchmark-repeats N           timed repeats of every benchmark run (default 3)
+    --benchmark-repeats N           timed repeats of every benchmark run (default 3 at quick scale, 1 at full)
     --gate-absolute                 gate absolute times, not same-run ratios to the reference engine
     --gate-noise-k K                a time's change must exceed K pooled spreads of the repeats (default 3)
     --slo EXPR                      goodput SLOs, e.g. "ttft<=0.5,tbt<=0.1"
@@ -43,6 +43,11 @@ from kvbench.core.evidence import collecting, evidence_of
 from kvbench.engines.registry import EngineSpec, EngineSpecError, adapter_class, make_adapter, parse_engine_spec
 
 SCALES = ("quick", "full")
+#: ``--benchmark-repeats`` when not given, by scale. One at full: three repeats of the full main job
+#: would take about an hour on 2 CPU cores (one takes about 20 minutes); results still record the number
+#: (``parameters.repeats``, one entry per repeat), and the gate falls back to its thresholds alone when
+#: a point has no spread.
+DEFAULT_REPEATS = {"quick": 3, "full": 1}
 _SESSION_KEY = pytest.StashKey["KvbenchSession"]()
 
 
@@ -98,9 +103,9 @@ def add_options(group: Any) -> None:
     group.addoption("--threshold", action="append", default=None, metavar="EXPR",
                     help="regression threshold such as throughput:-10%% or preemptions:+0 (repeatable)")
     group.addoption("--slo", default=None, metavar="EXPR", help='goodput SLOs, e.g. "ttft<=0.5,tbt<=0.1"')
-    group.addoption("--benchmark-repeats", type=int, default=3, metavar="N",
+    group.addoption("--benchmark-repeats", type=int, default=None, metavar="N",
                     help="serve every timed benchmark point N times; results keep each repeat, the median and "
-                         "the spread (default 3)")
+                         "the spread (default 3 at quick scale, 1 at full)")
     group.addoption("--gate-absolute", action="store_true", default=False,
                     help="with --baseline: gate absolute times too, not only same-run ratios to the reference engine")
     group.addoption("--gate-noise-k", type=float, default=3.0, metavar="K",
@@ -159,6 +164,8 @@ def pytest_configure(config: pytest.Config) -> None:
         except ValueError as e:
             raise pytest.UsageError(f"--slo: {e}") from None
     repeats, noise_k = config.getoption("benchmark_repeats"), config.getoption("gate_noise_k")
+    if repeats is None:
+        repeats = DEFAULT_REPEATS[config.getoption("benchmark_scale")]
     if repeats < 1:
         raise pytest.UsageError(f"--benchmark-repeats must be >= 1, got {repeats}")
     if not noise_k >= 0:

@@ -99,6 +99,19 @@ def test_bad_options_are_usage_errors(pytester: pytest.Pytester, args, message):
     result.stderr.fnmatch_lines([message])
 
 
+@pytest.mark.parametrize(("args", "repeats"), [
+    ([], 3),
+    (["--benchmark-scale", "full"], 1),
+    (["--benchmark-scale", "full", "--benchmark-repeats", "2"], 2),
+    (["--benchmark-repeats", "1"], 1),
+])
+def test_repeats_default_to_three_at_quick_scale_and_one_at_full(pytester: pytest.Pytester, args, repeats):
+    pytester.makepyfile("def test_repeats(kvbench_session): print('REPEATS', kvbench_session.repeats)")
+    result = pytester.runpytest_subprocess("-s", *args)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*REPEATS {repeats}*"])
+
+
 _RESULT_TEST = """
     import pytest
 

@@ -1,8 +1,8 @@
 """Repeated measurements of one timed point: the median and a robust spread of each metric.
 
-A benchmark serves every timed point ``--benchmark-repeats`` times (3 by default). Results keep
-every repeat's values, their median (what the report shows and the gate compares) and their
-spread (what the gate's noise floor is made of, see :mod:`kvbench.bench.gate`).
+A benchmark serves every timed point ``--benchmark-repeats`` times (3 by default at quick scale, 1 at
+full). Results keep every repeat's values, their median (what the report shows and the gate
+compares) and their spread (what the gate's noise floor is made of, see :mod:`kvbench.bench.gate`).
 
 Spread is an estimate of one measurement's standard deviation that a single outlier cannot
 shrink to nothing:

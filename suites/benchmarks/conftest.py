@@ -8,15 +8,16 @@ Choices made here, once for every benchmark:
   suite on ``small`` would blow its ten-minute budget several times over.
 * **Threads.** torch's intra-op threads are pinned for the benchmarks (restored afterwards) by the
   policy in :mod:`kvbench.bench.threads`, shared with ``kvbench demo``: ``KVBENCH_TORCH_THREADS``
-  if set, else 1 at ``quick`` scale on CPU (on a shared 2-core machine two spinning OpenMP threads
+  if set, else 1 on CPU at both scales (on a shared 2-core machine two spinning OpenMP threads
   made steps ten times slower), else torch's default. The number is recorded in every scenario's
   parameters.
 * **Progress.** A tqdm bar of requests served per benchmark, on the terminal's stderr (pytest's
   capture is suspended around each write). Shown only on a TTY; hidden with ``-q``, under xdist,
   and when ``KVBENCH_PROGRESS=0``; ``KVBENCH_PROGRESS=1`` forces it.
 * **Repeats and clocks.** Every job of a scenario is served ``--benchmark-repeats`` times (3 by
-  default); results keep each repeat's figures, their medians and spreads (the gate's noise
-  floor). A ``steppable`` engine (the reference engine) runs on the step clock
+  default at ``quick`` scale, 1 at ``full``: :data:`kvbench.plugin.DEFAULT_REPEATS`); results keep
+  each repeat's figures, their medians and spreads (the gate's noise floor), and the number in every
+  scenario's parameters. A ``steppable`` engine (the reference engine) runs on the step clock
   (:data:`kvbench.bench.scenarios.base.STEP_SECONDS` virtual seconds per step): arrivals and aborts are
   released by engine step, so its counts are identical every repeat and every run, while its
   times stay on the wall clock. Other engines (hf-cb's own loop thread) run on the wall clock.
