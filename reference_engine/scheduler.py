@@ -398,22 +398,30 @@ class Scheduler:
         others = [r for r in self.running if r is not victim]
         context = sum(r.num_computed_tokens for r in others)
         lost = self._blocks_lost_before_readmission(others)
+        # The prompts the readmission step would prefill anyway (the recompute is priced beside them).
+        waiting = min(sum(r.num_tokens - r.num_computed_tokens for r in self.waiting), self.max_num_batched_tokens)
         costs = self.preemption_costs
         reserve, reserve_saving = 0, 0.0
         if others:
             following = self._pick_victim(others)
             blocks = len(self.bm.block_tables.get(following.request_id, ()))
-            if blocks:
+            if blocks and not self._shared_blocks(following):
                 # Priced as it would be then: beside the others but this victim and itself.
                 tokens = following.num_computed_tokens - self._surviving_tokens(following, lost)
-                saving = (costs.recompute_seconds(tokens, len(others) - 1, context - following.num_computed_tokens)
-                          - costs.swap_seconds(blocks))
+                saving = (costs.recompute_seconds(tokens, len(others) - 1, context - following.num_computed_tokens,
+                                                  waiting) - costs.swap_seconds(blocks))
                 if saving > 0:
                     reserve, reserve_saving = blocks, saving / blocks
         return choose(costs, num_blocks=num_blocks, computed_tokens=victim.num_computed_tokens,
                       surviving_tokens=self._surviving_tokens(victim, lost),
                       free_host_blocks=self.bm.num_free_cpu_blocks, num_running=len(others), context_tokens=context,
-                      reserve_blocks=reserve, reserve_saving_per_block=reserve_saving)
+                      waiting_tokens=waiting, reserve_blocks=reserve, reserve_saving_per_block=reserve_saving,
+                      shared_blocks=self._shared_blocks(victim))
+
+    def _shared_blocks(self, request: Request) -> int:
+        """Blocks of ``request`` that another running request also holds: a swap-in would bring them
+        back as private copies, held for the rest of its life (the prefix cache does not re-share them)."""
+        return sum(1 for b in self.bm.block_tables.get(request.request_id, ()) if b.ref_cnt > 1)
 
     def _blocks_lost_before_readmission(self, others: list[Request]) -> int:
         """How many of a recomputed victim's freed blocks the running ``others`` will draw before it can

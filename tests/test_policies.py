@@ -73,6 +73,28 @@ def test_choose_host_pool_full_and_host_room_reserved():
                   reserve_blocks=20, reserve_saving_per_block=0.0).mode == "swap"
 
 
+def test_choose_recomputes_a_victim_sharing_blocks_even_when_swap_is_cheaper():
+    # A swap-in brings shared blocks back as private copies (held for the rest of the request's life).
+    shared = choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=8, free_host_blocks=100,
+                    shared_blocks=2)
+    assert shared.mode == "recompute" and "unshared" in shared.reason
+    assert choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=8, free_host_blocks=100).mode == "swap"
+
+
+def test_model_costs_price_a_recompute_beside_the_waiting_prompts():
+    # On a GPU a decode step is memory-bound: 128 tokens beside 64 decodes alone look almost free, but
+    # beside a full step of waiting prompts (compute-bound) each recomputed token costs its compute.
+    from reference_engine.preemption_policy import ModelCosts
+    from reference_engine.sim import load_model_shape, load_profile
+    from reference_engine.sim.cost_model import CostModel
+
+    costs = ModelCosts(CostModel(load_model_shape("llama-3-8b"), load_profile("h200")), 16)
+    beside_decodes = costs.recompute_seconds(128, 64, 64 * 1500)
+    beside_prompts = costs.recompute_seconds(128, 64, 64 * 1500, 2048)
+    assert beside_prompts > 10 * beside_decodes
+    assert beside_prompts > costs.swap_seconds(8)  # so a 128-token victim is then cheaper to swap
+
+
 def test_measure_linear_costs_takes_slopes():
     clock = [0.0]
     timer = lambda: clock[0]  # noqa: E731
