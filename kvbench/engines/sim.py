@@ -52,7 +52,7 @@ class SimAdapter(ReferenceAdapter):
     # Placeholder tokens: no sampling, no stop tokens, no block bytes to compare (block introspection
     # would test the very block manager the reference engine's checks already test).
     capabilities = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority", "events",
-                              "abort"})
+                              "abort", "auto_preemption", "admission_control"})  # the reference scheduler's own
     steppable = True
     option_keys = {  # noqa: RUF012
         "hardware": "h200, h100, a100-80gb, or a profile JSON from `kvbench calibrate` (default h200)",

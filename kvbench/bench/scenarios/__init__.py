@@ -76,6 +76,7 @@ from kvbench.bench.scenarios.crossover import (
     resume_cost,
     summarize_costs,
 )
+from kvbench.bench.scenarios.declare import COST_CLOCK_CLAIM
 from kvbench.bench.scenarios.mechanisms import (
     HIGH,
     LOW,
@@ -93,7 +94,7 @@ from kvbench.bench.scenarios.mechanisms import (
     priority_vs_fcfs_claims,
     stall_steps,
 )
-from kvbench.bench.scenarios.policies import PoliciesSize, PreemptionPolicies
+from kvbench.bench.scenarios.policies import PoliciesSize, PreemptionPolicies, auto_vs_fixed_claims
 from kvbench.bench.scenarios.storms import (
     ExhaustionSize,
     PreemptionStorm,
@@ -129,7 +130,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     SWAP_EXHAUSTION, PREEMPTION_POLICIES)}
 
 __all__ = [
-    "BLOCK_SIZE", "CHUNKED_PREFILL", "DOUBLED", "EVENING_SURGE", "FLASH_CROWD", "FULL_POOL", "HIGH", "LOW",
+    "BLOCK_SIZE", "CHUNKED_PREFILL", "COST_CLOCK_CLAIM",
+    "DOUBLED", "EVENING_SURGE", "FLASH_CROWD", "FULL_POOL", "HIGH", "LOW",
     "MODEL_PRESETS", "PREEMPTION_POLICIES",
     "PREEMPTION_STORM", "PREFIX_CACHING", "PRIORITY", "SCALES", "SCENARIOS", "SWAP_EXHAUSTION",
     "SWAP_VS_RECOMPUTE", "VICTIM", "ChunkedPrefillStalls", "ChunkedSize", "CrossoverSize", "EveningSurge",
@@ -137,7 +139,8 @@ __all__ = [
     "PreemptionStorm", "PrefixCachingRecompute",
     "PrefixSize", "PriorityOnlineOffline", "PrioritySize", "Progress", "ResultEntry", "ResumeCost", "Scenario",
     "Served", "StormSize", "SurgeSize", "SwapSpaceExhaustion", "SwapVsRecompute", "SweepPoint", "all_finished",
-    "arrival_rate_ratio", "before_after", "build_workload", "check_crossover_length", "chunked_claims",
+    "arrival_rate_ratio", "auto_vs_fixed_claims",
+    "before_after", "build_workload", "check_crossover_length", "chunked_claims",
     "class_figures", "describe_spec", "exhaustion_claims", "first_fallback", "first_token_steps", "knee_within",
     "last_event", "percentile", "positive", "preemptions_between", "prefix_claims", "priority_claims",
     "priority_vs_fcfs_claims", "record", "resume_cost", "run", "run_interleaved", "serve",
