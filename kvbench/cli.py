@@ -234,21 +234,24 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         sweep = sim.parse_sweep(args.sweep or [])
     except ValueError as e:
         raise CLIError(str(e)) from e
-    if args.requests < 1:
-        raise CLIError(f"--requests must be >= 1, got {args.requests}")
     from kvbench.checkpoints import builtin_checkpoint
 
     adapter = make_adapter(spec, str(builtin_checkpoint("tiny")))
     shape = adapter.model_shape
-    workload = sim.evening_surge_at_scale(args.requests, vocab_size=shape.vocab_size,
-                                          max_model_len=shape.max_position_embeddings, seed=args.seed)
-    print(f"simulating {len(workload.requests):,} requests of the evening surge at scale on {adapter.name} "
+    build, needs = sim.WORKLOADS[args.workload]
+    requests = args.requests if args.requests is not None else (10_000 if args.workload == "evening_surge" else 1600)
+    if requests < 1:
+        raise CLIError(f"--requests must be >= 1, got {requests}")
+    workload = build(requests, vocab_size=shape.vocab_size, max_model_len=shape.max_position_embeddings,
+                     seed=args.seed)
+    print(f"simulating {len(workload.requests):,} requests of {args.workload} at scale on {adapter.name} "
           f"({shape.name} on {adapter.profile.name}; times are simulated seconds)", file=out)
+    base = sim.DEFAULT_KNOBS.merged(needs)
     if sweep:
-        runs = sim.run_sweep(adapter, workload, sweep, progress=lambda r: print(f"  ran {r.knobs} in "
-                                                                                 f"{r.wall_seconds:.1f} s", file=out))
+        runs = sim.run_sweep(adapter, workload, sweep, base, progress=lambda r: print(
+            f"  ran {r.knobs} in {r.wall_seconds:.1f} s", file=out))
     else:
-        runs = [sim.simulate(adapter, workload)]
+        runs = [sim.simulate(adapter, workload, base)]
     print(sim.format_runs(runs), file=out)
     print(sim.capacity_plan(runs, adapter, args.preemption_budget).text(), file=out)
     return EXIT_OK
@@ -259,6 +262,12 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 Handler = Callable[[argparse.Namespace, TextIO], int]
+
+
+def sim_workloads() -> tuple[str, ...]:
+    from kvbench.bench.simulate import WORKLOADS
+
+    return tuple(WORKLOADS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,7 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--sweep, and print the headline figures and a capacity plan.")
     p.add_argument("--engine", default="sim:hardware=h200,model=llama-3-8b", metavar="SPEC",
                    help="a sim engine spec (default %(default)s)")
-    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--workload", choices=sorted(sim_workloads()), default="evening_surge",
+                   help="evening_surge (default) or mixed_victims (short and long victims for preemption_mode=auto; "
+                        "prefix caching on)")
+    p.add_argument("--requests", type=int, default=None, help="default 10,000 (evening_surge) or 1,600 (mixed_victims)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", action="append", metavar="KNOB=V,V,...",
                    help="e.g. max_num_seqs=64,128,256,num_gpu_blocks=4000,8000,preemption_mode=swap,recompute")

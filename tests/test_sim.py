@@ -379,3 +379,22 @@ def test_served_interval_fit_recovers_per_step_and_per_request_costs(tiny):
     engine = SimEngine(EngineConfig(model=tiny, dtype="float32"), shape, base.with_coefficients(truth))
     engine.add_request("r", [5] * 10, SamplingParams(max_tokens=2, ignore_eos=True))
     assert engine.clock.now() == pytest.approx(300e-6)
+
+
+def test_simulate_cli_mixed_victims_prints_auto_claims(capsys):
+    """``kvbench simulate --workload mixed_victims`` with the three modes swept judges the scenario's
+    claims on auto (figures not asserted here: README has them at scale)."""
+    import io
+
+    from kvbench.bench.scenarios import auto_vs_fixed_claims
+    from kvbench.cli import main
+
+    out = io.StringIO()
+    code = main(["simulate", "--workload", "mixed_victims", "--requests", "48", "--engine",
+                 "sim:hardware=h200,model=llama-3-8b,num_gpu_blocks_override=600,swap_space=1",
+                 "--sweep", "preemption_mode=recompute,swap,auto"], out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "48 requests of mixed_victims" in text and "enable_prefix_caching=True" in text
+    for claim in auto_vs_fixed_claims(1.0, 1.0, 1.0):
+        assert f": {claim}" in text, text

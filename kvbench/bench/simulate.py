@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.bench import metrics
-from kvbench.bench.workloads import Poisson, Uniform, Workload, WorkloadSpec, combine
+from kvbench.bench.workloads import Poisson, SharedPrefix, Uniform, Workload, WorkloadSpec, combine
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
 from kvbench.core.trace import TraceRecorder
 
 #: the figures a plan prints per run
 HEADLINE = ("output_throughput", "ttft_p50", "ttft_p99", "tbt_p99", "preemptions_recompute", "preemptions_swap",
-            "recomputed_tokens")
+            "recomputed_tokens", "swapped_out_bytes")
 KNEE_SHARE = 0.95
 
 
@@ -44,6 +44,29 @@ def evening_surge_at_scale(num_requests: int = 10_000, vocab_size: int = 32_000,
     limit = max_model_len - 1
     return combine("evening_surge_at_scale", steady.build(vocab_size, max_prompt_len=limit),
                    wave.build(vocab_size, max_prompt_len=limit).shifted(100.0))
+
+
+def mixed_victims_at_scale(num_requests: int = 1600, vocab_size: int = 32_000, max_model_len: int = 8192,
+                           seed: int = 0) -> Workload:
+    """Short and long victims mixed, at Llama-3-8B/H200 scale (issue 11, ``preemption_mode=auto``): 15 of
+    16 requests short (a 256-token system prompt of 2, shared, then 16-128 tokens of their own; 512-1024
+    output tokens; Poisson 32/s), 1 of 16 long and unique (3,072-6,144-token prompts, 256-512 output
+    tokens; Poisson 2/s). Serve it with prefix caching on and a pool too small for it
+    (``num_gpu_blocks_override=8000``): a short victim is cheap to recompute (its prompt is mostly
+    shared) while a swap copies its shared blocks and brings them back unshared; a long victim is
+    dear to recompute once its blocks are drawn, and cheap to swap."""
+    long_n = max(1, num_requests // 16)
+    limit = max_model_len - 1
+    short = WorkloadSpec("short", num_requests - long_n, Uniform(16, 128), Uniform(512, 1024), Poisson(32.0),
+                         shared_prefix=SharedPrefix(2, 256), seed=seed + 11)
+    long = WorkloadSpec("long", long_n, Uniform(3072, 6144), Uniform(256, 512), Poisson(2.0), seed=seed + 12)
+    return combine("mixed_victims_at_scale", short.build(vocab_size, max_prompt_len=limit),
+                   long.build(vocab_size, max_prompt_len=limit))
+
+
+#: ``kvbench simulate --workload``: name -> (builder, knobs it needs)
+WORKLOADS = {"evening_surge": (evening_surge_at_scale, Knobs()),
+             "mixed_victims": (mixed_victims_at_scale, Knobs(enable_prefix_caching=True))}
 
 
 @dataclass
@@ -171,6 +194,7 @@ def capacity_plan(runs: Sequence[SimRun], adapter: Any, preemption_budget: float
             cells = [f"{r.knobs.get('preemption_mode')}: {_fmt(r.figures['output_throughput'])} tok/s, p99 TBT "
                      f"{_ms(r.figures['tbt_p99'])}" for r in group]
             add(f"  {_label(rest)}: " + "; ".join(cells))
+            add_auto_claims(group, add)
     engine = adapter.build_engine(Knobs())
     crossover = engine.cost.crossover(engine.config.block_size, engine.config.max_model_len)
     add(f"Cost model ({adapter.model_shape.name} on {adapter.profile.name}): {crossover.describe()} "
@@ -178,13 +202,30 @@ def capacity_plan(runs: Sequence[SimRun], adapter: Any, preemption_budget: float
     return plan
 
 
+def add_auto_claims(group: Sequence[SimRun], add: Any) -> None:
+    """The scenario's claims on auto (:func:`kvbench.bench.scenarios.policies.auto_vs_fixed_claims`) for
+    one group of runs that differ only in ``preemption_mode``, when it has all three."""
+    from kvbench.bench.scenarios.policies import auto_vs_fixed_claims
+
+    by_mode = {r.knobs.get("preemption_mode"): r.figures for r in group}
+    if not {"auto", "recompute", "swap"} <= set(by_mode):
+        return
+    auto = by_mode["auto"]
+    mixed = bool(auto.get("preemptions_swap")) and bool(auto.get("preemptions_recompute"))
+    claims = auto_vs_fixed_claims(*(by_mode[m]["output_throughput"] for m in ("auto", "recompute", "swap")), mixed)
+    for claim, held in claims.items():
+        add(f"    {'shown' if held else 'NOT shown' if held is False else 'undecided'}: {claim}")
+
+
 def format_runs(runs: Sequence[SimRun]) -> str:
     header = ["knobs", "requests", "tok/s", "TTFT p50", "TTFT p99", "TBT p99", "preempt rec", "preempt swap",
-              "recomputed", "sim wall s"]
+              "recomputed", "swapped GB", "sim wall s"]
     rows = [[", ".join(f"{k}={v}" for k, v in r.knobs.items()) or "defaults", str(r.requests),
              _fmt(r.figures["output_throughput"]), _ms(r.figures["ttft_p50"]), _ms(r.figures["ttft_p99"]),
              _ms(r.figures["tbt_p99"]), _fmt(r.figures["preemptions_recompute"], 0),
-             _fmt(r.figures["preemptions_swap"], 0), _fmt(r.figures["recomputed_tokens"], 0), f"{r.wall_seconds:.1f}"]
+             _fmt(r.figures["preemptions_swap"], 0), _fmt(r.figures["recomputed_tokens"], 0),
+             _fmt(None if r.figures.get("swapped_out_bytes") is None else r.figures["swapped_out_bytes"] / 1e9),
+             f"{r.wall_seconds:.1f}"]
             for r in runs]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
