@@ -6,4 +6,5 @@ import sys
 
 from reference_engine.serve.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the engine process is spawned: it imports this module as __mp_main__
+    sys.exit(main())

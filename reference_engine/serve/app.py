@@ -24,12 +24,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from reference_engine.engine import RequestRejected
+from reference_engine.engine import LLMEngine, RequestRejected
 from reference_engine.outputs import RequestOutput
 from reference_engine.sampling_params import SamplingParams, TokenLogprobs
 from reference_engine.serve.detokenize import TextCodec, load_codec
 from reference_engine.serve.disconnect import AbortOnDisconnectStream, ClientGone, race_disconnect
 from reference_engine.serve.engine_loop import EngineFailure, EngineLoop
+from reference_engine.serve.engine_process import EngineInfo, EngineProcess
 from reference_engine.serve.metrics import ServerMetrics
 from reference_engine.serve.protocol import (
     CompletionChoice,
@@ -110,24 +111,28 @@ class _BodyTooLarge(Exception):
     pass
 
 
-def build_app(engine, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None) -> ServeApp:
-    """The ASGI application serving ``engine`` (an ``LLMEngine`` that nothing else may touch from now on).
+def build_app(engine: LLMEngine | EngineProcess, *, served_model_name: str | None = None,
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None) -> ServeApp:
+    """The ASGI application serving ``engine``: an ``LLMEngine`` that nothing else may touch from now on
+    (stepped on a thread of this process), or an :class:`EngineProcess` (the engine in its own process).
 
     Its engine loop starts and stops with the app's lifespan (run it under uvicorn, or under
     ``starlette.testclient.TestClient`` as a context manager). ``on_ready()`` is called once the
     engine loop runs (the CLI prints its "listening" line there). Text prompts use the
     ``tokenizer.json`` of the model directory, if it has one.
     """
-    model_dir = engine.config.model
+    if isinstance(engine, EngineProcess):
+        engine_loop: EngineLoop | EngineProcess = engine
+        info = engine.info
+    else:
+        engine_loop, info = EngineLoop(engine), EngineInfo.of(engine)
+    model_dir = info.config.model
     served_model_name = served_model_name or model_dir
     codec = load_codec(model_dir)
-    engine_loop = EngineLoop(engine)
-    metrics = engine_loop.metrics = ServerMetrics(served_model_name, engine.config,
-                                                  engine.block_manager.num_gpu_blocks,
-                                                  engine.block_manager.num_cpu_blocks, snapshot=engine_loop.stats)
-    vocab_size = engine.model.config.vocab_size
-    max_model_len = engine.config.max_model_len
+    metrics = engine_loop.metrics = ServerMetrics(served_model_name, info.config, info.num_gpu_blocks,
+                                                  info.num_cpu_blocks, snapshot=engine_loop.stats)
+    vocab_size = info.vocab_size
+    max_model_len = info.config.max_model_len
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -159,6 +164,8 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
 
     @app.get("/health")
     async def health() -> Response:
+        if engine_loop.broken is not None:  # as vLLM's /health once its engine core is dead
+            return _error(None, f"the engine is not serving: {engine_loop.broken}", 503, "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -215,7 +222,7 @@ def build_app(engine, *, served_model_name: str | None = None, api_key: str | No
 class ServeApp:
     """The ASGI app plus the parts tests and the CLI look at."""
 
-    def __init__(self, asgi: ASGIApp, engine_loop: EngineLoop, metrics: ServerMetrics):
+    def __init__(self, asgi: ASGIApp, engine_loop: EngineLoop | EngineProcess, metrics: ServerMetrics):
         self.asgi, self.engine_loop, self.metrics = asgi, engine_loop, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

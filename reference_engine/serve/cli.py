@@ -6,7 +6,8 @@ Every ``EngineConfig`` field is a flag named as ``vllm serve`` names it (``--blo
 flag. Values are checked by ``EngineConfig`` itself, and a bad one exits with status 2 and its
 ``ConfigError`` message, which names the field. Server flags: ``--host`` (default 127.0.0.1: binding
 every interface is a choice to make explicitly), ``--port`` (0 = a free port, printed), ``--api-key``,
-``--served-model-name``, ``--max-body-bytes``, ``--access-log``.
+``--served-model-name``, ``--max-body-bytes``, ``--access-log``, ``--engine-process`` (default on: the
+engine steps in its own process; ``--no-engine-process`` keeps it on a thread of the server).
 
 Once the engine is loaded and the socket listens, one line is printed to stdout::
 
@@ -65,12 +66,41 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"largest request body accepted (default: {DEFAULT_MAX_BODY_BYTES})")
     server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                         help="log every request (default: off)")
+    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the engine in its own process, so HTTP work and engine steps do not share "
+                             "one GIL (default: on; --no-engine-process steps it on a thread of the server)")
     return parser
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` the flags describe; raises ``ConfigError`` naming a bad field."""
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+class _LoadError(Exception):
+    pass
+
+
+def _start_engine(config: EngineConfig, *, in_own_process: bool):
+    """An ``EngineProcess`` or an ``LLMEngine`` for ``config``; raises ``ConfigError`` (naming the field)
+    or ``_LoadError`` (the model could not be loaded, or the engine process could not start)."""
+    if in_own_process:
+        from reference_engine.serve.engine_process import EngineProcess, EngineStartError
+
+        try:
+            return EngineProcess.spawn(config)
+        except EngineStartError as e:
+            if e.kind == "config":
+                raise ConfigError(str(e)) from None
+            raise _LoadError(str(e)) from None
+    from reference_engine.engine import LLMEngine
+
+    try:
+        return LLMEngine(config)
+    except (OSError, ValueError, KeyError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise _LoadError(f"{type(e).__name__}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,15 +117,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn  # only a running server needs it
 
-    from reference_engine.engine import LLMEngine
     from reference_engine.serve.app import build_app
 
     try:
-        engine = LLMEngine(config)
+        engine = _start_engine(config, in_own_process=args.engine_process)
     except ConfigError as e:  # fields that relate to the model (max_model_len, budgets) are checked here
         parser.error(str(e))
-    except (OSError, ValueError, KeyError) as e:
-        parser.error(f"--model {config.model!r} could not be loaded: {type(e).__name__}: {e}")
+    except _LoadError as e:
+        parser.error(f"--model {config.model!r} could not be loaded: {e}")
 
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -50,7 +50,9 @@ class EngineFailure(RuntimeError):
 
 
 @dataclass
-class _InFlight:
+class InFlight:
+    """A request the server is waiting on: where its outputs go, and what its metrics need."""
+
     outputs: asyncio.Queue
     arrival: float
     prompt_len: int
@@ -68,7 +70,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._broken: BaseException | None = None
-        self._in_flight: dict[str, _InFlight] = {}  # touched only on the engine thread
+        self._in_flight: dict[str, InFlight] = {}  # touched only on the engine thread
         self._stats = EngineStats()
         self._thread: threading.Thread | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
@@ -102,7 +104,7 @@ class EngineLoop:
             except BaseException as e:
                 done.set_exception(e)
                 return
-            self._in_flight[request_id] = _InFlight(outputs, arrival, len(prompt_token_ids))
+            self._in_flight[request_id] = InFlight(outputs, arrival, len(prompt_token_ids))
             done.set_result(None)
 
         self._post(command)
@@ -113,6 +115,11 @@ class EngineLoop:
         """Abort ``request_id`` if it is still in flight (thread safe, does not wait). Its blocks are
         freed by the engine; its queue gets the aborted output."""
         self._post(lambda: self.engine.abort_request(request_id))
+
+    @property
+    def broken(self) -> str | None:
+        """Why the engine no longer serves (even aborting its requests failed), or None while it does."""
+        return None if self._broken is None else f"{type(self._broken).__name__}: {self._broken}"
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step (or command) on the engine thread."""
@@ -173,26 +180,11 @@ class EngineLoop:
             flight = self._in_flight.get(out.request_id)
             if flight is None:
                 continue  # a request added by someone else (never, in the server)
-            self._observe(flight, out, now)
+            observe_output(self.metrics, flight, out, now)
             batch.append((flight.outputs, out))
             if out.finished:
                 del self._in_flight[out.request_id]
         self._send(batch)
-
-    def _observe(self, flight: _InFlight, out: RequestOutput, now: float) -> None:
-        new_tokens = len(out.token_ids) - flight.num_tokens
-        m = self.metrics
-        if m is not None and new_tokens > 0:
-            if flight.num_tokens == 0:
-                m.ttft.observe(now - flight.arrival)
-                m.prompt_tokens.inc(flight.prompt_len)
-            else:
-                m.itl.observe(now - flight.last_token_time)
-            m.generation_tokens.inc(new_tokens)
-        if m is not None and out.finished:
-            m.observe_finished(out.finish_reason or "abort")
-        if new_tokens > 0:
-            flight.num_tokens, flight.last_token_time = len(out.token_ids), now
 
     def _fail_all(self, error: EngineFailure) -> None:
         """Hand ``error`` to every request in flight and abort them, so none hangs and no block leaks."""
@@ -222,3 +214,21 @@ class EngineLoop:
 
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is waiting any more
             self._aio.call_soon_threadsafe(put_all)
+
+
+def observe_output(metrics: ServerMetrics | None, flight: InFlight, out: RequestOutput, now: float) -> None:
+    """Count ``out`` (cumulative, stamped ``now`` on the monotonic clock) into ``metrics``: TTFT for a
+    request's first tokens, an inter-token gap for later ones, its finish reason once finished."""
+    new_tokens = len(out.token_ids) - flight.num_tokens
+    m = metrics
+    if m is not None and new_tokens > 0:
+        if flight.num_tokens == 0:
+            m.ttft.observe(now - flight.arrival)
+            m.prompt_tokens.inc(flight.prompt_len)
+        else:
+            m.itl.observe(now - flight.last_token_time)
+        m.generation_tokens.inc(new_tokens)
+    if m is not None and out.finished:
+        m.observe_finished(out.finish_reason or "abort")
+    if new_tokens > 0:
+        flight.num_tokens, flight.last_token_time = len(out.token_ids), now

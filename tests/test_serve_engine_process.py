@@ -1,0 +1,267 @@
+"""The server's engine in its own process (``reference_engine.serve.engine_process``).
+
+The HTTP behaviour over it is tested in ``test_serve.py`` (the CLI runs the engine in its own process
+by default); here: the pipe protocol itself (outputs equal to the engine run alone, under preemption;
+refusals, aborts, a failing step, a flood of large commands) and what the server does when the engine
+process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reference_engine import EngineConfig, LLMEngine, SamplingParams
+from reference_engine.engine import RequestRejected
+from reference_engine.serve.cli import READY_PREFIX
+from reference_engine.serve.engine_loop import EngineFailure
+from reference_engine.serve.engine_process import EngineInfo, EngineProcess, EngineStartError, _EngineCore
+
+START_TIMEOUT_S = 60
+GREEDY_LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+async def _final(outputs: asyncio.Queue, timeout: float = 120.0):
+    """The finished output of a request (or the EngineFailure it got instead)."""
+    async def until_finished():
+        while True:
+            item = await outputs.get()
+            if isinstance(item, EngineFailure) or item.finished:
+                return item
+
+    return await asyncio.wait_for(until_finished(), timeout)
+
+
+def _run(engine: EngineProcess, scenario) -> object:
+    """Run ``scenario(engine)`` on a fresh event loop with ``engine`` started on it (not stopped)."""
+    async def main():
+        engine.start(asyncio.get_running_loop())
+        return await scenario(engine)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def roomy(tiny_ckpt: str) -> Iterator[EngineProcess]:
+    engine = EngineProcess.spawn(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=2048))
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def test_outputs_through_the_pipe_equal_the_engine_alone_under_preemption(tiny_ckpt: str) -> None:
+    # 12 blocks of 8 tokens; six requests of 5 + 30 tokens need 30: preemptions are certain.
+    config = EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=12, block_size=8, max_num_seqs=8)
+    prompts = [[3 + i, 17, 29 + 7 * i, 41, 5] for i in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    alone = [LLMEngine(config).generate([p], params)[0] for p in prompts]
+
+    async def scenario(engine: EngineProcess):
+        queues = [await engine.add(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        finals = [await _final(q) for q in queues]
+        return finals, engine.stats()
+
+    engine = EngineProcess.spawn(config)
+    try:
+        finals, stats = _run(engine, scenario)
+    finally:
+        engine.stop()
+    assert stats.preemptions_recompute > 0, "the pool never ran dry: nothing was preempted"
+    for got, want in zip(finals, alone, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == "length"
+        assert [lp.token_id for lp in got.logprobs] == got.token_ids  # one entry per token, in order
+        assert [[t for t, _ in lp.top] for lp in got.logprobs] == [[t for t, _ in lp.top] for lp in want.logprobs]
+    assert sum(f.num_preemptions for f in finals) == stats.preemptions_recompute
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks == 12
+
+
+def test_a_refused_request_raises_and_the_others_are_served(roomy: EngineProcess) -> None:
+    too_long = [1 + i % 500 for i in range(roomy.info.config.max_model_len + 5)]
+
+    async def scenario(engine: EngineProcess):
+        ok = await engine.add("ok", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        with pytest.raises(RequestRejected, match="max_model_len"):
+            await engine.add("too-long", too_long, SamplingParams(max_tokens=4))
+        return await _final(ok)
+
+    final = _run(roomy, scenario)
+    assert final.finish_reason == "length" and len(final.token_ids) == 8
+
+
+def test_an_abort_ends_the_request_and_frees_its_blocks(roomy: EngineProcess) -> None:
+    async def scenario(engine: EngineProcess):
+        outputs = await engine.add("long", [9, 8, 7], GREEDY_LONG)
+        first = await asyncio.wait_for(outputs.get(), 60)
+        engine.abort("long")
+        final = await _final(outputs)
+        for _ in range(100):  # the stats of the step that aborted arrive with it, or one batch later
+            if engine.stats().num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+        return first, final, engine.stats()
+
+    first, final, stats = _run(roomy, scenario)
+    assert not first.finished
+    assert final.finished and final.finish_reason == "abort" and len(final.token_ids) < GREEDY_LONG.max_tokens
+    assert stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
+
+
+def test_a_flood_of_large_commands_does_not_deadlock_the_pipe(roomy: EngineProcess) -> None:
+    # ~250 KB of prompts written while outputs stream back: with blocking writes on both ends of one
+    # pipe, a loop that wrote commands itself could block on a full pipe while the engine blocks
+    # writing outputs to it.
+    n, length = 64, 900
+    prompts = [[1 + (i * 31 + j) % 500 for j in range(length)] for i in range(n)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    async def scenario(engine: EngineProcess):
+        queues = await asyncio.gather(*[engine.add(f"flood-{i}", p, params) for i, p in enumerate(prompts)])
+        return await asyncio.gather(*[_final(q) for q in queues])
+
+    finals = _run(roomy, scenario)
+    assert [len(f.token_ids) for f in finals] == [3] * n
+
+
+class _StepFailsOnce:
+    """An engine whose second step raises, as a broken kernel would."""
+
+    def __init__(self, engine: LLMEngine):
+        self._engine, self.calls = engine, 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("injected step failure")
+        return self._engine.step()
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(tiny_ckpt: str) -> None:
+    engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=64))
+    server_end, core_end = multiprocessing.Pipe(duplex=True)
+
+    def core() -> None:
+        try:
+            _EngineCore(_StepFailsOnce(engine), core_end).run()
+        finally:
+            core_end.close()
+
+    thread = threading.Thread(target=core, daemon=True)
+    thread.start()
+    front = EngineProcess(server_end, EngineInfo.of(engine))
+
+    async def scenario(front: EngineProcess):
+        failed = await _final(await front.add("a", [5, 6], SamplingParams(max_tokens=8, temperature=0.0)))
+        served = await _final(await front.add("b", [5, 6], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                           ignore_eos=True)))
+        return failed, served
+
+    try:
+        failed, served = _run(front, scenario)
+    finally:
+        front.stop()
+        thread.join(10)
+    assert isinstance(failed, EngineFailure) and "injected step failure" in str(failed)
+    assert served.finish_reason == "length" and len(served.token_ids) == 3
+    assert not thread.is_alive(), "the engine core did not stop when told to"
+    assert engine.block_manager.is_whole() and not engine.has_unfinished_requests()
+
+
+def test_a_bad_config_is_reported_with_the_engines_message(tiny_ckpt: str) -> None:
+    with pytest.raises(EngineStartError, match="max_model_len") as info:
+        EngineProcess.spawn(EngineConfig(model=tiny_ckpt, max_model_len=1 << 20))
+    assert info.value.kind == "config"
+    with pytest.raises(EngineStartError) as info:
+        EngineProcess.spawn(EngineConfig(model=str(Path(tiny_ckpt) / "missing")))
+    assert info.value.kind == "load"
+
+
+# ---------------------------------------------------------------------- the server when its engine dies
+def _engine_pid(server_pid: int) -> int:
+    """The engine process among the server's children (not multiprocessing's resource tracker)."""
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline:
+                return int(child)
+    raise AssertionError(f"server {server_pid} has no engine process")
+
+
+@pytest.fixture
+def server(tiny_ckpt: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
+    flags = getattr(request, "param", [])
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([sys.executable, "-m", "reference_engine.serve", "--model", tiny_ckpt, "--port", "0",
+                             *flags], stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(READY_PREFIX), f"no ready line: {line!r}\n{(tmp_path / 'server.log').read_text()}"
+        yield line[len(READY_PREFIX):].strip(), proc.pid
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+        proc.stdout.close()
+        log.close()
+
+
+def test_when_the_engine_process_dies_requests_fail_and_health_says_so(server: tuple[str, int]) -> None:
+    url, pid = server
+    body = {"prompt": [5, 6, 7], "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.Client(base_url=url, timeout=60) as c:
+        assert c.get("/health").status_code == 200
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:  # running: now its engine dies
+                    os.kill(_engine_pid(pid), signal.SIGKILL)
+        last = json.loads(events[-1]) if events[-1] != "[DONE]" else json.loads(events[-2])
+        assert "error" in last and "engine process exited" in last["error"]["message"], events[-3:]
+        health = c.get("/health")
+        assert health.status_code == 503 and "engine process exited" in health.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
+        assert r.status_code == 503 and "not serving" in r.json()["error"]["message"]
+        assert c.get("/metrics").status_code == 200  # the server itself still answers
+
+
+@pytest.mark.parametrize("server", [["--no-engine-process"]], indirect=True)
+def test_no_engine_process_steps_the_engine_on_a_thread_of_the_server(server: tuple[str, int]) -> None:
+    url, pid = server
+    tasks = Path(f"/proc/{pid}/task")
+    assert not any((t / "children").read_text().split() for t in tasks.iterdir())  # no engine process
+    r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4, "temperature": 0,
+                                                  "ignore_eos": True, "return_token_ids": True}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+
+
+def test_stopping_the_server_stops_its_engine_process(server: tuple[str, int]) -> None:
+    _url, pid = server
+    engine_pid = _engine_pid(pid)
+    os.kill(pid, signal.SIGINT)  # the server alone, as Ctrl-C in a shell would (the engine ignores SIGINT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and Path(f"/proc/{engine_pid}").exists():
+        if Path(f"/proc/{engine_pid}/stat").read_text().split()[2] == "Z":
+            break  # exited; its parent has not reaped it yet
+        time.sleep(0.1)
+    alive = Path(f"/proc/{engine_pid}").exists() and Path(f"/proc/{engine_pid}/stat").read_text().split()[2] != "Z"
+    assert not alive, "the engine process outlived its server"
