@@ -120,6 +120,12 @@ def test_bad_input_check_fails_when_a_refusal_does_not_say_why(model_dir, reques
                  requests_greedy=requests_greedy, truth=truth)
 
 
+def test_swap_exhaustion_check_fails_when_unswappable_victims_are_dropped(model_dir, requests_greedy, truth):
+    assert_fails(test_bad_input.test_exhausted_swap_space_falls_back_to_recompute,
+                 r"did not finish once swap space ran out", engine=faulty("drops_unswappable_victims", model_dir),
+                 requests_greedy=requests_greedy, truth=truth)
+
+
 # ----------------------------------------------------------------------------------- check 6
 @pytest.mark.parametrize(("fault", "match"), [
     ("never_aborts", r"aborts never reached the engine"),

@@ -30,6 +30,7 @@ FAULTS: dict[str, str] = {
     "leaks_block": "the first request released with device blocks (finished or aborted) keeps them (check 6)",
     "ignores_seed": "per-request seeds are ignored (check 7)",
     "vague_rejection": "a refused request's error does not say why (check 8)",
+    "drops_unswappable_victims": "a victim the host pool cannot take is aborted, not recomputed (check 8)",
     "fcfs_oldest_victim": "under FCFS the oldest running request is preempted, not the latest (check 9)",
     "priority_most_important_victim": "under the priority policy the most important running request is preempted",
     "ignores_stop_token_ids": "stop_token_ids are never honoured (stop conditions)",
@@ -161,6 +162,15 @@ class FaultyReferenceAdapter(ReferenceAdapter):
         for o in result.outputs:
             if o.finish_reason == "rejected":
                 o.error = "rejected"
+        return result
+
+    @staticmethod
+    def _result_drops_unswappable_victims(result: GenResult) -> GenResult:
+        # Under preemption_mode="swap", a victim preempted by recompute is one the host pool could not take.
+        dropped = {e.request_id for e in result.events or []
+                   if e.kind == "preempted" and e.data.get("mode") == "recompute"}
+        result.outputs = [GenOutput(o.request_id, o.token_ids[:1], "abort", o.num_preemptions, o.error)
+                          if o.request_id in dropped else o for o in result.outputs]
         return result
 
     @staticmethod
