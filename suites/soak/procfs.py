@@ -47,6 +47,40 @@ def socket_count(pid: int | str = "self") -> int | None:
     return count
 
 
+def process_tree(pid: int | str = "self") -> list[int] | None:
+    """``pid`` and every process below it (/proc/<pid>/task/*/children), parents first: a server's
+    memory and threads include those of the processes it started (the reference server's engine)."""
+    root = os.getpid() if pid == "self" else int(pid)
+    if not Path(f"/proc/{root}").exists():
+        return None
+    tree, todo = [], [root]
+    while todo:
+        current = todo.pop(0)
+        tree.append(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue  # exited meanwhile
+        for task in tasks:
+            try:
+                todo += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
+            except OSError:
+                continue
+    return tree
+
+
+def tree_total(reader, pid: int | str = "self") -> int | None:
+    """``reader`` (``rss_bytes``, ``thread_count``, ...) summed over :func:`process_tree`; None when
+    ``pid`` itself cannot be read."""
+    tree = process_tree(pid)
+    if not tree:
+        return None
+    values = [reader(p) for p in tree]
+    if values[0] is None:
+        return None
+    return sum(v for v in values if v is not None)
+
+
 def growth(samples: list[float]) -> float:
     """Relative growth from the first quarter of ``samples`` to the last: max(last quarter) over
     max(first quarter), minus 1. Maxima, because a leak raises every later peak while start-up

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from suites.soak.procfs import growth, rss_bytes, socket_count, thread_count
+from suites.soak.procfs import growth, rss_bytes, socket_count, thread_count, tree_total
 
 pytestmark = pytest.mark.soak
 
@@ -266,8 +266,9 @@ async def _drive(base: str, requests: list[SoakRequest], minutes: float, server_
 
     async def sample() -> None:
         while True:
+            # The whole process tree: the reference server steps its engine in a child process.
             for key, reader in (("rss", rss_bytes), ("sockets", socket_count), ("threads", thread_count)):
-                samples[key].append(reader(server_pid))
+                samples[key].append(tree_total(reader, server_pid))
             await asyncio.sleep(1.0)
 
     limits = httpx.Limits(max_connections=OVERLOAD * MAX_NUM_SEQS + 4, max_keepalive_connections=8)
@@ -328,7 +329,7 @@ def test_http_soak(mode: str, tiny_model: str, soak_minutes: float, tmp_path: Pa
         base = f"http://127.0.0.1:{port}"
         server.wait_healthy(base, timeout=120)
         pid = server.proc.pid
-        sockets_before, threads_before = socket_count(pid), thread_count(pid)
+        sockets_before, threads_before = tree_total(socket_count, pid), tree_total(thread_count, pid)
         samples: dict[str, list] = {"rss": [], "sockets": [], "threads": []}
         started = time.monotonic()
         run = asyncio.run(_drive(base, requests, minutes, pid, samples))
@@ -362,11 +363,11 @@ def test_http_soak(mode: str, tiny_model: str, soak_minutes: float, tmp_path: Pa
         assert preemptions > 0, f"no {mode} preemption over HTTP: the pool was never under pressure"
         # leaks: memory, connections, threads
         for _ in range(20):  # closed connections take a moment to leave the server's table
-            sockets_after = socket_count(pid)
+            sockets_after = tree_total(socket_count, pid)
             if sockets_after is not None and sockets_before is not None and sockets_after <= sockets_before:
                 break
             time.sleep(0.5)
-        threads_after = thread_count(pid)
+        threads_after = tree_total(thread_count, pid)
         rss = [float(x) for x in samples["rss"] if x]
         quarter_threads = [t for t in samples["threads"][: max(1, len(samples["threads"]) // 4)] if t]
         figures = {"mode": mode, "minutes": round(seconds / 60, 2), "requests": run["sent"], "aborted": len(aborted),

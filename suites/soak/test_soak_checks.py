@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import gc
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from suites.soak.procfs import growth, rss_bytes, socket_count, thread_count
+from suites.soak.procfs import growth, process_tree, rss_bytes, socket_count, thread_count, tree_total
 from suites.soak.test_soak import SoakRequest, _check_outputs
 
 REQUESTS = [SoakRequest("a", [5], 3, None), SoakRequest("b", [6], 3, 1), SoakRequest("c", [7], 3, None)]
@@ -70,3 +72,22 @@ def test_proc_readers_see_sockets_threads_and_memory_change():
         for s in held:
             s.close()
     assert socket_count() == sockets_before
+
+
+def test_tree_totals_include_child_processes():
+    if rss_bytes() is None:
+        pytest.skip("no /proc here")
+    code = ("import threading, time\n"
+            "for _ in range(3):\n    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+            "print('ready', flush=True)\ntime.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in process_tree()
+        assert tree_total(thread_count) >= thread_count() + thread_count(child.pid)
+        assert tree_total(rss_bytes) >= rss_bytes() + rss_bytes(child.pid) > rss_bytes()
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        child.stdout.close()
+    assert tree_total(thread_count, 2**22 + 7) is None  # no such process
