@@ -152,19 +152,25 @@ class _StepFailsOnce:
         return getattr(self._engine, name)
 
 
-def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(tiny_ckpt: str) -> None:
-    engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=64))
+def _front_on_a_thread(engine) -> tuple[EngineProcess, threading.Thread]:
+    """An ``EngineProcess`` front end speaking to an engine core on a thread of this process (the same
+    pipe protocol, no spawn), so a test can hand it a patched engine."""
     server_end, core_end = multiprocessing.Pipe(duplex=True)
 
     def core() -> None:
         try:
-            _EngineCore(_StepFailsOnce(engine), core_end).run()
+            _EngineCore(engine, core_end).run()
         finally:
             core_end.close()
 
     thread = threading.Thread(target=core, daemon=True)
     thread.start()
-    front = EngineProcess(server_end, EngineInfo.of(engine))
+    return EngineProcess(server_end, EngineInfo.of(engine)), thread
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(tiny_ckpt: str) -> None:
+    engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=64))
+    front, thread = _front_on_a_thread(_StepFailsOnce(engine))
 
     async def scenario(front: EngineProcess):
         failed = await _final(await front.add("a", [5, 6], SamplingParams(max_tokens=8, temperature=0.0)))
@@ -180,6 +186,33 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(ti
     assert isinstance(failed, EngineFailure) and "injected step failure" in str(failed)
     assert served.finish_reason == "length" and len(served.token_ids) == 3
     assert not thread.is_alive(), "the engine core did not stop when told to"
+    assert engine.block_manager.is_whole() and not engine.has_unfinished_requests()
+
+
+def test_callers_cancelled_while_adding_leave_nothing_behind(tiny_ckpt: str) -> None:
+    engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=64))
+    front, thread = _front_on_a_thread(engine)
+    too_long = [5] * (engine.config.max_model_len + 1)
+
+    async def scenario(front: EngineProcess):
+        accepted = asyncio.ensure_future(front.add("accepted", [5, 6], GREEDY_LONG))
+        refused = asyncio.ensure_future(front.add("refused", too_long, SamplingParams(max_tokens=2)))
+        await asyncio.sleep(0)  # both commands are on their way: the callers now hang up
+        accepted.cancel()
+        refused.cancel()
+        front.abort("accepted")  # the contract: a caller cancelled while adding still aborts
+        for _ in range(400):
+            if front.num_waiting_on() == 0 and front.stats().num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return front.num_waiting_on()
+
+    try:
+        waiting_on = _run(front, scenario)
+    finally:
+        front.stop()
+        thread.join(10)
+    assert waiting_on == 0, "a request whose caller was cancelled is still waited on"
     assert engine.block_manager.is_whole() and not engine.has_unfinished_requests()
 
 

@@ -272,6 +272,10 @@ class EngineProcess:
         """Why the engine no longer serves (its process died), or None while it does."""
         return self._broken
 
+    def num_waiting_on(self) -> int:
+        """Requests this side still waits on (added or being added, not yet finished or failed)."""
+        return len(self._requests)
+
     def stats(self) -> EngineStats:
         """The snapshot the engine process sent with its latest batch."""
         return self._stats
@@ -352,14 +356,16 @@ class EngineProcess:
         self._stats = stats
         for request_id, refusal in replies:
             request = self._requests.get(request_id)
-            if request is None or request.accepted.done():
-                continue  # its caller was cancelled: the abort that follows cleans the engine up
-            if refusal is None:
-                request.accepted.set_result(None)
+            if request is None:
                 continue
-            del self._requests[request_id]
-            kind, message = refusal
-            request.accepted.set_exception(RequestRejected(message) if kind == "rejected" else EngineFailure(message))
+            if refusal is not None:  # never in the engine: forget it, even if its caller is gone
+                del self._requests[request_id]
+                if not request.accepted.done():
+                    kind, message = refusal
+                    request.accepted.set_exception(RequestRejected(message) if kind == "rejected"
+                                                   else EngineFailure(message))
+            elif not request.accepted.done():  # (a cancelled caller's abort follows and ends it)
+                request.accepted.set_result(None)
         for request_id, message in failed:
             request = self._requests.pop(request_id, None)
             if request is not None:
