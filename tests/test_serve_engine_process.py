@@ -30,7 +30,7 @@ from reference_engine.serve.engine_loop import EngineFailure
 from reference_engine.serve.engine_process import EngineInfo, EngineProcess, EngineStartError, _EngineCore
 
 START_TIMEOUT_S = 60
-GREEDY_LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+GREEDY_LONG = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)  # 3-token prompts: 1,003 of 1,024
 
 
 async def _final(outputs: asyncio.Queue, timeout: float = 120.0):
@@ -63,14 +63,14 @@ def roomy(tiny_ckpt: str) -> Iterator[EngineProcess]:
 
 
 def test_outputs_through_the_pipe_equal_the_engine_alone_under_preemption(tiny_ckpt: str) -> None:
-    # 12 blocks of 8 tokens; six requests of 5 + 30 tokens need 30: preemptions are certain.
+    # 12 blocks of 8 tokens; a request of 5 + 60 tokens needs 9: any two that overlap preempt.
     config = EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=12, block_size=8, max_num_seqs=8)
     prompts = [[3 + i, 17, 29 + 7 * i, 41, 5] for i in range(6)]
-    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=2)
     alone = [LLMEngine(config).generate([p], params)[0] for p in prompts]
 
     async def scenario(engine: EngineProcess):
-        queues = [await engine.add(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        queues = await asyncio.gather(*[engine.add(f"r{i}", p, params) for i, p in enumerate(prompts)])
         finals = [await _final(q) for q in queues]
         return finals, engine.stats()
 
@@ -201,7 +201,8 @@ def test_callers_cancelled_while_adding_leave_nothing_behind(tiny_ckpt: str) -> 
         accepted.cancel()
         refused.cancel()
         front.abort("accepted")  # the contract: a caller cancelled while adding still aborts
-        for _ in range(400):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             if front.num_waiting_on() == 0 and front.stats().num_running == 0:
                 break
             await asyncio.sleep(0.01)
@@ -214,6 +215,51 @@ def test_callers_cancelled_while_adding_leave_nothing_behind(tiny_ckpt: str) -> 
         thread.join(10)
     assert waiting_on == 0, "a request whose caller was cancelled is still waited on"
     assert engine.block_manager.is_whole() and not engine.has_unfinished_requests()
+
+
+class _Unrecoverable(_StepFailsOnce):
+    """Every step raises, and so does every abort: the engine cannot even be cleaned up."""
+
+    def step(self):
+        raise RuntimeError("injected step failure")
+
+    def abort_request(self, request_id: str) -> bool:
+        raise RuntimeError("injected abort failure")
+
+
+def test_an_engine_that_cannot_clean_up_is_declared_broken_on_the_server_side(tiny_ckpt: str) -> None:
+    engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=64))
+    front, thread = _front_on_a_thread(_Unrecoverable(engine))
+
+    async def scenario(front: EngineProcess):
+        failed = await _final(await front.add("a", [5, 6], SamplingParams(max_tokens=4)))
+        deadline = time.monotonic() + 60
+        while front.broken is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineFailure, match="not serving"):
+            await front.add("b", [5, 6], SamplingParams(max_tokens=4))
+        return failed
+
+    try:
+        failed = _run(front, scenario)
+    finally:
+        front.stop()
+        thread.join(10)
+    assert isinstance(failed, EngineFailure) and "injected step failure" in str(failed)
+    assert front.broken is not None and "injected abort failure" in front.broken
+
+
+def test_a_request_id_already_in_flight_is_refused_and_the_first_keeps_its_outputs(roomy: EngineProcess) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def scenario(engine: EngineProcess):
+        first = await engine.add("same", [5, 6, 7], params)
+        with pytest.raises(RequestRejected, match="already in use"):
+            await engine.add("same", [8, 9], params)
+        return await _final(first)
+
+    final = _run(roomy, scenario)
+    assert final.finish_reason == "length" and len(final.token_ids) == 6 and final.prompt_token_ids == [5, 6, 7]
 
 
 def test_a_bad_config_is_reported_with_the_engines_message(tiny_ckpt: str) -> None:
@@ -291,10 +337,14 @@ def test_stopping_the_server_stops_its_engine_process(server: tuple[str, int]) -
     _url, pid = server
     engine_pid = _engine_pid(pid)
     os.kill(pid, signal.SIGINT)  # the server alone, as Ctrl-C in a shell would (the engine ignores SIGINT)
+
+    def running() -> bool:
+        try:
+            return Path(f"/proc/{engine_pid}/stat").read_text().split()[2] != "Z"  # Z: exited, not yet reaped
+        except FileNotFoundError:
+            return False
+
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and Path(f"/proc/{engine_pid}").exists():
-        if Path(f"/proc/{engine_pid}/stat").read_text().split()[2] == "Z":
-            break  # exited; its parent has not reaped it yet
+    while running() and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = Path(f"/proc/{engine_pid}").exists() and Path(f"/proc/{engine_pid}/stat").read_text().split()[2] != "Z"
-    assert not alive, "the engine process outlived its server"
+    assert not running(), "the engine process outlived its server"

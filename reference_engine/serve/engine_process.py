@@ -29,8 +29,10 @@ Contracts beyond ``EngineLoop``'s:
   block on a full pipe while the engine blocks writing outputs to it (a deadlock with blocking writes
   on both ends), and each batch of outputs costs the loop one hop, as ``EngineLoop``'s do.
 * If the engine process dies, every request in flight gets an ``EngineFailure`` and later ``add`` calls
-  raise it; the server keeps answering ``/health``, ``/metrics`` and errors. The engine process ignores
-  SIGINT (the server's own shutdown stops it) and exits when the server's end of the pipe closes.
+  raise it; the server keeps answering ``/metrics`` and errors, and ``/health`` answers 503. The engine
+  process ignores SIGINT (the server's own shutdown stops it) and exits when the server's end of the
+  pipe closes. A SIGTERM to the whole process group ends it at once: requests still in flight end with
+  an error rather than being drained by uvicorn's graceful shutdown.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from reference_engine.config import ConfigError, EngineConfig
+from reference_engine.engine import RequestRejected
 from reference_engine.outputs import RequestOutput
 from reference_engine.sampling_params import SamplingParams, TokenLogprobs
 from reference_engine.serve.engine_loop import IDLE_WAIT_S, EngineFailure, InFlight, observe_output
@@ -92,7 +95,7 @@ def _engine_main(config: EngineConfig, conn: multiprocessing.connection.Connecti
     """The engine process: build the engine, say so (or why not), then serve commands until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    from reference_engine.engine import LLMEngine  # torch is imported here, in the child only
+    from reference_engine.engine import LLMEngine
 
     try:
         engine = LLMEngine(config)
@@ -131,10 +134,10 @@ class _EngineCore:
                 deltas = self._step()
             if self.replies or self.failed or deltas or stats_sent is None:
                 stats_sent = read_engine_stats(engine)
-                self.conn.send((self.replies, self.failed, time.monotonic(), stats_sent, deltas))
+                self.conn.send((self.replies, self.failed, time.monotonic(), stats_sent, deltas, self.broken))
                 self.replies, self.failed = [], []
         self._fail_all("the server is shutting down")
-        self.conn.send((self.replies, self.failed, time.monotonic(), read_engine_stats(engine), []))
+        self.conn.send((self.replies, self.failed, time.monotonic(), read_engine_stats(engine), [], self.broken))
 
     def _command(self, command: tuple) -> None:
         kind = command[0]
@@ -143,8 +146,6 @@ class _EngineCore:
             if self.broken is not None:
                 self.replies.append((request_id, ("failure", f"the engine is not serving: {self.broken}")))
                 return
-            from reference_engine.engine import RequestRejected
-
             try:
                 self.engine.add_request(request_id, prompt_ids, params, priority=priority)
             except RequestRejected as e:
@@ -255,6 +256,8 @@ class EngineProcess:
         ``EngineFailure``. A caller cancelled while waiting must still call :meth:`abort`."""
         if self._broken is not None or self._stopping:
             raise EngineFailure(f"the engine is not serving: {self._broken or 'server stopping'}")
+        if request_id in self._requests:  # as the engine would: the first request keeps its outputs
+            raise RequestRejected(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         accepted = asyncio.get_running_loop().create_future()
         request = _Request(InFlight(asyncio.Queue(), time.monotonic(), len(prompt)), prompt, accepted)
@@ -283,7 +286,11 @@ class EngineProcess:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine process (failing what is in flight) and wait for it; kill it if it hangs."""
         self._stopping = True
-        self._outbox.put(("stop",))
+        if self._writer is None:  # never started: nobody drains the outbox
+            with contextlib.suppress(OSError, ValueError):
+                self._conn.send(("stop",))
+        else:
+            self._outbox.put(("stop",))
         if self._process is not None:
             self._process.join(timeout)
             if self._process.is_alive():
@@ -303,8 +310,11 @@ class EngineProcess:
                 self._conn.send(command)
             except (OSError, ValueError):
                 return  # the engine process is gone; the reader sees it
-            except Exception:  # a command that cannot be pickled, say: never a reason to stop them all
+            except Exception as e:  # a command that cannot be pickled, say: fail that request, not all
                 log.exception("could not send %s to the engine process", command[0])
+                if command[0] == "add":
+                    self._hop(self._refuse, command[1], f"could not send the request to the engine: "
+                                                        f"{type(e).__name__}: {e}")
 
     def _read(self) -> None:
         """One blocking read per batch and one hop onto the event loop with it. A thread rather than
@@ -314,7 +324,15 @@ class EngineProcess:
             try:
                 batch = self._conn.recv()
             except (EOFError, OSError):
-                self._hop(self._gone)
+                if self._process is not None:
+                    self._process.join(1)  # here, not on the event loop: its exit status for the log
+                self._hop(self._gone, None)
+                return
+            except Exception as e:  # an unreadable message: the stream is out of step, nothing after it counts
+                log.exception("unreadable message from the engine process")
+                if self._process is not None:
+                    _kill(self._process)
+                self._hop(self._gone, f"unreadable message from the engine process: {type(e).__name__}: {e}")
                 return
             self._hop(self._handle, batch)
 
@@ -322,19 +340,23 @@ class EngineProcess:
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is waiting any more
             self._aio.call_soon_threadsafe(fn, *args)
 
-    def _gone(self) -> None:
-        """The pipe closed: at shutdown, or because the engine process died."""
+    def _gone(self, reason: str | None) -> None:
+        """The pipe closed (at shutdown, or because the engine process died) or became unreadable."""
         if self._stopping:
             reason = "the server is shutting down"
         else:
-            if self._process is not None:
-                self._process.join(1)
-            code = None if self._process is None else self._process.exitcode
-            reason = f"the engine process exited (status {code})"
+            if reason is None:
+                code = None if self._process is None else self._process.exitcode
+                reason = f"the engine process exited (status {code})"
             log.log(logging.ERROR if self._requests else logging.WARNING, "%s: failing the %d requests in flight",
                     reason, len(self._requests))
             self._broken = reason
         self._detach(reason)
+
+    def _refuse(self, request_id: str, message: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self._fail(request, EngineFailure(message))
 
     def _detach(self, reason: str) -> None:
         """Fail every request still waiting: the engine process is gone."""
@@ -349,11 +371,11 @@ class EngineProcess:
         else:
             request.flight.outputs.put_nowait(error)
 
-    def _handle(self, batch: tuple[list, list, float, EngineStats, list[_Delta]]) -> None:
-        from reference_engine.engine import RequestRejected
-
-        replies, failed, now, stats, deltas = batch
+    def _handle(self, batch: tuple[list, list, float, EngineStats, list[_Delta], str | None]) -> None:
+        replies, failed, now, stats, deltas, broken = batch
         self._stats = stats
+        if broken is not None and self._broken is None:  # even aborting failed requests failed there
+            self._broken = f"engine step failed and its requests could not be aborted: {broken}"
         for request_id, refusal in replies:
             request = self._requests.get(request_id)
             if request is None:
