@@ -348,3 +348,18 @@ def test_stopping_the_server_stops_its_engine_process(server: tuple[str, int]) -
     while running() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not running(), "the engine process outlived its server"
+
+
+@pytest.mark.parametrize("mode", ["--engine-process", "--no-engine-process"])
+def test_the_cli_exits_2_naming_a_field_the_model_refuses_or_the_model_it_cannot_load(tiny_ckpt: str, mode: str,
+                                                                                      tmp_path: Path) -> None:
+    def serve(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "reference_engine.serve", "--port", "0", mode, *flags],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    too_long = serve("--model", tiny_ckpt, "--max-model-len", "99999")  # valid alone, too long for this model
+    assert too_long.returncode == 2, too_long.stderr[-2000:]
+    assert "max_model_len=99999 is invalid" in too_long.stderr and "Traceback" not in too_long.stderr
+    missing = serve("--model", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2, missing.stderr[-2000:]
+    assert "could not be loaded" in missing.stderr and "Traceback" not in missing.stderr

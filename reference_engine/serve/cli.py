@@ -77,30 +77,31 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-class _LoadError(Exception):
-    pass
+class _CannotStart(Exception):
+    """The engine could not be built; the message is the CLI's error line."""
 
 
 def _start_engine(config: EngineConfig, *, in_own_process: bool):
-    """An ``EngineProcess`` or an ``LLMEngine`` for ``config``; raises ``ConfigError`` (naming the field)
-    or ``_LoadError`` (the model could not be loaded, or the engine process could not start)."""
+    """An ``EngineProcess`` or an ``LLMEngine`` for ``config``; raises :class:`_CannotStart` with the
+    engine's ``ConfigError`` message (which names the field) or why the model could not be loaded."""
+    def load_error(detail: str) -> _CannotStart:
+        return _CannotStart(f"--model {config.model!r} could not be loaded: {detail}")
+
     if in_own_process:
         from reference_engine.serve.engine_process import EngineProcess, EngineStartError
 
         try:
             return EngineProcess.spawn(config)
         except EngineStartError as e:
-            if e.kind == "config":
-                raise ConfigError(str(e)) from None
-            raise _LoadError(str(e)) from None
+            raise (_CannotStart(str(e)) if e.kind == "config" else load_error(str(e))) from None
     from reference_engine.engine import LLMEngine
 
     try:
         return LLMEngine(config)
+    except ConfigError as e:  # fields that relate to the model (max_model_len, budgets) are checked here
+        raise _CannotStart(str(e)) from None
     except (OSError, ValueError, KeyError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise _LoadError(f"{type(e).__name__}: {e}") from None
+        raise load_error(f"{type(e).__name__}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,10 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = _start_engine(config, in_own_process=args.engine_process)
-    except ConfigError as e:  # fields that relate to the model (max_model_len, budgets) are checked here
+    except _CannotStart as e:
         parser.error(str(e))
-    except _LoadError as e:
-        parser.error(f"--model {config.model!r} could not be loaded: {e}")
 
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
