@@ -116,14 +116,14 @@ class _SSEProtocol(asyncio.Protocol):
                     pos, self.ended = n, True
                     break
                 self.chunk_left = size + 2  # data bytes, then the chunk's closing CRLF
-            take = min(self.chunk_left, n - pos)
-            data = min(take, max(0, self.chunk_left - 2))
-            if data:
+            left = self.chunk_left
+            take = left if left <= n - pos else n - pos  # conditionals, not min/max: this runs per token
+            data = left - 2 if left - 2 < take else take
+            if data > 0:
                 out.append(buf[pos:pos + data])
             pos += take
-            self.chunk_left -= take
-            if self.chunk_left == 0:
-                self.chunk_left = -1
+            left -= take
+            self.chunk_left = left if left else -1
         self.buf = buf[pos:]
         return b"".join(out)
 
