@@ -109,18 +109,9 @@ async def _serve_one(client: CompletionClient, req: Any, arrival: float,
     stats.max_release_lag = max(stats.max_release_lag, recorder.now() - arrival)
     recorder.arrived(rid, arrival, len(req.prompt_token_ids), req.max_tokens, getattr(req, "priority", 0))
 
-    # The request's token times, looked up once rather than through recorder.tokens() per event: this
-    # is the driver's per-token path (measured with --per-token-writes: ~7% of its CPU per token, with
-    # http_stream's chunk loop).
-    token_times = recorder.trace.requests[rid].token_times
-
     def on_tokens(t: float, ids: list[int]) -> None:
-        n = len(ids)
-        if n == 1:
-            token_times.append(t)
-        else:
-            token_times.extend([t] * n)
-        stats.tokens += n
+        recorder.tokens(rid, t, len(ids))
+        stats.tokens += len(ids)
 
     started = asyncio.Event()
     task = asyncio.ensure_future(client.stream(_body(client, req, True), on_tokens, clock=recorder.now,

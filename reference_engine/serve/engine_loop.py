@@ -190,14 +190,8 @@ class EngineLoop:
         """Hand ``error`` to every request in flight and abort them, so none hangs and no block leaks."""
         failed, self._in_flight = self._in_flight, {}
         self._send([(flight.outputs, error) for flight in failed.values()])
-        try:
-            for request_id in failed:
-                self.engine.abort_request(request_id)
-            while self.engine.has_unfinished_requests() and not self._stopping:
-                self.engine.step()  # delivers the aborted outputs, clearing the engine's own queues
-        except Exception as e:
-            log.exception("could not abort the failed requests: the engine is no longer served")
-            self._broken = e
+        if (error := abort_and_drain(self.engine, failed, lambda: self._stopping)) is not None:
+            self._broken = error
         try:
             self._stats = read_engine_stats(self.engine)
         except Exception:
@@ -232,3 +226,18 @@ def observe_output(metrics: ServerMetrics | None, flight: InFlight, out: Request
         m.observe_finished(out.finish_reason or "abort")
     if new_tokens > 0:
         flight.num_tokens, flight.last_token_time = len(out.token_ids), now
+
+
+def abort_and_drain(engine, request_ids, stopping: Callable[[], bool] = lambda: False) -> Exception | None:
+    """Abort ``request_ids`` (requests already failed to their callers) and step until the engine holds
+    nothing, so no block leaks; stop early once ``stopping()``. Returns the exception if even that
+    failed (the engine can no longer be served), else None. Shared by both engine loops."""
+    try:
+        for request_id in request_ids:
+            engine.abort_request(request_id)
+        while engine.has_unfinished_requests() and not stopping():
+            engine.step()  # delivers the aborted outputs, clearing the engine's own queues
+    except Exception as e:
+        log.exception("could not abort the failed requests: the engine is no longer served")
+        return e
+    return None

@@ -53,7 +53,13 @@ from reference_engine.config import ConfigError, EngineConfig
 from reference_engine.engine import RequestRejected
 from reference_engine.outputs import RequestOutput
 from reference_engine.sampling_params import SamplingParams, TokenLogprobs
-from reference_engine.serve.engine_loop import IDLE_WAIT_S, EngineFailure, InFlight, observe_output
+from reference_engine.serve.engine_loop import (
+    IDLE_WAIT_S,
+    EngineFailure,
+    InFlight,
+    abort_and_drain,
+    observe_output,
+)
 from reference_engine.serve.metrics import EngineStats, ServerMetrics, read_engine_stats
 
 log = logging.getLogger("reference_engine.serve")
@@ -189,14 +195,8 @@ class _EngineCore:
     def _fail_all(self, message: str) -> None:
         failed, self.sent = self.sent, {}
         self.failed.extend((request_id, message) for request_id in failed)
-        try:
-            for request_id in failed:
-                self.engine.abort_request(request_id)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()  # clears the aborted requests out of the engine's own queues
-        except Exception as e:
-            log.exception("could not abort the failed requests: the engine is no longer served")
-            self.broken = f"{type(e).__name__}: {e}"
+        if (error := abort_and_drain(self.engine, failed)) is not None:
+            self.broken = f"{type(error).__name__}: {error}"
 
 
 # ---------------------------------------------------------------------------------------- server side
