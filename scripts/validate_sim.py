@@ -1,6 +1,6 @@
 """Validate the simulator against the reference engine, side by side in one run.
 
-    python scripts/validate_sim.py [--scenario NAME ...] [--repeats N] [--profile-out FILE]
+    python scripts/validate_sim.py [--scenario NAME ...] [--repeats N] [--profile-out FILE] [--out DIR]
 
 1. Measure: every quick scenario is served on the reference engine (step clock, 10 ms per step,
    wall-clock timings), ``--repeats`` rounds interleaved (every scenario once, then again), with each
@@ -18,6 +18,11 @@ Prints measured vs simulated output throughput, p50/p99 TTFT, p99 TBT per result
 simulator's error beside the spread between repeated measurements of the same run (the floor under
 any simulator's error on this machine), the median absolute error per metric and overall, and
 whether every count (preemptions by mode, recomputed tokens) is equal. Exit status 1 if a count differs.
+
+``--out DIR`` also writes ``DIR/results.json`` and ``DIR/report.html`` (kvbench's own results file and
+report): per scenario the reference engine's first round and the leave-one-out simulation, the latter
+under the one engine name :data:`SIM_ENGINE` (marked simulated, clock=step), so the report's
+"Simulator vs measured" section shows the comparison.
 """
 
 from __future__ import annotations
@@ -31,15 +36,19 @@ import time
 
 from kvbench.bench import metrics
 from kvbench.bench import scenarios as sc
+from kvbench.bench.results import Results
 from kvbench.checkpoints import builtin_checkpoint
 from kvbench.engines.calibrate import base_profile, interval_samples, recording
 from kvbench.engines.registry import EngineSpec, make_adapter, parse_engine_spec
+from kvbench.report.render import write_report
 from reference_engine.sim import CostModel, load_model_shape
 from reference_engine.sim.calibrate import Design, IntervalSample, fit_intervals, interval_errors
 
 TIMES = ("output_throughput", "ttft_p50", "ttft_p99", "tbt_p99")
 COUNTS = ("preemptions_recompute", "preemptions_swap", "recomputed_tokens")
 STEP_SECONDS = 0.01
+#: the simulated engine's name in ``--out``'s results: one name for every scenario's leave-one-out fit
+SIM_ENGINE = "sim:hardware=fitted-leave-one-out,clock=step"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", action="append", help="only these scenarios (default: all)")
     ap.add_argument("--repeats", type=int, default=2, help="measurement rounds (default 2: gives the spread)")
     ap.add_argument("--profile-out", help="also save the profile fitted on every scenario here")
+    ap.add_argument("--out", metavar="DIR", help="also write results.json and report.html (with its "
+                    "'Simulator vs measured' section) into DIR")
     args = ap.parse_args(argv)
     import torch
 
@@ -60,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. measure, rounds interleaved
     measured: dict[str, list] = {n: [] for n in names}
+    results = Results(device="cpu") if args.out else None
     samples: dict[str, list[IntervalSample]] = {n: [] for n in names}
     for r in range(args.repeats):
         for name in names:
@@ -69,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}: {name} measured in {time.perf_counter() - t0:.0f} s "
                   f"(load {os.getloadavg()[0]:.1f})", flush=True)
             measured[name].append(outcome)
+            if results is not None and r == 0:  # the first round, as the comparison printed below
+                sc.record(outcome, results, real.describe())
             runs = list(real.shape_runs)  # one per engine built; a sweep's points are not entries
             for entry in outcome.entries:
                 shapes = next((r for r in runs if len(r) == len(entry.trace.steps)), None)
@@ -94,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         path = profile.save(os.path.join(folder, f"{name}.json"))
         sim = make_adapter(parse_engine_spec(f"sim:hardware={path},clock=step"), model_dir)
         simulated = sc.run(sc.SCENARIOS[name], sim, model, "quick", step_seconds=STEP_SECONDS)
+        if results is not None:
+            # one engine for every scenario, though each scenario's profile is its own leave-one-out fit
+            sc.record(simulated, results, {
+                **sim.describe(), "name": SIM_ENGINE, "simulated": True, "clock": "step",
+                "hardware": "fitted-leave-one-out",
+                "hardware_source": "scripts/validate_sim.py: each scenario fitted on every other's served steps",
+                "options": {"hardware": "fitted-leave-one-out", "clock": "step"}})
         c = coefficients
         print(f"\n{name}: fitted without it: fixed {c.fixed_s * 1e3:.2f} ms, per seq {c.per_seq_s * 1e6:.0f} us, "
               f"per request {c.per_request_s * 1e6:.0f} us, dense x{c.dense:.2f}, attention x{c.attention:.2f}, "
@@ -129,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         fitted = base.with_coefficients(fit_intervals(cost, [s for v in samples.values() for s in v]),
                                         name="this-machine-served", source="scripts/validate_sim.py: served steps")
         print(f"profile fitted on every scenario written to {fitted.save(args.profile_out)}")
+    if results is not None:
+        print(f"results and report (section 'Simulator vs measured') written to {write_report(results, args.out)}")
     return 0 if counts_equal else 1
 
 

@@ -29,7 +29,7 @@ from kvbench import __version__
 from kvbench.bench import gate, metrics
 from kvbench.bench.results import Results
 from kvbench.report import charts as rc
-from kvbench.report import verdict
+from kvbench.report import sim_validation, verdict
 from kvbench.report.diagnosis import baseline_engine_name, cost_curves, diagnose
 from kvbench.report.formatting import fmt_metric, fmt_ratio, fmt_time, metric_label
 
@@ -468,6 +468,7 @@ def render_report(results: Results, baseline: Results | None = None) -> str:
         "diagnosis": diagnose(results),
         "summary": summary_table(results),
         "side_by_side": side_by_side(results),
+        "sim_validation": sim_validation.section(results),
         "scenarios": _scenario_views(results, charts),
         "baseline": baseline_section(results, baseline) if baseline is not None else None,
     }
