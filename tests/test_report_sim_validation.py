@@ -88,7 +88,7 @@ def test_simulator_thirty_percent_off_fails_the_goal_and_the_section_says_so():
     [view] = sv.section(res)
     assert view["banner"] == "bad" and view["median"] == "30.0%"
     html = _section_html(render_report(res))
-    assert "Median error 30%" in html and "not met" in html
+    assert "Median error 30.0%" in html and "not met" in html
     assert html.count('class="delta bad"') == 3 * len(TIMES) + len(TIMES)  # every cell and every median
 
 
