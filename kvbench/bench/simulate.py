@@ -122,6 +122,11 @@ def _knob_value(key: str, text: str) -> Any:
             return int(text)
         except ValueError:
             raise ValueError(f"--sweep: {key}={text!r} is not an integer") from None
+    if annotation.startswith("float"):
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"--sweep: {key}={text!r} is not a number") from None
     if annotation.startswith("bool"):
         if text.lower() not in ("true", "false"):
             raise ValueError(f"--sweep: {key}={text!r} is not true/false")

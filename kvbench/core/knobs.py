@@ -31,6 +31,11 @@ class Knobs:
     # "none" | "watermark" | "aimd": reference_engine's admission control (capability "admission_control");
     # only scenarios that need that capability set it
     admission_policy: str | None = None
+    # the watermark policy's share of the pool kept free of projected use (reference_engine's
+    # admission_headroom); only the policies scenario's trade-off curve sets it
+    admission_headroom: float | None = None
+    # prefill tokens a step computes beside decodes (reference_engine's prefill_pacing_tokens)
+    prefill_pacing_tokens: int | None = None
 
     def merged(self, other: Knobs) -> Knobs:
         """``other``'s non-None fields win over ours."""

@@ -29,7 +29,8 @@ _KNOB_TO_CONFIG = {
     "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
     "enable_chunked_prefill": "enable_chunked_prefill", "enable_prefix_caching": "enable_prefix_caching",
     "preemption_mode": "preemption_mode", "scheduling_policy": "scheduling_policy",
-    "admission_policy": "admission_policy",
+    "admission_policy": "admission_policy", "admission_headroom": "admission_headroom",
+    "prefill_pacing_tokens": "prefill_pacing_tokens",
 }
 # stats() key -> kvbench counter name
 _STATS_TO_COUNTERS = {

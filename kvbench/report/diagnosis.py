@@ -97,13 +97,13 @@ def swap_crossover(results: Results, engine: str) -> dict[str, Any] | None:
 
 
 def concurrency_knee(results: Results, engine: str) -> tuple[float | None, str]:
-    """Knee of the first sweep of ``engine`` with throughput points (not a swap/recompute sweep); None
+    """Knee of the first concurrency sweep of ``engine`` with throughput points; None
     when throughput still rose at the top of the sweep (no knee within it)."""
     for sc in results.scenarios:
         for sw in sc["sweeps"]:
             pts = [p for p in sw["points"] if p["engine"] == engine and p.get("mode") not in ("swap",)]
-            if {p.get("mode") for p in sw["points"]} >= {"swap", "recompute"}:
-                continue
+            if sw["name"] != "concurrency" or {p.get("mode") for p in sw["points"]} >= {"swap", "recompute"}:
+                continue  # a knee is a concurrency's; not a policy's headroom, not a swap/recompute cost
             pts = [p for p in pts if _num(p["metrics"].get("output_throughput")) is not None]
             if len(pts) >= 2:
                 xs = [p["x"] for p in pts]

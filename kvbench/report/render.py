@@ -166,6 +166,9 @@ def side_by_side(results: Results) -> list[dict[str, Any]]:
     return tables
 
 
+#: the sweep whose throughput curve has a knee (diagnosis.concurrency_knee reads the same one)
+KNEE_SWEEP = "concurrency"
+
 #: metrics drawn as ratio bars above each side-by-side table
 RATIO_BAR_METRICS: tuple[str, ...] = (
     "output_throughput", "goodput", "ttft_p99", "tbt_p99", "e2e_p50", "preemptions", "recomputed_tokens",
@@ -365,7 +368,9 @@ class _Charts:
                 lines.append(rc.Line(_label(eng, mode), [p["x"] for p in pts], ys, color, dash=dash, dots=True))
                 tps = [_num(p["metrics"].get("output_throughput")) for p in pts]
                 xs = [p["x"] for p in pts]
-                k = metrics.knee(xs, tps)
+                # a knee is where more concurrency stops paying; on any other axis (a policy's headroom)
+                # "throughput stops rising" is no landmark
+                k = metrics.knee(xs, tps) if sw["name"] == KNEE_SWEEP else None
                 if k is not None and len(xs) > 1 and k == max(xs):
                     no_knee.append(_label(eng, mode))  # still rising at the top: no knee within the sweep
                 elif k is not None and metric != "preemptions":
@@ -376,7 +381,7 @@ class _Charts:
             unit = {"output_throughput": "tokens/s", "tbt_p99": "ms", "preemptions": "count"}[metric]
             # three to a row: a narrower canvas keeps the text as large as in the two-column charts
             sub = ""
-            if metric == "output_throughput":
+            if metric == "output_throughput" and sw["name"] == KNEE_SWEEP:
                 sub = "knee: throughput gains < 5% beyond it" + (
                     f"; none within the sweep for {', '.join(no_knee)}" if no_knee else "")
             out.append(self.render(rc.Chart(f"{title} vs {sw['x_label']}", sw["x_label"], unit, width=440,

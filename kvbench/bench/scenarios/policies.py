@@ -10,9 +10,16 @@ Two parts, each served in every mode so the modes' ratios never mix moments:
   everything. Fixed swap fills the host pool with short victims and then has to recompute long
   ones (fallbacks); fixed recompute re-prefills the long ones; auto recomputes the short and swaps
   the long.
-* **admission** (modes ``static`` and ``watermark``, on the evening surge's and (full scale) the flash
-  crowd's workloads and pools): vLLM's rule admits whatever fits now, the watermark admits only if the
-  projected KV use over the next steps stays under the pool.
+* **admission** (on the evening surge's and (full scale) the flash crowd's workloads and pools): vLLM's
+  rule (``static``) admits whatever fits now; the watermark admits only if the projected KV use over the
+  next steps stays under ``1 - headroom`` of the pool. The trade-off curve: the watermark at headrooms
+  0.05 (the engine default, mode ``watermark``), 0.2 and 0.4 (a sweep over the headroom: preemptions,
+  throughput and p99 TBT each drawn against it), and the watermark with prefill pacing
+  (``watermark+pacing``: at most one prompt per step beside running decodes, the lever that acts on
+  the tail gap). Issue 11's goal for admission control (at least 5x fewer preemptions and 2x lower
+  p99 TBT than static at >= 95% of its throughput) is judged for every point in a table and a note,
+  not claimed: on the tiny model the p99 TBT is set by the prefill steps of new prompts, which no
+  admission rule removes (README, "Preemption-aware policies").
 
 Claims are counts (deterministic on the step clock), never times: auto preempted (which modes it
 chose depends on the prices measured on the machine, so that is a note) and fell back no more often
@@ -30,6 +37,7 @@ Llama-3-8B/H200 scale is ``kvbench simulate --workload mixed_victims`` (README).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +51,7 @@ from kvbench.bench.scenarios.base import (
     ResultEntry,
     Scenario,
     Served,
+    SweepPoint,
     all_finished,
     build_workload,
     describe_spec,
@@ -55,6 +64,17 @@ from kvbench.engines.base import Knobs
 MIXED_MODES = ("recompute", "swap", "auto")
 ADMISSION_MODES = ("static", "watermark")
 SURGES = ("evening_surge", "flash_crowd")
+#: the watermark's headroom at each point of the trade-off curve; the first is the engine default,
+#: served as mode ``watermark`` (so saved baselines keep matching)
+HEADROOMS = (0.05, 0.2, 0.4)
+#: prefill pacing of the ``watermark+pacing`` mode: one token, i.e. without chunked prefill at most
+#: one prompt per step beside running decodes (a prompt is never split, so it runs alone as that
+#: step's prefill), whatever the workload's prompt lengths
+PACING_TOKENS = 1
+#: issue 11's goal for admission control against the static configuration
+GOAL_PREEMPTIONS_FEWER = 5.0
+GOAL_TBT_LOWER = 2.0
+GOAL_THROUGHPUT_KEPT = 0.95
 
 
 @dataclass(frozen=True)
@@ -105,17 +125,24 @@ class PreemptionPolicies(Scenario):
             if surge.name not in s.surges:
                 continue
             (job,) = surge.plan(scale, model)
-            for mode in ADMISSION_MODES:
-                knobs = Knobs(block_size=job.knobs.block_size, num_gpu_blocks=job.knobs.num_gpu_blocks,
-                              preemption_mode="recompute",
-                              admission_policy="none" if mode == "static" else mode)
-                jobs.append(Job(surge.plan(scale, model)[0].workload, knobs, mode=f"{surge.name}/{mode}"))
+            base = Knobs(block_size=job.knobs.block_size, num_gpu_blocks=job.knobs.num_gpu_blocks,
+                         preemption_mode="recompute", admission_policy="none")
+            gated = base.merged(Knobs(admission_policy="watermark"))
+            jobs.append(Job(job.workload, base, mode=f"{surge.name}/static"))
+            for h in HEADROOMS:
+                jobs.append(Job(job.workload, gated.merged(Knobs(admission_headroom=h)),
+                                mode=admission_mode(surge.name, h), x=h))
+            jobs.append(Job(job.workload, gated.merged(Knobs(prefill_pacing_tokens=PACING_TOKENS)),
+                            mode=f"{surge.name}/watermark+pacing"))
         return jobs
 
     def parameters(self, scale: str, model: Model) -> dict[str, Any]:
         s = self.size(scale)
         return {**super().parameters(scale, model), "short": describe_spec(s.short), "long": describe_spec(s.long),
-                "num_cpu_blocks": s.num_cpu_blocks, "admission": "watermark (engine defaults) vs none",
+                "num_cpu_blocks": s.num_cpu_blocks,
+                "admission": f"none vs watermark at headroom {', '.join(f'{h:g}' for h in HEADROOMS)} (horizon: "
+                             f"engine default), and watermark + prefill pacing ({PACING_TOKENS} token: one "
+                             "prompt per step beside decodes)",
                 "surges": ", ".join(s.surges) + " (their workloads and pools at this scale)"}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
@@ -153,6 +180,13 @@ class PreemptionPolicies(Scenario):
             static, gated = count(f"{surge}/static", "preemptions"), count(f"{surge}/watermark", "preemptions")
             out.claims[f"admission control preempted fewer times than static on {surge}"] = (
                 None if static is None or gated is None else static > 0 and gated < static)
+            curve = [count(mode, "preemptions") for mode in admission_modes(surge)]
+            out.claims[f"every admission-controlled run preempted no more often than static on {surge}"] = (
+                None if static is None or None in curve else all(c <= static for c in curve))
+            for h in HEADROOMS:
+                run_ = by_mode[admission_mode(surge, h)]
+                out.points.append(SweepPoint("admission_headroom", "watermark headroom (share of the pool kept "
+                                             "free of projected use)", h, run_.metrics, mode=surge))
         if swap_a is not None and rec_a is not None:
             out.notes.append(f"auto chose swap {swap_a:,.0f} and recompute {rec_a:,.0f} times on the mixed workload")
         out.claims["every request finished in every mode"] = all(all_finished(r.trace) for r in served)
@@ -191,10 +225,117 @@ class PreemptionPolicies(Scenario):
                          fmt_metric("recomputed_tokens", m.get("recomputed_tokens")),
                          fmt_metric("output_throughput", m.get("output_throughput")),
                          fmt_time(num(m.get("tbt_p99"))), fmt_time(num(m.get("duration_s")))])
-        return [{"title": "Policies side by side", "rows": rows,
+        tables = [{"title": "Policies side by side", "rows": rows,
                  "columns": ["engine", "workload/mode", "preemptions recompute / swap", "swap fallbacks",
                              "recomputed tokens", "output throughput", "p99 TBT", "duration"],
                  "note": "modes of one engine served in the same run; counts exact on the step clock"}]
+        trade = tradeoff_rows(recorded)
+        if trade:
+            tables.append({"title": "Admission control: the trade-off against static", "rows": trade,
+                           "columns": ["engine", "surge / mode", "preemptions (fewer by)",
+                                       "output throughput (share kept)", "p99 TBT (lower by)", "p99 TTFT",
+                                       "goal met"],
+                           "note": f"issue 11's goal: >= {GOAL_PREEMPTIONS_FEWER:g}x fewer preemptions and >= "
+                                   f"{GOAL_TBT_LOWER:g}x lower p99 TBT than static at >= "
+                                   f"{GOAL_THROUGHPUT_KEPT:.0%} of its throughput; medians of the repeats, "
+                                   "ratios of one run's modes, ± their noise (both spreads); 'yes' only "
+                                   "beyond the noise"})
+        return tables
+
+
+def admission_mode(surge: str, headroom: float) -> str:
+    """The mode name of the watermark at ``headroom`` on ``surge`` (the default headroom: ``watermark``)."""
+    return f"{surge}/watermark" if headroom == HEADROOMS[0] else f"{surge}/watermark-headroom-{headroom:g}"
+
+
+def admission_modes(surge: str) -> list[str]:
+    """Every admission-controlled mode of ``surge``, in the order served."""
+    return [*(admission_mode(surge, h) for h in HEADROOMS), f"{surge}/watermark+pacing"]
+
+
+@dataclass(frozen=True)
+class GoalCheck:
+    """One admission-controlled run against static: how many times fewer preemptions, how many times
+    lower p99 TBT, what share of the throughput kept (None: a figure is missing)."""
+
+    fewer_preemptions: float | None
+    lower_tbt: float | None
+    throughput_kept: float | None
+
+    @property
+    def met(self) -> bool | None:
+        if None in (self.fewer_preemptions, self.lower_tbt, self.throughput_kept):
+            return None
+        return (self.fewer_preemptions >= GOAL_PREEMPTIONS_FEWER and self.lower_tbt >= GOAL_TBT_LOWER
+                and self.throughput_kept >= GOAL_THROUGHPUT_KEPT)
+
+
+def goal_check(static: Mapping[str, Any], gated: Mapping[str, Any]) -> GoalCheck:
+    """Issue 11's admission goal for ``gated``'s metrics against ``static``'s. Preemptions "fewer by":
+    static / gated, infinite when gated has none and static had some, 1 when neither preempted."""
+    sp, gp = num(static.get("preemptions")), num(gated.get("preemptions"))
+    fewer = None if sp is None or gp is None else (sp / gp if gp else (math.inf if sp else 1.0))
+    st, gt = num(static.get("tbt_p99")), num(gated.get("tbt_p99"))
+    so, go = num(static.get("output_throughput")), num(gated.get("output_throughput"))
+    return GoalCheck(fewer, st / gt if st is not None and gt else None, go / so if go is not None and so else None)
+
+
+def tradeoff_rows(recorded: Mapping[str, Any]) -> list[list[str]]:
+    """Rows of the trade-off table: every admission-controlled result against the same engine's static
+    one, from the medians of the repeats. The goal reads "yes" only when it holds with each time ratio
+    moved against it by its noise (the relative spreads of both medians, combined), "within noise" when
+    the medians meet it but the noise could undo that, "no" when the medians miss it."""
+    rows = []
+    for r in recorded.get("results", []):
+        mode = r.get("mode") or ""
+        surge, _, variant = mode.partition("/")
+        if surge not in SURGES or variant == "static":
+            continue
+        static = result_of(recorded, r["engine"], f"{surge}/static")
+        if static is None:
+            continue
+        c, m, sm = goal_check(static["metrics"], r["metrics"]), r["metrics"], static["metrics"]
+        tbt_noise, tput_noise = _ratio_noise(r, static, "tbt_p99"), _ratio_noise(r, static, "output_throughput")
+        rows.append([r["engine"], mode,
+                     f"{fmt_metric('preemptions', m.get('preemptions'))} "
+                     f"(vs {fmt_metric('preemptions', sm.get('preemptions'))}: {_times(c.fewer_preemptions)})",
+                     f"{fmt_metric('output_throughput', m.get('output_throughput'))} ({_times(c.throughput_kept)}"
+                     f"{_pm(tput_noise)})",
+                     f"{fmt_time(num(m.get('tbt_p99')))} (vs {fmt_time(num(sm.get('tbt_p99')))}: "
+                     f"{_times(c.lower_tbt)}{_pm(tbt_noise)})",
+                     f"{fmt_time(num(m.get('ttft_p99')))} (vs {fmt_time(num(sm.get('ttft_p99')))})",
+                     _goal_verdict(c, tbt_noise, tput_noise)])
+    return rows
+
+
+def _ratio_noise(a: Mapping[str, Any], b: Mapping[str, Any], key: str) -> float:
+    """Relative noise of ``a / b`` for metric ``key``: the relative spreads of both medians in quadrature
+    (0 where a result has no repeats)."""
+    def rel(r: Mapping[str, Any]) -> float:
+        spread, value = num((r.get("spread") or {}).get(key)), num(r["metrics"].get(key))
+        return spread / value if spread and value else 0.0
+    return math.hypot(rel(a), rel(b))
+
+
+def _goal_verdict(c: GoalCheck, tbt_noise: float, throughput_noise: float) -> str:
+    if c.met is None:
+        return "–"
+    if not c.met:
+        return "no"
+    assert c.lower_tbt is not None and c.throughput_kept is not None
+    beyond = (c.lower_tbt / (1 + tbt_noise) >= GOAL_TBT_LOWER
+              and c.throughput_kept * (1 - throughput_noise) >= GOAL_THROUGHPUT_KEPT)
+    return "yes" if beyond else "within noise"
+
+
+def _pm(noise: float) -> str:
+    return f" ± {noise:.0%}" if noise else ""
+
+
+def _times(ratio: float | None) -> str:
+    if ratio is None:
+        return "–"
+    return "all" if math.isinf(ratio) else f"{ratio:.2f}x"
 
 
 def _le(a: float | None, b: float | None) -> bool | None:
