@@ -14,6 +14,7 @@ from the current run (each is named);
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -222,6 +223,7 @@ def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
 
 def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     from kvbench.bench import simulate as sim
+    from kvbench.bench.capacity_plan import capacity_plan
     from kvbench.engines.registry import EngineSpecError, make_adapter, parse_engine_spec
 
     try:
@@ -234,6 +236,7 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         sweep = sim.parse_sweep(args.sweep or [])
     except ValueError as e:
         raise CLIError(str(e)) from e
+    report_dir = _writable_folder("--report", args.report) if args.report else None  # before minutes of simulating
     from kvbench.checkpoints import builtin_checkpoint
 
     adapter = make_adapter(spec, str(builtin_checkpoint("tiny")))
@@ -242,8 +245,12 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     requests = args.requests if args.requests is not None else (10_000 if args.workload == "evening_surge" else 1600)
     if requests < 1:
         raise CLIError(f"--requests must be >= 1, got {requests}")
-    workload = build(requests, vocab_size=shape.vocab_size, max_model_len=shape.max_position_embeddings,
-                     seed=args.seed)
+    try:
+        workload = build(requests, vocab_size=shape.vocab_size, max_model_len=shape.max_position_embeddings,
+                         seed=args.seed)
+    except ValueError as e:  # the workload's lengths do not fit the model (a small config.json)
+        raise CLIError(f"--workload {args.workload} does not fit {shape.name} "
+                       f"(max_position_embeddings {shape.max_position_embeddings}): {e}") from e
     print(f"simulating {len(workload.requests):,} requests of {args.workload} at scale on {adapter.name} "
           f"({shape.name} on {adapter.profile.name}; times are simulated seconds)", file=out)
     base = sim.DEFAULT_KNOBS.merged(needs)
@@ -253,8 +260,32 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     else:
         runs = [sim.simulate(adapter, workload, base)]
     print(sim.format_runs(runs), file=out)
-    print(sim.capacity_plan(runs, adapter, args.preemption_budget).text(), file=out)
+    plan = capacity_plan(runs, adapter, args.preemption_budget, workload)
+    print(plan.text(), file=out)
+    if report_dir is not None:
+        from kvbench.bench.capacity_plan import PlanDocument, SimulationSetup
+        from kvbench.report.capacity_plan import write_plan_report  # jinja2 and charts load only when needed
+
+        doc = PlanDocument(SimulationSetup.of(args.engine, adapter, workload, sweep, base), runs, plan)
+        try:
+            html, data = write_plan_report(doc, report_dir)
+        except OSError as e:
+            raise CLIError(f"cannot write the capacity plan into --report {args.report!r}: {e}") from e
+        print(f"capacity plan written to {html} and {data}", file=out)
     return EXIT_OK
+
+
+def _writable_folder(flag: str, text: str) -> Path:
+    """``text`` as a folder that exists (created if need be) and can be written; CLIError naming ``flag``
+    and the reason otherwise."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"{flag} {text!r}: cannot create the folder: {e}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} {text!r}: the folder is not writable")
+    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="e.g. max_num_seqs=64,128,256,num_gpu_blocks=4000,8000,preemption_mode=swap,recompute")
     p.add_argument("--preemption-budget", type=float, default=0.01, metavar="PER_REQUEST",
                    help="preemptions per request the pool must keep under (default %(default)g)")
+    p.add_argument("--report", metavar="DIR", help="also write DIR/plan.html (the capacity plan with charts, "
+                   "self-contained) and DIR/plan.json (the runs and the plan); created if need be, files overwritten")
     p.set_defaults(handler=_cmd_simulate)
     return parser
 

@@ -398,3 +398,13 @@ def test_simulate_cli_mixed_victims_prints_auto_claims(capsys):
     assert "48 requests of mixed_victims" in text and "enable_prefix_caching=True" in text
     for claim in auto_vs_fixed_claims(1.0, 1.0, 1.0):
         assert f": {claim}" in text, text
+
+
+def test_simulate_cli_names_the_model_a_workload_does_not_fit(tiny, capsys):
+    """The evening surge at scale has 3,072-token prompts: on a model with 1,024 positions the command
+    exits 2 with a message naming the workload and the model's limit, not a traceback."""
+    from kvbench.cli import main
+
+    code = main(["simulate", "--requests", "20", "--engine", f"sim:model={tiny}/config.json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--workload evening_surge does not fit" in err and "1024" in err, err

@@ -1,14 +1,10 @@
-"""Capacity plans from the simulator: one run, or a sweep of knobs, summarised as a plan.
+"""The simulator at scale: workloads, one run or a sweep of knobs on a ``sim`` engine, the runs table.
 
-``kvbench simulate`` (:mod:`kvbench.cli`) is a thin face over this module. A sweep serves one workload
-on a ``sim`` engine once per combination of knob values and the plan reads the grid:
-
-* **knee concurrency**: per pool size and mode, the smallest ``max_num_seqs`` whose output throughput
-  is within 5% of the best the sweep reached (more admits more preemption, not more tokens);
-* **pool for a preemption budget**: the smallest ``num_gpu_blocks`` whose preemptions per request stay
-  within the budget at the workload's arrival rate;
-* **swap vs recompute**: both modes side by side, and the cost model's crossover length (which mode is
-  cheaper for a victim of each length, :meth:`reference_engine.sim.CostModel.crossover`).
+``kvbench simulate`` (:mod:`kvbench.cli`) is a thin face over this module and
+:mod:`kvbench.bench.capacity_plan`. A sweep serves one workload on a ``sim`` engine once per
+combination of knob values (:func:`run_sweep`); each run keeps its headline figures (:class:`SimRun`),
+and :func:`kvbench.bench.capacity_plan.capacity_plan` reads the grid into a plan (knee concurrency,
+the pool for a preemption budget, swap vs recompute with the cost model's crossover length).
 
 Every time here is simulated seconds on the sim engine's hardware profile.
 """
@@ -18,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvbench.bench import metrics
@@ -29,7 +25,6 @@ from kvbench.core.trace import TraceRecorder
 #: the figures a plan prints per run
 HEADLINE = ("output_throughput", "ttft_p50", "ttft_p99", "tbt_p99", "preemptions_recompute", "preemptions_swap",
             "recomputed_tokens", "swapped_out_bytes")
-KNEE_SHARE = 0.95
 
 
 def evening_surge_at_scale(num_requests: int = 10_000, vocab_size: int = 32_000, max_model_len: int = 8192,
@@ -71,6 +66,9 @@ WORKLOADS = {"evening_surge": (evening_surge_at_scale, Knobs()),
 
 @dataclass
 class SimRun:
+    """One simulated run: its knobs, its :data:`HEADLINE` figures (simulated time) plus
+    ``preemptions_per_request``, and what simulating it cost on this machine (wall seconds)."""
+
     knobs: dict[str, Any]
     figures: dict[str, float | None]
     requests: int
@@ -147,89 +145,15 @@ def run_sweep(adapter: Any, workload: Workload, sweep: Mapping[str, Sequence[Any
     return runs
 
 
-@dataclass
-class CapacityPlan:
-    lines: list[str] = field(default_factory=list)
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-
-def _group(runs: Sequence[SimRun], by: str) -> dict[tuple, list[SimRun]]:
-    groups: dict[tuple, list[SimRun]] = {}
-    for r in runs:
-        rest = tuple(sorted((k, v) for k, v in r.knobs.items() if k != by))
-        groups.setdefault(rest, []).append(r)
-    return groups
-
-
-def _label(rest: tuple) -> str:
-    return ", ".join(f"{k}={v}" for k, v in rest) or "defaults"
-
-
-def capacity_plan(runs: Sequence[SimRun], adapter: Any, preemption_budget: float = 0.01) -> CapacityPlan:
-    """The plan in words: knee concurrency, the pool for ``preemption_budget`` preemptions per request,
-    swap vs recompute (the runs' figures and the cost model's crossover length)."""
-    plan = CapacityPlan()
-    add = plan.lines.append
-    swept = {k for r in runs for k in r.knobs}
-    if any("max_num_seqs" in r.knobs for r in runs):
-        add(f"Knee concurrency (smallest max_num_seqs within {1 - KNEE_SHARE:.0%} of the best throughput):")
-        for rest, group in _group(runs, "max_num_seqs").items():
-            group = sorted(group, key=lambda r: r.knobs.get("max_num_seqs", 0))
-            best = max((r.figures["output_throughput"] or 0) for r in group)
-            knee = next(r for r in group if (r.figures["output_throughput"] or 0) >= KNEE_SHARE * best)
-            add(f"  {_label(rest)}: knee at max_num_seqs={knee.knobs['max_num_seqs']} "
-                f"({_fmt(knee.figures['output_throughput'])} tok/s of best {_fmt(best)}; p99 TBT "
-                f"{_ms(knee.figures['tbt_p99'])}, {_fmt(knee.figures['preemptions_per_request'], 3)} "
-                "preemptions/request)")
-    if "num_gpu_blocks" in swept:
-        add(f"Pool size for <= {preemption_budget:g} preemptions per request at this workload's arrival rate:")
-        for rest, group in _group(runs, "num_gpu_blocks").items():
-            group = sorted(group, key=lambda r: r.knobs.get("num_gpu_blocks", 0))
-            ok = [r for r in group if (r.figures["preemptions_per_request"] or 0) <= preemption_budget]
-            if ok:
-                add(f"  {_label(rest)}: num_gpu_blocks={ok[0].knobs['num_gpu_blocks']} "
-                    f"({_fmt(ok[0].figures['preemptions_per_request'], 3)} preemptions/request)")
-            else:
-                add(f"  {_label(rest)}: none of {[r.knobs['num_gpu_blocks'] for r in group]} stays within the budget")
-    if "preemption_mode" in swept:
-        add("Swap vs recompute (simulated runs):")
-        for rest, group in _group(runs, "preemption_mode").items():
-            cells = [f"{r.knobs.get('preemption_mode')}: {_fmt(r.figures['output_throughput'])} tok/s, p99 TBT "
-                     f"{_ms(r.figures['tbt_p99'])}" for r in group]
-            add(f"  {_label(rest)}: " + "; ".join(cells))
-            add_auto_claims(group, add)
-    engine = adapter.build_engine(Knobs())
-    crossover = engine.cost.crossover(engine.config.block_size, engine.config.max_model_len)
-    add(f"Cost model ({adapter.model_shape.name} on {adapter.profile.name}): {crossover.describe()} "
-        f"(a victim swapped out and back in vs its tokens prefilled again).")
-    return plan
-
-
-def add_auto_claims(group: Sequence[SimRun], add: Any) -> None:
-    """The scenario's claims on auto (:func:`kvbench.bench.scenarios.policies.auto_vs_fixed_claims`) for
-    one group of runs that differ only in ``preemption_mode``, when it has all three."""
-    from kvbench.bench.scenarios.policies import auto_vs_fixed_claims
-
-    by_mode = {r.knobs.get("preemption_mode"): r.figures for r in group}
-    if not {"auto", "recompute", "swap"} <= set(by_mode):
-        return
-    auto = by_mode["auto"]
-    mixed = bool(auto.get("preemptions_swap")) and bool(auto.get("preemptions_recompute"))
-    claims = auto_vs_fixed_claims(*(by_mode[m]["output_throughput"] for m in ("auto", "recompute", "swap")), mixed)
-    for claim, held in claims.items():
-        add(f"    {'shown' if held else 'NOT shown' if held is False else 'undecided'}: {claim}")
-
-
 def format_runs(runs: Sequence[SimRun]) -> str:
+    """The runs as a plain-text table, one row per run in order, columns aligned."""
     header = ["knobs", "requests", "tok/s", "TTFT p50", "TTFT p99", "TBT p99", "preempt rec", "preempt swap",
               "recomputed", "swapped GB", "sim wall s"]
     rows = [[", ".join(f"{k}={v}" for k, v in r.knobs.items()) or "defaults", str(r.requests),
-             _fmt(r.figures["output_throughput"]), _ms(r.figures["ttft_p50"]), _ms(r.figures["ttft_p99"]),
-             _ms(r.figures["tbt_p99"]), _fmt(r.figures["preemptions_recompute"], 0),
-             _fmt(r.figures["preemptions_swap"], 0), _fmt(r.figures["recomputed_tokens"], 0),
-             _fmt(None if r.figures.get("swapped_out_bytes") is None else r.figures["swapped_out_bytes"] / 1e9),
+             fmt_number(r.figures["output_throughput"]), fmt_ms(r.figures["ttft_p50"]), fmt_ms(r.figures["ttft_p99"]),
+             fmt_ms(r.figures["tbt_p99"]), fmt_number(r.figures["preemptions_recompute"], 0),
+             fmt_number(r.figures["preemptions_swap"], 0), fmt_number(r.figures["recomputed_tokens"], 0),
+             fmt_number(None if r.figures.get("swapped_out_bytes") is None else r.figures["swapped_out_bytes"] / 1e9),
              f"{r.wall_seconds:.1f}"]
             for r in runs]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -238,9 +162,11 @@ def format_runs(runs: Sequence[SimRun]) -> str:
                      for row in [header, *rows])
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
+def fmt_number(value: float | None, digits: int = 1) -> str:
+    """``value`` with thousands separators and ``digits`` decimals; "-" for None."""
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def _ms(value: float | None) -> str:
+def fmt_ms(value: float | None) -> str:
+    """Seconds as milliseconds, one decimal: ``0.0056`` -> "5.6 ms"; "-" for None."""
     return "-" if value is None else f"{value * 1e3:,.1f} ms"
