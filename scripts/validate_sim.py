@@ -1,6 +1,6 @@
 """Validate the simulator against the reference engine, side by side in one run.
 
-    python scripts/validate_sim.py [--scenario NAME ...] [--repeats N] [--profile-out FILE] [--out DIR]
+    python scripts/validate_sim.py [--scenario NAME ...] [--repeats N] [--warmup N] [--profile-out FILE] [--out DIR]
 
 1. Measure: every quick scenario is served on the reference engine (step clock, 10 ms per step,
    wall-clock timings), ``--repeats`` rounds interleaved (every scenario once, then again), with each
@@ -14,13 +14,15 @@
    with a profile fitted on every *other* scenario's steps of this same run. No separate
    calibration minutes or hours away, and no fit on X's own data.
 
-Prints measured vs simulated output throughput, p50/p99 TTFT, p99 TBT per result, with the
-simulator's error beside the spread between repeated measurements of the same run (the floor under
-any simulator's error on this machine), the median absolute error per metric and overall, and
-whether every count (preemptions by mode, recomputed tokens) is equal. Exit status 1 if a count differs.
+Prints measured (the median of the rounds) vs simulated output throughput, p50/p99 TTFT, p99 TBT per
+result, with the simulator's error beside the spread between the first two rounds of the same run
+(how far one measurement is from another here: the floor under any simulator's error on this
+machine), the median absolute error per metric and overall, and whether every count (preemptions by
+mode, recomputed tokens) is equal. Exit status 1 if a count differs.
 
 ``--out DIR`` also writes ``DIR/results.json`` and ``DIR/report.html`` (kvbench's own results file and
-report): per scenario the reference engine's first round and the leave-one-out simulation, the latter
+report): per scenario the reference engine's rounds (their medians and spreads) and the leave-one-out
+simulation, the latter
 under the one engine name :data:`SIM_ENGINE` (marked simulated, clock=step), so the report's
 "Simulator vs measured" section shows the comparison.
 """
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", action="append", help="only these scenarios (default: all)")
     ap.add_argument("--repeats", type=int, default=2, help="measurement rounds (default 2: gives the spread)")
     ap.add_argument("--profile-out", help="also save the profile fitted on every scenario here")
+    ap.add_argument("--warmup", type=int, default=1, help="rounds served first and thrown away (default 1: the "
+                    "first round in a process ran up to 2x slower, torch and allocator warming up)")
     ap.add_argument("--out", metavar="DIR", help="also write results.json and report.html (with its "
                     "'Simulator vs measured' section) into DIR")
     args = ap.parse_args(argv)
@@ -69,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostModel(load_model_shape(model_dir), base)
     model = sc.Model.from_dir(model_dir, "tiny")
 
+    for r in range(args.warmup):  # neither fitted nor compared
+        for name in names:
+            t0 = time.perf_counter()
+            sc.run(sc.SCENARIOS[name], make_adapter(EngineSpec("reference"), model_dir), model, "quick",
+                   step_seconds=STEP_SECONDS)
+            print(f"warm-up {r + 1}: {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+
     # 1. measure, rounds interleaved
     measured: dict[str, list] = {n: [] for n in names}
     results = Results(device="cpu") if args.out else None
@@ -81,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}: {name} measured in {time.perf_counter() - t0:.0f} s "
                   f"(load {os.getloadavg()[0]:.1f})", flush=True)
             measured[name].append(outcome)
-            if results is not None and r == 0:  # the first round, as the comparison printed below
-                sc.record(outcome, results, real.describe())
+            if r == 0:
+                described = real.describe()
             runs = list(real.shape_runs)  # one per engine built; a sweep's points are not entries
             for entry in outcome.entries:
                 shapes = next((r for r in runs if len(r) == len(entry.trace.steps)), None)
@@ -93,12 +104,18 @@ def main(argv: list[str] | None = None) -> int:
                 runs.remove(shapes)
                 samples[name] += interval_samples(entry.trace, shapes, name)
 
+    if results is not None:  # every round: the results keep each repeat and their medians, as printed below
+        for name in names:
+            first = measured[name][0]
+            first.repeats = measured[name]
+            sc.record(first, results, described)
+
     # 2 + 3. fit leaving each scenario out, simulate it
     errors: dict[str, list[float]] = {k: [] for k in TIMES}
     spreads: dict[str, list[float]] = {k: [] for k in TIMES}
     counts_equal = True
     folder = tempfile.mkdtemp()
-    header = f"{'scenario [mode]':40} {'metric':20} {'measured':>11} {'repeat':>11} {'simulated':>11} " \
+    header = f"{'scenario [mode]':40} {'metric':20} {'median':>11} {'round 2':>11} {'simulated':>11} " \
              f"{'spread':>7} {'error':>7}"
     for name in names:
         others = [s for n in names if n != name for s in samples[n]] or samples[name]
@@ -122,14 +139,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{_pct(statistics.median(held)) if held else '-'}\n{header}", flush=True)
         runs = measured[name]
         for j, s_entry in enumerate(simulated.entries):
-            m = metrics.summarize(runs[0].entries[j].trace)
-            again = metrics.summarize(runs[1].entries[j].trace) if len(runs) > 1 else {}
+            rounds = [metrics.summarize(run_.entries[j].trace) for run_ in runs]
+            m, first, again = _medians(rounds), rounds[0], rounds[1] if len(rounds) > 1 else {}
             s = metrics.summarize(s_entry.trace)
             label = f"{name} [{runs[0].entries[j].mode or '-'}]"
             for key in TIMES:
-                a, b, a2 = m.get(key), s.get(key), again.get(key)
+                a, b, a1, a2 = m.get(key), s.get(key), first.get(key), again.get(key)
                 err = abs(b - a) / a if a and b is not None else None
-                spread = abs(a2 - a) / a if a and a2 is not None else None
+                spread = abs(a2 - a1) / a1 if a1 and a2 is not None else None
                 if err is not None:
                     errors[key].append(err)
                 if spread is not None:
@@ -140,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 counts_equal &= a == b
                 print(f"{label:40} {key:20} {_f(a):>11} {'':>11} {_f(b):>11} {'':>7} "
                       f"{'equal' if a == b else 'DIFFER':>7}")
-    print("\nmedian absolute relative error over every result (simulated vs measured | measured vs its repeat):")
+    print(f"\nmedian absolute relative error over every result (simulated vs the median of {args.repeats} "
+          "measured rounds | round 2 vs round 1):")
     for key in TIMES:
         print(f"  {key:22} {_med(errors[key]):>8} | {_med(spreads[key]):>8}  ({len(errors[key])} results)")
     every, spread = [e for v in errors.values() for e in v], [e for v in spreads.values() for e in v]
@@ -153,6 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     if results is not None:
         print(f"results and report (section 'Simulator vs measured') written to {write_report(results, args.out)}")
     return 0 if counts_equal else 1
+
+
+def _medians(rounds: list[dict]) -> dict:
+    """Per metric, the median over the rounds that have it (the measured value the simulator is compared
+    with: one round's figure carries that round's jitter, which a simulator cannot and should not match)."""
+    keys = {k for r in rounds for k in r}
+    out = {}
+    for k in keys:
+        values = [r[k] for r in rounds if isinstance(r.get(k), int | float)]
+        out[k] = statistics.median(values) if values else None
+    return out
 
 
 def _med(values: list[float]) -> str:
