@@ -260,10 +260,16 @@ class _Charts:
         self.n += 1
         return rc.render(chart, uid=f"c{self.n}")
 
-    def style(self, engine: str, mode: str | None, modes: list[str | None]) -> tuple[str, str | None]:
-        """Colour by engine, dash by mode and engine: two series that coincide still differ in pattern."""
+    def style(self, engine: str, mode: str | None, modes: list[str | None],
+              one_engine: bool = False) -> tuple[str, str | None]:
+        """Colour by engine, dash by mode and engine: two series that coincide still differ in pattern.
+        With ``one_engine`` (every series of the chart is one engine's) colour by mode instead: a policies
+        scenario has a dozen modes, more than dash patterns can tell apart."""
         dashes = (None, "7 4", "2 3", "10 3 2 3", "4 2 1 2")
-        idx = (modes.index(mode) if mode in modes else 0) + self.order.get(engine, 0)
+        idx = modes.index(mode) if mode in modes else 0
+        if one_engine:
+            return rc.PALETTE[idx % len(rc.PALETTE)], dashes[(idx // len(rc.PALETTE)) % len(dashes)]
+        idx += self.order.get(engine, 0)
         return self.colors.get(engine, rc.PALETTE[0]), dashes[idx % len(dashes)]
 
     # -- one result -------------------------------------------------------------------------
@@ -334,7 +340,8 @@ class _Charts:
             lines = []
             for r in sc["results"]:
                 s = r.get("series", {})
-                color, dash = self.style(r["engine"], r.get("mode"), modes)
+                color, dash = self.style(r["engine"], r.get("mode"), modes,
+                                         one_engine=len({x["engine"] for x in sc["results"]}) == 1)
                 lines.append(rc.Line(_label(r["engine"], r.get("mode")), s.get(f"{key}_cdf_x", []),
                                      s.get(f"{key}_cdf_p", []), color, dash=dash, step=True))
             if any(ln.xs for ln in lines):
@@ -352,7 +359,8 @@ class _Charts:
         for p in sw["points"]:
             groups.setdefault((p["engine"], p.get("mode")), []).append(p)
         xs_all = [float(p["x"]) for p in sw["points"]]
-        log = bool(xs_all) and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8
+        # counts and lengths spanning 8x or more on a log axis; shares of something (< 1) stay linear
+        log = bool(xs_all) and min(xs_all) >= 1 and max(xs_all) / min(xs_all) >= 8
         if {"swap", "recompute"} <= set(modes):
             return self._cost(sc, sw, groups, modes, log)
         out = []
@@ -364,7 +372,7 @@ class _Charts:
                 ys = [_num(p["metrics"].get(metric)) for p in pts]
                 if all(y is None for y in ys):
                     continue
-                color, dash = self.style(eng, mode, modes)
+                color, dash = self.style(eng, mode, modes, one_engine=len({e for e, _ in groups}) == 1)
                 lines.append(rc.Line(_label(eng, mode), [p["x"] for p in pts], ys, color, dash=dash, dots=True))
                 tps = [_num(p["metrics"].get("output_throughput")) for p in pts]
                 xs = [p["x"] for p in pts]
