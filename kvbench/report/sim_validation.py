@@ -23,7 +23,6 @@ on the simulated (``cost``) clock arrivals land between different steps and the 
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, metric_label
 from kvbench.bench.results import Results
+from kvbench.bench.scenarios.declare import num
 
 #: metrics compared by relative error (issue 11, item 3)
 TIMING_METRICS: tuple[str, ...] = ("output_throughput", "ttft_p50", "ttft_p99", "tbt_p99")
@@ -40,16 +40,6 @@ COUNT_METRICS: tuple[str, ...] = ("preemptions_recompute", "preemptions_swap", "
 ERROR_GOAL = 0.10
 #: the clock under which counts are expected equal
 STEP_CLOCK = "step"
-
-
-def _num(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 @dataclass(frozen=True)
@@ -160,8 +150,8 @@ def _pair(scenario: str, sim: Mapping[str, Any], meas: Mapping[str, Any], step_c
     measured_clock = (meas.get("clock") or {}).get("clock")
     return ResultPair(
         scenario=scenario, mode=meas.get("mode"),
-        timings=tuple(TimingError(k, _num(mm.get(k)), _num(sm.get(k))) for k in TIMING_METRICS),
-        counts=tuple(CountMatch(k, _num(mm.get(k)), _num(sm.get(k))) for k in COUNT_METRICS),
+        timings=tuple(TimingError(k, num(mm.get(k)), num(sm.get(k))) for k in TIMING_METRICS),
+        counts=tuple(CountMatch(k, num(mm.get(k)), num(sm.get(k))) for k in COUNT_METRICS),
         counts_expected_equal=step_clock and measured_clock != "wall", measured_clock=measured_clock)
 
 
