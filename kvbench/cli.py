@@ -254,6 +254,11 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     print(f"simulating {len(workload.requests):,} requests of {args.workload} at scale on {adapter.name} "
           f"({shape.name} on {adapter.profile.name}; times are simulated seconds)", file=out)
     base = sim.DEFAULT_KNOBS.merged(needs)
+    try:
+        for warning in sim.check_sweep(adapter, sweep, base):
+            print(f"kvbench: warning: {warning}", file=sys.stderr)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
     if sweep:
         runs = sim.run_sweep(adapter, workload, sweep, base, progress=lambda r: print(
             f"  ran {r.knobs} in {r.wall_seconds:.1f} s", file=out))

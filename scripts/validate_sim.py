@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", metavar="DIR", help="also write results.json and report.html (with its "
                     "'Simulator vs measured' section) into DIR")
     args = ap.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     import torch
 
     torch.set_num_threads(1)

@@ -31,7 +31,7 @@ def sim_engine(name: str = SIM, clock: str | None = "step") -> dict:
     return desc if clock is None else {**desc, "clock": clock}
 
 
-def results_with(factors: dict[str, float], *, sim: dict | None = None, measured: str = "reference",
+def results_with(factors: dict[str, float], *, sim: dict | None = None, measured: str | dict = "reference",
                  counts: dict[str, float] | None = None, measured_clock: str = "step") -> Results:
     """A measured engine with :data:`MEASURED` and a simulated one whose timing metric ``k`` is the
     measured value times ``factors[k]`` (1 when absent) and whose counts are ``counts`` where given."""
@@ -149,22 +149,37 @@ def test_no_section_without_a_simulated_and_a_measured_result_in_the_same_mode()
     assert 'id="sim-vs-measured"' not in page and "Simulator vs measured" not in page
 
 
-def test_each_simulated_engine_is_paired_with_each_measured_engine():
+def test_each_simulated_engine_is_paired_with_each_reference_engine_configured_alike():
     res = results_with({k: 1.2 for k in TIMES})
+    on_cpu = {"name": "reference:device=cpu", "kind": "reference", "options": {"device": "cpu"}}
+    swap = {"name": "reference:preemption_mode=swap", "kind": "reference", "options": {"preemption_mode": "swap"}}
     for (scenario, mode), figures in MEASURED.items():
-        res.add_scenario_result(scenario, "vllm", figures, mode=mode)
-        res.add_scenario_result(scenario, sim_engine(SIM_COST, "cost"), figures, mode=mode)
+        for engine in (on_cpu, swap, "vllm", sim_engine(SIM_COST, "cost")):
+            res.add_scenario_result(scenario, engine, figures, mode=mode)
     pairings = sv.compare_sim_to_measured(res)
+    # a placement option (device) leaves the schedule alike; another mode or another engine is not what the
+    # simulator ran, so it is not judged against it
     assert [(g.simulated, g.measured) for g in pairings] == [
-        (SIM, "reference"), (SIM, "vllm"), (SIM_COST, "reference"), (SIM_COST, "vllm")]
+        (SIM, "reference"), (SIM, on_cpu["name"]), (SIM_COST, "reference"), (SIM_COST, on_cpu["name"])]
     assert [g.median_error() for g in pairings] == pytest.approx([0.2, 0.2, 0.0, 0.0])
     assert [g.step_clock for g in pairings] == [True, True, False, False]
     html = render_report(res)
     assert _section_html(html).count("<table") == 4
 
 
+def test_a_simulator_of_another_configuration_is_paired_with_that_one():
+    sim = {**sim_engine("sim:hardware=fit.json,preemption_mode=swap,clock=step"),
+           "options": {"hardware": "fit.json", "preemption_mode": "swap", "clock": "step"}}
+    swap = {"name": "reference:preemption_mode=swap", "kind": "reference", "options": {"preemption_mode": "swap"}}
+    res = results_with({}, sim=sim)
+    for (scenario, mode), figures in MEASURED.items():
+        res.add_scenario_result(scenario, swap, figures, mode=mode)
+    assert [g.measured for g in sv.compare_sim_to_measured(res)] == [swap["name"]]
+
+
 def test_rendered_section_shows_figures_and_escapes_engine_names():
-    res = results_with({k: 1.05 for k in TIMES}, sim=sim_engine(SIM + EVIL), measured="ref" + EVIL)
+    res = results_with({k: 1.05 for k in TIMES}, sim=sim_engine(SIM + EVIL),
+                       measured={"name": "ref" + EVIL, "kind": "reference"})
     page = render_report(res)
     assert EVIL not in page and "<script>alert" not in page
     assert len(re.findall(r"<script\b", page)) == 2  # the data island and the sorting script, as always

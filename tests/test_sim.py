@@ -408,3 +408,20 @@ def test_simulate_cli_names_the_model_a_workload_does_not_fit(tiny, capsys):
     code = main(["simulate", "--requests", "20", "--engine", f"sim:model={tiny}/config.json"])
     err = capsys.readouterr().err
     assert code == 2 and "--workload evening_surge does not fit" in err and "1024" in err, err
+
+
+def test_simulate_cli_checks_every_sweep_point_before_simulating(capsys):
+    """A swept value the engine refuses exits 2 naming the field before any run; the watermark's headroom
+    swept without the watermark warns that every run admits the same."""
+    from kvbench.cli import main
+
+    engine = "sim:hardware=h200,model=llama-3-8b"
+    code = main(["simulate", "--requests", "20", "--engine", engine, "--sweep", "admission_headroom=0.2,1.5"])
+    captured = capsys.readouterr()
+    assert code == 2 and "admission_headroom=1.5" in captured.err and "ran " not in captured.out, captured
+    code = main(["simulate", "--requests", "20", "--engine", engine, "--sweep", "admission_headroom=0.1,0.2"])
+    captured = capsys.readouterr()
+    assert code == 0 and "no point uses admission_policy=watermark" in captured.err, captured.err
+    code = main(["simulate", "--requests", "20", "--engine", f"{engine},admission_policy=watermark", "--sweep",
+                 "admission_headroom=0.1,0.2"])
+    assert code == 0 and "warning" not in capsys.readouterr().err

@@ -132,13 +132,38 @@ def _knob_value(key: str, text: str) -> Any:
     return text
 
 
+def sweep_points(sweep: Mapping[str, Sequence[Any]], base: Knobs = DEFAULT_KNOBS) -> list[Knobs]:
+    """The grid's product: one :class:`Knobs` per combination of the swept values, over ``base``."""
+    keys = list(sweep)
+    return [base.merged(Knobs(**dict(zip(keys, values, strict=True))))
+            for values in itertools.product(*(sweep[k] for k in keys))]
+
+
+def check_sweep(adapter: Any, sweep: Mapping[str, Sequence[Any]], base: Knobs = DEFAULT_KNOBS) -> list[str]:
+    """Check every point of the sweep before minutes of simulating: raises ValueError with the engine's
+    own message (naming the field) for a point the engine refuses; returns warnings for knobs that
+    would not change anything (the watermark's headroom without the watermark)."""
+    from reference_engine import ConfigError
+
+    for knobs in sweep_points(sweep, base):
+        try:
+            adapter.engine_config(knobs)
+        except ConfigError as e:
+            raise ValueError(f"--sweep {', '.join(f'{k}={v}' for k, v in knobs.as_dict().items() if k in sweep)}: "
+                             f"{e}") from None
+    warnings = []
+    if "admission_headroom" in sweep and all(adapter.engine_config(k).admission_policy != "watermark"
+                                             for k in sweep_points(sweep, base)):
+        warnings.append("admission_headroom is swept but no point uses admission_policy=watermark: every run "
+                        "admits the same (add admission_policy=watermark to the engine or the sweep)")
+    return warnings
+
+
 def run_sweep(adapter: Any, workload: Workload, sweep: Mapping[str, Sequence[Any]], base: Knobs = DEFAULT_KNOBS,
               progress: Any = None) -> list[SimRun]:
     """One :func:`simulate` per combination of the swept values (the grid's product)."""
-    keys = list(sweep)
     runs = []
-    for values in itertools.product(*(sweep[k] for k in keys)):
-        knobs = base.merged(Knobs(**dict(zip(keys, values, strict=True))))
+    for knobs in sweep_points(sweep, base):
         runs.append(simulate(adapter, workload, knobs))
         if progress is not None:
             progress(runs[-1])

@@ -106,6 +106,9 @@ class HFAdapter(EngineAdapter):
         "enable_prefix_caching": "hf has no cache shared across requests",
         "preemption_mode": _NO_POOL,
         "scheduling_policy": "hf runs requests one after another, in the order given",
+        "admission_policy": _NO_POOL,
+        "admission_headroom": _NO_POOL,
+        "prefill_pacing_tokens": "hf prefills each prompt in one forward pass, one request at a time",
     }
     no_length_limit = ("hf (plain generate) has no admission control: a prompt longer than the model's "
                        "max_position_embeddings is run, not refused (RoPE positions are computed on the fly)")

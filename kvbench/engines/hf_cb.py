@@ -264,6 +264,10 @@ class _Session:
     description: str = ""
 
 
+#: why hf-cb cannot take reference_engine's admission-control knobs
+_NO_ADMISSION_CONTROL = "hf-cb admits whatever its scheduler fits now; it has no admission control to configure"
+
+
 class HFContinuousBatchingAdapter(EngineAdapter):
     """transformers continuous batching (see the module docstring for the mapping and what it exposes)."""
 
@@ -286,6 +290,9 @@ class HFContinuousBatchingAdapter(EngineAdapter):
                                   "it cannot be turned off",
         "scheduling_policy": "hf-cb has no priorities: its fifo and prefill_first schedulers both admit "
                              "new requests in arrival order (only 'fcfs' is accepted)",
+        "admission_policy": _NO_ADMISSION_CONTROL,
+        "admission_headroom": _NO_ADMISSION_CONTROL,
+        "prefill_pacing_tokens": "hf-cb fills each step's token budget; it has no pacing of prefills beside decodes",
     }
     no_length_limit = ("hf-cb (ContinuousBatchingManager, transformers 5.24) has no per-request length limit: "
                        "a prompt longer than max_position_embeddings is generated without an error "

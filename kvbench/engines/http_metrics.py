@@ -169,6 +169,10 @@ _KNOB_LABELS: dict[str, tuple[str, type]] = {
 }
 
 
+#: the Knobs fields a server's cache_config_info (or an ``--engine`` option declaring its value) can carry
+KNOB_FIELDS: frozenset[str] = frozenset(field_ for field_, _ in _KNOB_LABELS.values())
+
+
 def parse_knob(name: str, raw: str) -> Any:
     """A knob value from text (a label or an ``--engine`` option); ValueError naming the knob otherwise."""
     kind = next((k for label, (field_, k) in _KNOB_LABELS.items() if field_ == name), None)

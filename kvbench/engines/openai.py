@@ -31,6 +31,7 @@ from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
 from kvbench.engines.http_client import DIALECTS, CompletionClient, TextTokens
 from kvbench.engines.http_metrics import (
+    KNOB_FIELDS,
     MetricsSnapshot,
     blocks_in_use,
     cumulative_counters,
@@ -41,6 +42,9 @@ from kvbench.engines.http_metrics import (
 from kvbench.engines.http_serve import run_serve
 
 _KNOB_NAMES = tuple(Knobs().__dataclass_fields__)
+#: knobs a server's value can be declared for as an option: those vLLM's cache_config_info can carry
+#: (reference_engine's admission and pacing knobs have no vLLM counterpart to declare)
+_DECLARABLE_KNOBS = tuple(k for k in _KNOB_NAMES if k in KNOB_FIELDS)
 #: capabilities a remote server is assumed to have until a check proves otherwise: every one of
 #: them is proved by a counter (or skipped for want of one), so assuming costs no false pass
 REMOTE_CAPABILITIES = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority", "sampling",
@@ -100,7 +104,7 @@ class OpenAIAdapter(EngineAdapter):
         "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
         "dialect": "vllm (default: token-id prompts, vLLM's extra fields) or transformers (transformers serve: "
                    "text prompts, extras through its generation_config field)",
-        **{k: "the server's value of this knob, where /metrics does not publish it" for k in _KNOB_NAMES},
+        **{k: "the server's value of this knob, where /metrics does not publish it" for k in _DECLARABLE_KNOBS},
     }
     unsupported_knobs = {k: "fixed by the running server (use the server adapter to vary it)"  # noqa: RUF012
                          for k in _KNOB_NAMES}
@@ -113,13 +117,13 @@ class OpenAIAdapter(EngineAdapter):
             raise ValueError(f"engine {cls.kind!r}: option url must be an http:// URL "
                              f"(e.g. url=http://127.0.0.1:8000), got {url!r}")
         check_client_options(cls.kind, options, ("timeout", "settle_timeout"))
-        for knob in set(options) & set(_KNOB_NAMES):
+        for knob in set(options) & set(_DECLARABLE_KNOBS):
             parse_knob(knob, options[knob])
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
         self.validate_options(self.options)
-        self.declared_knobs = {k: parse_knob(k, v) for k, v in self.options.items() if k in _KNOB_NAMES}
+        self.declared_knobs = {k: parse_knob(k, v) for k, v in self.options.items() if k in _DECLARABLE_KNOBS}
         self.client = self._client(self.options["url"])
         self.evidence: list[str] = []
 

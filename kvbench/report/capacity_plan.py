@@ -83,7 +83,7 @@ def plan_charts(doc: PlanDocument) -> dict[str, list[Markup]]:
         if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
             continue
         groups = group_runs(doc.runs, knob)
-        log = min(values) > 0 and max(values) / min(values) >= 8
+        log = min(values) >= 1 and max(values) / min(values) >= 8  # counts and sizes; shares stay linear
         styles = _line_styles(list(groups))
         charts = []
         for figure, title, unit, y_format in CHART_FIGURES:

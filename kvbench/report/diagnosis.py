@@ -220,7 +220,10 @@ def _sweep_growth(results: Results, engine: str) -> str:
         for sw in sc["sweeps"]:
             pts = sorted((p for p in sw["points"] if p["engine"] == engine
                           and _num(p["metrics"].get("preemptions")) is not None), key=lambda p: p["x"])
-            if len(pts) >= 2 and {p.get("mode") for p in sw["points"]} != {"swap", "recompute"}:
+            # preemptions growing with load is a concurrency sweep's question (not a policy's headroom,
+            # whose points are several surges' series)
+            if len(pts) >= 2 and sw["name"] == "concurrency" and {p.get("mode") for p in sw["points"]} != {
+                    "swap", "recompute"}:
                 first, last = pts[0], pts[-1]
                 trend = "grows" if last["metrics"]["preemptions"] > first["metrics"]["preemptions"] else "does not grow"
                 return (f"Across the {sw['x_label']} sweep it {trend}: {first['metrics']['preemptions']:,.0f} at "

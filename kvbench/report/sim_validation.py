@@ -155,16 +155,36 @@ def _pair(scenario: str, sim: Mapping[str, Any], meas: Mapping[str, Any], step_c
         counts_expected_equal=step_clock and measured_clock != "wall", measured_clock=measured_clock)
 
 
+#: options of the sim adapter that say how to simulate, not how the engine is configured
+SIM_ONLY_OPTIONS = frozenset({"hardware", "model", "clock", "fast"})
+#: options of the reference adapter that place or pace the engine without changing its schedule
+PLACEMENT_OPTIONS = frozenset({"device", "attention_backend", "kv_cache_space", "step_delay_ms"})
+
+
+def comparable(sim: Mapping[str, Any], measured: Mapping[str, Any]) -> bool:
+    """Whether ``sim`` simulates ``measured``: the simulator is the reference engine's scheduler, so only a
+    ``reference`` engine configured alike (the same options once the simulator's own and the placement
+    ones are left out) is one it ran; a swap-mode engine beside a recompute simulator, or another
+    engine's kind, is not judged against it."""
+    kind = measured.get("kind") or str(measured.get("name", "")).split(":", 1)[0]
+    if kind != "reference":
+        return False
+    config = {k: str(v) for k, v in (sim.get("options") or {}).items() if k not in SIM_ONLY_OPTIONS}
+    other = {k: str(v) for k, v in (measured.get("options") or {}).items() if k not in PLACEMENT_OPTIONS}
+    return config == other
+
+
 def compare_sim_to_measured(results: Results) -> list[EnginePairing] | None:
-    """Every (simulated engine, measured engine) pair with at least one scenario and mode in common, in
-    the order the engines are listed; None when there is no such pair (the report then shows no section)."""
+    """Every (simulated engine, measured engine) pair the simulator ran (:func:`comparable`) with at least
+    one scenario and mode in common, in the order the engines are listed; None when there is no such pair
+    (the report then shows no section)."""
     engines = {e["name"]: e for e in results.engines}
     simulated = [n for n, e in engines.items() if e.get("simulated")]
     measured = [n for n, e in engines.items() if not e.get("simulated")]
     pairings = []
     for sim in simulated:
         clock = engine_clock(engines[sim])
-        for meas in measured:
+        for meas in (m for m in measured if comparable(engines[sim], engines[m])):
             pairs = []
             for sc in results.scenarios:
                 sims = {r.get("mode"): r for r in sc["results"] if r["engine"] == sim}

@@ -99,7 +99,7 @@ class PreemptionPolicies(Scenario):
                    "back no more than swap (its modes in a note); admission control preempted fewer times on each "
                    "surge, and no admission-controlled run more than static; every request finished.")
     needs = ("swap", "prefix_caching", "auto_preemption", "admission_control")
-    knobs_needed = ("admission_policy",)
+    knobs_needed = ("admission_policy", "admission_headroom", "prefill_pacing_tokens")
     engine_mode_matters = False  # every job sets the mode itself
     sizes = {  # noqa: RUF012
         "quick": PoliciesSize(
