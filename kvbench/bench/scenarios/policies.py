@@ -56,7 +56,15 @@ from kvbench.bench.scenarios.base import (
     build_workload,
     describe_spec,
 )
-from kvbench.bench.scenarios.declare import COST_CLOCK_CLAIM, MIN_RATIO_NOISE, Headline, Pressure, num, result_of
+from kvbench.bench.scenarios.declare import (
+    COST_CLOCK_CLAIM,
+    MIN_RATIO_NOISE,
+    Headline,
+    Pressure,
+    num,
+    ratio_noise,
+    result_of,
+)
 from kvbench.bench.scenarios.surges import EveningSurge, FlashCrowd
 from kvbench.bench.workloads import Poisson, SharedPrefix, Uniform, WorkloadSpec, combine
 from kvbench.engines.base import Knobs
@@ -240,8 +248,8 @@ class PreemptionPolicies(Scenario):
                            "note": f"issue 11's goal: >= {GOAL_PREEMPTIONS_FEWER:g}x fewer preemptions and >= "
                                    f"{GOAL_TBT_LOWER:g}x lower p99 TBT than static at >= "
                                    f"{GOAL_THROUGHPUT_KEPT:.0%} of its throughput; medians of the repeats, "
-                                   "ratios of one run's modes, ± their noise (both spreads); 'yes' only "
-                                   "beyond the noise"})
+                                   "ratios of one run's modes, ± their noise (twice both repeats' relative "
+                                   "spreads); 'yes' only beyond the noise"})
         return tables
 
 
@@ -285,8 +293,9 @@ def goal_check(static: Mapping[str, Any], gated: Mapping[str, Any]) -> GoalCheck
 def tradeoff_rows(recorded: Mapping[str, Any]) -> list[list[str]]:
     """Rows of the trade-off table: every admission-controlled result against the same engine's static
     one, from the medians of the repeats. The goal reads "yes" only when it holds with each time ratio
-    moved against it by its noise (the relative spreads of both medians, combined), "within noise" when
-    the medians meet it but the noise could undo that, "no" when the medians miss it."""
+    moved against it by its noise (:func:`~kvbench.bench.scenarios.declare.ratio_noise`, as the headlines
+    use: about two standard deviations), "within noise" when the medians meet it but the noise could undo
+    that, "no" when the medians miss it."""
     rows = []
     for r in recorded.get("results", []):
         mode = r.get("mode") or ""
@@ -297,7 +306,8 @@ def tradeoff_rows(recorded: Mapping[str, Any]) -> list[list[str]]:
         if static is None:
             continue
         c, m, sm = goal_check(static["metrics"], r["metrics"]), r["metrics"], static["metrics"]
-        tbt_noise, tput_noise = _ratio_noise(r, static, "tbt_p99"), _ratio_noise(r, static, "output_throughput")
+        tbt_noise = ratio_noise(r, static, "tbt_p99") or 0.0
+        tput_noise = ratio_noise(r, static, "output_throughput") or 0.0
         rows.append([r["engine"], mode,
                      f"{fmt_metric('preemptions', m.get('preemptions'))} "
                      f"(vs {fmt_metric('preemptions', sm.get('preemptions'))}: {_times(c.fewer_preemptions)})",
@@ -308,15 +318,6 @@ def tradeoff_rows(recorded: Mapping[str, Any]) -> list[list[str]]:
                      f"{fmt_time(num(m.get('ttft_p99')))} (vs {fmt_time(num(sm.get('ttft_p99')))})",
                      _goal_verdict(c, tbt_noise, tput_noise)])
     return rows
-
-
-def _ratio_noise(a: Mapping[str, Any], b: Mapping[str, Any], key: str) -> float:
-    """Relative noise of ``a / b`` for metric ``key``: the relative spreads of both medians in quadrature
-    (0 where a result has no repeats)."""
-    def rel(r: Mapping[str, Any]) -> float:
-        spread, value = num((r.get("spread") or {}).get(key)), num(r["metrics"].get(key))
-        return spread / value if spread and value else 0.0
-    return math.hypot(rel(a), rel(b))
 
 
 def _goal_verdict(c: GoalCheck, tbt_noise: float, throughput_noise: float) -> str:
