@@ -22,12 +22,12 @@ Every time here is simulated seconds on the sim engine's hardware profile.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench import __version__
+from kvbench.bench.results import jsonable
 from kvbench.bench.simulate import SimRun, fmt_ms, fmt_number
 from kvbench.bench.workloads import Workload
 from kvbench.core.knobs import Knobs
@@ -161,7 +161,7 @@ class CapacityPlan:
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON values (non-finite numbers as null); :meth:`from_json` reads it back."""
-        return plain_json(dataclasses.asdict(self))
+        return jsonable(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CapacityPlan:
@@ -282,7 +282,7 @@ class SimulationSetup:
     workload: str
     requests: int
     arrival_rate: float | None  # :func:`mean_arrival_rate`
-    arrival_span_s: float | None  # first to last arrival, simulated seconds
+    arrival_span_s: float | None  # t=0 to the last arrival, simulated seconds (the rate's span)
     sweep: dict[str, list[Any]]  # knob -> values, as given to --sweep
     base_knobs: dict[str, Any]  # knobs every run has (the workload's own), before the sweep's
 
@@ -296,8 +296,7 @@ class SimulationSetup:
                    hardware=str(about.get("hardware", "")), hardware_source=str(about.get("hardware_source", "")),
                    calibrated=bool(about.get("calibrated")), model=str(about.get("model", "")),
                    clock=str(about.get("clock", "")), workload=workload.name, requests=len(workload.requests),
-                   arrival_rate=mean_arrival_rate(workload),
-                   arrival_span_s=(max(arrivals) - min(arrivals)) if arrivals else None,
+                   arrival_rate=mean_arrival_rate(workload), arrival_span_s=max(arrivals) if arrivals else None,
                    sweep={k: list(v) for k, v in sweep.items()}, base_knobs=base.as_dict())
 
 
@@ -311,7 +310,7 @@ class PlanDocument:
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON values only (dicts, lists, strings, numbers, booleans, null; no NaN), versioned."""
-        return plain_json({"schema_version": SCHEMA_VERSION, "kvbench_version": __version__,
+        return jsonable({"schema_version": SCHEMA_VERSION, "kvbench_version": __version__,
                            "times": "simulated seconds", "setup": dataclasses.asdict(self.setup),
                            "runs": [dataclasses.asdict(r) for r in self.runs], "plan": self.plan.to_json()})
 
@@ -323,14 +322,3 @@ class PlanDocument:
                              f"version {SCHEMA_VERSION}")
         return cls(SimulationSetup(**data["setup"]), [SimRun(**r) for r in data["runs"]],
                    CapacityPlan.from_json(data["plan"]))
-
-
-def plain_json(value: Any) -> Any:
-    """``value`` with tuples as lists and non-finite floats as None: ``json.dumps(allow_nan=False)`` takes it."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): plain_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [plain_json(v) for v in value]
-    return value

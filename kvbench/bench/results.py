@@ -140,18 +140,18 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Floats that JSON cannot hold (NaN, inf) become None; tuples become lists; numpy scalars, floats."""
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, bool) or value is None or isinstance(value, str | int):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if hasattr(value, "item"):  # numpy scalar
-        return _jsonable(value.item())
+        return jsonable(value.item())
     return str(value)
 
 
@@ -186,12 +186,12 @@ class Results:
             if existing["name"] == desc["name"]:
                 for key, value in desc.items():  # later, fuller descriptions fill in the gaps
                     if value not in (None, {}, []):
-                        existing[key] = _jsonable(value)
+                        existing[key] = jsonable(value)
                 return existing
         full = {"name": str(desc["name"]), "kind": desc.get("kind"), "options": dict(desc.get("options") or {}),
                 "capabilities": sorted(desc.get("capabilities") or [])}
         full.update({k: v for k, v in desc.items() if k not in full})
-        full = _jsonable(full)
+        full = jsonable(full)
         self.data["engines"].append(full)
         return full
 
@@ -207,7 +207,7 @@ class Results:
             sc = {"name": name, "description": "", "parameters": {}, "results": [], "sweeps": []}
             self.data["scenarios"].append(sc)
         if parameters:
-            sc["parameters"].update(_jsonable(dict(parameters)))
+            sc["parameters"].update(jsonable(dict(parameters)))
         if description:
             sc["description"] = description
         return sc
@@ -231,7 +231,7 @@ class Results:
         """
         name = self.add_engine(engine)["name"]
         sc = self.scenario(scenario, create=True, parameters=parameters, description=description)
-        entry = _jsonable({"engine": name, "mode": mode, "metrics": dict(metrics), "series": dict(series or {}),
+        entry = jsonable({"engine": name, "mode": mode, "metrics": dict(metrics), "series": dict(series or {}),
                            "checks": {str(k): bool(v) for k, v in (checks or {}).items()},
                            "notes": [str(n) for n in (notes or [])],
                            "repeats": [dict(r) for r in (repeats or [])], "spread": dict(spread or {}),
@@ -266,14 +266,14 @@ class Results:
             sc["sweeps"].append(sw)
         if x_label:
             sw["x_label"] = x_label
-        point = _jsonable({"x": x, "engine": name, "mode": mode, "metrics": dict(metrics),
+        point = jsonable({"x": x, "engine": name, "mode": mode, "metrics": dict(metrics),
                            "repeats": [dict(r) for r in (repeats or [])], "spread": dict(spread or {})})
         sw["points"].append(point)
         return point
 
     def add_conformance(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """Add (or replace, by ``nodeid``) one conformance outcome; returns the validated record."""
-        entry = _conformance_record(_jsonable(dict(record)), len(self.data["conformance"]))
+        entry = _conformance_record(jsonable(dict(record)), len(self.data["conformance"]))
         self.data["conformance"] = [r for r in self.data["conformance"] if r["nodeid"] != entry["nodeid"]]
         self.data["conformance"].append(entry)
         return entry
@@ -346,7 +346,7 @@ class Results:
         (mkstemp's 0600 would hide results from a CI artifact step or a colleague); creates parent folders."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(_jsonable(self.data), indent=1, allow_nan=False, sort_keys=False)
+        text = json.dumps(jsonable(self.data), indent=1, allow_nan=False, sort_keys=False)
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
