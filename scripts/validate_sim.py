@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from kvbench.bench import metrics
+from kvbench.bench import metrics, repeats
 from kvbench.bench import scenarios as sc
 from kvbench.bench.results import Results
 from kvbench.checkpoints import builtin_checkpoint
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = measured[name]
         for j, s_entry in enumerate(simulated.entries):
             rounds = [metrics.summarize(run_.entries[j].trace) for run_ in runs]
-            m, first, again = _medians(rounds), rounds[0], rounds[1] if len(rounds) > 1 else {}
+            # the median of the rounds: one round carries its own jitter, which no simulator can match
+            m, first, again = repeats.aggregate(rounds)[0], rounds[0], rounds[1] if len(rounds) > 1 else {}
             s = metrics.summarize(s_entry.trace)
             label = f"{name} [{runs[0].entries[j].mode or '-'}]"
             for key in TIMES:
@@ -173,17 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     if results is not None:
         print(f"results and report (section 'Simulator vs measured') written to {write_report(results, args.out)}")
     return 0 if counts_equal else 1
-
-
-def _medians(rounds: list[dict]) -> dict:
-    """Per metric, the median over the rounds that have it (the measured value the simulator is compared
-    with: one round's figure carries that round's jitter, which a simulator cannot and should not match)."""
-    keys = {k for r in rounds for k in r}
-    out = {}
-    for k in keys:
-        values = [r[k] for r in rounds if isinstance(r.get(k), int | float)]
-        out[k] = statistics.median(values) if values else None
-    return out
 
 
 def _med(values: list[float]) -> str:

@@ -143,15 +143,15 @@ def check_sweep(adapter: Any, sweep: Mapping[str, Sequence[Any]], base: Knobs = 
     """Check every point of the sweep before minutes of simulating: raises ValueError with the engine's
     own message (naming the field) for a point the engine refuses; returns warnings for knobs that
     would not change anything (the watermark's headroom without the watermark)."""
+    configs = []
     for knobs in sweep_points(sweep, base):
         try:
-            adapter.engine_config(knobs)
+            configs.append(adapter.engine_config(knobs))
         except ValueError as e:  # reference_engine's ConfigError (bench does not import the engine)
             raise ValueError(f"--sweep {', '.join(f'{k}={v}' for k, v in knobs.as_dict().items() if k in sweep)}: "
                              f"{e}") from None
     warnings = []
-    if "admission_headroom" in sweep and all(adapter.engine_config(k).admission_policy != "watermark"
-                                             for k in sweep_points(sweep, base)):
+    if "admission_headroom" in sweep and all(c.admission_policy != "watermark" for c in configs):
         warnings.append("admission_headroom is swept but no point uses admission_policy=watermark: every run "
                         "admits the same (add admission_policy=watermark to the engine or the sweep)")
     return warnings
