@@ -91,6 +91,14 @@ def test_recompute_equivalence_fails_when_recompute_corrupts_output(model_dir, t
                  truth_engine=truth_engine, near_ties=[])
 
 
+def test_recompute_equivalence_fails_when_the_engine_aborts_its_victims(model_dir, truth, requests_greedy,
+                                                                        truth_engine):
+    # a prefix of the right tokens, finished "abort": exact only had the check asked for that abort
+    assert_fails(test_equivalence.test_recompute_preemption_equivalence, r"aborted by the engine, not asked for",
+                 engine=faulty("aborts_preemption_victims", model_dir), truth=truth, requests_greedy=requests_greedy,
+                 truth_engine=truth_engine, near_ties=[])
+
+
 def test_swap_round_trip_fails_when_swap_in_scrambles_blocks(model_dir, requests_greedy):
     assert_fails(test_equivalence.test_swapped_blocks_survive_the_round_trip_byte_for_byte, r"changed in transit",
                  engine=faulty("scrambles_swap_in", model_dir), requests_greedy=requests_greedy)
@@ -131,6 +139,7 @@ def test_swap_exhaustion_check_fails_when_unswappable_victims_are_dropped(model_
     ("never_aborts", r"aborts never reached the engine"),
     ("finishes_twice", r"finished more than once"),
     ("leaks_block", r"blocks are still held"),
+    ("aborts_preemption_victims", r"aborted by the engine, not asked for"),
 ])
 def test_nothing_lost_fails(fault, match, model_dir):
     assert_fails(test_nothing_lost.test_every_request_finishes_exactly_once, match, mode="recompute",

@@ -53,22 +53,57 @@ def test_unknown_margin_at_divergence_is_a_mismatch():
 def test_length_difference_without_divergence_is_a_mismatch():
     v = compare([1, 2, 3], [1, 2], margins=[1.0, 1.0, 1.0],
                 expected_finish_reason="length", actual_finish_reason="length")
-    assert (v.status, v.position) == ("mismatch", None)
-    assert "expected 3 tokens and got 2" in v.explain()
+    assert (v.status, v.position, v.cause) == ("mismatch", None, "truncated")
+    assert "expected 3 tokens and got 2" in v.explain() and "(truncated)" in v.explain()
     # an EOS stop on one side only means the engines disagree on EOS handling
-    assert compare([1, 2, 3], [1, 2], actual_finish_reason="stop").status == "mismatch"
-    assert compare([1, 2], [1, 2, 3], expected_finish_reason="stop").status == "mismatch"
-    assert compare([1, 2, 3], [1, 2], actual_finish_reason="error").status == "mismatch"
+    assert compare([1, 2, 3], [1, 2], actual_finish_reason="stop").cause == "early_stop"
+    assert compare([1, 2], [1, 2, 3], expected_finish_reason="stop").cause == "overrun"
+    assert compare([1, 2, 3], [1, 2], actual_finish_reason="error").cause == "error"
+    assert compare([1, 2, 3], [1, 2], actual_finish_reason=None).cause == "unexplained"
 
 
-def test_aborted_prefix_is_exact():
-    v = compare([1, 2, 3], [1, 2], actual_finish_reason="abort")
-    assert v.status == "exact"
-    assert "aborted" in v.explain()
+def test_requested_abort_explains_a_prefix():
+    v = compare([1, 2, 3], [1, 2], actual_finish_reason="abort", abort_requested=True)
+    assert (v.status, v.cause) == ("exact", "")
+    assert "aborted, as asked" in v.explain()
+
+
+@pytest.mark.parametrize(("reason", "cause", "words"), [
+    ("abort", "unrequested_abort", "aborted by the engine, not asked for"),
+    ("rejected", "rejected", "rejected by the engine"),
+    ("length", "truncated", "finished 'length' short"),
+])
+def test_unrequested_abort_rejection_and_truncation_are_named_mismatches(reason, cause, words):
+    v = compare([1, 2, 3], [1, 2], actual_finish_reason=reason)
+    assert (v.status, v.cause, v.ok) == ("mismatch", cause, False)
+    assert words in v.explain()
+
+
+def test_asking_for_an_abort_excuses_nothing_else():
+    # abort_requested explains an abort, not a rejection or a truncation of the same request
+    assert compare([1, 2, 3], [], actual_finish_reason="rejected", abort_requested=True).cause == "rejected"
+    assert compare([1, 2, 3], [1], actual_finish_reason="length", abort_requested=True).cause == "truncated"
+    assert compare([1, 2, 3], [1, 2, 3], actual_finish_reason="abort", abort_requested=True).status == "exact"
 
 
 def test_aborted_but_divergent_is_still_judged_on_tokens():
-    assert compare([1, 2, 3], [1, 5], margins=[1, 1, 1], actual_finish_reason="abort").status == "mismatch"
+    v = compare([1, 2, 3], [1, 5], margins=[1, 1, 1], actual_finish_reason="abort", abort_requested=True)
+    assert (v.status, v.cause) == ("mismatch", "divergence")
+
+
+def test_compare_outputs_excuses_only_the_requests_the_check_aborted():
+    from types import SimpleNamespace
+
+    from kvbench.conformance.prove import compare_outputs
+    from kvbench.core.requests import GenOutput, GenRequest, GenResult
+
+    requests = [GenRequest("a", [1], 3), GenRequest("b", [1], 3)]
+    truth = GenResult([GenOutput("a", [1, 2, 3], "length"), GenOutput("b", [4, 5, 6], "length")])
+    got = GenResult([GenOutput("a", [1], "abort"), GenOutput("b", [4], "abort")])
+    engine = SimpleNamespace(kind="reference")
+    comparison = compare_outputs(engine, got, truth, requests, None, "run", aborted={"a"})
+    assert [(rid, v.status, v.cause) for rid, v in comparison.verdicts] == [
+        ("a", "exact", ""), ("b", "mismatch", "unrequested_abort")]
 
 
 def test_default_tolerance_and_validation():

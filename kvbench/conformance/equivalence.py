@@ -11,19 +11,23 @@ ground truth's top-1/top-2 logits were at that position (``margins``, from
 :meth:`kvbench.engines.hf.HFAdapter.top2_margins`):
 
 * ``exact``: same tokens, same length (or the actual output is a prefix of the expected one and
-  the request was aborted: see below);
+  the check aborted that request on purpose: see below);
 * ``near_tie``: the first divergence sits where the ground truth's margin is below ``tolerance``:
   float noise may flip it, so it is not evidence of a bug;
-* ``mismatch``: anything else: a divergence at a confident position, a divergence where no margin is
-  known, or a length difference that the finish reasons do not explain.
+* ``mismatch``: anything else, with its ``cause`` named (:data:`CAUSES`): a divergence at a
+  confident position or where no margin is known, or a length difference that the finish reasons
+  do not explain.
 
 Length differences with no token divergence (one output is a strict prefix of the other). Both sides
 of a comparison are expected to have run with the same ``max_tokens`` and ``ignore_eos``, so the
-only legitimate reason for one to be shorter is that it was cut short on purpose: the shorter side's
-finish reason is ``"abort"``. That counts as ``exact`` (the tokens it did produce are right) and
-:meth:`Verdict.explain` says so. Everything else is a ``mismatch``: a ``"stop"`` on one side only
-means the engines disagree on EOS handling, ``"length"`` on both means they disagree on
-``max_tokens``, and ``"error"`` is a failure.
+only legitimate reason for one to be shorter is that the check cut it short on purpose: the shorter
+side's finish reason is ``"abort"`` *and* the caller says so (``abort_requested=True``). That counts
+as ``exact`` (the tokens it did produce are right) and :meth:`Verdict.explain` says so. An abort
+nobody asked for is the engine dropping a request (a preemption victim it gave up on, say): a
+mismatch whose cause is ``unrequested_abort``. So are a rejection (``rejected``), a ``"length"``
+finish short of the other side's length (``truncated``), a ``"stop"`` on one side only (the engines
+disagree on EOS handling: ``early_stop``), an ``"error"`` (``error``), and an engine output longer
+than the ground truth's (``overrun``).
 
 Why ``DEFAULT_TOLERANCE = 1e-3`` (logits, not probabilities): the float32 noise between two correct
 implementations of the tiny/small presets (incremental decode vs a full forward, paged vs contiguous
@@ -44,6 +48,21 @@ DEFAULT_TOLERANCE = 1e-3
 
 STATUSES = ("exact", "near_tie", "mismatch")
 
+#: Why a verdict is a mismatch (``Verdict.cause``), each with the words the verdict explains it in.
+CAUSES: dict[str, str] = {
+    "divergence": "a token differs where the ground truth is confident or its margin is unknown",
+    "unrequested_abort": "aborted by the engine, not asked for",
+    "rejected": "rejected by the engine",
+    "truncated": "finished 'length' short of the other side's length",
+    "early_stop": "finished 'stop' where the other side went on",
+    "error": "failed with an error",
+    "overrun": "the engine produced more tokens than the ground truth",
+    "unexplained": "shorter, with a finish reason that does not explain it",
+}
+#: The shorter side's finish reason -> the cause of the length mismatch (anything else: ``unexplained``).
+_SHORT_FINISH_CAUSES = {"abort": "unrequested_abort", "rejected": "rejected", "length": "truncated",
+                        "stop": "early_stop", "error": "error"}
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -51,7 +70,8 @@ class Verdict:
 
     ``position`` is the index of the first divergent token (``None`` if the tokens agree on their
     common length), ``margin`` the ground truth's top-2 margin there (``None`` if unknown or no
-    divergence). ``note`` says why a verdict that is not plainly exact was reached.
+    divergence). ``note`` says why a verdict that is not plainly exact was reached; ``cause`` names
+    a mismatch's kind (a key of :data:`CAUSES`; empty unless the status is ``mismatch``).
     """
 
     status: str
@@ -63,6 +83,7 @@ class Verdict:
     note: str = ""
     expected_token: int | None = None
     actual_token: int | None = None
+    cause: str = ""
 
     @property
     def ok(self) -> bool:
@@ -75,8 +96,8 @@ class Verdict:
             text = f"exact: {self.actual_len} tokens agree"
             return f"{text} ({self.note})" if self.note else text
         if self.position is None:  # mismatch on length only
-            return (f"mismatch: tokens agree on their common length but expected {self.expected_len} tokens "
-                    f"and got {self.actual_len}; {self.note}")
+            return (f"mismatch ({self.cause}): tokens agree on their common length but expected "
+                    f"{self.expected_len} tokens and got {self.actual_len}; {self.note}")
         where = (f"first divergence at generated position {self.position}: expected token "
                  f"{self.expected_token}, got {self.actual_token}")
         if self.status == "near_tie":
@@ -96,13 +117,15 @@ def compare(
     *,
     expected_finish_reason: str | None = None,
     actual_finish_reason: str | None = None,
+    abort_requested: bool = False,
 ) -> Verdict:
     """Compare an engine's tokens with the ground truth's under the near-tie rule.
 
     ``margins[i]`` is the ground truth's top-1 minus top-2 logit margin of the distribution that
     predicted ``expected_tokens[i]`` (``HFAdapter.top2_margins``); ``None`` or a too-short list
     means "unknown", and a divergence at a position with an unknown margin is a mismatch.
-    Finish reasons matter only for length differences (see the module docstring).
+    Finish reasons matter only for length differences (see the module docstring): a shorter output
+    finished ``"abort"`` is exact only when ``abort_requested`` says the check aborted that request.
     """
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
@@ -116,18 +139,23 @@ def compare(
         tokens = dict(expected_token=e, actual_token=a)
         if margin is None:
             return Verdict("mismatch", i, None, note="no ground-truth margin known at that position",
-                           **tokens, **common)
-        status = "near_tie" if margin < tolerance else "mismatch"
-        return Verdict(status, i, margin, **tokens, **common)
+                           cause="divergence", **tokens, **common)
+        if margin < tolerance:
+            return Verdict("near_tie", i, margin, **tokens, **common)
+        return Verdict("mismatch", i, margin, cause="divergence", **tokens, **common)
 
     if len(expected) == len(actual):
         return Verdict("exact", None, None, **common)
-    shorter_reason = actual_finish_reason if len(actual) < len(expected) else expected_finish_reason
-    shorter = "actual" if len(actual) < len(expected) else "expected"
-    if shorter_reason == "abort":
-        return Verdict("exact", None, None, note=f"{shorter} output is a prefix: that request was aborted",
+    actual_shorter = len(actual) < len(expected)
+    shorter = "actual" if actual_shorter else "expected"
+    shorter_reason = actual_finish_reason if actual_shorter else expected_finish_reason
+    if shorter_reason == "abort" and abort_requested:
+        return Verdict("exact", None, None, note=f"{shorter} output is a prefix: that request was aborted, as asked",
                        **common)
-    return Verdict("mismatch", None, None,
-                   note=(f"the {shorter} output is a strict prefix and its finish reason {shorter_reason!r} "
-                         "does not explain it (only 'abort' does)"),
+    cause = _SHORT_FINISH_CAUSES.get(shorter_reason or "", "unexplained")
+    if not actual_shorter and cause != "unrequested_abort":
+        cause = "overrun"
+    return Verdict("mismatch", None, None, cause=cause,
+                   note=(f"the {shorter} output is a strict prefix, finished {shorter_reason!r}: {CAUSES[cause]} "
+                         "(only an abort the check asked for explains a shorter output)"),
                    **common)

@@ -26,6 +26,7 @@ FAULTS: dict[str, str] = {
     "ignores_prefix_caching": "enable_prefix_caching is silently off: nothing is ever reused (check 3)",
     "ignores_token_budget": "max_num_batched_tokens is ignored, so no prefill is ever split (check 4)",
     "never_aborts": "abort_request is accepted but does nothing (check 6)",
+    "aborts_preemption_victims": "a request preempted by recompute is aborted instead of resumed (checks 1, 6)",
     "finishes_twice": "a finished request is reported finished again on the next step (check 6)",
     "leaks_block": "the first request released with device blocks (finished or aborted) keeps them (check 6)",
     "ignores_seed": "per-request seeds are ignored (check 7)",
@@ -112,6 +113,27 @@ class FaultyReferenceAdapter(ReferenceAdapter):
     @staticmethod
     def _patch_never_aborts(engine: Any) -> None:
         engine.abort_request = lambda request_id: True
+
+    @staticmethod
+    def _patch_aborts_preemption_victims(engine: Any) -> None:
+        # The engine gives up on its recompute victims: it aborts them itself (its own abort path, its
+        # own "abort" finish reason) right after the step that preempted them.
+        schedule, step, victims = engine.scheduler.schedule, engine.step, []
+
+        def schedule_noting_victims():
+            out = schedule()
+            victims.extend(p.request_id for p in out.preempted if p.mode == "recompute")
+            return out
+
+        def step_dropping_victims():
+            outputs = step()
+            for request_id in victims:
+                engine.abort_request(request_id)
+            victims.clear()
+            return outputs
+
+        engine.scheduler.schedule = schedule_noting_victims
+        engine.step = step_dropping_victims
 
     @staticmethod
     def _patch_finishes_twice(engine: Any) -> None:

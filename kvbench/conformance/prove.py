@@ -14,7 +14,7 @@ Two rules make a check honest:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -74,9 +74,11 @@ class Comparison:
 
 
 def compare_outputs(engine: EngineAdapter, result: GenResult, truth: GenResult, requests: Sequence[GenRequest],
-                    margins_of: Any, label: str, tolerance: float = DEFAULT_TOLERANCE) -> Comparison:
+                    margins_of: Any, label: str, tolerance: float = DEFAULT_TOLERANCE,
+                    aborted: Collection[str] = ()) -> Comparison:
     """Verdicts for every request. ``margins_of(prompt, tokens)`` gives the ground truth's top-2
-    margins (only asked for where tokens diverge). The reference engine gets no near-tie excuse."""
+    margins (only asked for where tokens diverge). The reference engine gets no near-tie excuse.
+    ``aborted``: the ids of the requests the check itself aborted; any other abort is a mismatch."""
     comparison = Comparison(label)
     exact_only = engine.kind == "reference"
     for req, got, want in zip(requests, result.outputs, truth.outputs, strict=True):
@@ -84,7 +86,8 @@ def compare_outputs(engine: EngineAdapter, result: GenResult, truth: GenResult, 
         if got.token_ids != want.token_ids and not exact_only and got.token_ids and want.token_ids:
             margins = margins_of(req.prompt_token_ids, want.token_ids)
         verdict = compare(want.token_ids, got.token_ids, margins, tolerance=tolerance,
-                          expected_finish_reason=want.finish_reason, actual_finish_reason=got.finish_reason)
+                          expected_finish_reason=want.finish_reason, actual_finish_reason=got.finish_reason,
+                          abort_requested=req.request_id in aborted)
         comparison.verdicts.append((req.request_id, verdict))
     return comparison
 

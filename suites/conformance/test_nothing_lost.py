@@ -49,6 +49,9 @@ def test_every_request_finishes_exactly_once(mode, engine, model_dir):
     twice = trace.finished_more_than_once()
     assert not twice, f"finished more than once (request: finishes): {twice}"
     by_id = {r.request_id: r for r in workload.requests}
+    unasked = sorted(rid for rid, r in trace.requests.items()
+                     if r.finish_reason == "abort" and by_id[rid].abort_at is None)
+    assert not unasked, f"aborted by the engine, not asked for: {unasked}"
     short = [rid for rid, r in trace.requests.items()
              if r.finish_reason != "abort" and len(r.token_times) != by_id[rid].max_tokens]
     assert not short, f"finished without all their tokens: {short}"
