@@ -71,6 +71,28 @@ def fmt_ratio(ratio: float | None) -> str:
     return f"{float(ratio):.2f}×"  # type: ignore[arg-type]
 
 
+#: the jitter a single run's ratio still carries (kvbench.bench.scenarios.declare.MIN_RATIO_NOISE)
+SINGLE_RUN_NOISE = 0.02
+
+
+def ratio_decimals(value: float, noise: float | None) -> int:
+    """Decimals that keep a ratio's last digit at the order of its absolute noise (0 to 2): ±18% on
+    20.95 is ±3.8, so "21×"; a single run (``noise`` None) still has :data:`SINGLE_RUN_NOISE` of jitter."""
+    err = abs(value) * max(noise or 0.0, SINGLE_RUN_NOISE)
+    if err <= 0 or not math.isfinite(err):
+        return 2
+    return max(0, min(2, -math.floor(math.log10(err))))
+
+
+def fmt_noisy_ratio(ratio: float | None, noise: float | None) -> str:
+    """"1.0× ±45%", "21× ±18%", "1.23×" (a single run: no ±); "–" when there is no ratio (a zero side)."""
+    if _missing(ratio):
+        return "–"
+    r = float(ratio)  # type: ignore[arg-type]
+    text = f"{r:,.{ratio_decimals(r, noise)}f}×"
+    return text + (f" ±{noise * 100:.0f}%" if noise is not None else "")
+
+
 def fmt_metric(key: str, value: float | None) -> str:
     """Format ``value`` of metric ``key`` with its unit ("not exposed" for a missing engine counter)."""
     if _missing(value):

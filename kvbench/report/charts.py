@@ -343,6 +343,7 @@ class Bar:
     ratio: float | None
     good: bool | None  # None: no better/worse reading (about equal)
     tip: str = ""
+    text: str = ""  # the value as written beside the bar (default: two decimals)
 
 
 #: average advance of a character of the charts' 12 px label font (system-ui), in px: text width estimates
@@ -389,7 +390,7 @@ def ratio_bars(title: str, bars: Sequence[Bar], subtitle: str = "", width: int =
         color = "#8a94a6" if bar.good is None else ("#2e9d6a" if bar.good else "#d9434e")
         parts.append(tag("rect", tag("title", bar.tip or f"{bar.label}: {bar.ratio:.2f}×"), x=f"{x0:.1f}",
                          y=y + 4, width=f"{max(x1 - x0, 1.5):.1f}", height=row_h - 8, rx=3, fill=color))
-        value = f"{bar.ratio:.2f}×"
+        value = bar.text or f"{bar.ratio:.2f}×"
         tx, anchor = sx(bar.ratio) + (6 if bar.ratio >= 1 else -6), "start" if bar.ratio >= 1 else "end"
         if anchor == "end" and tx - text_width(value, 11) < label_w + 2:
             tx, anchor = sx(1.0) + 6, "start"  # no room left of the bar: write it right of the 1× axis

@@ -29,7 +29,7 @@ from kvbench import __version__
 from kvbench.bench import gate, metrics
 from kvbench.bench.results import Results
 from kvbench.report import charts as rc
-from kvbench.report import sim_validation, verdict
+from kvbench.report import facts, sim_validation, verdict
 from kvbench.report.diagnosis import baseline_engine_name, cost_curves, diagnose
 from kvbench.report.formatting import fmt_metric, fmt_ratio, fmt_time, metric_label
 
@@ -111,9 +111,9 @@ def headline_ratios(results: Results) -> list[dict[str, Any]]:
 # tables
 
 
-def _better(metric: str, ratio: float) -> str:
-    """CSS class for a ratio of other / reference (or current / baseline)."""
-    if not math.isfinite(ratio) or abs(ratio - 1) < 0.02:
+def _better(metric: str, ratio: float, noise: float | None = None) -> str:
+    """CSS class for a ratio of other / reference (or current / baseline): good or bad only beyond ``noise``."""
+    if not math.isfinite(ratio) or abs(ratio - 1) <= max(noise or 0.0, facts.MIN_RATIO_NOISE):
         return "same"
     up_good = metric in gate.HIGHER_IS_BETTER
     return "good" if (ratio > 1) == up_good else "bad"
@@ -124,18 +124,25 @@ def summary_table(results: Results) -> dict[str, Any]:
     for sc, res in results.iter_results():
         checks = res.get("checks", {})
         rows.append({"scenario": sc["name"], "engine": res["engine"], "mode": res.get("mode"),
-                     "cells": [fmt_metric(k, res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
+                     "cells": [facts.fmt_value(k, res) for k in SUMMARY_COLUMNS],
                      "sort": [_num(res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
                      "checks": f"{sum(map(bool, checks.values()))}/{len(checks)}" if checks else "",
-                     "checks_ok": all(checks.values()), "machine": res.get("machine") or ""})
+                     "checks_ok": all(checks.values()), "machine": res.get("machine") or "",
+                     "clock": facts.clock_of(res)})
     # merged shards (kvbench merge) keep each result's machine: a column when there is more than one
     show_machine = len({r["machine"] for r in rows}) > 1
     return {"columns": [metric_label(k) for k in SUMMARY_COLUMNS], "rows": rows, "show_machine": show_machine}
 
 
+def _ratio_cell(c: facts.Comparison) -> dict[str, Any]:
+    tip = {"not comparable": c.not_comparable, "n/a": "no ratio: a side is zero or missing"}.get(c.verdict, "")
+    return {"text": c.text, "cls": c.cls, "word": c.symbol, "tip": tip}
+
+
 def side_by_side(results: Results) -> list[dict[str, Any]]:
     """Per scenario run by two or more engines: metrics x results, and each other engine's ratio to
-    the reference engine *in the same mode* (chunked vs chunked, never chunked vs unchunked)."""
+    the reference engine *in the same mode* (chunked vs chunked, never chunked vs unchunked), with its
+    noise; engines on different clocks are shown side by side but not compared."""
     ref = baseline_engine_name(results)
     tables = []
     for sc in results.scenarios:
@@ -152,17 +159,15 @@ def side_by_side(results: Results) -> list[dict[str, Any]]:
             values = [_num(r["metrics"].get(key)) for r in res]
             if all(v is None for v in values):
                 continue
-            ratios = []
-            for other, base in pairs:
-                v, b = _num(other["metrics"].get(key)), _num(base["metrics"].get(key))
-                ratio = v / b if (v is not None and b) else None
-                ratios.append({"text": fmt_ratio(ratio) if ratio is not None else "–",
-                               "cls": _better(key, ratio) if ratio is not None else ""})
-            rows.append({"label": metric_label(key), "cells": [fmt_metric(key, v) for v in values],
+            ratios = [_ratio_cell(facts.compare(key, other, base, sc)) for other, base in pairs]
+            rows.append({"label": metric_label(key), "cells": [facts.fmt_value(key, r) for r in res],
                          "ratios": ratios})
-        tables.append({"scenario": sc["name"], "headers": [(r["engine"], r.get("mode")) for r in res],
+        not_compared = sorted({why for o, b in pairs if (why := facts.clocks_differ(sc, o, b))})
+        tables.append({"scenario": sc["name"], "headers": [(r["engine"], r.get("mode"), facts.clock_of(r))
+                                                             for r in res],
                        "ratio_headers": [(f"{o['engine']} ÷ {b['engine']}", o.get("mode")) for o, b in pairs],
-                       "rows": rows, "chart": _ratio_chart(sc["name"], pairs, len(tables))})
+                       "rows": rows, "not_compared": not_compared,
+                       "chart": _ratio_chart(sc, pairs)})
     return tables
 
 
@@ -176,24 +181,28 @@ RATIO_BAR_METRICS: tuple[str, ...] = (
 )
 
 
-def _ratio_chart(scenario: str, pairs: list[tuple[dict, dict]], n: int) -> Markup | None:
+def _ratio_chart(sc: dict[str, Any], pairs: list[tuple[dict, dict]]) -> Markup | None:
+    """Ratio bars of the pairs on one clock (pairs on different clocks are not compared); a bar is
+    coloured only beyond its noise, and its value carries the noise."""
     bars = []
+    pairs = [(o, b) for o, b in pairs if not facts.clocks_differ(sc, o, b)]
     several_engines = len({o["engine"] for o, _ in pairs}) > 1
     for key in RATIO_BAR_METRICS:
         for other, base in pairs:
-            v, b = _num(other["metrics"].get(key)), _num(base["metrics"].get(key))
-            if v is None or not b:  # no ratio to draw (the table still shows both values)
+            c = facts.compare(key, other, base, sc)
+            if c.ratio is None:  # no ratio to draw (the table still shows both values)
                 continue
-            ratio = v / b
             tag_ = " · ".join(x for x in (other["engine"] if several_engines else "", other.get("mode") or "") if x)
-            good = None if ratio is None or _better(key, ratio) == "same" else _better(key, ratio) == "good"
-            bars.append(rc.Bar(metric_label(key) + (f" · {tag_}" if tag_ else ""), ratio, good,
-                               f"{metric_label(key)}: {fmt_metric(key, v)} vs {fmt_metric(key, b)}"))
+            good = {"better": True, "worse": False}.get(c.verdict)
+            bars.append(rc.Bar(metric_label(key) + (f" · {tag_}" if tag_ else ""), c.ratio, good,
+                               f"{metric_label(key)}: {facts.fmt_value(key, other)} vs {facts.fmt_value(key, base)}"
+                               f" · {c.verdict}", text=c.text))
     if not bars:
         return None
     names = sorted({f"{o['engine']} ÷ {b['engine']}" for o, b in pairs})
-    return rc.ratio_bars(f"{', '.join(names)} — {scenario}", bars,
-                         subtitle="green: better than the reference, red: worse (log scale, clipped at 4×)")
+    return rc.ratio_bars(f"{', '.join(names)} — {sc['name']}", bars,
+                         subtitle="green: better beyond the noise, red: worse, grey: within the noise "
+                                  "(log scale, clipped at 4×)")
 
 
 #: columns of the baseline matrix
@@ -210,11 +219,12 @@ def baseline_section(results: Results, baseline: Results) -> dict[str, Any]:
     flagged = {(d.scenario, d.engine, d.mode, d.metric) for d in regressions}
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
     for d in gate.deltas(results, baseline, [f"{k}:+0%" for k in BASELINE_METRICS]):
-        ratio = d.current / d.baseline if d.baseline else (math.inf if d.current else 1.0)
         key = (d.scenario, d.engine, d.mode)
+        cls = _delta_class(d)
         cells.setdefault(key, {})[d.metric] = {
             "current": fmt_metric(d.metric, d.current), "baseline": fmt_metric(d.metric, d.baseline),
-            "change": gate.format_change(d), "cls": _better(d.metric, ratio),
+            "change": gate.format_change(d), "cls": cls,
+            "word": {"good": "▲ better", "bad": "▼ worse", "same": "≈"}[cls],
             "regressed": (*key, d.metric) in flagged}
     rows = [{"where": _label(f"{s} / {e}", m), "cells": [by_metric.get(k) for k in BASELINE_METRICS]}
             for (s, e, m), by_metric in cells.items()]
@@ -223,6 +233,17 @@ def baseline_section(results: Results, baseline: Results) -> dict[str, Any]:
             "thresholds": ", ".join(gate.DEFAULT_THRESHOLDS), "regressions": [d.describe() for d in regressions],
             "only_current": [_label(f"{s} / {e}", m) for s, e, m in only_cur],
             "only_baseline": [_label(f"{s} / {e}", m) for s, e, m in only_base]}
+
+
+def _delta_class(d: gate.Delta) -> str:
+    """good / bad for a change beyond the gate's noise floor (and beyond the jitter of a single run), else same."""
+    if d.regressed:
+        return "bad"
+    diff = d.current - d.baseline
+    if abs(diff) <= d.noise or abs(diff) <= facts.MIN_RATIO_NOISE * max(abs(d.baseline), abs(d.current)):
+        return "same"
+    up_good = d.metric in gate.HIGHER_IS_BETTER
+    return "good" if (diff > 0) == up_good else "bad"
 
 
 def _run_label(results: Results) -> str:

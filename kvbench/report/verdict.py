@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.bench.formatting import fmt_metric, fmt_ratio, fmt_time
+from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio, fmt_time
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios import SCENARIOS, Scenario
 from kvbench.bench.scenarios.declare import (
@@ -24,6 +24,7 @@ from kvbench.bench.scenarios.declare import (
     ratio_noise,
     within_noise,
 )
+from kvbench.report.facts import fmt_value
 
 #: the score of a scenario this kvbench does not know (a results file from elsewhere)
 DEFAULT_SCORE = Score("output_throughput", True, label="output throughput")
@@ -86,7 +87,7 @@ def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
         row["metric"] = score.label or score.metric + (f" [{score.mode}]" if score.mode else "")
         entries = [(r, num(r["metrics"].get(score.metric))) for r in sc["results"] if r.get("mode") == score.mode]
         entries = [(r, v) for r, v in entries if v is not None]
-        row["values"] = [(r["engine"], fmt_metric(score.metric, v)) for r, v in entries]
+        row["values"] = [(r["engine"], fmt_value(score.metric, r)) for r, v in entries]
         if not entries:
             row["note"] = "not measured"
             continue
@@ -112,9 +113,9 @@ def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
         elif small or within_noise(ratio, noise):
             row["within_noise"] = True
             row["by"] = "within noise" + (f" (both < {fmt_time(NOISE_FLOOR_S)})" if small else
-                                          f" ({fmt_ratio(ratio)})")
+                                          f" ({fmt_noisy_ratio(ratio, noise)})")
         else:
-            row["leader"], row["by"] = best["engine"], f"{fmt_ratio(ratio)} over {second['engine']}"
+            row["leader"], row["by"] = best["engine"], f"{fmt_noisy_ratio(ratio, noise)} over {second['engine']}"
     return rows
 
 

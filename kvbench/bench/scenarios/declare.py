@@ -220,7 +220,7 @@ def engines_reference_first(recorded: Mapping[str, Any], reference: str | None) 
 def ratio_headline(recorded: Mapping[str, Any], reference: str | None, *, title: str, metric: str, what: str,
                    mode: str | None = None) -> Headline:
     """"<other> ÷ <reference> <what>" as a same-run ratio with its noise, or "within noise"."""
-    from kvbench.bench.formatting import fmt_metric, fmt_ratio
+    from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio
 
     engines = list(dict.fromkeys(r["engine"] for r in recorded.get("results", []) if r.get("mode") == mode))
     base = result_of(recorded, reference, mode) if reference else None
@@ -234,7 +234,8 @@ def ratio_headline(recorded: Mapping[str, Any], reference: str | None, *, title:
         detail = f"{reference} {fmt_metric(metric, b)}; {other} {fmt_metric(metric, o)} · {noise_words(noise)}"
         small = is_time(metric) and max(o, b) < NOISE_FLOOR_S
         if small or within_noise(ratio, noise):
-            return Headline(title, "within noise", f"{other} ÷ {reference} {what}: {fmt_ratio(ratio)}",
-                            detail, within_noise=True)
-        return Headline(title, fmt_ratio(ratio), f"{other} ÷ {reference} {what}", detail)
+            return Headline(title, "within noise",
+                            f"{other} ÷ {reference} {what}: {fmt_noisy_ratio(ratio, noise)}", detail,
+                            within_noise=True)
+        return Headline(title, fmt_noisy_ratio(ratio, noise), f"{other} ÷ {reference} {what}", detail)
     return Headline(title, None, f"needs {what} of the reference and another engine")

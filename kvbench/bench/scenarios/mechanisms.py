@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.bench.formatting import fmt_metric, fmt_ratio, fmt_time
+from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio, fmt_time
 from kvbench.bench.metrics import step_tokens_known
 from kvbench.bench.scenarios.base import (
     BLOCK_SIZE,
@@ -236,8 +236,9 @@ class ChunkedPrefillStalls(Scenario):
             caption = f"chunked ÷ unchunked p99 TBT ({engine})"
             detail = f"{fmt_time(on)} with chunking vs {fmt_time(off)} without · {noise_words(noise)}"
             if max(on, off) < NOISE_FLOOR_S or within_noise(ratio, noise):
-                return Headline(title, "within noise", f"{caption}: {fmt_ratio(ratio)}", detail, within_noise=True)
-            return Headline(title, fmt_ratio(ratio), caption, detail)
+                return Headline(title, "within noise", f"{caption}: {fmt_noisy_ratio(ratio, noise)}", detail,
+                                within_noise=True)
+            return Headline(title, fmt_noisy_ratio(ratio, noise), caption, detail)
         return Headline(title, None, "needs results in modes 'chunked' and 'unchunked'")
 
 
