@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvbench.bench import metrics
 from kvbench.bench.formatting import fmt_metric, fmt_ratio, fmt_time
-from kvbench.bench.results import COST_METRICS, Results
+from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import NOISE_FLOOR_S, Pressure, plural
+from kvbench.report.facts import Crossover, Facts
 from kvbench.report.verdict import pressure_of
 
 OK, BETTER, WATCH, PROBLEM, NOT_MEASURED = "ok", "better than expected", "watch", "problem", "not measured"
@@ -59,57 +59,21 @@ def baseline_engine_name(results: Results) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# swap vs recompute curves (shared with the report's charts and headline)
+# the knee and the crossover: read from the run's facts (computed once, see kvbench.report.facts)
 
 
-def cost_curves(sweep: dict[str, Any], engine: str) -> tuple[str | None, dict[str, list[tuple[float, float]]]]:
-    """(cost metric, {mode: sorted (x, cost)}) of one engine's swap/recompute points in a sweep."""
-    pts = [p for p in sweep["points"] if p["engine"] == engine and p.get("mode") in ("swap", "recompute")]
-    metric = next((m for m in COST_METRICS if any(_num(p["metrics"].get(m)) is not None for p in pts)), None)
-    curves: dict[str, list[tuple[float, float]]] = {}
-    if metric:
-        for p in pts:
-            v = _num(p["metrics"].get(metric))
-            if v is not None:
-                curves.setdefault(p["mode"], []).append((float(p["x"]), v))
-    return metric, {m: sorted(c) for m, c in curves.items()}
-
-
-def swap_crossover(results: Results, engine: str) -> dict[str, Any] | None:
-    """Where swap and recompute cost the same for ``engine``.
-
-    Returns ``{x, metric, x_label, xs, swap, recompute}`` (``x`` None when the curves never cross
-    within the sweep) from the first sweep holding both modes for the engine, else None.
-    """
-    for sc in results.scenarios:
-        for sw in sc["sweeps"]:
-            metric, curves = cost_curves(sw, engine)
-            if not metric or "swap" not in curves or "recompute" not in curves:
-                continue
-            s, r = dict(curves["swap"]), dict(curves["recompute"])
-            common = sorted(set(s) & set(r))
-            if not common:
-                continue
-            return {"x": metrics.crossover(common, [s[c] for c in common], [r[c] for c in common]),
-                    "metric": metric, "x_label": sw["x_label"], "xs": common,
-                    "swap": [s[c] for c in common], "recompute": [r[c] for c in common]}
-    return None
+def swap_crossover(results: Results, engine: str) -> Crossover | None:
+    """Where swap and recompute cost the same for ``engine`` (the run's one :class:`Crossover` fact)."""
+    return Facts.of(results).crossovers.get(engine)
 
 
 def concurrency_knee(results: Results, engine: str) -> tuple[float | None, str]:
-    """Knee of the first concurrency sweep of ``engine`` with throughput points; None
-    when throughput still rose at the top of the sweep (no knee within it)."""
-    for sc in results.scenarios:
-        for sw in sc["sweeps"]:
-            pts = [p for p in sw["points"] if p["engine"] == engine and p.get("mode") not in ("swap",)]
-            if sw["name"] != "concurrency" or {p.get("mode") for p in sw["points"]} >= {"swap", "recompute"}:
-                continue  # a knee is a concurrency's; not a policy's headroom, not a swap/recompute cost
-            pts = [p for p in pts if _num(p["metrics"].get("output_throughput")) is not None]
-            if len(pts) >= 2:
-                xs = [p["x"] for p in pts]
-                k = metrics.knee(xs, [p["metrics"]["output_throughput"] for p in pts])
-                return (None if k == max(xs) else k), f"{sw['x_label']} ({sc['name']})"
-    return None, ""
+    """Knee of the first concurrency sweep of ``engine``; None when throughput still rose at the top
+    of the sweep (no knee within it). Read from the run's one :class:`Knee` fact."""
+    k = Facts.of(results).first_knee(engine)
+    if k is None:
+        return None, ""
+    return k.x, f"{k.label}, {k.x_label} sweep of {k.scenario}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,9 +249,9 @@ def _check_concurrency(results: Results, engine: str, rows: list[Row]) -> dict[s
                          f"{fmt_metric('running_max', m.get('running_max'))} ran at once, "
                          f"{fmt_metric('waiting_max', m.get('waiting_max'))} waited.")
     if knee is not None:
-        facts.append(f"Throughput stops rising at {knee:g} on the {knee_where} sweep (gain < 5% beyond).")
+        facts.append(f"Throughput stops rising at {knee:g} ({knee_where}; gain < 5% beyond).")
     elif knee_where:
-        facts.append(f"No knee within the {knee_where} sweep: throughput still rose at its top.")
+        facts.append(f"No knee within the sweep ({knee_where}): throughput still rose at its top.")
     if not facts and not over:
         return _check(3, title, NOT_MEASURED, "Scenario parameters lack the pool size (num_gpu_blocks, block_size) "
                       "and no concurrency sweep was run.", "")
@@ -351,21 +315,20 @@ def _check_swap(results: Results, engine: str, rows: list[Row]) -> dict[str, Any
         facts.append(f"{_where(sc, res)}: swap moved {fmt_metric('swapped_out_bytes', moved)} at "
                      f"{fmt_metric('swap_bandwidth', bw)} ({fmt_time(m.get('swap_seconds'))} spent copying).")
     cx = swap_crossover(results, engine)
-    quiet = cx is not None and cx["x"] is not None and _cx_within_noise(cx)
+    quiet = cx is not None and cx.within_noise
     if cx:
-        ratio = cx["swap"][-1] / cx["recompute"][-1] if cx["recompute"][-1] else None
-        if cx["x"] is None:
-            cheaper = "swap" if cx["swap"][-1] < cx["recompute"][-1] else "recompute"
-            facts.append(f"{cheaper.capitalize()} is cheaper at every {cx['x_label']} measured "
-                         f"(swap costs {fmt_ratio(ratio)} of recompute at {cx['xs'][-1]:g}).")
+        ratio = cx.swap[-1] / cx.recompute[-1] if cx.recompute[-1] else None
+        if cx.x is None:
+            facts.append(f"{cx.above.capitalize()} is cheaper at every {cx.x_label} measured "
+                         f"(swap costs {fmt_ratio(ratio)} of recompute at {cx.xs[-1]:g}).")
         elif quiet:
-            facts.append(f"The cost curves cross near {cx['x']:,.0f} tokens, where both cost under "
+            facts.append(f"Crossover {cx.text} ({engine}): the cost curves cross there, where both cost under "
                          f"{fmt_time(NOISE_FLOOR_S)}: within noise (swap costs {fmt_ratio(ratio)} of recompute at "
-                         f"{cx['xs'][-1]:g}).")
+                         f"{cx.xs[-1]:g}).")
         else:
-            above = "swap" if cx["swap"][-1] < cx["recompute"][-1] else "recompute"
-            facts.append(f"Swap and recompute cost the same at {cx['x_label']} ≈ {cx['x']:,.0f}; {above} is cheaper "
-                         f"above it (swap costs {fmt_ratio(ratio)} of recompute at {cx['xs'][-1]:g}).")
+            facts.append(f"Crossover {cx.text} ({engine}): swap and recompute cost the same at that {cx.x_label}; "
+                         f"{cx.above} is cheaper above it (swap costs {fmt_ratio(ratio)} of recompute at "
+                         f"{cx.xs[-1]:g}).")
     exposed = any(_num(res["metrics"].get(k)) is not None for _, res in rows
                   for k in ("preemptions_swap", "preemptions_recompute", "preemptions"))
     if not facts and not exposed:
@@ -385,24 +348,15 @@ def _check_swap(results: Results, engine: str, rows: list[Row]) -> dict[str, Any
                               f"{plural(fb, 'time')}.")
     if unexpected:
         return _check(5, title, PROBLEM, " ".join(unexpected + facts), knob)
-    if cx and cx["x"] is not None and not quiet:
-        above = "swap" if cx["swap"][-1] < cx["recompute"][-1] else "recompute"
+    if cx and cx.x is not None and not quiet:
         lens = sorted(v for _, r in rows if (v := _num(r["metrics"].get("prompt_len_mean"))))
-        if lens and above == "swap" and lens[len(lens) // 2] < cx["x"]:
+        if lens and cx.above == "swap" and lens[len(lens) // 2] < cx.x:
             facts.append(f"Your prompts average {lens[len(lens) // 2]:,.0f} tokens, below the crossover: recompute "
                          "would suit them.")
             return _check(5, title, WATCH, " ".join(facts), knob)
     if not facts:
         return _check(5, title, NOT_MEASURED, "No swap activity or swap-vs-recompute sweep for this engine.", "")
     return _check(5, title, OK, " ".join(facts), "")
-
-
-def _cx_within_noise(cx: dict[str, Any]) -> bool:
-    """Whether both costs sit under the noise floor on both sides of the crossover."""
-    xs = cx["xs"]
-    i = next((i for i, v in enumerate(xs) if v >= cx["x"]), len(xs) - 1)
-    lo = max(0, i - 1)
-    return max(cx["swap"][lo], cx["recompute"][lo], cx["swap"][i], cx["recompute"][i]) < NOISE_FLOOR_S
 
 
 def diagnose(results: Results) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ from kvbench.bench import gate, metrics
 from kvbench.bench.results import Results
 from kvbench.report import charts as rc
 from kvbench.report import facts, sim_validation, verdict
-from kvbench.report.diagnosis import baseline_engine_name, cost_curves, diagnose
+from kvbench.report.diagnosis import baseline_engine_name, diagnose
 from kvbench.report.formatting import fmt_metric, fmt_ratio, fmt_time, metric_label
 
 #: what report files are written with: readable by everyone like any document (a results file written
@@ -171,9 +171,6 @@ def side_by_side(results: Results) -> list[dict[str, Any]]:
     return tables
 
 
-#: the sweep whose throughput curve has a knee (diagnosis.concurrency_knee reads the same one)
-KNEE_SWEEP = "concurrency"
-
 #: metrics drawn as ratio bars above each side-by-side table
 RATIO_BAR_METRICS: tuple[str, ...] = (
     "output_throughput", "goodput", "ttft_p99", "tbt_p99", "e2e_p50", "preemptions", "recomputed_tokens",
@@ -275,6 +272,7 @@ class _Charts:
     def __init__(self, results: Results):
         self.colors = {name: rc.PALETTE[i % len(rc.PALETTE)] for i, name in enumerate(results.engine_names())}
         self.order = {name: i for i, name in enumerate(results.engine_names())}
+        self.facts = facts.Facts.of(results)
         self.n = 0
 
     def render(self, chart: rc.Chart) -> Markup:
@@ -395,22 +393,20 @@ class _Charts:
                     continue
                 color, dash = self.style(eng, mode, modes, one_engine=len({e for e, _ in groups}) == 1)
                 lines.append(rc.Line(_label(eng, mode), [p["x"] for p in pts], ys, color, dash=dash, dots=True))
-                tps = [_num(p["metrics"].get("output_throughput")) for p in pts]
-                xs = [p["x"] for p in pts]
                 # a knee is where more concurrency stops paying; on any other axis (a policy's headroom)
-                # "throughput stops rising" is no landmark
-                k = metrics.knee(xs, tps) if sw["name"] == KNEE_SWEEP else None
-                if k is not None and len(xs) > 1 and k == max(xs):
+                # "throughput stops rising" is no landmark. The run's one knee fact, from the medians.
+                k = self.facts.knee(sc["name"], eng, mode) if sw["name"] == facts.KNEE_SWEEP else None
+                if k is not None and k.x is None:
                     no_knee.append(_label(eng, mode))  # still rising at the top: no knee within the sweep
-                elif k is not None and metric != "preemptions":
-                    vlines.append(rc.VLine(k, f"knee {k:g} ({_label(eng, mode)})", color))
+                elif k is not None and k.x is not None and metric != "preemptions":
+                    vlines.append(rc.VLine(k.x, f"knee {k.text} ({_label(eng, mode)})", color))
             if not lines:
                 continue
             fmt = (lambda v: f"{v:,.0f}") if metric != "tbt_p99" else (lambda v: f"{v * 1000:g}")
             unit = {"output_throughput": "tokens/s", "tbt_p99": "ms", "preemptions": "count"}[metric]
             # three to a row: a narrower canvas keeps the text as large as in the two-column charts
             sub = ""
-            if metric == "output_throughput" and sw["name"] == KNEE_SWEEP:
+            if metric == "output_throughput" and sw["name"] == facts.KNEE_SWEEP:
                 sub = "knee: throughput gains < 5% beyond it" + (
                     f"; none within the sweep for {', '.join(no_knee)}" if no_knee else "")
             out.append(self.render(rc.Chart(f"{title} vs {sw['x_label']}", sw["x_label"], unit, width=440,
@@ -424,21 +420,20 @@ class _Charts:
         metric_used = None
         multi = len({e for e, _ in groups}) > 1
         for eng in dict.fromkeys(e for e, _ in groups):
-            metric, curves = cost_curves(sw, eng)
+            metric, curves = facts.cost_curves(sw, eng)
             metric_used = metric_used or metric
             for mode, pts in curves.items():
                 # one engine: colour by mode; several: colour by engine, dash by mode
                 color = self.colors.get(eng, rc.PALETTE[0]) if multi else rc.PREEMPT_COLORS.get(mode, "#444")
                 lines.append(rc.Line(_label(eng, mode), [x for x, _ in pts], [y for _, y in pts], color,
                                      dash=None if mode == "recompute" else "7 4", dots=True))
-            if "swap" in curves and "recompute" in curves:
-                s, r = dict(curves["swap"]), dict(curves["recompute"])
-                common = sorted(set(s) & set(r))
-                ratio_lines.append(rc.Line(eng, common, [s[c] / r[c] if r[c] else None for c in common],
+            cx = self.facts.crossovers.get(eng)
+            if cx is not None and cx.scenario == sc["name"]:
+                ratio_lines.append(rc.Line(eng, list(cx.xs), [s / r if r else None for s, r in
+                                                              zip(cx.swap, cx.recompute, strict=True)],
                                            self.colors.get(eng, rc.PALETTE[0]), dots=True))
-                x = metrics.crossover(common, [s[c] for c in common], [r[c] for c in common])
-                if x is not None:
-                    vlines.append(rc.VLine(x, f"crossover {x:,.0f} ({eng})", self.colors.get(eng, "#444")))
+                if cx.x is not None:
+                    vlines.append(rc.VLine(cx.x, f"crossover {cx.text} ({eng})", self.colors.get(eng, "#444")))
         cost = self.render(rc.Chart(f"Preempt-and-resume cost by {sw['x_label']}", sw["x_label"], "cost (ms)",
                                     lines=lines, vlines=vlines, log_x=log, y_format=lambda v: f"{v * 1000:g}",
                                     subtitle=f"{metric_used or 'cost'} · solid: recompute · dashed: swap · "
@@ -474,7 +469,10 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
                       3 if len(sweeps) % 3 == 0 else 2,
                       "tables": decl.tables(sc) if decl is not None else [],
                       "pressure": pressure.describe() if pressure is not None else [],
-                      "parameters": sc.get("parameters", {}), "dists": charts.cdfs(sc),
+                      # a fact recorded at run time (from one repeat) is shown where the report computes it
+                      "parameters": {k: v for k, v in sc.get("parameters", {}).items()
+                                     if k not in facts.DERIVED_KEYS},
+                      "dists": charts.cdfs(sc),
                       "sweeps": sweeps, "results": res_views})
     return views
 
