@@ -37,12 +37,17 @@ def _complete(target: Path) -> bool:
     return (target / "config.json").is_file() and any(target.glob("*.safetensors"))
 
 
-def builtin_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
-    """The directory of the built-in ``preset`` checkpoint, written on first use (once, under a lock)."""
+def builtin_checkpoint(preset: str = "tiny", seed: int = 0, head_dim: int | None = None) -> Path:
+    """The directory of the built-in ``preset`` checkpoint, written on first use (once, under a lock).
+
+    ``head_dim`` reshapes the attention heads (the preset's hidden size and head counts stay), for engines
+    whose kernels do not take the preset's head size (vLLM's CPU attention: 32 and up)."""
     from reference_engine import checkpoint
 
     digest = hashlib.sha256(inspect.getsource(checkpoint).encode()).hexdigest()[:10]
-    target = cache_root() / "checkpoints" / f"{preset}-seed{seed}-{digest}"
+    variant = f"-hd{head_dim}" if head_dim else ""
+    overrides = {"head_dim": head_dim} if head_dim else {}
+    target = cache_root() / "checkpoints" / f"{preset}{variant}-seed{seed}-{digest}"
     if _complete(target):  # the common case: no lock file touched
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +58,7 @@ def builtin_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
             shutil.rmtree(target, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=target.parent))
         try:
-            checkpoint.write_checkpoint(staging, preset=preset, seed=seed)
+            checkpoint.write_checkpoint(staging, preset=preset, seed=seed, **overrides)
             staging.rename(target)
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)
@@ -63,3 +68,23 @@ def builtin_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return target
+
+
+def builtin_head_dim(preset: str = "tiny") -> int:
+    """The head size of the built-in ``preset`` as written without overrides."""
+    from reference_engine.checkpoint import build_config
+
+    return int(build_config(preset)["head_dim"])
+
+
+def checkpoint_for(layouts: list, preset: str = "tiny", seed: int = 0) -> Path:
+    """The built-in ``preset`` in a shape every engine of the run loads: the preset itself where each
+    layout (:class:`kvbench.core.kv_budget.KVLayout`) takes its head size, else the variant with the
+    smallest head size they all take. ValueError when no head size suits them all."""
+    natural = builtin_head_dim(preset)
+    if all(layout.takes_head_size(natural) for layout in layouts):
+        return builtin_checkpoint(preset, seed)
+    for size in (32, 64, 128):
+        if all(layout.takes_head_size(size) for layout in layouts):
+            return builtin_checkpoint(preset, seed, head_dim=size)
+    raise ValueError(f"no head size of 32, 64 or 128 is taken by every engine of the run: {layouts}")

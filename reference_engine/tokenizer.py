@@ -13,8 +13,10 @@ Contracts (tested in ``tests/test_tokenizer.py``):
   concatenated words can never be read another way.
 * Special tokens are matched before splitting and their strings start with ``<|``, which no
   ordinary word does, so ``<|eos|>`` can never be read as (part of) an ordinary token.
-* A word outside the vocabulary is an error (no ``unk`` token): the server turns it into a 400
-  naming the prompt, rather than silently feeding the model an id nobody asked for.
+* Any text encodes: a word outside the vocabulary (``Hello``) reads as the pad id, the tokenizer's
+  ``unk_token``, as real tokenizers map text they do not know to their unknown token. A server's users
+  send such text (health probes, load generators, a quick ``curl``), and a random model has no words to
+  lose. Ordinary ids still round-trip exactly; only text that is not ``t<id>`` words is lossy.
 * Nothing is added on encode (no BOS): ids in, the same ids out. Prompts that want a BOS write
   ``<|bos|>`` themselves.
 
@@ -61,7 +63,8 @@ def build_tokenizer(config: dict) -> Tokenizer:
     if bad:
         raise ValueError(f"special token ids {bad} lie outside vocab_size={vocab_size}")
     vocab = {specials.get(i, METASPACE + ordinary_word(i)): i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    unk = specials.get(config.get("pad_token_id")) if isinstance(config.get("pad_token_id"), int) else None
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=METASPACE, prepend_scheme="always", split=True)
     tok.decoder = decoders.Metaspace(replacement=METASPACE, prepend_scheme="always", split=True)
     # Added tokens are matched in the raw text before pre-tokenization, so "<|eos|>" needs no spaces.
@@ -79,6 +82,8 @@ def write_tokenizer(out_dir: str | pathlib.Path, config: dict) -> None:
     specials = special_tokens(config)
     names = {key.removesuffix("_id"): specials[config[key]] for key in SPECIAL_NAMES
              if isinstance(config.get(key), int) and config[key] in specials}
+    if "pad_token" in names:
+        names["unk_token"] = names["pad_token"]  # what unknown words read as (see the module docstring)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": config.get("max_position_embeddings", 2048),

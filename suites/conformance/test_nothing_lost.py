@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvbench.bench.workloads import Aborts, Poisson, Uniform, WorkloadSpec
-from kvbench.conformance.prove import BLOCK_SIZE, PRESSURED_BLOCKS, model_vocab
+from kvbench.conformance.prove import model_vocab, pressured_knobs
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import Knobs
 from kvbench.plugin import require
@@ -39,7 +39,7 @@ def test_every_request_finishes_exactly_once(mode, engine, model_dir):
     workload = WorkloadSpec(name=f"storm-{mode}", num_requests=32, input_len=Uniform(8, 160),
                             output_len=Uniform(8, 48), arrival=Poisson(200.0),
                             aborts=Aborts(fraction=0.25, after=(0.01, 0.3)), seed=6).build(vocab)
-    knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=PRESSURED_BLOCKS).merged(mode_knobs)
+    knobs = pressured_knobs(engine, workload.requests).merged(mode_knobs)
     recorder = TraceRecorder(engine.name, f"nothing-lost-{mode}")
     engine.serve(workload, recorder, knobs, **({"step_seconds": STEP_SECONDS} if engine.steppable else {}))
     trace = recorder.finish()

@@ -7,21 +7,20 @@ from __future__ import annotations
 import pytest
 
 from kvbench.conformance.prove import (
-    BLOCK_SIZE,
-    ROOMY_BLOCKS,
     assert_conforms,
     compare_outputs,
+    pressured_knobs,
     prove,
+    roomy_knobs,
 )
 from kvbench.conformance.stops import CONDITIONS, eos_prompts, eos_requests, stop_token_requests
-from kvbench.engines.base import Knobs
 from kvbench.plugin import require
 
 pytestmark = pytest.mark.conformance
 
-#: tighter than PRESSURED_BLOCKS: requests that stop early leave less pressure behind, yet the largest
-#: request (15 blocks of 16 tokens) still fits alone
-TIGHT_BLOCKS = 16
+#: tighter than the other checks' pressure (prove.PRESSURE): requests that stop early leave less pressure
+#: behind, yet the largest request still fits alone (reference engine: 16 blocks of 16)
+TIGHT = 1.35
 
 
 def _requests_for(condition, requests_greedy, truth, truth_engine):
@@ -54,9 +53,8 @@ def test_stop_condition_holds_under_pressure(condition, engine, requests_greedy,
     fired = sum(o.finish_reason == reason for o in want.outputs)
     if fired == 0:
         pytest.skip(f"no ground-truth request ended by {condition}: nothing would prove the engine honours it")
-    calm = engine.generate(requests, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=ROOMY_BLOCKS))
-    stormy = engine.generate(requests, Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=TIGHT_BLOCKS,
-                                             preemption_mode="recompute"))
+    calm = engine.generate(requests, roomy_knobs(engine, requests))
+    stormy = engine.generate(requests, pressured_knobs(engine, requests, TIGHT, preemption_mode="recompute"))
     prove(stormy, engine, "preemptions_recompute", "recompute preemption")
     problems = _same_finish("unpressured vs ground truth", calm, want) + \
         _same_finish("pressured vs ground truth", stormy, want) + _same_finish("pressured vs unpressured", stormy, calm)

@@ -9,10 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvbench.conformance.prove import BLOCK_SIZE, PRESSURED_BLOCKS, prove, require_events
+from kvbench.conformance.prove import pressured_knobs, prove, require_events
 from kvbench.conformance.victims import victim_violations
 from kvbench.core.events import preemption_records
-from kvbench.engines.base import Knobs
 from kvbench.plugin import require
 
 pytestmark = pytest.mark.conformance
@@ -28,8 +27,7 @@ def with_priorities(requests, seed: int = 9):
 def test_preemption_victim_follows_the_policy(policy, engine, requests_greedy):
     require(engine, "recompute", *(("priority",) if policy == "priority" else ()))
     requests = with_priorities(requests_greedy) if policy == "priority" else requests_greedy
-    knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=PRESSURED_BLOCKS, preemption_mode="recompute",
-                  scheduling_policy=policy)
+    knobs = pressured_knobs(engine, requests, preemption_mode="recompute", scheduling_policy=policy)
     result = engine.generate(requests, knobs)
     prove(result, engine, "preemptions_recompute", "a preemption")
     records = preemption_records(require_events(result, engine, "which request was preempted"))

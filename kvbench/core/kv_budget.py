@@ -1,0 +1,100 @@
+"""KV pressure stated in tokens, and each engine's terms for it.
+
+A check or scenario says how much KV its workload gets as a :class:`KVBudget` in tokens, relative to the
+workload itself ("the pool holds the largest request alone, not a third of all of them"). An engine
+declares what pools it accepts as a :class:`KVLayout` (the block sizes it takes, whether its pool must
+hold ``max_model_len``, the head sizes its attention kernels take), and :func:`pool_knobs` turns the one
+into the other. So a check means the same pressure on every engine: on the reference engine (any block
+size; 16 preferred) the pressured conformance pool is 24 blocks of 16, on vLLM's CPU build (multiples of
+32) 12 blocks of 32: the same 384 tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvbench.core.knobs import Knobs
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What KV pools an engine accepts.
+
+    ``block_multiple``: block sizes must be multiples of this (vLLM's CPU attention: 32; 1: any).
+    ``preferred_block_size``: the size used when a check does not insist (rounded up to the multiple).
+    ``pool_holds_max_model_len``: the engine refuses to start with a pool smaller than ``max_model_len``
+    (vLLM), so a pool is given together with the ``max_model_len`` its workload needs.
+    ``head_sizes``: head sizes its attention takes (None: any).
+    """
+
+    block_multiple: int = 1
+    preferred_block_size: int = 16
+    pool_holds_max_model_len: bool = False
+    head_sizes: frozenset[int] | None = None
+
+    def block_size(self, wanted: int | None = None) -> int:
+        """``wanted`` (or the preferred size) rounded up to a size this engine takes."""
+        size = wanted or self.preferred_block_size
+        return max(self.block_multiple, math.ceil(size / self.block_multiple) * self.block_multiple)
+
+    def takes_block_size(self, size: int) -> bool:
+        return size > 0 and size % self.block_multiple == 0
+
+    def takes_head_size(self, size: int) -> bool:
+        return self.head_sizes is None or size in self.head_sizes
+
+
+#: an engine that takes any block size (the reference engine, transformers' continuous batching)
+ANY_LAYOUT = KVLayout()
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """A KV pool in tokens: ``tokens`` slots, for a workload whose largest request needs ``largest`` alone.
+
+    The pool is never smaller than the largest request (in whole blocks), so every request can run.
+    """
+
+    tokens: int
+    largest: int
+
+    def __post_init__(self) -> None:
+        if self.largest < 1 or self.tokens < 1:
+            raise ValueError(f"a KV budget needs tokens >= 1 and largest >= 1, got {self}")
+
+
+def request_tokens(prompt_len: int, max_tokens: int) -> int:
+    """The KV slots one request needs at its end: its prompt and all but the last output token (the last
+    sampled token is never fed back, but engines reserve it; count it, as vLLM's max_model_len does)."""
+    return prompt_len + max_tokens
+
+
+def pressured(needs: Iterable[int], factor: float = 2.0) -> KVBudget:
+    """A pool that holds the largest request alone (``factor`` times it) but far from all of them at once.
+
+    ``needs`` are the requests' token needs (:func:`request_tokens`)."""
+    needs = list(needs)
+    largest = max(needs)
+    return KVBudget(tokens=math.ceil(factor * largest), largest=largest)
+
+
+def roomy(needs: Iterable[int]) -> KVBudget:
+    """A pool that holds every request at once with room to spare: nothing is ever preempted."""
+    needs = list(needs)
+    return KVBudget(tokens=4 * sum(needs) + 64 * len(needs), largest=max(needs))
+
+
+def pool_knobs(budget: KVBudget, layout: KVLayout = ANY_LAYOUT, block_size: int | None = None) -> Knobs:
+    """``budget`` in an engine's terms: block size, pool in blocks and, where the engine needs it,
+    ``max_model_len`` (the largest request rounded up to a block, never more than the pool holds).
+
+    ``block_size`` asks for a size (rounded up to one the engine takes)."""
+    size = layout.block_size(block_size)
+    largest_blocks = math.ceil(budget.largest / size)
+    blocks = max(math.ceil(budget.tokens / size), largest_blocks)
+    knobs = Knobs(block_size=size, num_gpu_blocks=blocks)
+    if layout.pool_holds_max_model_len:
+        knobs = knobs.merged(Knobs(max_model_len=largest_blocks * size))
+    return knobs
