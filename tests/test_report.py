@@ -66,7 +66,8 @@ def test_page_has_every_section(html, results):
     for name in results.scenario_names():
         assert name in html
     assert "other ÷ reference — preemption_storm" in html  # ratio bars above the side-by-side table
-    for chart in ("Token gaps — reference", "KV usage — reference", "Queues — reference",
+    for chart in ("Longest token gap — preemption_storm", "KV usage — preemption_storm",
+                  "Waiting requests — preemption_storm", "Output throughput — preemption_storm",
                   "Throughput vs max_num_seqs", "p99 inter-token gap vs max_num_seqs",
                   "Preempt-and-resume cost by sequence length", "TTFT distribution", "Inter-token gap distribution"):
         assert chart in html, chart
@@ -112,7 +113,7 @@ def test_minimal_hand_written_file_renders(tmp_path):
         {"name": "s", "results": [{"engine": "e", "metrics": {"output_throughput": 5.0}}],
          "sweeps": [{"name": "concurrency", "points": [{"x": 1, "engine": "e", "metrics": {}}]}]}]}))
     page = render_report(Results.load(path))
-    assert "No timelines recorded for this result." in page and "5.0 tok/s" in page
+    assert "No timelines recorded for this scenario." in page and "5.0 tok/s" in page
 
 
 def test_diagnosis_names_numbers_and_gives_knobs_only_where_wrong(results):

@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.core.counters import Counters, spec
+from kvbench.core.stepping import workload_clock
 from kvbench.core.trace import Trace
 
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
@@ -533,12 +534,18 @@ def series(trace: Trace, max_points: int = 300, max_markers: int = 500) -> dict[
       bins of about four mean step durations, 10..``max_points`` of them).
     * ``gap_t``, ``gap_max``, ``gap_p50``: token gaps by time bin of the later token; the max
       keeps every spike visible after downsampling.
+    * ``workload_t`` (step clock only): each ``t`` on the workload's clock.
     * ``preempt_t``, ``preempt_mode``: preemption markers (evenly thinned to ``max_markers``).
     * ``ttft_cdf_x``/``ttft_cdf_p``, ``tbt_cdf_x``/``tbt_cdf_p``: empirical CDFs (<= 101 points).
     """
     duration = _duration(trace)
     out: dict[str, list] = {}
     out.update(_step_series(trace, max_points))
+    if trace.step_seconds is not None:
+        # on the step clock a trace second is not a workload second: each ``t`` on the workload's clock,
+        # so a report can mark a workload event (a surge's start) on the trace's time axis
+        clock = workload_clock(trace)
+        out["workload_t"] = [float(clock(t)) for t in out["t"]]
     # Throughput bins span several steps: narrower bins alias with the step cadence (0, 2x, 0...).
     step_mean = float(np.mean([s.duration for s in trace.steps])) if trace.steps else 0.0
     n_bins = int(np.clip(duration / (4 * step_mean), 10, max_points)) if step_mean > 0 else min(50, max_points)

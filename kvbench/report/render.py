@@ -16,6 +16,7 @@ purpose, the tables that make its point) is declared by the scenario itself
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import urllib.parse
@@ -26,7 +27,7 @@ import jinja2
 from markupsafe import Markup
 
 from kvbench import __version__
-from kvbench.bench import gate, metrics
+from kvbench.bench import gate
 from kvbench.bench.results import Results
 from kvbench.report import charts as rc
 from kvbench.report import facts, sim_validation, verdict
@@ -293,71 +294,81 @@ class _Charts:
 
     # -- one result -------------------------------------------------------------------------
 
-    def timeline(self, label: str, res: dict[str, Any]) -> Markup:
-        s, m = res.get("series", {}), res["metrics"]
-        marks = [rc.Marker(t, rc.PREEMPT_COLORS.get(mode, "#d9434e"), f"preempted ({mode}) at {t:.3f} s")
-                 for t, mode in zip(s.get("preempt_t", []), s.get("preempt_mode", []), strict=False)]
-        legend = {f"preemption ({mode})": rc.PREEMPT_COLORS.get(mode, "#d9434e")
-                  for mode in dict.fromkeys(s.get("preempt_mode", []))}
-        thr = _num(m.get("tbt_spike_threshold_s"))
-        spikes = _num(m.get("tbt_spikes"))
-        sub = f"{len(s.get('preempt_t', []))} preemption markers"
-        if spikes is not None:
-            sub += f" · {spikes:.0f} spikes"
-            pre = _num(m.get("tbt_spikes_preemption_share"))
-            if spikes and pre is not None:
-                sub += f" ({pre * 100:.0f}% at a preemption, "
-                sub += f"{(_num(m.get('tbt_spikes_prefill_share')) or 0) * 100:.0f}% at a prefill)"
-        chart = rc.Chart(f"Token gaps — {label}", "time (s)", "gap (ms)", subtitle=sub, markers=marks,
-                         marker_legend=legend, y_format=lambda v: f"{v * 1000:g}",
-                         lines=[rc.Line("max gap per bin", s.get("gap_t", []), s.get("gap_max", []), "#3b6fd4",
-                                        area=True),
-                                rc.Line("median gap", s.get("gap_t", []), s.get("gap_p50", []), "#1b2a4a",
-                                        width=1.5)])
-        if thr is not None:
-            chart.hlines.append(rc.VLine(thr, f"spike threshold {fmt_time(thr)}", "#d9434e"))
-        return self.render(chart)
+    #: the timelines of a scenario: (series x key, series y key, title, unit, y format, y max, integer ticks)
+    TIMELINES: tuple[tuple[str, str, str, str, Any, float | None, bool], ...] = (
+        ("gap_t", "gap_max", "Longest token gap", "gap (ms)", lambda v: f"{v * 1000:g}", None, False),
+        ("throughput_t", "throughput", "Output throughput", "tokens/s", lambda v: f"{v:,.0f}", None, False),
+        ("t", "kv_usage", "KV usage", "KV blocks in use (%)", lambda v: f"{v * 100:g}", 1.0, False),
+        ("t", "num_waiting", "Waiting requests", "requests", lambda v: f"{v:g}", None, True),
+    )
 
-    def kv(self, label: str, res: dict[str, Any]) -> Markup:
-        s = res.get("series", {})
-        pct = _num(res["metrics"].get("kv_usage_time_over_95"))
-        lines = [rc.Line("device KV usage", s.get("t", []), s.get("kv_usage", []), "#2e9d6a", area=True)]
-        if any(v for v in s.get("cpu_kv_usage", []) if v):
-            lines.append(rc.Line("host (swap) KV usage", s.get("t", []), s.get("cpu_kv_usage", []), "#7c4dff"))
-        chart = rc.Chart(f"KV usage — {label}", "time (s)", "KV blocks in use (%)", lines=lines,
-                         subtitle="" if pct is None else f"above 95% for {pct * 100:.0f}% of the time",
-                         y_format=lambda v: f"{v * 100:g}", y_max=1.0,
-                         hlines=[rc.VLine(metrics.KV_PINNED_LEVEL, "95%", "#c9a227")])
-        return self.render(chart)
+    def timelines(self, sc: dict[str, Any]) -> list[Markup]:
+        """One chart per metric with every result of the scenario overlaid, on one y scale per metric.
 
-    def queues(self, label: str, res: dict[str, Any]) -> Markup:
-        s = res.get("series", {})
-        lines = [rc.Line("running", s.get("t", []), s.get("num_running", []), "#3b6fd4"),
-                 rc.Line("waiting", s.get("t", []), s.get("num_waiting", []), "#e8772e")]
-        if any(s.get("num_swapped", [])):
-            lines.append(rc.Line("swapped", s.get("t", []), s.get("num_swapped", []), "#7c4dff"))
-        return self.render(rc.Chart(f"Queues — {label}", "time (s)", "requests", lines=lines, y_integer=True))
-
-    def throughput(self, label: str, res: dict[str, Any]) -> Markup:
-        s = res.get("series", {})
-        tp = _num(res["metrics"].get("output_throughput"))
-        chart = rc.Chart(f"Output throughput — {label}", "time (s)", "tokens/s",
-                         lines=[rc.Line("tokens/s", s.get("throughput_t", []), s.get("throughput", []), "#1f9fb0",
-                                        area=True)],
-                         subtitle="" if tp is None else f"run average {fmt_metric('output_throughput', tp)}",
-                         y_format=lambda v: f"{v:,.0f}")
-        if tp is not None:
-            chart.hlines.append(rc.VLine(tp, "average", "#1b2a4a"))
-        return self.render(chart)
+        Results on different clocks (open-loop arrivals released by engine step for one, by the wall
+        clock for another) are never overlaid: each clock gets its own chart, on the same y scale, and
+        says so. The scenario's event (a surge's start) is marked where the time axis is the workload's."""
+        with_series = [r for r in sc["results"] if r.get("series")]
+        if not with_series:
+            return []
+        groups: dict[str, list[dict[str, Any]]] = {}
+        split = bool(facts.clocks_differ(sc, *with_series))
+        for r in with_series:
+            groups.setdefault(facts.clock_of(r) if split else "", []).append(r)
+        modes = list(dict.fromkeys(r.get("mode") for r in with_series))
+        one_engine = len({r["engine"] for r in with_series}) == 1
+        event = _scenario_event(sc)
+        out = []
+        for x_key, y_key, title, unit, fmt, y_max, integer in self.TIMELINES:
+            ys_all = [v for r in with_series for v in r["series"].get(y_key, []) if v is not None]
+            if not ys_all:
+                continue
+            top = y_max if y_max is not None else max(ys_all) * 1.05 or 1.0
+            for clock, members in groups.items():
+                lines, marks, legend = [], [], {}
+                for r in members:
+                    s = r["series"]
+                    color, dash = self.style(r["engine"], r.get("mode"), modes, one_engine=one_engine)
+                    label = _label(r["engine"], r.get("mode"))
+                    lines.append(rc.Line(label, s.get(x_key, []), s.get(y_key, []), color, dash=dash))
+                    if y_key == "gap_max":
+                        for t, mode in zip(s.get("preempt_t", []), s.get("preempt_mode", []), strict=False):
+                            c = rc.PREEMPT_COLORS.get(mode, "#d9434e")
+                            marks.append(rc.Marker(t, c, f"{label}: preempted ({mode}) at {t:.3f} s"))
+                            legend[f"preemption ({mode})"] = c
+                sub = f"{clock} clock only: not comparable with the other clock's chart" if split else (
+                    "one scale for every engine")
+                vlines = []
+                if event is not None:
+                    at = {_label(r["engine"], r.get("mode")): _event_time(r, event[1]) for r in members}
+                    if len({round(t, 3) for t in at.values() if t is not None}) == 1 and None not in at.values():
+                        vlines.append(rc.VLine(next(iter(at.values())), event[0], "#1b2a4a"))
+                    else:
+                        vlines += [rc.VLine(t, f"{event[0]} ({label})", self.style(*_engine_mode(label), modes,
+                                                                                   one_engine=one_engine)[0])
+                                   for label, t in at.items() if t is not None]
+                    sub += f"; {event[0]} at {event[1]:g} s of the workload"
+                    if any(facts.clock_of(r) == "step" for r in members):
+                        sub += " (step clock: marked where each run reached it)"
+                chart = rc.Chart(title + (f" ({clock} clock)" if split else "") + f" — {sc['name']}", "time (s)",
+                                 unit, lines=lines, markers=marks, marker_legend=legend, vlines=vlines,
+                                 y_format=fmt, y_max=top, y_integer=integer, subtitle=sub)
+                out.append(self.render(chart))
+        return out
 
     # -- one scenario -----------------------------------------------------------------------
 
     def cdfs(self, sc: dict[str, Any]) -> list[Markup]:
         out = []
         modes = list(dict.fromkeys(r.get("mode") for r in sc["results"]))
-        for key, title in (("ttft", "TTFT distribution"), ("tbt", "Inter-token gap distribution")):
+        split = bool(facts.clocks_differ(sc, *sc["results"]))  # never overlay two clocks' distributions
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in sc["results"]:
+            groups.setdefault(facts.clock_of(r) if split else "", []).append(r)
+        for (key, title), (clock, members) in itertools.product(
+                (("ttft", "TTFT distribution"), ("tbt", "Inter-token gap distribution")), groups.items()):
             lines = []
-            for r in sc["results"]:
+            for r in members:
                 s = r.get("series", {})
                 color, dash = self.style(r["engine"], r.get("mode"), modes,
                                          one_engine=len({x["engine"] for x in sc["results"]}) == 1)
@@ -367,8 +378,10 @@ class _Charts:
                 xs = [x for ln in lines for x in ln.xs if x and x > 0]
                 log = bool(xs) and max(xs) / min(xs) > 50
                 out.append(self.render(rc.Chart(
-                    f"{title} — {sc['name']}", f"{key.upper()} (ms)" + (", log scale" if log else ""),
+                    f"{title}" + (f" ({clock} clock)" if clock else "") + f" — {sc['name']}",
+                    f"{key.upper()} (ms)" + (", log scale" if log else ""),
                     "share of " + ("requests" if key == "ttft" else "gaps") + " (%)", lines=lines, log_x=log,
+                    subtitle=f"{clock} clock only: not comparable with the other clock's chart" if clock else "",
                     x_format=lambda v: f"{v * 1000:g}", y_format=lambda v: f"{v * 100:g}", y_max=1.0)))
         return out
 
@@ -446,22 +459,65 @@ class _Charts:
         return [cost, ratio]
 
 
+def _scenario_event(sc: dict[str, Any]) -> tuple[str, float] | None:
+    """The scenario's landmark on the workload's clock: ("surge", t) from its parameters or results."""
+    params = sc.get("parameters", {})
+    for key, name in (("surge_start_s", "surge"), ("wave_start_s", "wave")):
+        t = _num(params.get(key))
+        if t is None:
+            t = next((v for r in sc["results"] if (v := _num(r["metrics"].get(key))) is not None), None)
+        if t is not None:
+            return f"{name} starts", t
+    return None
+
+
+def _event_time(res: dict[str, Any], t_workload: float) -> float | None:
+    """Where a workload time falls on a result's timeline: the same on the wall clock; on the step
+    clock the first point whose ``workload_t`` reached it (None for older results without it)."""
+    if facts.clock_of(res) == "wall":
+        return t_workload
+    s = res.get("series", {})
+    return next((t for t, w in zip(s.get("t", []), s.get("workload_t", []), strict=False)
+                 if w is not None and w >= t_workload), None)
+
+
+def _engine_mode(label: str) -> tuple[str, str | None]:
+    """The inverse of :func:`_label`."""
+    if label.endswith("]") and " [" in label:
+        engine, mode = label[:-1].split(" [", 1)
+        return engine, mode
+    return label, None
+
+
+def claims_matrix(sc: dict[str, Any]) -> dict[str, Any] | None:
+    """The scenario's claims once: claim x engine (results of one engine share their claims; a mode
+    whose verdict differs gets its own column)."""
+    columns: list[tuple[str, dict[str, bool]]] = []
+    for r in sc["results"]:
+        checks = r.get("checks") or {}
+        if not checks:
+            continue
+        same = next((c for name, c in columns if name.split(" [")[0] == r["engine"] and c == checks), None)
+        if same is None:
+            columns.append((_label(r["engine"], r.get("mode")), checks))
+    if not columns:
+        return None
+    if len({name.split(" [")[0] for name, _ in columns}) == len(columns):
+        columns = [(name.split(" [")[0], c) for name, c in columns]  # one column per engine: no mode needed
+    claims = list(dict.fromkeys(k for _, c in columns for k in c))
+    return {"engines": [name for name, _ in columns],
+            "rows": [{"claim": k, "cells": [c.get(k) for _, c in columns]} for k in claims]}
+
+
 def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
     views = []
     for sc in results.scenarios:
         res_views = []
         for res in sc["results"]:
-            label = _label(res["engine"], res.get("mode"))
-            has_series = bool(res.get("series"))
-            m = res["metrics"]
-            gist = " · ".join(f"{metric_label(k)} {fmt_metric(k, m.get(k))}" for k in
-                              ("output_throughput", "tbt_p99", "preemptions") if m.get(k) is not None)
-            res_views.append({
-                "label": label, "gist": gist,
-                "charts": [charts.timeline(label, res), charts.throughput(label, res), charts.kv(label, res),
-                           charts.queues(label, res)] if has_series else [],
-                "checks": res.get("checks", {}), "notes": res.get("notes", []),
-            })
+            gist = " · ".join(f"{metric_label(k)} {facts.fmt_value(k, res)}" for k in
+                              ("output_throughput", "tbt_p99", "preemptions") if res["metrics"].get(k) is not None)
+            res_views.append({"label": _label(res["engine"], res.get("mode")), "gist": gist,
+                              "clock": facts.clock_of(res), "notes": res.get("notes", [])})
         sweeps = [c for sw in sc["sweeps"] for c in charts.sweep(sc, sw)]
         decl = verdict.declaration(sc["name"])
         pressure = verdict.pressure_of(sc)
@@ -472,7 +528,7 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
                       # a fact recorded at run time (from one repeat) is shown where the report computes it
                       "parameters": {k: v for k, v in sc.get("parameters", {}).items()
                                      if k not in facts.DERIVED_KEYS},
-                      "dists": charts.cdfs(sc),
+                      "dists": charts.cdfs(sc), "timelines": charts.timelines(sc), "claims": claims_matrix(sc),
                       "sweeps": sweeps, "results": res_views})
     return views
 
