@@ -123,7 +123,8 @@ def add_conformance_options(group: Any) -> None:
     group.addoption("--kvbench-stall-seconds", type=float, default=60.0, metavar="SECONDS",
                     help="fail an engine run after this long with no token and no state change (default 60)")
     group.addoption("--kvbench-expectations", action="append", default=None, metavar="FILE",
-                    help="TOML file of checks expected to fail per engine kind; they run as strict xfails "
+                    help="TOML file of checks expected to fail per engine kind, each pinned to its failure "
+                         "message; they run as strict xfails "
                          "(repeatable; a bare engine kind such as hf-cb or hf names the file kvbench ships, "
                          "kvbench/conformance/expectations/<kind>.toml)")
 
@@ -147,6 +148,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(e)) from None
     if len({s.name for s in specs}) != len(specs):
         raise pytest.UsageError("--engine: the same engine is named twice")
+    _check_engines_available(specs)
     thresholds = config.getoption("threshold")
     if thresholds:
         from kvbench.bench.gate import ThresholdError, parse_thresholds
@@ -182,6 +184,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(ConformanceRecorder(ks), "kvbench-conformance-recorder")
     _configure_distribution(config, ks)
     _configure_conformance(config, ks)
+
+
+def _check_engines_available(specs: list[EngineSpec]) -> None:
+    """An engine that cannot be had (not installed, nothing listening) is one usage error before any test
+    runs, not a traceback per check."""
+    from kvbench.engines.base import EngineUnavailable
+
+    for spec in specs:
+        try:
+            adapter_class(spec.kind).check_available(dict(spec.options))
+        except EngineUnavailable as e:
+            raise pytest.UsageError(f"--engine {spec.name}: {e}") from None
 
 
 def _configure_conformance(config: pytest.Config, ks: KvbenchSession) -> None:
@@ -261,12 +275,14 @@ def kvbench_session(request: pytest.FixtureRequest) -> KvbenchSession:
 
 @pytest.fixture(scope="session")
 def model_dir(kvbench_session: KvbenchSession) -> str:
-    """The checkpoint engines run on: ``--kvbench-model`` or the built-in tiny model."""
+    """The checkpoint engines run on: ``--kvbench-model``, or the built-in tiny model in a shape every engine
+    of the run loads (vLLM's CPU build: head size 32, :func:`kvbench.checkpoints.checkpoint_for`)."""
     if kvbench_session.model:
         return kvbench_session.model
-    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.checkpoints import checkpoint_for
 
-    return str(builtin_checkpoint("tiny"))
+    layouts = [adapter_class(s.kind).kv_layout_for(dict(s.options)) for s in kvbench_session.engine_specs]
+    return str(checkpoint_for(layouts))
 
 
 @pytest.fixture(scope="session")
@@ -465,44 +481,58 @@ class ConformanceRecorder:
 
 
 # ------------------------------------------------------------------------------ expected failures
-_EXPECTATION_KEY = pytest.StashKey[Any]()
-
-
 class ExpectedFailures:
-    """Marks each conformance test an expectations entry names (engine kind, check id, installed
-    versions) as a strict xfail; rewrites a strict XPASS into "now passes: remove it"; keeps the
-    findings for the terminal summary. Registered only when ``--kvbench-expectations`` is given."""
+    """Settles each conformance test an expectations entry names (engine kind or family, check id,
+    the engine's versions) as a strict, pinned xfail, from its call report: a failure whose message
+    the entry's ``match`` finds is the expected failure; any other failure stays a failure, saying
+    which entry it did not match; a pass is a failure saying the entry is stale. Keeps the findings
+    for the terminal summary. Registered only when ``--kvbench-expectations`` is given.
+
+    Decided when the test has run, not at collection: the engine's family and versions are the
+    adapter's to say (a server adapter asks its server), and the adapter exists only then."""
 
     def __init__(self, ks: KvbenchSession):
         self.ks = ks
 
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+    def _expectation_for(self, item: pytest.Item) -> Any:
         from kvbench.conformance.expectations import matching
 
-        for item in items:
-            spec = _engine_spec_of(item)
-            if spec is None or item.get_closest_marker("conformance") is None:
-                continue
-            kind = _adapter_kind(self.ks, spec.name) or spec.kind
-            expectation = matching(self.ks.expectations, kind, check_id(item))
-            if expectation is not None:
-                item.stash[_EXPECTATION_KEY] = expectation
-                item.add_marker(pytest.mark.xfail(reason=f"expected failure ({expectation.source}): "
-                                                         f"{expectation.reason}", strict=True))
+        spec = _engine_spec_of(item)
+        if spec is None or item.get_closest_marker("conformance") is None:
+            return None
+        adapter = getattr(item, "funcargs", {}).get("engine")
+        if adapter is not None and callable(getattr(adapter, "family", None)):
+            return matching(self.ks.expectations, adapter.kind, check_id(item), adapter.engine_version,
+                            adapter.family())
+        return matching(self.ks.expectations, _adapter_kind(self.ks, spec.name) or spec.kind, check_id(item))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: Any):
         report = yield
-        expectation = item.stash.get(_EXPECTATION_KEY, None)
-        if expectation is None or report.when != "call":
+        if report.when != "call" or report.skipped or hasattr(report, "wasxfail"):
             return report
-        if report.failed and str(report.longrepr).startswith("[XPASS(strict)]"):
-            report.longrepr = (f"[XPASS(strict)] now passes: remove it from the expectations file "
-                               f"{expectation.source} (engine {expectation.engine!r}, check {expectation.check!r})")
-            self.ks.findings.append(f"NOW PASSES {item.nodeid}: remove {expectation.engine} / {expectation.check} "
-                                    f"from {expectation.source}")
-        elif getattr(report, "wasxfail", None) is not None and report.skipped:
+        expectation = self._expectation_for(item)
+        if expectation is None:
+            return report
+        where = f"{expectation.source} (engine {expectation.engine!r}, check {expectation.check!r})"
+        if report.passed:
+            report.outcome = "failed"
+            report.longrepr = f"[XPASS(strict)] now passes: the expectation is stale, remove it from {where}"
+            self.ks.findings.append(f"NOW PASSES {item.nodeid}: the expectation is stale: remove {expectation.engine}"
+                                    f" / {expectation.check} from {expectation.source}")
+            return report
+        message = call.excinfo.exconly() if call.excinfo is not None else str(report.longrepr)
+        if expectation.matches_failure(message):
+            report.outcome = "skipped"
+            report.wasxfail = f"expected failure ({expectation.source}): {expectation.reason}"
             self.ks.findings.append(f"expected failure {item.nodeid}: {expectation.describe()}")
+            return report
+        pinned = f"match {expectation.match!r}" if expectation.match else "no match pattern"
+        headline = (f"[UNEXPECTED FAILURE] failed, but not as the expected failure in {where} pins it ({pinned}): "
+                    f"{_one_line(message)}")
+        report.longrepr = f"{headline}\n\n{report.longreprtext}"
+        self.ks.findings.append(f"UNEXPECTED FAILURE {item.nodeid}: does not match {expectation.engine} / "
+                                f"{expectation.check} ({pinned}) in {expectation.source}")
         return report
 
 
@@ -637,7 +667,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if ks.findings:
         tr.section("kvbench expected failures (findings listed in --kvbench-expectations)")
         for line in ks.findings:
-            tr.write_line(line, red=line.startswith("NOW PASSES"), yellow=not line.startswith("NOW PASSES"))
+            bad = line.startswith(("NOW PASSES", "UNEXPECTED FAILURE"))
+            tr.write_line(line, red=bad, yellow=not bad)
     if ks.report_path is None:
         return
     tr.section("kvbench")

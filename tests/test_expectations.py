@@ -1,5 +1,6 @@
-"""Expected failures: the TOML file is validated, entries match engine kind, check id and installed
-versions, and in a pytest run they become strict xfails whose fix is reported as "now passes"."""
+"""Expected failures: the TOML file is validated, entries match engine kind or family, check id and the
+engine's versions, and in a pytest run they become strict xfails pinned to their failure message: another
+failure of the same check is a failure, and a fix is reported as "now passes: the expectation is stale"."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ ENTRY = '''
 [[expected_failure]]
 engine = "{engine}"
 check = "{check}"
+match = "{match}"
 reason = "upstream bug {check}"
 reproduction = "python repro.py {check}"
 {extra}
@@ -30,24 +32,29 @@ reproduction = "python repro.py {check}"
 
 def write(tmp_path, *entries: dict[str, str]) -> str:
     path = tmp_path / "expect.toml"
-    path.write_text("".join(ENTRY.format(**{"extra": "", **e}) for e in entries))
+    path.write_text("".join(ENTRY.format(**{"extra": "", "match": "the upstream bug", **e}) for e in entries))
     return str(path)
 
 
 def test_entries_are_read_with_their_fields(tmp_path):
     path = write(tmp_path, {"engine": "hf-cb", "check": "over_long*", "extra": 'versions = { transformers = ">=5.0" }'})
     [e] = load_expectations(path)
-    assert (e.engine, e.check, e.reason, e.reproduction, e.versions) == (
-        "hf-cb", "over_long*", "upstream bug over_long*", "python repro.py over_long*", {"transformers": ">=5.0"})
+    assert (e.engine, e.check, e.match, e.reason, e.reproduction, e.versions) == (
+        "hf-cb", "over_long*", "the upstream bug", "upstream bug over_long*", "python repro.py over_long*",
+        {"transformers": ">=5.0"})
     assert e.source == path
 
 
+GOOD_ENTRY = '[[expected_failure]]\nengine = "x"\ncheck = "c"\nmatch = "m"\nreason = "r"\nreproduction = "p"\n'
+
+
 @pytest.mark.parametrize(("text", "field"), [
-    ('[[expected_failure]]\nengine = "x"\ncheck = "c"\nreason = "r"\n', "reproduction"),
-    ('[[expected_failure]]\nengine = ""\ncheck = "c"\nreason = "r"\nreproduction = "p"\n', "engine"),
-    ('[[expected_failure]]\nengine = "x"\ncheck = "c"\nreason = "r"\nreproduction = "p"\nwhy = 1\n', "why"),
-    ('[[expected_failure]]\nengine = "x"\ncheck = "c"\nreason = "r"\nreproduction = "p"\n'
-     'versions = { transformers = "five" }\n', "versions.transformers"),
+    ('[[expected_failure]]\nengine = "x"\ncheck = "c"\nmatch = "m"\nreason = "r"\n', "reproduction"),
+    (GOOD_ENTRY.replace('engine = "x"', 'engine = ""'), "engine"),
+    (GOOD_ENTRY + "why = 1\n", "why"),
+    (GOOD_ENTRY + 'versions = { transformers = "five" }\n', "versions.transformers"),
+    (GOOD_ENTRY.replace('match = "m"\n', ""), "field 'match' must be a non-empty string.*pins what its failure"),
+    (GOOD_ENTRY.replace('match = "m"', 'match = "("'), "field 'match' = '\\(' is not a valid regex"),
     ('[expected]\n', "expected"),
     ('not toml = = 1', "not valid TOML"),
 ])
@@ -69,7 +76,38 @@ def test_matching_by_kind_check_variant_and_version():
     assert matching([e], "hf-cb", "chunked_prefill_equivalence[64]", versions) is e
 
 
-def test_the_shipped_files_load_and_name_checks_that_exist():
+def test_an_entry_may_name_the_engine_family_behind_an_adapter():
+    e = Expectation("vllm", "swap*", "r", "p", {"vllm": ">=0.11"})
+    server_says = {"vllm": "0.11.2"}.get  # what the server runs, not what is installed here
+    assert e.applies("openai", "swap_preemption_equivalence", server_says, family="vllm")
+    assert not e.applies("openai", "swap_preemption_equivalence", server_says, family="sglang")
+    assert not e.applies("openai", "swap_preemption_equivalence", {"vllm": "0.10.0"}.get, family="vllm")
+    assert matching([e], "openai", "swap_preemption_equivalence", server_says, family="vllm") is e
+
+
+def test_an_adapter_is_its_own_family_and_reports_installed_versions_by_default(tmp_path):
+    from kvbench.engines.base import EngineAdapter
+
+    class Plain(EngineAdapter):
+        kind = "plain"
+
+        def generate(self, requests, knobs=None):
+            raise NotImplementedError
+
+    adapter = Plain(str(tmp_path))
+    assert adapter.family() == "plain"
+    assert adapter.engine_version("pytest") == pytest.__version__
+    assert adapter.engine_version("no-such-distribution-kvbench") is None
+
+
+def test_the_failure_must_match_the_pin():
+    e = Expectation("hf-cb", "c", "r", "p", match=r"prefix-cache hit .* did not happen")
+    assert e.matches_failure("AssertionError: prefix-cache hit on resume did not happen on hf-cb")
+    assert not e.matches_failure("Failed: hf-cb recompute: 3 of 24 requests differ from the ground truth")
+    assert not Expectation("hf-cb", "c", "r", "p").matches_failure("anything")  # no pin: nothing is expected
+
+
+def test_the_shipped_files_load_and_name_checks_that_exist_with_a_pin():
     suites = Path(__file__).parent.parent / "suites" / "conformance"
     sources = "".join(p.read_text() for p in suites.glob("test_*.py"))
     files = sorted(SHIPPED.glob("*.toml"))
@@ -78,6 +116,7 @@ def test_the_shipped_files_load_and_name_checks_that_exist():
         for e in load_expectations(f):
             assert e.engine == f.stem
             assert f"def test_{e.check}(" in sources, f"{f.name}: no conformance test named {e.check}"
+            assert e.match.strip(), f"{f.name}: {e.check} is not pinned to a failure message"
 
 
 def test_a_bare_engine_kind_names_the_shipped_file(tmp_path, monkeypatch):
@@ -87,7 +126,7 @@ def test_a_bare_engine_kind_names_the_shipped_file(tmp_path, monkeypatch):
         resolve("vllm")
     # anything that is a file, or looks like a path, is taken as given, never as a shipped name
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "hf").write_text(ENTRY.format(engine="hf", check="mine", extra=""))
+    (tmp_path / "hf").write_text(ENTRY.format(engine="hf", check="mine", extra="", match="x"))
     assert [e.check for e in load_expectations("hf")] == ["mine"]
     assert resolve("sub/hf-cb") == Path("sub/hf-cb")
     with pytest.raises(ExpectationsError, match=r"hf-cb\.toml: no such file"):
@@ -100,6 +139,9 @@ pytestmark = pytest.mark.conformance
 
 def test_known_bug(engine_spec):
     assert False, "the upstream bug"
+
+def test_new_bug(engine_spec):
+    assert False, "something else broke"
 
 def test_fixed_bug(engine_spec):
     pass
@@ -117,22 +159,36 @@ def test_listed_failures_pass_the_run_and_are_printed(pytester, tmp_path):
     path = write(tmp_path, {"engine": "reference", "check": "known_bug"},
                  {"engine": "reference", "check": "needs_a_capability"})
     result = pytester.runpytest_subprocess("--engine", "reference", "--kvbench-expectations", path, "-p",
-                                           "no:cacheprovider")
+                                           "no:cacheprovider", "-k", "not new_bug")
     result.assert_outcomes(passed=2, xfailed=1, skipped=1)
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*kvbench expected failures*", "*expected failure*test_known_bug*upstream bug "
                                  "known_bug (reproduce: python repro.py known_bug)*"])
 
 
-def test_a_fixed_bug_fails_the_run_saying_to_remove_it(pytester, tmp_path):
+def test_a_failure_that_does_not_match_its_pin_is_a_failure(pytester, tmp_path):
+    # both fail; only the failure the entry pins is the expected one, the other names the entry it missed
+    pytester.makepyfile(test_suite=SUITE)
+    path = write(tmp_path, {"engine": "reference", "check": "*_bug", "match": "upstream bug"})
+    result = pytester.runpytest_subprocess("--engine", "reference", "--kvbench-expectations", path, "-p",
+                                           "no:cacheprovider", "-k", "known_bug or new_bug", "-rf")
+    result.assert_outcomes(xfailed=1, failed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([
+        f"*UNEXPECTED FAILURE] failed, but not as the expected failure in {path} (engine 'reference', check '*_bug') "
+        "pins it (match 'upstream bug'): AssertionError: something else broke*",
+        "*UNEXPECTED FAILURE*test_new_bug*does not match reference / *_bug*"])
+
+
+def test_a_fixed_bug_fails_the_run_saying_the_expectation_is_stale(pytester, tmp_path):
     pytester.makepyfile(test_suite=SUITE)
     path = write(tmp_path, {"engine": "reference", "check": "fixed_bug"},
                  {"engine": "hf", "check": "known_bug"})  # another kind's entry does not apply
     result = pytester.runpytest_subprocess("--engine", "reference", "--kvbench-expectations", path, "-p",
-                                           "no:cacheprovider", "-rf")
+                                           "no:cacheprovider", "-rf", "-k", "not new_bug")
     result.assert_outcomes(passed=1, failed=2, skipped=1)
-    result.stdout.fnmatch_lines([f"*now passes: remove it from the expectations file {path}*",
-                                 "*NOW PASSES*test_fixed_bug*"])
+    result.stdout.fnmatch_lines([f"*now passes: the expectation is stale, remove it from {path}*",
+                                 "*NOW PASSES*test_fixed_bug*stale*"])
 
 
 def test_a_bad_expectations_file_is_a_usage_error(pytester, tmp_path):

@@ -3,18 +3,24 @@ reproduction each, so that a run can gate an engine upgrade.
 
 ``pytest suites/ --engine hf-cb --kvbench-expectations hf-cb`` (a bare name is the file shipped for
 that engine kind, ``kvbench/conformance/expectations/hf-cb.toml``; anything else is a path) runs
-every listed check as a *strict* xfail: the run passes while the finding stands (and prints it),
-and a fixed bug fails the run with "now passes: remove it from the expectations file".
+every listed check as a *strict*, *pinned* xfail: a failure whose message matches the entry's
+``match`` is the expected one (the run passes and prints the finding); a failure that does not
+match is a failure like any other, naming the entry it did not match (a new bug in a listed check is
+never swallowed); and a listed check that passes fails the run with "now passes: the expectation is
+stale, remove it from the expectations file".
 
 File format (``tomllib``)::
 
     [[expected_failure]]
-    engine = "hf-cb"                      # adapter kind
+    engine = "hf-cb"                      # adapter kind, or engine family (EngineAdapter.family(): "vllm")
     check = "recompute_preemption_equivalence"   # check id (kvbench.plugin.check_id); fnmatch patterns
                                                  # allowed, and a bare name matches every variant [..]
+    match = "prefix-cache hit on resume did not happen"   # regex searched in the failure's message
+                                                          # ("AssertionError: ..." as pytest's E line)
     reason = "why it fails (upstream behaviour)"
     reproduction = "the smallest command or snippet that shows it"
-    versions = { transformers = ">=5.0,<5.26" }  # optional: only while these installed versions match
+    versions = { transformers = ">=5.0,<5.26" }  # optional: only while these versions match
+                                                 # (EngineAdapter.engine_version: what the engine runs)
 
 Every field is checked when the file is read; an error names the file, the entry and the field.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.metadata
+import re
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,22 +45,28 @@ class ExpectationsError(ValueError):
 
 @dataclass(frozen=True)
 class Expectation:
+    """One expected failure. ``match`` pins its cause: a regex searched in the failure's message; an
+    empty one (only possible when built in code: files must give one) pins nothing, so no failure is
+    the expected one."""
+
     engine: str
     check: str
     reason: str
     reproduction: str
     versions: dict[str, str] = field(default_factory=dict)
     source: str = ""
+    match: str = ""
 
     def matches_check(self, check_id: str) -> bool:
         base = check_id.split("[", 1)[0]
         return fnmatch.fnmatchcase(check_id, self.check) or fnmatch.fnmatchcase(base, self.check)
 
     def applies(self, kind: str, check_id: str,
-                version_of: Callable[[str], str | None] | None = None) -> bool:
-        """True for engine ``kind`` and ``check_id`` when every version range holds for what is installed
-        (a package that is not installed never satisfies a range)."""
-        if kind != self.engine or not self.matches_check(check_id):
+                version_of: Callable[[str], str | None] | None = None, family: str | None = None) -> bool:
+        """True for engine ``kind`` (or ``family``) and ``check_id`` when every version range holds for the
+        version ``version_of`` gives (default: what is installed here; a package it does not know never
+        satisfies a range)."""
+        if self.engine not in (kind, family) or not self.matches_check(check_id):
             return False
         from packaging.specifiers import SpecifierSet
 
@@ -63,6 +76,10 @@ class Expectation:
             if version is None or not SpecifierSet(spec).contains(version, prereleases=True):
                 return False
         return True
+
+    def matches_failure(self, message: str) -> bool:
+        """Whether a failure with this message is the expected one (``match`` found in it)."""
+        return bool(self.match) and re.search(self.match, message) is not None
 
     def describe(self) -> str:
         versions = "".join(f", {p} {s}" for p, s in self.versions.items())
@@ -76,7 +93,7 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-_FIELDS = {"engine", "check", "reason", "reproduction", "versions"}
+_FIELDS = {"engine", "check", "match", "reason", "reproduction", "versions"}
 
 
 def shipped_names() -> list[str]:
@@ -121,9 +138,16 @@ def load_expectations(path: str | Path) -> list[Expectation]:
         unknown = sorted(set(entry) - _FIELDS)
         if unknown:
             raise ExpectationsError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(_FIELDS)}")
-        for name in ("engine", "check", "reason", "reproduction"):
+        for name in ("engine", "check", "match", "reason", "reproduction"):
             if not isinstance(entry.get(name), str) or not entry[name].strip():
-                raise ExpectationsError(f"{where}: field {name!r} must be a non-empty string, got {entry.get(name)!r}")
+                hint = (" (a regex found in the expected failure's message: an entry pins what its failure looks "
+                        "like, so that another failure of the same check is not swallowed)") if name == "match" else ""
+                raise ExpectationsError(f"{where}: field {name!r} must be a non-empty string, got "
+                                        f"{entry.get(name)!r}{hint}")
+        try:
+            re.compile(entry["match"])
+        except re.error as e:
+            raise ExpectationsError(f"{where}: field 'match' = {entry['match']!r} is not a valid regex: {e}") from None
         versions = entry.get("versions", {})
         if not isinstance(versions, dict):
             raise ExpectationsError(f"{where}: field 'versions' must be a table of package = \"specifier\"")
@@ -134,11 +158,11 @@ def load_expectations(path: str | Path) -> list[Expectation]:
                 raise ExpectationsError(f"{where}: versions.{package} = {spec!r} is not a version specifier "
                                         "such as \">=5.24,<5.26\"") from None
         out.append(Expectation(entry["engine"], entry["check"], entry["reason"].strip(),
-                               entry["reproduction"].strip(), dict(versions), str(path)))
+                               entry["reproduction"].strip(), dict(versions), str(path), entry["match"]))
     return out
 
 
 def matching(expectations: Sequence[Expectation], kind: str, check_id: str,
-             version_of: Callable[[str], str | None] | None = None) -> Expectation | None:
+             version_of: Callable[[str], str | None] | None = None, family: str | None = None) -> Expectation | None:
     """The first expectation that applies, or None."""
-    return next((e for e in expectations if e.applies(kind, check_id, version_of)), None)
+    return next((e for e in expectations if e.applies(kind, check_id, version_of, family)), None)

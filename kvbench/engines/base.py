@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 # The protocol's vocabulary lives in kvbench.core; it is re-exported here so that an adapter needs
 # one import.
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
+from kvbench.core.kv_budget import ANY_LAYOUT, KVBudget, KVLayout, pool_knobs
 from kvbench.core.liveness import DEFAULT_LIVENESS, Liveness
 from kvbench.core.requests import GenOutput, GenRequest, GenResult, WorkloadRequest
 
@@ -48,6 +49,11 @@ CAPABILITIES = frozenset(
 
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot be had: not installed, or nothing answers where it should. The message says how
+    to get one."""
+
+
 class EngineAdapter(abc.ABC):
     """Base class of engine adapters. Subclasses set ``kind``, ``capabilities``, ``option_keys``."""
 
@@ -70,6 +76,10 @@ class EngineAdapter(abc.ABC):
     #: HTTP stream): the engine then counts fewer aborts than the client asked for, and check 6 allows that
     #: (never more, and at least one).
     aborts_race_finishes: bool = False
+    #: what KV pools the engine accepts (block sizes, whether its pool must hold max_model_len, head sizes):
+    #: checks state their pressure in tokens (kvbench.core.kv_budget) and :meth:`pool_knobs` turns it into
+    #: this engine's terms
+    kv_layout: KVLayout = ANY_LAYOUT
 
     #: Knobs field -> the option key it overrides, where the names differ (e.g. ``num_gpu_blocks`` ->
     #: ``num_gpu_blocks_override``). A knob named like an option key overrides that option without an entry.
@@ -99,6 +109,11 @@ class EngineAdapter(abc.ABC):
             raise ValueError(f"engine {cls.kind!r}: unknown option(s) {sorted(unknown)}; "
                              f"allowed: {sorted(cls.option_keys)}")
 
+    def pool_knobs(self, budget: KVBudget, block_size: int | None = None) -> Knobs:
+        """``budget`` (a KV pool in tokens) as this engine's knobs: block size, pool in blocks and, where the
+        engine needs it, ``max_model_len``. ``block_size`` asks for a size (rounded up to one it takes)."""
+        return pool_knobs(budget, self.kv_layout, block_size)
+
     def knob_overrides(self, knobs: Knobs) -> dict[str, tuple[str, Any]]:
         """The engine options that ``knobs`` override: ``{knob: (option value given, knob value used)}``.
 
@@ -117,6 +132,37 @@ class EngineAdapter(abc.ABC):
         """Engine identity and configuration for results files."""
         return {"name": self.name, "kind": self.kind, "options": dict(self.options),
                 "capabilities": sorted(self.capabilities)}
+
+    @classmethod
+    def check_available(cls, options: dict[str, str]) -> None:
+        """Raise :class:`EngineUnavailable` when the engine named with ``options`` cannot be had at all (not
+        installed, nothing listening at its URL), with one message that says how to get it.
+
+        Called once per ``--engine`` before any test runs, so a missing engine is one usage error instead
+        of a failure per check. Default: always available (in-process engines import with kvbench)."""
+        return None
+
+    @classmethod
+    def kv_layout_for(cls, options: dict[str, str]) -> KVLayout:
+        """The KV layout an engine named with ``options`` will have, known before it starts (the session
+        picks a checkpoint whose head size every engine takes). Default: the class's ``kv_layout``."""
+        return cls.kv_layout
+
+    def family(self) -> str:
+        """The engine this adapter drives, as an expectations entry's ``engine`` may name it: the kind by
+        default; an adapter for a server says which engine serves (``"vllm"`` behind ``openai``)."""
+        return self.kind
+
+    def engine_version(self, package: str) -> str | None:
+        """The version of ``package`` the engine runs (an expectations entry's ``versions`` are checked
+        against it), or None when unknown. Default: the distribution installed here; an adapter for a
+        server reports what the *server* runs."""
+        import importlib.metadata
+
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
 
     @abc.abstractmethod
     def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
@@ -143,5 +189,16 @@ def _same_value(option: str, value: Any) -> bool:
     return text == str(value).lower()
 
 
-__all__ = ["CAPABILITIES", "DEFAULT_KNOBS", "EngineAdapter", "GenOutput", "GenRequest", "GenResult", "Knobs",
-           "WorkloadRequest"]
+__all__ = [
+    "CAPABILITIES",
+    "DEFAULT_KNOBS",
+    "EngineAdapter",
+    "EngineUnavailable",
+    "GenOutput",
+    "GenRequest",
+    "GenResult",
+    "KVBudget",
+    "KVLayout",
+    "Knobs",
+    "WorkloadRequest",
+]
