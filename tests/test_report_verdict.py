@@ -304,3 +304,31 @@ def test_scoreboard_does_not_rank_open_loop_runs_on_different_clocks():
         row = next(x for x in verdict.scoreboard(r, "reference") if x["scenario"] == "flash_crowd")
         assert bool(row["leader"]) is ranked, row
         assert ranked or "different clocks" in row["note"]
+
+
+def test_a_lead_on_a_preemption_cost_needs_the_cost_to_have_arisen():
+    """An engine that never preempted recomputed nothing: that is no lead on recompute cost."""
+    res = _results()
+    mode = "prefix_caching"
+    res.add_scenario_result("prefix_caching_recompute", "reference", {"recomputed_tokens": 728.0, "preemptions": 13.0},
+                            mode=mode)
+    res.add_scenario_result("prefix_caching_recompute", "other", {"recomputed_tokens": 0.0, "preemptions": 0.0},
+                            mode=mode)
+    row = next(x for x in verdict.scoreboard(res, "reference") if x["scenario"] == "prefix_caching_recompute")
+    assert row["leader"] == "" and "never preempted" in row["note"] and row["idle"] == ["other"]
+    assert "other: did not preempt" in row["standings"]
+    # both preempted: ranked as before
+    res.scenario("prefix_caching_recompute")["results"][1]["metrics"].update(recomputed_tokens=200.0, preemptions=4.0)
+    row = next(x for x in verdict.scoreboard(res, "reference") if x["scenario"] == "prefix_caching_recompute")
+    assert row["leader"] == "other"
+
+
+def test_the_verdict_names_every_engines_standing():
+    res = _results({"reference": {}, "other": {}, "third": {}})
+    for engine, tp in (("reference", 100.0), ("other", 250.0), ("third", 248.0)):
+        res.add_scenario_result(STORM, engine, {"output_throughput": tp})
+    (row,) = verdict.scoreboard(res, "reference")
+    assert [s.split(":")[0] for s in row["standings"]] == ["other", "third", "reference"]
+    assert "level with the best" in row["standings"][1] and "behind by 2.50×" in row["standings"][2]
+    page = render_report(res)
+    assert "third: level with the best" in page and "reference: behind by 2.50×" in page

@@ -79,7 +79,7 @@ def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
         decl = declaration(sc["name"])
         score = decl.score if decl is not None else DEFAULT_SCORE
         row: dict[str, Any] = {"scenario": sc["name"], "metric": "", "values": [], "leader": "", "by": "",
-                               "noise": "", "within_noise": False, "note": ""}
+                               "noise": "", "within_noise": False, "note": "", "standings": [], "idle": []}
         rows.append(row)
         if score is None:
             row["note"] = "one engine's modes against each other: see the headline"
@@ -91,8 +91,20 @@ def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
         if not entries:
             row["note"] = "not measured"
             continue
-        if len(entries) == 1:
-            row["leader"], row["note"] = entries[0][0]["engine"], "the only engine measured"
+        # a lead on a cost of preemption is judged only where the cost was incurred: an engine that never
+        # preempted here paid nothing, which is not a lead (it did not face the same storm)
+        idle = []
+        if score.metric in PREEMPTION_COSTS:
+            idle = [r for r, _ in entries if num(r["metrics"].get("preemptions")) == 0]
+            entries = [(r, v) for r, v in entries if r not in idle]
+            row["idle"] = [r["engine"] for r in idle]
+        if len(entries) < 2:
+            if entries:
+                row["leader"] = entries[0][0]["engine"]
+            row["note"] = ("the only engine measured" if not idle else
+                           f"not ranked: {', '.join(row['idle'])} never preempted here, so the cost did not arise")
+            row["leader"] = row["leader"] if not idle else ""
+            row["standings"] = [f"{r['engine']}: did not preempt" for r in idle]
             continue
         clocks = {_clock_of(r) for r, _ in entries}
         if len(clocks) > 1 and not _closed_loop(sc):
@@ -116,7 +128,32 @@ def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
                                           f" ({fmt_noisy_ratio(ratio, noise)})")
         else:
             row["leader"], row["by"] = best["engine"], f"{fmt_noisy_ratio(ratio, noise)} over {second['engine']}"
+        row["standings"] = _standings(score, entries) + [f"{r['engine']}: did not preempt" for r in idle]
     return rows
+
+
+#: scores that are a cost of preemption: ranked only among engines that preempted
+PREEMPTION_COSTS = frozenset({"recomputed_tokens", "recomputed_share", "preemptions", "preemptions_per_s",
+                              "swapped_out_bytes", "swap_seconds", "starvation_max_s", "preempted_request_share"})
+
+
+def _standings(score: Score, ranked: list[tuple[dict[str, Any], float]]) -> list[str]:
+    """Every engine's place against the best (``ranked`` best first): "leads", "level with the best
+    (within noise)" or "behind: 2.0× ±10%" (the best's advantage over it), so no engine goes unmentioned."""
+    (best, bv) = ranked[0]
+    out = [f"{best['engine']}: best ({fmt_value(score.metric, best)})"]
+    for r, v in ranked[1:]:
+        ratio = (bv / v if score.higher_is_better else v / bv) if bv and v else None
+        noise = ratio_noise(best, r, score.metric)
+        small = is_time(score.metric) and max(bv, v) < NOISE_FLOOR_S
+        if ratio is None:
+            where = f"{fmt_value(score.metric, r)} (no ratio: a zero)"
+        elif small or within_noise(ratio, noise):
+            where = f"level with the best, within noise ({fmt_value(score.metric, r)})"
+        else:
+            where = f"behind by {fmt_noisy_ratio(ratio, noise)} ({fmt_value(score.metric, r)})"
+        out.append(f"{r['engine']}: {where}")
+    return out
 
 
 def conformance_matrix(results: Results) -> dict[str, Any] | None:
