@@ -537,9 +537,17 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
 # entry points
 
 
-def render_report(results: Results, baseline: Results | None = None) -> str:
-    """The report of ``results`` as one self-contained HTML document (see the module docstring)."""
+def render_report(results: Results, baseline: Results | None = None, *, previous: dict[str, str] | None = None,
+                  index_href: str | None = None) -> str:
+    """The report of ``results`` as one self-contained HTML document (see the module docstring).
+    ``previous`` ({name, href}): the baseline is that earlier run (linked); ``index_href``: the run index."""
     charts = _Charts(results)
+    base = baseline_section(results, baseline) if baseline is not None else None
+    headlines = [{**h, "verdict": ""} for h in headline_ratios(results)]
+    if base is not None:  # a card says whether its scenario regressed
+        for h in headlines:
+            regressed = [r for r in base["regressions"] if r.startswith(h["scenario"] + " /")]
+            h["verdict"] = "regressed" if regressed else "no regression"
     context = {
         "version": __version__,
         "data": _without_series(results.to_dict()),
@@ -549,7 +557,7 @@ def render_report(results: Results, baseline: Results | None = None) -> str:
         "commit": results.data.get("commit") or {},
         "engines": results.engines,
         "reference": baseline_engine_name(results),
-        "headlines": headline_ratios(results),
+        "headlines": headlines, "previous": previous, "index_href": index_href,
         "scoreboard": verdict.scoreboard(results, baseline_engine_name(results)),
         "conformance": verdict.conformance_matrix(results),
         "preemption_costs": verdict.preemption_costs(results),
@@ -558,7 +566,7 @@ def render_report(results: Results, baseline: Results | None = None) -> str:
         "side_by_side": side_by_side(results),
         "sim_validation": sim_validation.section(results),
         "scenarios": _scenario_views(results, charts),
-        "baseline": baseline_section(results, baseline) if baseline is not None else None,
+        "baseline": base,
     }
     return _render("report.html", **context)
 
@@ -601,16 +609,52 @@ def write_text_file(path: str | os.PathLike[str], text: str) -> Path:
     return path
 
 
+def _scales(results: Results) -> set[str]:
+    return {str(sc.get("parameters", {}).get("scale")) for sc in results.scenarios}
+
+
+def previous_run(report_dir: str | os.PathLike[str], results: Results,
+                 exclude: str | os.PathLike[str] | None = None) -> Path | None:
+    """The newest earlier run in ``report_dir`` (a subfolder holding ``results.json``) with the same engines
+    and scale as ``results``: what a run compares itself with by default. None when there is none; a
+    folder whose results cannot be read is passed over."""
+    created = results.data.get("created") or ""
+    best: tuple[str, Path] | None = None
+    skip = Path(exclude).resolve() if exclude is not None else None
+    for path in Path(report_dir).glob("*/results.json"):
+        if skip is not None and path.parent.resolve() == skip:
+            continue
+        try:
+            other = Results.load(path)
+        except (OSError, ValueError):
+            continue
+        when = other.data.get("created") or ""
+        if (when < created and set(other.engine_names()) == set(results.engine_names())
+                and _scales(other) == _scales(results) and (best is None or when > best[0])):
+            best = (when, path)
+    return best[1] if best else None
+
+
 def write_report(results: Results | str | os.PathLike[str], out_dir: str | os.PathLike[str],
-                 baseline: Results | str | os.PathLike[str] | None = None) -> Path:
+                 baseline: Results | str | os.PathLike[str] | None = None, *, compare_previous: bool = True) -> Path:
     """Write ``out_dir/results.json`` and ``out_dir/report.html`` beside it, both mode 0644; returns the
-    report's path."""
+    report's path. Without a ``baseline`` (and unless ``compare_previous`` is False) the report compares
+    with the newest earlier run beside ``out_dir`` with the same engines and scale, and links it and the
+    run index: the first screen then answers "did it regress"."""
     res = results if isinstance(results, Results) else Results.load(results)
     base = baseline if (baseline is None or isinstance(baseline, Results)) else Results.load(baseline)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(res.save(out / "results.json"), FILE_MODE)
-    return write_text_file(out / "report.html", render_report(res, base))
+    previous = None
+    if base is None and compare_previous:
+        prev = previous_run(out.parent, res, exclude=out)
+        if prev is not None:
+            base = Results.load(prev)
+            previous = {"name": prev.parent.name, "href": "../" + urllib.parse.quote(prev.parent.name) + "/report.html"}
+    others = [p for p in out.parent.glob("*/results.json") if p.parent.resolve() != out.resolve()]
+    index = "../index.html" if others or (out.parent / "index.html").exists() else None
+    return write_text_file(out / "report.html", render_report(res, base, previous=previous, index_href=index))
 
 
 def _trend_chart(runs: list[dict[str, Any]]) -> Markup | None:
