@@ -559,6 +559,28 @@ def _add_conformance_to_results(ks: KvbenchSession) -> None:
         results.add_conformance(record)
 
 
+def _undecided_engines(ks: KvbenchSession) -> dict[str, list[dict[str, Any]]]:
+    """Engines for which the run decided no conformance check: every record of theirs is a skip.
+    Simulators are left out: they are skipped by design (placeholder tokens prove nothing)."""
+    by_engine: dict[str, list[dict[str, Any]]] = {}
+    for record in ks.conformance.values():
+        by_engine.setdefault(record["engine"], []).append(record)
+    simulated = {s.name for s in ks.engine_specs if _simulated(s)}
+    return {engine: records for engine, records in by_engine.items()
+            if engine not in simulated and all(r["outcome"] == "skipped" for r in records)}
+
+
+def _undecided_message(engine: str, records: list[dict[str, Any]]) -> str:
+    """Why a run that decided nothing for ``engine`` is not green, with its most common skip reasons."""
+    reasons: dict[str, int] = {}
+    for record in records:
+        reasons[record["reason"] or "no reason given"] = reasons.get(record["reason"] or "no reason given", 0) + 1
+    common = sorted(reasons.items(), key=lambda kv: -kv[1])[:5]
+    return "\n".join([f"no conformance check was decided for {engine}: all {len(records)} skipped, so this run "
+                      "proves nothing about it (a run that decided nothing is not green). Skip reasons:",
+                      *(f"  {n} x {reason}" for reason, n in common)])
+
+
 def _conformance_summary(tr: Any, ks: KvbenchSession) -> None:
     tr.section("kvbench conformance")
     by_engine: dict[str, dict[str, int]] = {}
@@ -569,6 +591,9 @@ def _conformance_summary(tr: Any, ks: KvbenchSession) -> None:
         near = sum(r["near_ties"] for r in ks.conformance.values() if r["engine"] == engine)
         tr.write_line(f"{engine}: " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
                       + (f" ({near} near-ties)" if near else ""))
+    for engine in _undecided_engines(ks):
+        tr.write_line(f"{engine}: NOTHING DECIDED: every check skipped, so the run fails (see kvbench::undecided"
+                      f"[{engine}])", red=True)
     overridden: dict[tuple[str, str, str], list[str]] = {}
     for record in ks.conformance.values():
         for knob, (given, used) in record["knob_overrides"].items():
@@ -601,6 +626,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if ks is None or _is_xdist_worker(config):
         return
     _add_conformance_to_results(ks)
+    for engine, records in _undecided_engines(ks).items():
+        _add_failed_item(session, f"kvbench::undecided[{engine}]", f"kvbench: nothing decided for {engine}",
+                         _undecided_message(engine, records))
     if ks.results is None:
         return
     ks.run_name = _claim_run_dir(ks.report_dir, ks.run_name)
@@ -643,8 +671,14 @@ def _count_gate_as_failure(session: pytest.Session, ks: KvbenchSession) -> None:
     lines = [f"GATE ERROR: {ks.gate_error}"] if ks.gate_error else []
     if ks.verdict is not None and ks.verdict.failed:
         lines += [ks.verdict.summary() + f" against --baseline {ks.baseline}", *ks.verdict.failure_lines()]
-    report = pytest.TestReport(nodeid=GATE_NODEID, location=(str(ks.baseline), None, "kvbench regression gate"),
-                               keywords={}, outcome="failed", longrepr="\n".join(lines), when="call")
+    _add_failed_item(session, GATE_NODEID, "kvbench regression gate", "\n".join(lines), str(ks.baseline))
+
+
+def _add_failed_item(session: pytest.Session, nodeid: str, title: str, longrepr: str, path: str = "kvbench") -> None:
+    """A synthetic failed item: exit status 1, a FAILURES entry with ``longrepr``, and pytest's last line
+    "... 1 failed ..." in red instead of "N passed" in green."""
+    report = pytest.TestReport(nodeid=nodeid, location=(path, None, title),
+                               keywords={}, outcome="failed", longrepr=longrepr, when="call")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.stats.setdefault("failed", []).append(report)

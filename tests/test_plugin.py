@@ -270,6 +270,44 @@ def test_a_run_without_conformance_tests_writes_no_results(pytester: pytest.Pyte
     assert "kvbench conformance" not in result.stdout.str()
 
 
+_UNDECIDED_TESTS = """
+    import pytest
+
+    pytestmark = pytest.mark.conformance
+
+
+    def test_swap(engine_spec):
+        if engine_spec.name != "reference":
+            pytest.skip(f"{engine_spec.name} lacks capability swap")
+
+
+    def test_priority(engine_spec):
+        pytest.skip(f"{engine_spec.name} lacks capability priority")
+"""
+
+
+def test_a_run_that_decided_nothing_for_an_engine_fails_naming_it(pytester: pytest.Pytester):
+    pytester.makepyfile(test_checks=_UNDECIDED_TESTS)
+    result = pytester.runpytest_subprocess("--engine", "reference", "--engine", "hf", "--report-dir", "out",
+                                           "-p", "no:benchmark", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=1, skipped=3, failed=1)  # the failure is the synthetic kvbench::undecided[hf]
+    result.stdout.fnmatch_lines(["*no conformance check was decided for hf: all 2 skipped*",
+                                 "*1 x hf lacks capability swap*", "*1 x hf lacks capability priority*",
+                                 "hf: NOTHING DECIDED: every check skipped*"])
+    assert "undecided[reference]" not in result.stdout.str()  # one check decided: reference is not undecided
+
+
+def test_a_run_that_decided_something_and_a_simulator_stay_green(pytester: pytest.Pytester):
+    """A simulator's checks are skipped by design (placeholder tokens prove nothing): not a run that failed."""
+    pytester.makepyfile(test_checks=_UNDECIDED_TESTS)
+    result = pytester.runpytest_subprocess("--engine", "reference", "--engine", "sim", "--report-dir", "out",
+                                           "-p", "no:benchmark", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(passed=1, skipped=3)
+    assert "NOTHING DECIDED" not in result.stdout.str()
+
+
 _ECHO_ADAPTER = """
     from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenResult
 
