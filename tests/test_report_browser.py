@@ -1,4 +1,4 @@
-"""The report in headless Chromium at 1400 and 1920 px: the page never scrolls sideways, no two pieces
+"""The report in headless Chromium at 800, 1400 and 1920 px: the page never scrolls sideways, no two pieces
 of chart text overlap, no table cell clips its text, and screenshots are taken to look at."""
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ CLIPPED = """(() => { const bad = [];
     if (t.scrollWidth > w.clientWidth + 1 && getComputedStyle(w).overflowX !== 'auto') {
       bad.push('table ' + t.className); } });
   return bad; })()"""
+#: legends in which two series share colour and dash pattern (the reader could not tell them apart)
+LEGENDS = """(() => { const bad = [];
+  document.querySelectorAll('figcaption.legend').forEach(fc => { const seen = {};
+    fc.querySelectorAll('svg.lg-key line').forEach(l => {
+      const k = l.getAttribute('stroke') + '|' + (l.getAttribute('stroke-dasharray') || 'solid');
+      if (seen[k]) bad.push(fc.textContent.trim().slice(0, 80) + ': ' + k); seen[k] = true; }); });
+  return bad; })()"""
 #: the page scrolls sideways when its content is wider than the window
 OVERFLOW = "document.documentElement.scrollWidth - window.innerWidth"
 
@@ -49,18 +56,21 @@ def report_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("width", [1400, 1920])
+@pytest.mark.parametrize("width", [800, 1400, 1920])
 def test_report_reads_at_common_widths(report_file, width):
     shots = {report_file.with_name(f"{name}-{width}.png"): sel for name, sel in
              (("top", "body"), ("diagnosis", "#diagnosis"), ("storm", "#scenario-1"), ("summary", "#summary"))}
     page = load_page(CHROMIUM, report_file.as_uri(), width=width, height=1100, shots=shots,
-                     expressions={"overflow": OVERFLOW, "overlaps": OVERLAPS, "clipped": CLIPPED,
+                     expressions={"overflow": OVERFLOW, "overlaps": OVERLAPS, "clipped": CLIPPED, "legends": LEGENDS,
+                                  "keys": "document.querySelectorAll('svg.lg-key').length",
                                   "texts": "document.querySelectorAll('svg.chart text').length"})
     assert page.console_errors == [] and page.exceptions == []
     assert page.evaluated["texts"] > 100  # the checks below looked at real charts
     assert page.evaluated["overflow"] <= 0, f"the page scrolls sideways by {page.evaluated['overflow']} px"
     assert page.evaluated["overlaps"] == [], page.evaluated["overlaps"]
     assert page.evaluated["clipped"] == [], page.evaluated["clipped"]
+    assert page.evaluated["keys"] > 20 and page.evaluated["legends"] == [], page.evaluated["legends"]
+    assert report_file.stat().st_size <= 1_000_000
     for png in shots:
         assert png_size(png.read_bytes())[0] == width
 
@@ -70,8 +80,12 @@ def test_the_overlap_check_catches_overlapping_text(tmp_path):
     bad = tmp_path / "bad.html"
     bad.write_text('<svg class="chart" aria-label="c" width="300" height="100"><text x="10" y="50">label one</text>'
                    '<text x="14" y="52">label two</text></svg><table><tr><td style="max-width:20px;overflow:hidden">'
-                   'a very long cell</td></tr></table><div style="width:5000px">wide</div>')
+                   'a very long cell</td></tr></table><div style="width:5000px">wide</div>'
+                   '<figcaption class="legend"><svg class="lg-key"><line stroke="#3b6fd4"/></svg>a'
+                   '<svg class="lg-key"><line stroke="#3b6fd4"/></svg>b</figcaption>')
     page = load_page(CHROMIUM, bad.as_uri(), width=1400, height=600,
-                     expressions={"overflow": OVERFLOW, "overlaps": OVERLAPS, "clipped": CLIPPED})
+                     expressions={"overflow": OVERFLOW, "overlaps": OVERLAPS, "clipped": CLIPPED,
+                                  "legends": LEGENDS})
     assert page.evaluated["overlaps"] == ["c: label one / label two"]
+    assert page.evaluated["legends"] == ["ab: #3b6fd4|solid"]
     assert page.evaluated["clipped"] and page.evaluated["overflow"] > 0

@@ -164,10 +164,12 @@ def side_by_side(results: Results) -> list[dict[str, Any]]:
             rows.append({"label": metric_label(key), "cells": [facts.fmt_value(key, r) for r in res],
                          "ratios": ratios})
         not_compared = sorted({why for o, b in pairs if (why := facts.clocks_differ(sc, o, b))})
+        beyond = [f"{r['label']} {x['text']} {x['word']}" for r in rows for x in r["ratios"]
+                  if x["cls"] in ("good", "bad")]
         tables.append({"scenario": sc["name"], "headers": [(r["engine"], r.get("mode"), facts.clock_of(r))
                                                              for r in res],
                        "ratio_headers": [(f"{o['engine']} ÷ {b['engine']}", o.get("mode")) for o, b in pairs],
-                       "rows": rows, "not_compared": not_compared,
+                       "rows": rows, "not_compared": not_compared, "beyond": beyond,
                        "chart": _ratio_chart(sc, pairs)})
     return tables
 
@@ -336,8 +338,7 @@ class _Charts:
                             c = rc.PREEMPT_COLORS.get(mode, "#d9434e")
                             marks.append(rc.Marker(t, c, f"{label}: preempted ({mode}) at {t:.3f} s"))
                             legend[f"preemption ({mode})"] = c
-                sub = f"{clock} clock only: not comparable with the other clock's chart" if split else (
-                    "one scale for every engine")
+                sub = f"{clock} clock only: not comparable with the other clock" if split else "one scale for all"
                 vlines = []
                 if event is not None:
                     at = {_label(r["engine"], r.get("mode")): _event_time(r, event[1]) for r in members}
@@ -347,12 +348,11 @@ class _Charts:
                         vlines += [rc.VLine(t, f"{event[0]} ({label})", self.style(*_engine_mode(label), modes,
                                                                                    one_engine=one_engine)[0])
                                    for label, t in at.items() if t is not None]
-                    sub += f"; {event[0]} at {event[1]:g} s of the workload"
-                    if any(facts.clock_of(r) == "step" for r in members):
-                        sub += " (step clock: marked where each run reached it)"
+                    sub += f"; {event[0]} at {event[1]:g} s of the workload" + (
+                        "" if vlines else " (not on this axis)")
                 chart = rc.Chart(title + (f" ({clock} clock)" if split else "") + f" — {sc['name']}", "time (s)",
                                  unit, lines=lines, markers=marks, marker_legend=legend, vlines=vlines,
-                                 y_format=fmt, y_max=top, y_integer=integer, subtitle=sub)
+                                 y_format=fmt, y_max=top, y_integer=integer, subtitle=sub, width=440, height=240)
                 out.append(self.render(chart))
         return out
 
@@ -382,7 +382,8 @@ class _Charts:
                     f"{key.upper()} (ms)" + (", log scale" if log else ""),
                     "share of " + ("requests" if key == "ttft" else "gaps") + " (%)", lines=lines, log_x=log,
                     subtitle=f"{clock} clock only: not comparable with the other clock's chart" if clock else "",
-                    x_format=lambda v: f"{v * 1000:g}", y_format=lambda v: f"{v * 100:g}", y_max=1.0)))
+                    x_format=lambda v: f"{v * 1000:g}", y_format=lambda v: f"{v * 100:g}", y_max=1.0,
+                    width=440, height=240)))
         return out
 
     def sweep(self, sc: dict[str, Any], sw: dict[str, Any]) -> list[Markup]:
