@@ -399,6 +399,21 @@ def pytest_runtest_call(item: pytest.Item):
                                          len(ks.near_ties) - near_ties_before if ks is not None else 0))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """An engine that cannot be had mid-run (a server refusing kvbench's credential: ``CredentialError``)
+    is one message, not a traceback per check: the test of that engine fails with the message alone and
+    the session stops, since every later one would fail the same way."""
+    from kvbench.engines.base import EngineUnavailable
+
+    report = yield
+    error = call.excinfo.value if call.excinfo is not None else None
+    if report.failed and isinstance(error, EngineUnavailable) and _engine_spec_of(item) is not None:
+        report.longrepr = f"{type(error).__name__}: {error}"
+        item.session.shouldfail = f"{type(error).__name__}: {error}"
+    return report
+
+
 def _one_line(text: str, limit: int = 300) -> str:
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     return line if len(line) <= limit else line[: limit - 3] + "..."
@@ -553,7 +568,7 @@ def _add_conformance_to_results(ks: KvbenchSession) -> None:
                 kind, capabilities = cls.kind or spec.kind, sorted(cls.capabilities)
             except EngineSpecError:
                 kind, capabilities = spec.kind, []
-            results.add_engine({"name": spec.name, "kind": kind, "options": dict(spec.options),
+            results.add_engine({"name": spec.name, "kind": kind, "options": spec.public_options,
                                 "capabilities": capabilities})
     for record in ks.conformance.values():
         results.add_conformance(record)

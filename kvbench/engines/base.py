@@ -49,6 +49,19 @@ CAPABILITIES = frozenset(
 
 
 
+#: options that are credentials for every adapter; an adapter adds its own in ``secret_options``
+ALWAYS_SECRET = frozenset({"api_key"})
+#: what a secret option's value is shown as, wherever kvbench prints or writes it
+REDACTED = "***"
+
+
+def redact_options(options: dict[str, str], secret: frozenset[str] | set[str] = ALWAYS_SECRET) -> dict[str, str]:
+    """``options`` with the value of every secret one (``secret`` and :data:`ALWAYS_SECRET`) replaced by
+    :data:`REDACTED`: what names, test ids, results and reports show."""
+    hidden = ALWAYS_SECRET | set(secret)
+    return {k: REDACTED if k in hidden else v for k, v in options.items()}
+
+
 class EngineUnavailable(RuntimeError):
     """The engine cannot be had: not installed, or nothing answers where it should. The message says how
     to get one."""
@@ -76,6 +89,9 @@ class EngineAdapter(abc.ABC):
     #: HTTP stream): the engine then counts fewer aborts than the client asked for, and check 6 allows that
     #: (never more, and at least one).
     aborts_race_finishes: bool = False
+    #: options that are credentials: their values never reach the terminal, test ids, results.json,
+    #: junitxml or the report (shown as ``***``). ``api_key`` always is one (:data:`ALWAYS_SECRET`).
+    secret_options: frozenset[str] = ALWAYS_SECRET
     #: what KV pools the engine accepts (block sizes, whether its pool must hold max_model_len, head sizes):
     #: checks state their pressure in tokens (kvbench.core.kv_budget) and :meth:`pool_knobs` turns it into
     #: this engine's terms
@@ -130,7 +146,7 @@ class EngineAdapter(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         """Engine identity and configuration for results files."""
-        return {"name": self.name, "kind": self.kind, "options": dict(self.options),
+        return {"name": self.name, "kind": self.kind, "options": redact_options(self.options, self.secret_options),
                 "capabilities": sorted(self.capabilities)}
 
     @classmethod

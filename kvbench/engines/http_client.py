@@ -18,7 +18,8 @@ checkpoint tokenizer's text of the ids (special tokens written out, so they roun
 
 Errors: an HTTP error with OpenAI's envelope ``{"error": {"message": ...}}`` becomes a
 :class:`Completion` with ``finish_reason="rejected"`` (4xx) or ``"error"`` (5xx, transport) and the
-server's message, so one bad request never hides the others' outputs.
+server's message, so one bad request never hides the others' outputs. A 401 is not one request's
+fault but the run's: it raises :class:`CredentialError`, one message naming the credential.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from kvbench.engines.base import EngineUnavailable
 from kvbench.engines.http_stream import StreamError, stream_events
 
 #: (arrival clock time of the chunk, token ids it carried) for every streamed chunk with tokens
@@ -154,6 +156,21 @@ def error_message(response: httpx.Response) -> str:
     return _message_from(response.status_code, response.content)
 
 
+class CredentialError(EngineUnavailable):
+    """The server answered 401: kvbench's credential (the engine option ``api_key``) is missing or wrong."""
+
+
+def credential_error(base_url: str, api_key: str | None, status: int = 401, body: bytes = b"") -> CredentialError:
+    """The one message a 401 gives: which credential, missing or refused, and how to pass it (never its value)."""
+    said = _message_from(status, body) if body else f"HTTP {status}"
+    if api_key:
+        said = said.replace(api_key, "***")
+        return CredentialError(f"{base_url} refused the credential given as the engine option api_key ({said}): "
+                               "it is not a key this server accepts; pass the server's key as api_key=...")
+    return CredentialError(f"{base_url} demands a credential ({said}) and none was given: pass the server's key "
+                           f"as the engine option api_key, e.g. --engine openai:url={base_url},api_key=...")
+
+
 def _failed(response: httpx.Response) -> Completion:
     reason = "rejected" if 400 <= response.status_code < 500 else "error"
     return Completion(finish_reason=reason, error=error_message(response), status=response.status_code)
@@ -218,6 +235,8 @@ class CompletionClient:
             response = await http.post("/v1/completions", json={**body, "stream": False})
         except httpx.HTTPError as e:
             return Completion(finish_reason="error", error=f"{type(e).__name__}: {e}")
+        if response.status_code == 401:
+            raise credential_error(self.base_url, self.api_key, 401, response.content)
         if response.status_code != 200:
             return _failed(response)
         data = response.json()
@@ -257,6 +276,8 @@ class CompletionClient:
             await stream_events(self.base_url, {**body, "stream": True}, self.headers(), on_event, clock, started)
             out.status = 200
         except StreamError as e:
+            if e.status == 401:
+                raise credential_error(self.base_url, self.api_key, 401, e.body) from None
             out.status = e.status
             out.finish_reason = "rejected" if 400 <= e.status < 500 else "error"
             out.error = _message_from(e.status, e.body)
@@ -267,7 +288,11 @@ class CompletionClient:
     # --- plain GETs (sync: used outside the event loop, between runs)
 
     def get(self, path: str, timeout: float = 10.0) -> httpx.Response:
-        return httpx.get(self.base_url + path, headers=self.headers(), timeout=timeout)
+        """GET ``path``; a 401 raises :class:`CredentialError`."""
+        response = httpx.get(self.base_url + path, headers=self.headers(), timeout=timeout)
+        if response.status_code == 401:
+            raise credential_error(self.base_url, self.api_key, 401, response.content)
+        return response
 
     def metrics_text(self) -> str | None:
         """``/metrics`` as text, or None when the server has none (404)."""

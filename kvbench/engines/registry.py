@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from kvbench.engines.base import EngineAdapter
+from kvbench.engines.base import ALWAYS_SECRET, REDACTED, EngineAdapter, redact_options
 
 #: the entry-point group adapters register in: ``[project.entry-points."kvbench.engines"]``
 ENTRY_POINT_GROUP = "kvbench.engines"
@@ -50,19 +50,33 @@ class EngineSpecError(ValueError):
     """A malformed or invalid ``--engine`` value. The message is a complete usage text."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class EngineSpec:
-    """One ``--engine`` value: ``kind`` is a registered kind or a ``module:Class`` import path."""
+    """One ``--engine`` value: ``kind`` is a registered kind or a ``module:Class`` import path.
+
+    ``secret`` names the options that are credentials (the adapter's ``secret_options``): their values
+    are kept in ``options`` for the adapter, and shown as ``***`` everywhere else (``name``, the test
+    ids and results made from it, ``public_options``, ``repr``)."""
 
     kind: str
     options: dict[str, str] = field(default_factory=dict)
+    secret: frozenset[str] = field(default=ALWAYS_SECRET, compare=False)
+
+    @property
+    def public_options(self) -> dict[str, str]:
+        """The options with every secret value redacted: what results and reports may show."""
+        return redact_options(self.options, self.secret)
 
     @property
     def name(self) -> str:
-        """Canonical display name: the kind plus its options, sorted (parses back to this spec)."""
+        """Canonical display name: the kind plus its options, sorted, secrets redacted (parses back to this
+        spec when it has no secret option)."""
         if not self.options:
             return self.kind
-        return self.kind + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return self.kind + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.public_options.items()))
+
+    def __repr__(self) -> str:
+        return f"EngineSpec({self.name!r})"
 
 
 def engine_kinds() -> dict[str, str]:
@@ -149,36 +163,54 @@ def _split_target(text: str) -> tuple[str, str]:
     raise EngineSpecError(f"unknown engine kind {head!r} in --engine {text!r}\n{usage()}")
 
 
+def _redacted(text: str, secret: frozenset[str] | set[str]) -> str:
+    """``text`` (an ``--engine`` value, or a message quoting one) with the value of every secret option the
+    value names replaced by ``***``."""
+    keys = ALWAYS_SECRET | set(secret)
+    values = {value.strip() for part in re.split(r"[:,]", text) for key, eq, value in [part.partition("=")]
+              if eq and key.strip() in keys and value.strip()}
+    for value in sorted(values, key=len, reverse=True):
+        text = text.replace(value, REDACTED)
+    return text
+
+
 def parse_engine_spec(text: str) -> EngineSpec:
     """Parse and check one ``--engine`` value: the class loads, every key is known, every value valid.
 
     Raises :class:`EngineSpecError` naming what is wrong (the kind, the key, or the option's field and
-    allowed values, in the engine's own words) followed by a usage text.
+    allowed values, in the engine's own words) followed by a usage text. Secret option values
+    (``api_key``, the adapter's ``secret_options``) never appear in it.
     """
     text = text.strip()
+    shown = _redacted(text, ALWAYS_SECRET)
     try:
         kind, rest = _split_target(text)
         cls = adapter_class(kind)
     except EngineSpecError as e:
-        message = str(e)
-        raise EngineSpecError(message if "\n" in message else f"--engine {text!r}: {message}\n{usage()}") from None
+        message = str(e).replace(text, shown)
+        raise EngineSpecError(message if "\n" in message else f"--engine {shown!r}: {message}\n{usage()}") from None
+    secret = ALWAYS_SECRET | frozenset(getattr(cls, "secret_options", ()))
+    shown = _redacted(text, secret)
     options: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not eq or not key or not value:
-            raise EngineSpecError(f"--engine {text!r}: {item!r} is not KEY=VALUE\n{usage(kind)}")
+            raise EngineSpecError(f"--engine {shown!r}: {_redacted(item, secret)!r} is not KEY=VALUE\n{usage(kind)}")
         if key not in cls.option_keys:
-            raise EngineSpecError(f"--engine {text!r}: {kind} has no option {key!r} "
+            raise EngineSpecError(f"--engine {shown!r}: {kind} has no option {key!r} "
                                   f"(allowed: {', '.join(sorted(cls.option_keys))})\n{usage(kind)}")
         if key in options:
-            raise EngineSpecError(f"--engine {text!r}: option {key!r} given twice")
+            raise EngineSpecError(f"--engine {shown!r}: option {key!r} given twice")
         options[key] = value
     try:
         cls.validate_options(dict(options))
     except (ValueError, TypeError) as e:
-        raise EngineSpecError(f"--engine {text!r}: {e}\n{usage(kind)}") from None
-    return EngineSpec(kind, options)
+        message = str(e)
+        for key in secret & set(options):  # the engine's own words may quote the value
+            message = message.replace(options[key], REDACTED)
+        raise EngineSpecError(f"--engine {shown!r}: {message}\n{usage(kind)}") from None
+    return EngineSpec(kind, options, secret)
 
 
 def make_adapter(spec: EngineSpec, model_dir: str) -> EngineAdapter:
