@@ -398,6 +398,15 @@ def test_all_finished_rejects_errors_and_unfinished():
     assert not sc.all_finished(make_trace())
 
 
+def test_all_finished_counts_only_served_requests():
+    """A rejection or an abort nobody asked for is not a request served; an abort the workload asked for is."""
+    assert sc.all_finished(make_trace(req("a", 0.0, [0.1], reason="stop")))
+    assert not sc.all_finished(make_trace(req("a", 0.0, [0.1]), req("b", 0.0, [], finished=0.1, reason="rejected")))
+    assert not sc.all_finished(make_trace(req("a", 0.0, [0.1], reason="abort")))
+    assert sc.all_finished(make_trace(req("a", 0.0, [0.1], reason="abort")), asked_to_abort={"a"})
+    assert not sc.all_finished(make_trace(req("a", 0.0, [0.1], reason="rejected")), asked_to_abort={"a"})
+
+
 # --------------------------------------------------------------------------------------------
 # the runner end to end, on an engine that serves everything in peace
 

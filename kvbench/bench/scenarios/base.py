@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -413,9 +413,10 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
            slos: str | Mapping[str, float] | None = None) -> None:
     """Add an outcome to a :class:`~kvbench.bench.results.Results`: one entry per result (summary +
     the judge's extra figures + timelines), every sweep point, and the claims as checks.
-    Claims the engine could not show (None) become notes rather than checks."""
+    Claims the engine could not show (None) are undecided: notes saying so, never checks (never passed)."""
     checks = {c: bool(v) for c, v in outcome.claims.items() if v is not None}
-    unknown = [f"not measurable on this engine: {c}" for c, v in outcome.claims.items() if v is None]
+    unknown = [f"undecided (the engine does not expose what it takes to tell): {c}"
+               for c, v in outcome.claims.items() if v is None]
     params = {**outcome.parameters}
     runs = outcome.repeats or [outcome]
     clock = {"clock": "wall" if outcome.step_seconds is None else "step", "step_seconds": outcome.step_seconds,
@@ -448,10 +449,18 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
 # claims shared by scenarios
 
 
-def all_finished(trace: Trace) -> bool:
-    """Every request finished, none with an error (an engine that drops requests has not served them)."""
-    return bool(trace.requests) and all(r.finished is not None and r.finish_reason != "error"
-                                        for r in trace.requests.values())
+#: how a request the engine served ends; a rejection, an error or an abort nobody asked for is not that
+SERVED_FINISH_REASONS = ("length", "stop")
+
+
+def all_finished(trace: Trace, asked_to_abort: Collection[str] = ()) -> bool:
+    """Every request finished and was served: ``"length"`` or ``"stop"``, or ``"abort"`` for one the
+    workload asked to abort (``asked_to_abort``). An engine that rejects, fails or aborts requests of
+    its own accord has not served them."""
+    return bool(trace.requests) and all(
+        r.finished is not None
+        and (r.finish_reason in SERVED_FINISH_REASONS or (r.finish_reason == "abort" and rid in asked_to_abort))
+        for rid, r in trace.requests.items())
 
 
 def positive(value: float | None) -> bool | None:
