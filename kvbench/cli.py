@@ -48,7 +48,7 @@ def _load(path: str, what: str) -> Results:
 
 
 def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.report.render import render_report, write_text_file  # jinja2 and charts load only when needed
+    from kvbench.report.render import plan_href, render_report, write_text_file  # jinja2, charts: only when needed
 
     results = _load(args.results, "results file")
     baseline = _load(args.baseline, "baseline file") if args.baseline else None
@@ -57,7 +57,7 @@ def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
         raise CLIError(f"{target} exists; pass --force to overwrite it, or -o to write elsewhere")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        html = render_report(results, baseline)
+        html = render_report(results, baseline, plan_href=plan_href(target.parent))
         write_text_file(target, html)
     except OSError as e:
         raise CLIError(f"cannot write report {str(target)!r}: {e}") from e

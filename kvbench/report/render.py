@@ -30,9 +30,9 @@ from kvbench import __version__
 from kvbench.bench import gate
 from kvbench.bench.results import Results
 from kvbench.report import charts as rc
-from kvbench.report import facts, sim_validation, verdict
+from kvbench.report import facts, recommend, sim_validation, verdict
 from kvbench.report.diagnosis import baseline_engine_name, diagnose
-from kvbench.report.formatting import fmt_metric, fmt_ratio, fmt_time, metric_label
+from kvbench.report.formatting import fmt_bytes, fmt_metric, fmt_ratio, fmt_time, metric_label
 
 #: what report files are written with: readable by everyone like any document (a results file written
 #: through a temporary file would otherwise keep mkstemp's 0600)
@@ -60,7 +60,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(metric=fmt_metric, ratio=fmt_ratio, seconds=fmt_time)
+    env.filters.update(metric=fmt_metric, ratio=fmt_ratio, seconds=fmt_time, bytes=fmt_bytes)
     return env
 
 
@@ -539,9 +539,10 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
 
 
 def render_report(results: Results, baseline: Results | None = None, *, previous: dict[str, str] | None = None,
-                  index_href: str | None = None) -> str:
+                  index_href: str | None = None, plan_href: str | None = None) -> str:
     """The report of ``results`` as one self-contained HTML document (see the module docstring).
-    ``previous`` ({name, href}): the baseline is that earlier run (linked); ``index_href``: the run index."""
+    ``previous`` ({name, href}): the baseline is that earlier run (linked); ``index_href``: the run index;
+    ``plan_href``: the capacity plan (``kvbench simulate --report``) the recommendation links."""
     charts = _Charts(results)
     base = baseline_section(results, baseline) if baseline is not None else None
     headlines = [{**h, "verdict": ""} for h in headline_ratios(results)]
@@ -563,6 +564,8 @@ def render_report(results: Results, baseline: Results | None = None, *, previous
         "conformance": verdict.conformance_matrix(results),
         "preemption_costs": verdict.preemption_costs(results),
         "diagnosis": diagnose(results),
+        "recommendations": recommend.recommendations(results, charts.facts) if results.scenarios else [],
+        "caveat": recommend.caveat(results), "budget": f"{recommend.PREEMPTION_BUDGET:g}", "plan_href": plan_href,
         "summary": summary_table(results),
         "side_by_side": side_by_side(results),
         "sim_validation": sim_validation.section(results),
@@ -655,7 +658,24 @@ def write_report(results: Results | str | os.PathLike[str], out_dir: str | os.Pa
             previous = {"name": prev.parent.name, "href": "../" + urllib.parse.quote(prev.parent.name) + "/report.html"}
     others = [p for p in out.parent.glob("*/results.json") if p.parent.resolve() != out.resolve()]
     index = "../index.html" if others or (out.parent / "index.html").exists() else None
-    return write_text_file(out / "report.html", render_report(res, base, previous=previous, index_href=index))
+    return write_text_file(out / "report.html", render_report(res, base, previous=previous, index_href=index,
+                                                              plan_href=plan_href(out)))
+
+
+def plan_href(report_dir: str | os.PathLike[str]) -> str | None:
+    """A relative link from a report in ``report_dir`` to the capacity plan (``kvbench simulate --report``
+    writes ``plan.html``): the one in ``report_dir`` itself, else the newest in its parent folder or in a
+    folder beside it (``reports/plan/plan.html``); None when no plan was made."""
+    here = Path(report_dir)
+    if (here / "plan.html").is_file():
+        return "plan.html"
+    plans = [p for p in (here.parent / "plan.html", *here.parent.glob("*/plan.html"))
+             if p.is_file() and p.parent.resolve() != here.resolve()]
+    if not plans:
+        return None
+    newest = max(plans, key=lambda p: p.stat().st_mtime)
+    rel = newest.relative_to(here.parent)
+    return "../" + "/".join(urllib.parse.quote(part) for part in rel.parts)
 
 
 def _trend_chart(runs: list[dict[str, Any]]) -> Markup | None:
