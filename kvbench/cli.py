@@ -3,7 +3,7 @@
 Both commands read results files only; nothing re-runs an engine.
 
     kvbench report RESULTS.json [--baseline B.json] [-o OUT.html] [--force]
-    kvbench compare BASELINE.json CURRENT.json [--threshold EXPR ...] [--gate-absolute] [--noise-k K]
+    kvbench compare BASELINE.json CURRENT.json [--threshold EXPR ...] [--gate-absolute] [--noise-k K] [--html OUT]
     kvbench merge SHARD.json ... -o MERGED.json [--report DIR] [--force]
 
 Exit status: 0 success (no regression); 1 ``compare`` found regressions or baseline results missing
@@ -108,6 +108,8 @@ def _cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
         print("no thresholded metric is present in both files", file=out)
     for note in verdict.notes:
         print(f"note: {note}", file=out)
+    if args.html:
+        _write_compare_html(args, baseline, current, verdict, thresholds, out)
     if verdict.failed:
         print(f"\n{verdict.summary()}:", file=out)
         for line in verdict.failure_lines():
@@ -115,6 +117,22 @@ def _cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
         return EXIT_REGRESSION
     print("\nno regressions", file=out)
     return EXIT_OK
+
+
+def _write_compare_html(args: argparse.Namespace, baseline: Results, current: Results, verdict: gate.Verdict,
+                        thresholds: Sequence[gate.Threshold], out: TextIO) -> None:
+    from kvbench.report.compare import render_compare  # jinja2 loads only when needed
+    from kvbench.report.render import write_text_file
+
+    target = Path(args.html)
+    html = render_compare(baseline, current, verdict, baseline_path=args.baseline, current_path=args.current,
+                          thresholds=", ".join(map(str, thresholds)))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_text_file(target, html)
+    except OSError as e:
+        raise CLIError(f"cannot write --html {args.html!r}: {e}") from e
+    print(f"side by side written to {target}", file=out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gate times on their absolute values, not as ratios to the reference engine of the same run")
     p.add_argument("--noise-k", type=float, default=gate.NOISE_K, metavar="K",
                    help="a change of a time must exceed K pooled spreads of the repeats (default %(default)g)")
+    p.add_argument("--html", metavar="OUT.html", help="also write the two runs side by side as one self-contained "
+                   "HTML page (the verdict, both runs' headlines, every key metric of each with its change)")
     p.set_defaults(handler=_cmd_compare)
 
     p = sub.add_parser("merge", help="merge results files (shards run on several machines) into one, with a report",

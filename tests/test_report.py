@@ -161,11 +161,12 @@ def test_write_report_and_index(tmp_path, results):
     (tmp_path / "javascript:alert(1)").mkdir()
     older.save(tmp_path / "javascript:alert(1)" / "results.json")
     index = write_index(tmp_path).read_text()
-    assert index.index("run-b") < index.index("2000-01-01")  # newest first
+    table = index[index.index("Runs, newest first"):]
+    assert table.index("run-b") < table.index("2000-01-01")  # newest first
     assert 'href="./run-b/report.html"' in index and "(no report.html)" in index
     assert "unreadable" in index and "invalid JSON" in index
     assert 'href="javascript' not in index
-    assert "Storm throughput, run after run" in index  # two readable runs with a storm: a trend chart
+    assert "Over time" in index and 'class="chart trend"' in index  # readable runs: the trend's small multiples
     assert not URL_RE.search(index)
 
 

@@ -30,7 +30,7 @@ from kvbench import __version__
 from kvbench.bench import gate
 from kvbench.bench.results import Results
 from kvbench.report import charts as rc
-from kvbench.report import facts, recommend, sim_validation, verdict
+from kvbench.report import facts, recommend, sim_validation, trend, verdict
 from kvbench.report.diagnosis import baseline_engine_name, diagnose
 from kvbench.report.formatting import fmt_bytes, fmt_metric, fmt_ratio, fmt_time, metric_label
 
@@ -218,7 +218,10 @@ def baseline_section(results: Results, baseline: Results) -> dict[str, Any]:
     regressions = gate.compare(results, baseline, gate.DEFAULT_THRESHOLDS)
     flagged = {(d.scenario, d.engine, d.mode, d.metric) for d in regressions}
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
-    for d in gate.deltas(results, baseline, [f"{k}:+0%" for k in BASELINE_METRICS]):
+    # the cells show both runs' own values (absolute): a same-run ratio to the reference engine, which the
+    # gate compares times by, would read as a value in the metric's unit ("1.0 tok/s") and leave the
+    # reference engine's own times empty
+    for d in gate.deltas(results, baseline, [f"{k}:+0%" for k in BASELINE_METRICS], absolute=True):
         key = (d.scenario, d.engine, d.mode)
         cls = _delta_class(d)
         cells.setdefault(key, {})[d.metric] = {
@@ -678,33 +681,16 @@ def plan_href(report_dir: str | os.PathLike[str]) -> str | None:
     return "../" + "/".join(urllib.parse.quote(part) for part in rel.parts)
 
 
-def _trend_chart(runs: list[dict[str, Any]]) -> Markup | None:
-    """Reference storm throughput run after run (oldest left), when two or more runs have it."""
-    points = [r for r in reversed(runs) if r.get("tp")]
-    if len(points) < 2:
-        return None
-    names = [r["name"] for r in points]
-
-    def x_name(v: float) -> str:
-        i = round(v)
-        return names[i] if abs(v - i) < 1e-9 and 0 <= i < len(names) else ""
-
-    line = rc.Line("reference, preemption storm", list(range(len(points))), [r["tp"] for r in points],
-                   rc.PALETTE[0], dots=True, area=True)
-    return rc.render(rc.Chart("Storm throughput, run after run", "run", "output tokens/s", lines=[line],
-                              x_format=x_name, y_format=lambda v: f"{v:,.0f}", width=900, height=260), uid="trend")
-
-
 def write_index(report_dir: str | os.PathLike[str]) -> Path:
-    """Write ``report_dir/index.html`` listing every run (a subfolder holding ``results.json``), newest
-    first. A folder whose results cannot be read is listed with the reason instead of failing."""
+    """Write ``report_dir/index.html``: the trend of every run's headline metrics as small multiples
+    (:mod:`kvbench.report.trend`), then every run (a subfolder holding ``results.json``) newest first. A
+    folder whose results cannot be read is listed with the reason instead of failing."""
     root = Path(report_dir)
     root.mkdir(parents=True, exist_ok=True)
-    runs = []
+    runs, readable = [], []
     for res_path in sorted(root.glob("*/results.json")):
         run = {"name": res_path.parent.name, "has_report": (res_path.parent / "report.html").exists(),
-               # "./" + quoting: a folder named like "javascript:..." stays a relative link
-               "href": "./" + urllib.parse.quote(res_path.parent.name) + "/report.html"}
+               "href": trend.run_href(res_path.parent.name)}
         try:
             res = Results.load(res_path)
         except (OSError, ValueError) as e:
@@ -724,6 +710,7 @@ def write_index(report_dir: str | os.PathLike[str]) -> Path:
                    machine=machine_label(res), storm_throughput=fmt_metric("output_throughput", tp) if tp else "–",
                    regressions=None)
         runs.append(run)
+        readable.append(trend.Run(run["name"], run["created"], run["href"], run["has_report"], res))
     runs.sort(key=lambda r: r["sort"], reverse=True)
-    html = _render("index.html", runs=runs, root=root.name, version=__version__, trend=_trend_chart(runs))
+    html = _render("index.html", runs=runs, root=root.name, version=__version__, trend=trend.trend_view(readable))
     return write_text_file(root / "index.html", html)
