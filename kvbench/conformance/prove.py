@@ -37,16 +37,23 @@ OUTPUT_LEN = (1, 40)
 PRESSURE = 2.0
 
 
-def kv_needs(requests: Sequence[GenRequest]) -> list[int]:
-    """Each request's KV need in tokens (prompt + output)."""
-    return [request_tokens(len(r.prompt_token_ids), r.max_tokens) for r in requests]
+def kv_needs(requests: Sequence[GenRequest], outputs: GenResult | None = None) -> list[int]:
+    """Each request's KV need in tokens: prompt + ``max_tokens``, or prompt + the tokens it really got in
+    ``outputs`` (the ground truth's), for requests that stop early."""
+    if outputs is None:
+        return [request_tokens(len(r.prompt_token_ids), r.max_tokens) for r in requests]
+    return [request_tokens(len(r.prompt_token_ids), len(o.token_ids))
+            for r, o in zip(requests, outputs.outputs, strict=True)]
 
 
 def pressured_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], factor: float = PRESSURE,
-                    **more: Any) -> Knobs:
+                    outputs: GenResult | None = None, **more: Any) -> Knobs:
     """Knobs for a pool that holds the largest of ``requests`` alone (``factor`` times it) but far from all of
-    them, in ``engine``'s terms; ``more`` knobs on top."""
-    return engine.pool_knobs(pressured(kv_needs(requests), factor)).merged(Knobs(**more))
+    them, in ``engine``'s terms (``outputs``: see :func:`kv_needs`); ``more`` knobs on top."""
+    budget = pressured(kv_needs(requests, outputs), factor)
+    # the largest request must be admitted whatever it turns out to need
+    budget = type(budget)(tokens=budget.tokens, largest=max(kv_needs(requests)))
+    return engine.pool_knobs(budget).merged(Knobs(**more))
 
 
 def roomy_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], **more: Any) -> Knobs:

@@ -98,3 +98,25 @@ def pool_knobs(budget: KVBudget, layout: KVLayout = ANY_LAYOUT, block_size: int 
     if layout.pool_holds_max_model_len:
         knobs = knobs.merged(Knobs(max_model_len=largest_blocks * size))
     return knobs
+
+
+def in_engine_terms(knobs: Knobs, layout: KVLayout, needs: Iterable[int]) -> Knobs:
+    """Knobs written in one engine's terms (block size, pools in blocks) restated for ``layout`` with the same
+    pools in tokens: a scenario that gives the reference engine 128 blocks of 16 gives vLLM's CPU build 64
+    blocks of 32, and ``max_model_len`` where that engine needs it (the largest of ``needs``, in whole blocks).
+
+    Unchanged when the engine takes the block size and has no start-up constraint, or when no pool is set."""
+    if knobs.block_size is None or knobs.num_gpu_blocks is None:
+        return knobs
+    if layout.takes_block_size(knobs.block_size) and not layout.pool_holds_max_model_len:
+        return knobs
+    needs = list(needs)
+    size = layout.block_size(knobs.block_size)
+    budget = KVBudget(tokens=knobs.num_gpu_blocks * knobs.block_size, largest=max(needs) if needs else 1)
+    pool = pool_knobs(budget, layout, size)
+    if knobs.max_model_len is not None:  # the scenario's own cap wins where it set one
+        pool = Knobs(block_size=pool.block_size, num_gpu_blocks=max(pool.num_gpu_blocks or 0,
+                                                                    math.ceil(knobs.max_model_len / size)),
+                     max_model_len=knobs.max_model_len if layout.pool_holds_max_model_len else None)
+    cpu = None if knobs.num_cpu_blocks is None else math.ceil(knobs.num_cpu_blocks * knobs.block_size / size)
+    return knobs.merged(pool).merged(Knobs(num_cpu_blocks=cpu))

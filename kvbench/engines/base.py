@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 # The protocol's vocabulary lives in kvbench.core; it is re-exported here so that an adapter needs
 # one import.
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
-from kvbench.core.kv_budget import ANY_LAYOUT, KVBudget, KVLayout, pool_knobs
+from kvbench.core.kv_budget import ANY_LAYOUT, KVBudget, KVLayout, in_engine_terms, pool_knobs
 from kvbench.core.liveness import DEFAULT_LIVENESS, Liveness
 from kvbench.core.requests import GenOutput, GenRequest, GenResult, WorkloadRequest
 
@@ -129,6 +129,12 @@ class EngineAdapter(abc.ABC):
         """``budget`` (a KV pool in tokens) as this engine's knobs: block size, pool in blocks and, where the
         engine needs it, ``max_model_len``. ``block_size`` asks for a size (rounded up to one it takes)."""
         return pool_knobs(budget, self.kv_layout, block_size)
+
+    def engine_knobs(self, knobs: Knobs, needs: Sequence[int]) -> Knobs:
+        """``knobs`` whose pools are stated in blocks of another size restated in this engine's terms, the
+        same pools in tokens (:func:`kvbench.core.kv_budget.in_engine_terms`); ``needs``: the workload's
+        requests' KV needs in tokens."""
+        return in_engine_terms(knobs, self.kv_layout, needs)
 
     def knob_overrides(self, knobs: Knobs) -> dict[str, tuple[str, Any]]:
         """The engine options that ``knobs`` override: ``{knob: (option value given, knob value used)}``.

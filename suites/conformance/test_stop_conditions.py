@@ -18,8 +18,8 @@ from kvbench.plugin import require
 
 pytestmark = pytest.mark.conformance
 
-#: tighter than the other checks' pressure (prove.PRESSURE): requests that stop early leave less pressure
-#: behind, yet the largest request still fits alone (reference engine: 16 blocks of 16)
+#: the pool holds the largest request's real need (prompt + the tokens the ground truth gave it, since
+#: requests stop early) this many times: tight, yet it always admits the largest request
 TIGHT = 1.35
 
 
@@ -54,7 +54,8 @@ def test_stop_condition_holds_under_pressure(condition, engine, requests_greedy,
     if fired == 0:
         pytest.skip(f"no ground-truth request ended by {condition}: nothing would prove the engine honours it")
     calm = engine.generate(requests, roomy_knobs(engine, requests))
-    stormy = engine.generate(requests, pressured_knobs(engine, requests, TIGHT, preemption_mode="recompute"))
+    stormy = engine.generate(requests, pressured_knobs(engine, requests, TIGHT, outputs=want,
+                                                       preemption_mode="recompute"))
     prove(stormy, engine, "preemptions_recompute", "recompute preemption")
     problems = _same_finish("unpressured vs ground truth", calm, want) + \
         _same_finish("pressured vs ground truth", stormy, want) + _same_finish("pressured vs unpressured", stormy, calm)

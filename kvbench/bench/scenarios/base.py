@@ -7,7 +7,7 @@ import inspect
 import json
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +288,10 @@ def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | 
     instead of a new one.
     """
     recorder = recorder if recorder is not None else TraceRecorder(adapter.name, scenario)
+    # the scenario's pools are in the reference engine's blocks: the same pressure, in tokens, in this
+    # engine's terms (e.g. vLLM's CPU build takes blocks of 32 only)
+    job = replace(job, knobs=adapter.engine_knobs(
+        job.knobs, [len(r.prompt_token_ids) + r.max_tokens for r in job.workload.requests]))
     kwargs: dict[str, Any] = {}
     if step_seconds is not None and getattr(adapter, "steppable", False):
         kwargs["step_seconds"] = step_seconds
