@@ -111,19 +111,20 @@ def test_the_shipped_files_load_and_name_checks_that_exist_with_a_pin():
     suites = Path(__file__).parent.parent / "suites" / "conformance"
     sources = "".join(p.read_text() for p in suites.glob("test_*.py"))
     files = sorted(SHIPPED.glob("*.toml"))
-    assert {f.stem for f in files} >= {"hf", "hf-cb"}
+    assert {f.stem for f in files} >= {"hf", "hf-cb", "vllm"}
     for f in files:
         for e in load_expectations(f):
             assert e.engine == f.stem
-            assert f"def test_{e.check}(" in sources, f"{f.name}: no conformance test named {e.check}"
+            name = e.check.split("[", 1)[0]  # a parametrized variant names its test function before the [
+            assert f"def test_{name}(" in sources, f"{f.name}: no conformance test named {e.check}"
             assert e.match.strip(), f"{f.name}: {e.check} is not pinned to a failure message"
 
 
 def test_a_bare_engine_kind_names_the_shipped_file(tmp_path, monkeypatch):
     assert resolve("hf-cb") == SHIPPED / "hf-cb.toml"
     assert load_expectations("hf-cb") == load_expectations(SHIPPED / "hf-cb.toml")
-    with pytest.raises(ExpectationsError, match=r"'vllm': not a shipped file \(shipped: hf, hf-cb\)"):
-        resolve("vllm")
+    with pytest.raises(ExpectationsError, match=r"'sglang': not a shipped file \(shipped: hf, hf-cb, vllm\)"):
+        resolve("sglang")
     # anything that is a file, or looks like a path, is taken as given, never as a shipped name
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hf").write_text(ENTRY.format(engine="hf", check="mine", extra="", match="x"))
@@ -233,6 +234,11 @@ def test_an_engine_with_a_length_limit_is_held_to_it():
 
     class Accepts:
         name, kind, no_length_limit = "accepts-everything", "fake", None
+
+        def pool_knobs(self, budget, block_size=None):
+            from kvbench.core.kv_budget import pool_knobs
+
+            return pool_knobs(budget, block_size=block_size)
 
         def generate(self, requests, knobs):
             return GenResult([GenOutput(r.request_id, [1], "length") for r in requests])

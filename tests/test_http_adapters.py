@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvbench.checkpoints import builtin_checkpoint
-from kvbench.conformance.prove import BLOCK_SIZE, conformance_requests
+from kvbench.conformance.prove import conformance_requests
 from kvbench.core.requests import GenRequest, WorkloadRequest
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import Knobs
@@ -33,6 +33,9 @@ from kvbench.engines.server_presets import PRESETS
 from kvbench.engines.stub_server import stub_token
 
 pytest_plugins = ["pytester"]
+
+#: the reference engine's block size these tests state their pools in
+BLOCK_SIZE = 16
 ROOT = Path(__file__).resolve().parent.parent
 STUB = "{python} -m kvbench.engines.stub_server --port {port}"
 

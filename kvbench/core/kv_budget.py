@@ -75,15 +75,14 @@ def pressured(needs: Iterable[int], factor: float = 2.0) -> KVBudget:
     """A pool that holds the largest request alone (``factor`` times it) but far from all of them at once.
 
     ``needs`` are the requests' token needs (:func:`request_tokens`)."""
-    needs = list(needs)
-    largest = max(needs)
+    largest = max(needs, default=1)
     return KVBudget(tokens=math.ceil(factor * largest), largest=largest)
 
 
 def roomy(needs: Iterable[int]) -> KVBudget:
     """A pool that holds every request at once with room to spare: nothing is ever preempted."""
     needs = list(needs)
-    return KVBudget(tokens=4 * sum(needs) + 64 * len(needs), largest=max(needs))
+    return KVBudget(tokens=max(1, 4 * sum(needs) + 64 * len(needs)), largest=max(needs, default=1))
 
 
 def pool_knobs(budget: KVBudget, layout: KVLayout = ANY_LAYOUT, block_size: int | None = None) -> Knobs:

@@ -33,7 +33,13 @@ _LIVE: set[ServerProcess] = set()
 
 
 class ServerStartError(RuntimeError):
-    """The server exited or stayed silent before ``/health`` answered. The message holds its log tail."""
+    """The server exited or stayed silent before ``/health`` answered. The message holds its log tail;
+    ``engine_output`` is that tail alone (what the server said, without kvbench's command line), for a
+    check that must judge the server's own words."""
+
+    def __init__(self, message: str, engine_output: str = ""):
+        super().__init__(message)
+        self.engine_output = engine_output
 
 
 def free_port() -> int:
@@ -82,6 +88,10 @@ class ServerProcess:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
+    def server_output(self, lines: int = 30) -> str:
+        """The log's last ``lines`` the server wrote (the ``$ command`` lines kvbench wrote are left out)."""
+        return "\n".join(line for line in self.log_tail(lines).splitlines() if not line.startswith("$ "))
+
     def wait_healthy(self, base_url: str, timeout: float) -> None:
         """Return once ``GET base_url/health`` answers 200; else stop the server and raise."""
         assert self.proc is not None, "start() first"
@@ -92,7 +102,7 @@ class ServerProcess:
                 self.stop()
                 raise ServerStartError(f"the server exited with status {code} before /health answered.\n"
                                        f"command: {shlex.join(self.argv)}\nlog {self.log_path}, last lines:\n"
-                                       f"{self.log_tail()}")
+                                       f"{self.log_tail()}", self.server_output())
             try:
                 if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
                     return
@@ -102,7 +112,7 @@ class ServerProcess:
                 self.stop()
                 raise ServerStartError(f"/health did not answer within {timeout:.0f} s (startup_timeout).\n"
                                        f"command: {shlex.join(self.argv)}\nlog {self.log_path}, last lines:\n"
-                                       f"{self.log_tail()}")
+                                       f"{self.log_tail()}", self.server_output())
             time.sleep(0.1)
 
     def running(self) -> bool:

@@ -147,10 +147,10 @@ def negative_pool_override_misreported() -> bool:
             print("  the server started with --num-gpu-blocks-override -1")
             return True
     except ServerStartError as e:
-        last = str(e).splitlines()
-        errors = [line for line in last if "Error" in line]
+        said = e.engine_output.splitlines()  # the server's own words, not the command line
+        errors = [line for line in said if "Error" in line]
         print("  the server refused to start; its error:\n    " + "\n    ".join(errors[-2:]))
-        return not any(re.search("num.gpu.blocks", line) for line in last)
+        return not any(re.search("num.gpu.blocks", line) for line in said)
 
 
 FINDINGS: dict[str, Callable[[], bool]] = {
