@@ -57,3 +57,50 @@ def test_scenario_pools_keep_their_tokens_in_another_engines_blocks() -> None:
 def test_a_budget_needs_a_request() -> None:
     with pytest.raises(ValueError, match="largest"):
         KVBudget(tokens=10, largest=0)
+
+
+class _FixedPoolServer:
+    """An engine whose pool is what it was started with (as ``openai:url=`` sees a running server)."""
+
+    name = "fixed"
+
+    def __init__(self, block_size: int, blocks: int, max_model_len: int | None = None):
+        self.pool = Knobs(block_size=block_size, num_gpu_blocks=blocks, max_model_len=max_model_len)
+
+    def fixed_pool(self) -> Knobs:
+        return self.pool
+
+
+def test_a_running_servers_pool_gets_a_workload_sized_to_it() -> None:
+    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.conformance.prove import PRESSURE, fitted_requests, kv_needs
+
+    model = str(builtin_checkpoint("tiny"))
+    for blocks in (24, 64):
+        server = _FixedPoolServer(16, blocks)
+        requests = fitted_requests(server, model)
+        needs = kv_needs(requests)
+        pool = 16 * blocks
+        assert max(needs) <= pool / PRESSURE  # the pool holds the largest request PRESSURE times...
+        assert sum(needs) > 3 * pool  # ...but not a third of them at once: real pressure
+
+
+def test_a_pool_too_large_to_pressure_skips_saying_so() -> None:
+    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.conformance.prove import fitted_requests
+
+    with pytest.raises(pytest.skip.Exception, match="too large to pressure"):
+        fitted_requests(_FixedPoolServer(16, 100_000), str(builtin_checkpoint("tiny")))
+
+
+def test_a_running_servers_pool_is_used_as_it_stands_or_the_check_skips(monkeypatch) -> None:
+    from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter
+
+    adapter = OpenAIAdapter.__new__(OpenAIAdapter)
+    adapter.name = "openai"
+    monkeypatch.setattr(adapter, "fixed_pool", lambda: Knobs(block_size=16, num_gpu_blocks=24), raising=False)
+    assert adapter.pool_knobs(KVBudget(tokens=300, largest=150)) == Knobs(block_size=16, num_gpu_blocks=24)
+    with pytest.raises(KnobsNotSettable, match="cannot hold this check's largest request"):
+        adapter.pool_knobs(KVBudget(tokens=900, largest=450))
+    with pytest.raises(KnobsNotSettable, match="unpressured run"):
+        adapter.pool_knobs(roomy([100, 150, 120]))

@@ -14,6 +14,7 @@ Two rules make a check honest:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -68,19 +69,50 @@ def model_vocab(model_dir: str) -> tuple[int, int]:
 
 
 def conformance_requests(model_dir: str, seed: int = 2024, n: int = NUM_REQUESTS, temperature: float = 0.0,
-                         shared_prefix: int = 0) -> list[GenRequest]:
+                         shared_prefix: int = 0, prompt_len: tuple[int, int] = PROMPT_LEN,
+                         output_len: tuple[int, int] = OUTPUT_LEN) -> list[GenRequest]:
     """The seeded request set every engine gets (the same seed gives the same requests everywhere)."""
     from kvbench.bench.workloads import AllAtOnce, SharedPrefix, Uniform, WorkloadSpec
 
     vocab, _ = model_vocab(model_dir)
     spec = WorkloadSpec(
-        name="conformance", num_requests=n, input_len=Uniform(*PROMPT_LEN), output_len=Uniform(*OUTPUT_LEN),
+        name="conformance", num_requests=n, input_len=Uniform(*prompt_len), output_len=Uniform(*output_len),
         arrival=AllAtOnce(), seed=seed, temperature=temperature,
         shared_prefix=SharedPrefix(num_groups=2, prefix_len=shared_prefix) if shared_prefix else None)
     workload = spec.build(vocab)
     return [GenRequest(r.request_id, list(r.prompt_token_ids), r.max_tokens, temperature=r.temperature,
                        seed=r.seed if r.seed is not None else (1000 + i if temperature > 0 else None))
             for i, r in enumerate(workload.requests)]
+
+
+#: at most this many requests in a set sized to a server's pool (bounded runs)
+MAX_FITTED_REQUESTS = 256
+
+
+def fitted_requests(engine: EngineAdapter, model_dir: str, **kwargs: Any) -> list[GenRequest]:
+    """The conformance request set, sized to the pool of a server that is already running (whose pool a check
+    cannot change, :meth:`OpenAIAdapter.fixed_pool`): request lengths scaled so the pool holds the largest
+    PRESSURE times (within the model's and the server's length limits), and more requests where the lengths
+    alone cannot give a workload of about six pools' worth. Engines whose pool a check sets get
+    :func:`conformance_requests` unchanged. Skips when no bounded request set can pressure the pool."""
+    fixed = getattr(engine, "fixed_pool", None)
+    pool = fixed() if fixed is not None else None
+    if pool is None:
+        return conformance_requests(model_dir, **kwargs)
+    tokens = pool.block_size * pool.num_gpu_blocks
+    _, max_len = model_vocab(model_dir)
+    max_len = min(max_len, pool.max_model_len or max_len)
+    largest = min(int(tokens / PRESSURE), max_len)
+    scale = largest / (PROMPT_LEN[1] + OUTPUT_LEN[1])
+    prompt = (1, max(2, int(PROMPT_LEN[1] * scale)))
+    output = (1, max(2, int(OUTPUT_LEN[1] * scale)))
+    average = (prompt[1] + output[1]) / 2
+    n = max(kwargs.pop("n", NUM_REQUESTS), math.ceil(6 * tokens / average))  # all of them: ~6 pools' worth
+    if n > MAX_FITTED_REQUESTS:
+        pytest.skip(f"{engine.name}'s pool ({tokens} tokens) is too large to pressure with at most "
+                    f"{MAX_FITTED_REQUESTS} requests of at most {max_len} tokens; start the server with a smaller "
+                    "pool (--num-gpu-blocks-override), or let kvbench start one (--engine server:...)")
+    return conformance_requests(model_dir, n=n, prompt_len=prompt, output_len=output, **kwargs)
 
 
 @dataclass

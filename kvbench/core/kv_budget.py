@@ -59,6 +59,8 @@ class KVBudget:
 
     tokens: int
     largest: int
+    #: the pool must hold every request at once (an unpressured run), not only the largest
+    holds_all: bool = False
 
     def __post_init__(self) -> None:
         if self.largest < 1 or self.tokens < 1:
@@ -82,7 +84,7 @@ def pressured(needs: Iterable[int], factor: float = 2.0) -> KVBudget:
 def roomy(needs: Iterable[int]) -> KVBudget:
     """A pool that holds every request at once with room to spare: nothing is ever preempted."""
     needs = list(needs)
-    return KVBudget(tokens=max(1, 4 * sum(needs) + 64 * len(needs)), largest=max(needs, default=1))
+    return KVBudget(tokens=max(1, 4 * sum(needs) + 64 * len(needs)), largest=max(needs, default=1), holds_all=True)
 
 
 def pool_knobs(budget: KVBudget, layout: KVLayout = ANY_LAYOUT, block_size: int | None = None) -> Knobs:

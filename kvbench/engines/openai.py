@@ -28,7 +28,7 @@ import pytest
 
 from kvbench.core.counters import Counters
 from kvbench.core.trace import TraceRecorder
-from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, KVBudget
 from kvbench.engines.http_client import DIALECTS, CompletionClient, TextTokens
 from kvbench.engines.http_metrics import (
     KNOB_FIELDS,
@@ -204,6 +204,32 @@ class OpenAIAdapter(EngineAdapter):
                 problems.append(f"{name}={wanted} (the server runs {name}={running[name]})")
         if problems:
             raise KnobsNotSettable(f"{self.name} cannot set knobs: needs {'; '.join(problems)}")
+
+    def fixed_pool(self) -> Knobs | None:
+        """The pool the running server has (block size, blocks, and max_model_len where known): a check sizes
+        its workload to it instead of asking for another pool (:func:`kvbench.conformance.prove.fitted_requests`).
+        None when the server says neither its block size nor its pool."""
+        running = self.server_knobs(self.scrape())
+        if running.get("block_size") is None or running.get("num_gpu_blocks") is None:
+            return None
+        return Knobs(block_size=running["block_size"], num_gpu_blocks=running["num_gpu_blocks"],
+                     max_model_len=running.get("max_model_len"))
+
+    def pool_knobs(self, budget: KVBudget, block_size: int | None = None) -> Knobs:
+        """The server's own pool when it holds ``budget`` (at least the budget's tokens, or, for a pressured
+        budget, the largest request but far from all of them); :class:`KnobsNotSettable` otherwise."""
+        pool = self.fixed_pool()
+        if pool is None:
+            return super().pool_knobs(budget, block_size)  # the check's own knobs, checked against the server's
+        tokens = (pool.block_size or 0) * (pool.num_gpu_blocks or 0)
+        if tokens < budget.largest:
+            raise KnobsNotSettable(f"{self.name}'s pool ({tokens} tokens) cannot hold this check's largest request "
+                                   f"({budget.largest} tokens)")
+        if tokens < budget.tokens and budget.holds_all:
+            raise KnobsNotSettable(f"{self.name}'s pool ({tokens} tokens) is smaller than this check's unpressured run "
+                                   f"needs ({budget.tokens} tokens for every request at once); start the server with a "
+                                   "larger pool, or let kvbench start one per knob set (--engine server:...)")
+        return Knobs(block_size=pool.block_size, num_gpu_blocks=pool.num_gpu_blocks)
 
     # --- runs
 

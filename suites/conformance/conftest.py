@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.conformance.prove import conformance_requests, roomy_knobs
+from kvbench.conformance.prove import fitted_requests, roomy_knobs
 from kvbench.engines.base import GenRequest, GenResult
 from kvbench.engines.registry import EngineSpec, make_adapter
 
@@ -20,8 +20,10 @@ def _pinned_torch_threads(request: pytest.FixtureRequest):
 
 
 @pytest.fixture(scope="session")
-def requests_greedy(model_dir: str) -> list[GenRequest]:
-    return conformance_requests(model_dir)
+def requests_greedy(engine, model_dir: str) -> list[GenRequest]:
+    """The conformance request set; sized to the pool of a server that is already running (``openai:url=``),
+    whose pool a check cannot change (:func:`kvbench.conformance.prove.fitted_requests`)."""
+    return fitted_requests(engine, model_dir)
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +34,16 @@ def truth_engine(model_dir: str):
     adapter.close()
 
 
+_TRUTHS: dict[tuple, GenResult] = {}
+
+
 @pytest.fixture(scope="session")
 def truth(truth_engine, requests_greedy) -> GenResult:
-    return truth_engine.generate(requests_greedy)
+    """The ground truth of the request set, computed once per distinct set (engines share it)."""
+    key = tuple((r.request_id, tuple(r.prompt_token_ids), r.max_tokens) for r in requests_greedy)
+    if key not in _TRUTHS:
+        _TRUTHS[key] = truth_engine.generate(requests_greedy)
+    return _TRUTHS[key]
 
 
 @pytest.fixture(scope="session")

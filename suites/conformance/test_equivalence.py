@@ -10,7 +10,7 @@ import pytest
 from kvbench.conformance.prove import (
     assert_conforms,
     compare_outputs,
-    conformance_requests,
+    fitted_requests,
     pressured_knobs,
     prove,
     roomy_knobs,
@@ -63,7 +63,7 @@ def test_swapped_blocks_survive_the_round_trip_byte_for_byte(engine, requests_gr
 def test_prefix_caching_equivalence_and_hits(engine, model_dir, truth_engine, near_ties):
     """3. Prefix caching on == off, with hits > 0, on requests that share a system prompt."""
     require(engine, "prefix_caching")
-    requests = conformance_requests(model_dir, seed=77, n=12, shared_prefix=64)
+    requests = fitted_requests(engine, model_dir, seed=77, n=12, shared_prefix=64)
     truth = truth_engine.generate(requests)
     base = roomy_knobs(engine, requests, max_num_seqs=4)
     off = engine.generate(requests, replace(base, enable_prefix_caching=False))
@@ -101,7 +101,7 @@ def test_chunked_prefill_equivalence(budget, engine, truth, requests_greedy, tru
 def test_seeded_sampling_is_reproducible_across_preemption(mode, engine, model_dir):
     """7. Seeded temperature sampling gives the same tokens with and without preemption."""
     require(engine, "sampling", mode)
-    requests = conformance_requests(model_dir, seed=31, n=12, temperature=1.0)
+    requests = fitted_requests(engine, model_dir, seed=31, n=12, temperature=1.0)
     calm = engine.generate(requests, roomy_knobs(engine, requests))
     stormy = engine.generate(requests, pressured_knobs(engine, requests, num_cpu_blocks=512, preemption_mode=mode))
     prove(stormy, engine, f"preemptions_{mode}", f"{mode} preemption")
