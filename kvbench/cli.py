@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -205,7 +206,7 @@ def _calibrate_flags_named(text: str) -> str:
 
 
 def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.engines.calibrate import Design, calibrate_profile
+    from kvbench.engines.calibrate import Design, calibrate_profile, fit_problems
 
     if args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
@@ -231,12 +232,29 @@ def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
           "step intervals",
           file=out, flush=True)
     try:
-        report = calibrate_profile(model, args.output, name=args.name, design=design, torch_threads=args.threads,
-                                   progress=progress)
-    except ValueError as e:  # e.g. a cell that does not fit this model's max_model_len
+        result, path = calibrate_profile(model, args.output, name=args.name, design=design,
+                                         torch_threads=args.threads, progress=progress, force=args.force)
+    except ValueError as e:  # a cell that does not fit the model, an existing file, a fit that explains nothing
         raise CLIError(_calibrate_flags_named(str(e))) from None
-    print(report, file=out)
+    print(result.summary(), file=out)
+    for problem in fit_problems(result.profile.fit):
+        print(f"kvbench: warning: {problem} (saved anyway: --force)", file=sys.stderr)
+    print(f"profile written to {path}\nplan capacity with it: {_simulate_command(path, args.model)}", file=out)
     return EXIT_OK
+
+
+def _simulate_command(profile: Path, model: str | None) -> str:
+    """The ``kvbench simulate`` command line that plans on a calibrated ``profile`` for ``model`` (None: the
+    built-in tiny model, simulate's default too): ``--fit-lengths`` when the model's context is too
+    short for the default workload's requests."""
+    from kvbench.bench.simulate import fit_length_scale
+    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.engines.registry import make_adapter, parse_engine_spec
+
+    spec = f"sim:hardware={profile}" + (f",model={model}" if model is not None else "")
+    shape = make_adapter(parse_engine_spec(spec), str(builtin_checkpoint("tiny"))).model_shape
+    fit = " --fit-lengths" if fit_length_scale("evening_surge", shape.max_position_embeddings) < 1.0 else ""
+    return f"kvbench simulate --engine {shlex.quote(spec)}{fit}"
 
 
 def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
@@ -263,25 +281,41 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     requests = args.requests if args.requests is not None else (10_000 if args.workload == "evening_surge" else 1600)
     if requests < 1:
         raise CLIError(f"--requests must be >= 1, got {requests}")
+    positions = shape.max_position_embeddings
+    scale = sim.fit_length_scale(args.workload, positions)
+    if scale < 1.0 and not args.fit_lengths:
+        raise CLIError(f"--workload {args.workload} does not fit {shape.name} (max_position_embeddings {positions}): "
+                       f"its longest request is {sim.longest_request(args.workload):,} tokens. Name a model with a "
+                       f"longer context (--engine ...,model=llama-3-8b), or add --fit-lengths to serve the workload's "
+                       f"shape with every length x{scale:.3g}")
     try:
-        workload = build(requests, vocab_size=shape.vocab_size, max_model_len=shape.max_position_embeddings,
-                         seed=args.seed)
+        workload = build(requests, vocab_size=shape.vocab_size, max_model_len=positions, seed=args.seed,
+                         length_scale=scale)
     except ValueError as e:  # the workload's lengths do not fit the model (a small config.json)
         raise CLIError(f"--workload {args.workload} does not fit {shape.name} "
-                       f"(max_position_embeddings {shape.max_position_embeddings}): {e}") from e
+                       f"(max_position_embeddings {positions}): {e}") from e
     print(f"simulating {len(workload.requests):,} requests of {args.workload} at scale on {adapter.name} "
           f"({shape.name} on {adapter.profile.name}; times are simulated seconds)", file=out)
+    if scale < 1.0:
+        print(f"--fit-lengths: every prompt, output and shared prefix x{scale:.3g} (rounded down) so the longest "
+              f"request fits {shape.name}'s {positions:,} positions; arrival rates unchanged", file=out)
     base = sim.DEFAULT_KNOBS.merged(needs)
     try:
         for warning in sim.check_sweep(adapter, sweep, base):
             print(f"kvbench: warning: {warning}", file=sys.stderr)
     except ValueError as e:
         raise CLIError(str(e)) from e
-    if sweep:
-        runs = sim.run_sweep(adapter, workload, sweep, base, progress=lambda r: print(
-            f"  ran {r.knobs} in {r.wall_seconds:.1f} s", file=out))
-    else:
-        runs = [sim.simulate(adapter, workload, base)]
+    try:
+        if sweep:
+            runs = sim.run_sweep(adapter, workload, sweep, base, progress=lambda r: print(
+                f"  ran {r.knobs} in {r.wall_seconds:.1f} s", file=out))
+        else:
+            runs = [sim.simulate(adapter, workload, base)]
+    except ValueError as e:
+        if getattr(e, "field", None) is None:  # not the engine's ConfigError (a bug: keep its traceback)
+            raise
+        # the engine refused its configuration on building (e.g. the model's weights fill the profile's memory)
+        raise CLIError(f"--engine {args.engine}: {e}") from e
     print(sim.format_runs(runs), file=out)
     plan = capacity_plan(runs, adapter, args.preemption_budget, workload)
     print(plan.text(), file=out)
@@ -390,10 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "outside --heldout. Swap copies are timed separately (1-64 blocks). Prints "
                                    "progress per cell, then the fit's error (median and p90 relative error per "
                                    "interval, R²) on the fitted and the held-out cells; the same figures are saved in "
-                                   "the profile's \"fit\". Load the profile with --engine sim:hardware=PROFILE.json.")
+                                   "the profile's \"fit\", and the kvbench simulate command that plans with the "
+                                   "profile. It refuses to overwrite PROFILE.json, or to save a fit that explains "
+                                   "too little (R² below 0.3), without --force.")
     p.add_argument("--model", metavar="DIR", help="checkpoint to calibrate on (default: the built-in tiny model)")
     p.add_argument("-o", "--output", default="profiles/this-machine.json", metavar="PROFILE.json")
     p.add_argument("--name", default="this-machine")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite PROFILE.json if it exists, and save a fit "
+                   "whose R² (fitted or held-out cells) is below 0.3 (refused otherwise, saying why)")
     p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (default 1)")
     p.add_argument("--contexts", metavar="N,N,...", help="context tokens of the decodes, one cell row each "
                    "(default 32,192,512)")
@@ -416,6 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefix caching on)")
     p.add_argument("--requests", type=int, default=None, help="default 10,000 (evening_surge) or 1,600 (mixed_victims)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fit-lengths", action="store_true",
+                   help="when the model's context is shorter than the workload's longest request, scale every "
+                        "length (prompts, outputs, shared prefixes) by one factor so it fits; arrivals unchanged "
+                        "(without it such a model is refused)")
     p.add_argument("--sweep", action="append", metavar="KNOB=V,V,...",
                    help="e.g. max_num_seqs=64,128,256,num_gpu_blocks=4000,8000,preemption_mode=swap,recompute")
     p.add_argument("--preemption-budget", type=float, default=0.01, metavar="PER_REQUEST",

@@ -172,7 +172,8 @@ def test_calibrate_cli_writes_a_loadable_profile_with_its_fit_error(tmp_path, ti
 
     out, path = io.StringIO(), tmp_path / "p.json"
     code = main(["calibrate", "-o", str(path), "--model", tiny, "--contexts", "16,48", "--batches", "1,4",
-                 "--prefills", "8,32", "--heldout", "48", "--repeats", "1", "--rounds", "2", "--name", "ci"], out=out)
+                 "--prefills", "8,32", "--heldout", "48", "--repeats", "1", "--rounds", "2", "--name", "ci",
+                 "--force"], out=out)  # a design this small fits poorly: saved only with --force
     text = out.getvalue()
     assert code == 0, text
     assert "cell 8/8 (round 2/2): context 48, decode batch 4" in text and "(held out)" in text

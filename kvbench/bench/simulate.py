@@ -12,6 +12,7 @@ Every time here is simulated seconds on the sim engine's hardware profile.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,41 +28,90 @@ HEADLINE = ("output_throughput", "ttft_p50", "ttft_p99", "tbt_p99", "preemptions
             "recomputed_tokens", "swapped_out_bytes")
 
 
+def _lengths(low: int, high: int, scale: float) -> Uniform:
+    """``Uniform(low, high)`` with both bounds times ``scale``, rounded down (at least 1 token)."""
+    return Uniform(max(1, math.floor(low * scale)), max(1, math.floor(high * scale)))
+
+
+def evening_surge_specs(num_requests: int = 10_000, seed: int = 0,
+                        length_scale: float = 1.0) -> list[tuple[WorkloadSpec, float]]:
+    """:func:`evening_surge_at_scale`'s specs, each with the seconds its arrivals are shifted by."""
+    wave_n = max(1, num_requests * 16 // 100)
+    steady = WorkloadSpec("steady", num_requests - wave_n, _lengths(64, 512, length_scale),
+                          _lengths(64, 256, length_scale), Poisson(40.0), seed=seed)
+    wave = WorkloadSpec("wave", wave_n, _lengths(2048, 3072, length_scale), _lengths(512, 1000, length_scale),
+                        Poisson(16.0), seed=seed + 1)
+    return [(steady, 0.0), (wave, 100.0)]
+
+
 def evening_surge_at_scale(num_requests: int = 10_000, vocab_size: int = 32_000, max_model_len: int = 8192,
-                           seed: int = 0) -> Workload:
+                           seed: int = 0, length_scale: float = 1.0) -> Workload:
     """The evening surge (seed 000) at production scale: 84% steady short traffic (64-512 prompt,
     64-256 output tokens, Poisson 40/s), then from t=100 s a wave of 16% long-context requests
-    (2048-3072 prompt, 512-1000 output, Poisson 16/s): the full-scale scenario's shape, 28x the requests."""
-    wave_n = max(1, num_requests * 16 // 100)
-    steady = WorkloadSpec("steady", num_requests - wave_n, Uniform(64, 512), Uniform(64, 256), Poisson(40.0),
-                          seed=seed)
-    wave = WorkloadSpec("wave", wave_n, Uniform(2048, 3072), Uniform(512, 1000), Poisson(16.0), seed=seed + 1)
-    limit = max_model_len - 1
-    return combine("evening_surge_at_scale", steady.build(vocab_size, max_prompt_len=limit),
-                   wave.build(vocab_size, max_prompt_len=limit).shifted(100.0))
+    (2048-3072 prompt, 512-1000 output, Poisson 16/s): the full-scale scenario's shape, 28x the requests.
+    ``length_scale`` multiplies every length (arrivals unchanged): see :func:`fit_length_scale`."""
+    return _build("evening_surge_at_scale", evening_surge_specs(num_requests, seed, length_scale), vocab_size,
+                  max_model_len, length_scale)
+
+
+def mixed_victims_specs(num_requests: int = 1600, seed: int = 0,
+                        length_scale: float = 1.0) -> list[tuple[WorkloadSpec, float]]:
+    """:func:`mixed_victims_at_scale`'s specs, each with the seconds its arrivals are shifted by."""
+    long_n = max(1, num_requests // 16)
+    short = WorkloadSpec("short", num_requests - long_n, _lengths(16, 128, length_scale),
+                         _lengths(512, 1024, length_scale), Poisson(32.0),
+                         shared_prefix=SharedPrefix(2, max(1, math.floor(256 * length_scale))), seed=seed + 11)
+    long = WorkloadSpec("long", long_n, _lengths(3072, 6144, length_scale), _lengths(256, 512, length_scale),
+                        Poisson(2.0), seed=seed + 12)
+    return [(short, 0.0), (long, 0.0)]
 
 
 def mixed_victims_at_scale(num_requests: int = 1600, vocab_size: int = 32_000, max_model_len: int = 8192,
-                           seed: int = 0) -> Workload:
+                           seed: int = 0, length_scale: float = 1.0) -> Workload:
     """Short and long victims mixed, at Llama-3-8B/H200 scale (issue 11, ``preemption_mode=auto``): 15 of
     16 requests short (a 256-token system prompt of 2, shared, then 16-128 tokens of their own; 512-1024
     output tokens; Poisson 32/s), 1 of 16 long and unique (3,072-6,144-token prompts, 256-512 output
     tokens; Poisson 2/s). Serve it with prefix caching on and a pool too small for it
     (``num_gpu_blocks_override=8000``): a short victim is cheap to recompute (its prompt is mostly
     shared) while a swap copies its shared blocks and brings them back unshared; a long victim is
-    dear to recompute once its blocks are drawn, and cheap to swap."""
-    long_n = max(1, num_requests // 16)
+    dear to recompute once its blocks are drawn, and cheap to swap. ``length_scale`` as
+    :func:`evening_surge_at_scale`'s."""
+    return _build("mixed_victims_at_scale", mixed_victims_specs(num_requests, seed, length_scale), vocab_size,
+                  max_model_len, length_scale)
+
+
+def _build(name: str, specs: list[tuple[WorkloadSpec, float]], vocab_size: int, max_model_len: int,
+           length_scale: float) -> Workload:
+    if not (math.isfinite(length_scale) and 0 < length_scale <= 1):
+        raise ValueError(f"length_scale={length_scale!r} is invalid: expected a number in (0, 1]")
     limit = max_model_len - 1
-    short = WorkloadSpec("short", num_requests - long_n, Uniform(16, 128), Uniform(512, 1024), Poisson(32.0),
-                         shared_prefix=SharedPrefix(2, 256), seed=seed + 11)
-    long = WorkloadSpec("long", long_n, Uniform(3072, 6144), Uniform(256, 512), Poisson(2.0), seed=seed + 12)
-    return combine("mixed_victims_at_scale", short.build(vocab_size, max_prompt_len=limit),
-                   long.build(vocab_size, max_prompt_len=limit))
+    parts = [spec.build(vocab_size, max_prompt_len=limit).shifted(shift) if shift else
+             spec.build(vocab_size, max_prompt_len=limit) for spec, shift in specs]
+    if length_scale != 1.0:
+        name = f"{name} (lengths x{length_scale:.3g})"
+    return combine(name, *parts)
 
 
 #: ``kvbench simulate --workload``: name -> (builder, knobs it needs)
 WORKLOADS = {"evening_surge": (evening_surge_at_scale, Knobs()),
              "mixed_victims": (mixed_victims_at_scale, Knobs(enable_prefix_caching=True))}
+#: the same workloads' specs (their lengths decide whether a model's context holds them)
+WORKLOAD_SPECS = {"evening_surge": evening_surge_specs, "mixed_victims": mixed_victims_specs}
+
+
+def longest_request(workload: str) -> int:
+    """Tokens of the longest request ``workload`` can hold at full scale: prompt (prefix included)
+    plus output."""
+    return max(spec.max_prompt_len() + spec.output_len.bounds()[1] for spec, _ in WORKLOAD_SPECS[workload]())
+
+
+def fit_length_scale(workload: str, max_model_len: int) -> float:
+    """1.0 when ``workload``'s longest request fits ``max_model_len`` positions; otherwise the factor
+    that shrinks every length (prompts, outputs, shared prefixes; rounded down) until it does. A
+    model with a short context (the built-in checkpoints: 1,024 positions) then serves the
+    workload's shape, not its sizes: fewer tokens per request at the same arrival rates."""
+    longest = longest_request(workload)
+    return 1.0 if longest <= max_model_len else max_model_len / longest
 
 
 @dataclass

@@ -23,6 +23,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,8 @@ from reference_engine.sim.calibrate import (
 )
 from reference_engine.sim.profiles import Coefficients
 
-__all__ = ["Calibration", "Design", "base_profile", "calibrate", "calibrate_profile", "cell_requests",
-           "interval_samples", "recording"]
+__all__ = ["MIN_R2", "Calibration", "Design", "base_profile", "calibrate", "calibrate_profile", "cell_requests",
+           "fit_problems", "interval_samples", "recording"]
 
 #: virtual seconds per step on the step clock (only orders releases; every time kept is wall clock)
 STEP_SECONDS = 0.01
@@ -206,9 +207,50 @@ def calibrate(model_dir: str, name: str = "this-machine", design: Design | None 
     return Calibration(profile.with_coefficients(profile.coefficients, fit=fit, source=source), train, heldout)
 
 
+#: below this R² (in seconds, on the fitted or the held-out intervals) a fit explains too little of how a
+#: step's interval varies to plan on; ``kvbench calibrate`` refuses to save it without ``--force``. R² <= 0
+#: predicts no better than one constant interval; loaded runs here fitted 0.55-0.65.
+MIN_R2 = 0.3
+
+
+def fit_problems(fit: dict[str, Any] | None) -> list[str]:
+    """Why a calibrated profile's ``fit`` is not worth planning on, one sentence each (none: fine):
+    an R² below :data:`MIN_R2`, or undefined, on the fitted or the held-out cells."""
+    fit = fit or {}
+    problems = []
+    for part, label, contexts in (("train", "fitted", "fit_contexts"), ("heldout", "held-out", "heldout_contexts")):
+        error = fit.get(part) or {}
+        if not error.get("intervals"):
+            continue
+        r2 = error.get("r2")
+        where = f"the {label} cells (contexts {fit.get(contexts)}, {error['intervals']} intervals)"
+        if r2 is None:
+            problems.append(f"R² is undefined on {where}: every interval measured the same")
+        elif r2 < MIN_R2:
+            problems.append(f"R² {r2:.2f} on {where} is below {MIN_R2}: the cost model explains "
+                            f"{max(r2, 0.0):.0%} of how their intervals vary"
+                            + (", worse than predicting their mean for all" if r2 < 0 else ""))
+    return problems
+
+
 def calibrate_profile(model_dir: str, output: str, name: str = "this-machine", design: Design | None = None,
-                      torch_threads: int = 1, progress: Callable[[str], None] | None = None) -> str:
-    """Calibrate, save the profile to ``output`` and return the report (with the fit's own error)."""
+                      torch_threads: int = 1, progress: Callable[[str], None] | None = None,
+                      force: bool = False) -> tuple[Calibration, Path]:
+    """Calibrate and save the profile to ``output``; the calibration (:meth:`Calibration.summary` is the
+    report) and where it was written. Without ``force``, ValueError before any measuring when
+    ``output`` exists, and after it (nothing written) when :func:`fit_problems` finds the fit explains
+    too little, saying why; with ``force`` both are saved anyway (the caller warns)."""
+    path = Path(output)
+    if path.exists() and not force:
+        raise ValueError(f"-o {output}: the file exists; --force overwrites it, or name another file with -o")
     result = calibrate(model_dir, name=name, design=design, torch_threads=torch_threads, progress=progress)
-    path = result.profile.save(output)
-    return f"{result.summary()}\nprofile written to {path} (use it as --engine sim:hardware={path})"
+    problems = fit_problems(result.profile.fit)
+    if problems and not force:
+        fit = result.profile.fit or {}
+        raise ValueError(
+            f"the fit explains too little to plan on, so {output} was not written:\n"
+            + "".join(f"  - {p}\n" for p in problems) + f"{result.summary()}\n"
+            f"Step intervals this noisy usually mean a loaded machine (load average {fit.get('load_average')} on "
+            f"{fit.get('cpus')} CPUs when calibrating ended): calibrate again when it is quieter or with more "
+            "--rounds, or add --force to save this profile anyway")
+    return result, result.profile.save(path)
