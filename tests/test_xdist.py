@@ -337,7 +337,9 @@ def test_the_ci_example_uses_real_options_and_uploads_the_report():
 
     text = (ROOT / ".github" / "workflows" / "kvbench.yml").read_text()
     workflow = yaml.safe_load(text)
-    assert set(workflow["jobs"]) == {"conformance", "benchmarks"}
+    assert set(workflow["jobs"]) == {"conformance", "benchmarks", "vllm"}
+    vllm_steps = " ".join(str(step.get("run", "")) for step in workflow["jobs"]["vllm"]["steps"])
+    assert "server:preset=vllm" in vllm_steps and "--kvbench-expectations vllm" in vllm_steps
     assert len(workflow["jobs"]["conformance"]["strategy"]["matrix"]["engine"]) >= 2
     help_text = subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=ROOT, capture_output=True, text=True,
                                timeout=120).stdout

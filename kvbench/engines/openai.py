@@ -122,18 +122,23 @@ class OpenAIAdapter(EngineAdapter):
 
     @classmethod
     def check_available(cls, options: dict[str, str]) -> None:
-        """Something must answer at ``url`` (any HTTP status: a 401 is the server's to explain later)."""
+        """Something must answer at ``url``, and take the credential given (a 401 is one message naming it)."""
         import httpx
 
         from kvbench.engines.base import EngineUnavailable
+        from kvbench.engines.http_client import credential_error
 
         url = options["url"].rstrip("/")
+        key = options.get("api_key")
         try:
-            httpx.get(url + "/v1/models", timeout=10.0)
+            auth = {"Authorization": f"Bearer {key}"} if key else {}
+            answer = httpx.get(url + "/v1/models", timeout=10.0, headers=auth)
         except httpx.HTTPError as e:
             raise EngineUnavailable(f"nothing answers at {url} ({type(e).__name__}: {e}). Start the server first "
                                     "(e.g. python -m reference_engine.serve --model DIR --port 8000), or let kvbench "
                                     "start one per knob set with --engine server:preset=...") from None
+        if answer.status_code == 401:  # one message naming the credential, before any test runs
+            raise credential_error(url, key, 401, answer.content)
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
