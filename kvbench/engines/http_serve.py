@@ -26,6 +26,7 @@ import httpx
 
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.http_client import Completion, CompletionClient
+from kvbench.engines.http_liveness import HttpWatchdog, watched
 from kvbench.engines.http_metrics import MetricsSnapshot, sampled_step
 
 #: what a client-side trace never holds, and why (shown by the report instead of zeros)
@@ -64,14 +65,16 @@ def _body(client: CompletionClient, req: Any, stream: bool) -> dict[str, Any]:
 
 
 async def _poll_metrics(http: httpx.AsyncClient, recorder: TraceRecorder, interval: float, stats: DriverStats,
-                        stop: asyncio.Event) -> None:
+                        stop: asyncio.Event, watchdog: HttpWatchdog) -> None:
     last = recorder.now()
     while not stop.is_set():
         try:
             response = await http.get("/metrics", timeout=max(1.0, 5 * interval))
             t = recorder.now()
-            record = sampled_step(MetricsSnapshot.parse(response.text), t, t - last) \
-                if response.status_code == 200 else None
+            snap = MetricsSnapshot.parse(response.text) if response.status_code == 200 else None
+            record = sampled_step(snap, t, t - last) if snap is not None else None
+            if snap is not None:
+                watchdog.saw_metrics(snap)
         except (httpx.HTTPError, ValueError):
             stats.sample_errors += 1
             record = None
@@ -104,7 +107,7 @@ async def _abort(task: asyncio.Future[Completion], started: asyncio.Event, req: 
 
 
 async def _serve_one(client: CompletionClient, req: Any, arrival: float,
-                     recorder: TraceRecorder, stats: DriverStats) -> None:
+                     recorder: TraceRecorder, stats: DriverStats, watchdog: HttpWatchdog) -> None:
     rid = req.request_id
     stats.max_release_lag = max(stats.max_release_lag, recorder.now() - arrival)
     recorder.arrived(rid, arrival, len(req.prompt_token_ids), req.max_tokens, getattr(req, "priority", 0))
@@ -112,7 +115,18 @@ async def _serve_one(client: CompletionClient, req: Any, arrival: float,
     def on_tokens(t: float, ids: list[int]) -> None:
         recorder.tokens(rid, t, len(ids))
         stats.tokens += len(ids)
+        watchdog.tokens(rid, len(ids))
 
+    watchdog.sent(rid)
+    try:
+        await _stream_one(client, req, arrival, recorder, stats, on_tokens)
+    finally:
+        watchdog.ended(rid)
+
+
+async def _stream_one(client: CompletionClient, req: Any, arrival: float, recorder: TraceRecorder,
+                      stats: DriverStats, on_tokens: Callable[[float, list[int]], None]) -> None:
+    rid = req.request_id
     started = asyncio.Event()
     task = asyncio.ensure_future(client.stream(_body(client, req, True), on_tokens, clock=recorder.now,
                                                started=started))
@@ -123,6 +137,9 @@ async def _serve_one(client: CompletionClient, req: Any, arrival: float,
         try:
             done: Completion = await asyncio.wait_for(asyncio.shield(task), timeout=timeout)
             break
+        except asyncio.CancelledError:  # the run is being stopped (the watchdog fired): close the stream too
+            task.cancel()
+            raise
         except TimeoutError:
             if deadline is not None and recorder.now() < deadline:
                 continue  # the timer fired early (uvloop's round to the millisecond): not time to abort yet
@@ -138,21 +155,27 @@ async def _serve_one(client: CompletionClient, req: Any, arrival: float,
 
 async def serve_workload(client: CompletionClient, requests: Sequence[Any], recorder: TraceRecorder, *,
                          concurrency: int | None = None, poll_interval: float | None = 0.1,
-                         progress: Callable[[int], None] | None = None) -> DriverStats:
+                         progress: Callable[[int], None] | None = None,
+                         watchdog: HttpWatchdog | None = None) -> DriverStats:
     """Serve ``requests`` (WorkloadRequest-like) against the server; every request ends finished in the
-    trace (with its reason, "abort" for the ones aborted here, "error"/"rejected" for failures)."""
+    trace (with its reason, "abort" for the ones aborted here, "error"/"rejected" for failures).
+
+    ``watchdog`` (default: :class:`HttpWatchdog` at the default liveness) follows every open stream and
+    the poller's scrapes; when it fires, the streams still open are closed and its
+    :class:`~kvbench.core.liveness.LivenessError`, naming them, is raised."""
     stats = DriverStats()
+    watchdog = watchdog or HttpWatchdog()
     pending = sorted(requests, key=lambda r: r.arrival_time)
     stop = asyncio.Event()
     # the httpx session serves only the /metrics poller (streams go over bare connections): not made
     # without one, as building it (an SSL context, anyio) costs the driver ~0.1 s of CPU per run
     async with client.session() if poll_interval else contextlib.nullcontext() as http:
         recorder.restart_clock()
-        poller = (asyncio.ensure_future(_poll_metrics(http, recorder, poll_interval, stats, stop))
+        poller = (asyncio.ensure_future(_poll_metrics(http, recorder, poll_interval, stats, stop, watchdog))
                   if poll_interval else None)
 
         async def one(req: Any, arrival: float) -> None:
-            await _serve_one(client, req, arrival, recorder, stats)
+            await _serve_one(client, req, arrival, recorder, stats, watchdog)
             if progress is not None:
                 progress(1)
 
@@ -165,7 +188,7 @@ async def serve_workload(client: CompletionClient, requests: Sequence[Any], reco
                         await asyncio.sleep(wait)
                     await one(req, req.arrival_time)
 
-                await asyncio.gather(*(released(r) for r in pending))
+                await watched(watchdog, asyncio.gather(*(released(r) for r in pending)))
             else:
                 queue = list(reversed(pending))
 
@@ -173,7 +196,7 @@ async def serve_workload(client: CompletionClient, requests: Sequence[Any], reco
                     while queue:
                         await one(queue.pop(), recorder.now())
 
-                await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+                await watched(watchdog, asyncio.gather(*(worker() for _ in range(max(1, concurrency)))))
         finally:
             stop.set()
             if poller is not None:

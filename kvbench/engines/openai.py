@@ -30,6 +30,7 @@ from kvbench.core.counters import Counters
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, KVBudget
 from kvbench.engines.http_client import DIALECTS, CompletionClient, TextTokens
+from kvbench.engines.http_liveness import IDLE_GRACE, HttpWatchdog, watched
 from kvbench.engines.http_metrics import (
     KNOB_FIELDS,
     MetricsSnapshot,
@@ -89,6 +90,9 @@ class OpenAIAdapter(EngineAdapter):
     """An OpenAI-compatible server already running at ``url`` (knobs as it was started)."""
 
     aborts_race_finishes = True  # an abort is a closed stream; the server may finish first
+    #: seconds the server may show nothing running or waiting while requests are open on it before they
+    #: count as dropped (:data:`kvbench.engines.http_liveness.IDLE_GRACE`; tests shorten it)
+    idle_grace_seconds: float = IDLE_GRACE
 
     kind = "openai"
     capabilities = REMOTE_CAPABILITIES
@@ -306,12 +310,33 @@ class OpenAIAdapter(EngineAdapter):
         return GenResult(outputs, counters, [*self.evidence, *self.describe_evidence()])
 
     async def _generate(self, requests: Sequence[GenRequest]):
+        """Every request at once under the HTTP watchdog (:mod:`kvbench.engines.http_liveness`): a request
+        the server drops fails the run by name within ``Liveness.stall_seconds`` instead of its timeout."""
         async with self.client.session() as http:
             bodies = [self.client.body(r.prompt_token_ids, r.max_tokens, stream=False, temperature=r.temperature,
                                        top_p=r.top_p, top_k=r.top_k, seed=r.seed, ignore_eos=r.ignore_eos,
                                        priority=r.priority, stop_token_ids=list(r.stop_token_ids))
                       for r in requests]
-            return await asyncio.gather(*(self.client.complete(http, b) for b in bodies))
+            watchdog = HttpWatchdog(self.liveness, self.idle_grace_seconds)
+
+            async def one(request_id: str, body: dict[str, Any]):
+                watchdog.sent(request_id)
+                try:
+                    return await self.client.complete(http, body)
+                finally:
+                    watchdog.ended(request_id)
+
+            has_metrics = [True]
+
+            async def scrape() -> MetricsSnapshot | None:
+                if not has_metrics[0]:
+                    return None
+                response = await http.get("/metrics", timeout=5.0)
+                has_metrics[0] = response.status_code != 404
+                return MetricsSnapshot.parse(response.text) if response.status_code == 200 else None
+
+            work = asyncio.gather(*(one(r.request_id, b) for r, b in zip(requests, bodies, strict=True)))
+            return await watched(watchdog, work, scrape)
 
     def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:
         """Stream every request at its arrival time, timing tokens client-side (see ``http_serve``)."""
@@ -319,7 +344,8 @@ class OpenAIAdapter(EngineAdapter):
         self.evidence = []
         requests = getattr(workload, "requests", workload)
         stats = run_serve(self.client, requests, recorder, concurrency=getattr(workload, "concurrency", None),
-                          poll_interval=0.1 if before is not None else None, progress=progress)
+                          poll_interval=0.1 if before is not None else None, progress=progress,
+                          watchdog=HttpWatchdog(self.liveness, self.idle_grace_seconds))
         self.evidence.append(f"driver: {stats.requests} requests, {stats.tokens} tokens streamed, "
                              f"released at most {stats.max_release_lag * 1e3:.1f} ms late, "
                              f"{stats.samples} /metrics samples")

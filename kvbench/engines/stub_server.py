@@ -13,6 +13,10 @@ serves on 127.0.0.1 only:
   from non-zero totals so a reader must subtract a before-scrape; ``vllm:cache_config_info`` echoes the
   engine flags it was started with (vLLM's names, as the reference server takes them).
 * ``GET /health``, ``GET /v1/models``.
+* ``--drop-if-prompt-has ID`` (a fault, for the HTTP liveness watchdog's tests): a completion whose prompt
+  holds token ``ID`` is counted finished and forgotten without ever ending its response: a streamed
+  one gets its head and its first :data:`DROPPED_AFTER` tokens, then nothing (the connection stays
+  open); a non-streamed one gets no answer at all.
 
 Per finished or aborted request: ``vllm:prefix_cache_queries_total`` += prompt length,
 ``vllm:prefix_cache_hits_total`` += prompt length // 2, ``reference_engine:preemptions_total{mode=
@@ -40,6 +44,7 @@ from typing import Any
 VOCAB = 1000
 FIRST_ORDINARY_ID = 3  # ids 0..2 are the built-in checkpoints' special tokens
 BASE_TOTAL = 1000  # counters start here: a client that forgets to subtract is caught
+DROPPED_AFTER = 3  # tokens a dropped streamed request gets before the stub forgets it
 
 
 def stub_token(prompt: list[int], i: int) -> int:
@@ -53,6 +58,7 @@ class StubState:
     per_token_writes: bool = False
     return_ids: bool = True
     max_model_len: int = 2048
+    drop_token: int | None = None  # a prompt holding this id is dropped (the fault above)
     config: dict[str, str] = field(default_factory=dict)
     running: int = 0
     queries: int = BASE_TOTAL
@@ -221,8 +227,12 @@ class StubProtocol(asyncio.Protocol):
             self._answer(400, _error(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
                                      f"max_model_len={state.max_model_len}", "prompt"), close)
             return
+        dropped = state.drop_token is not None and state.drop_token in prompt
         if not req.get("stream"):
             ids = [stub_token(prompt, i) for i in range(max_tokens)]
+            if dropped:  # counted finished, never answered
+                state.count(len(prompt), len(ids), "length")
+                return
             state.count(len(prompt), len(ids), "length")
             out = {"id": "cmpl-stub", "object": "text_completion", "model": "stub",
                    "choices": [_choice(state, ids, "length")]}
@@ -231,10 +241,17 @@ class StubProtocol(asyncio.Protocol):
         head = _head(200, "text/event-stream", close, None)
         if state.token_delay or state.per_token_writes:
             self.busy = True
-            task = asyncio.ensure_future(self._stream_slowly(head, prompt, max_tokens, close))
+            task = asyncio.ensure_future(self._stream_slowly(head, prompt, max_tokens, close, dropped))
             task.add_done_callback(self._streamed)
             return
         assert self.transport is not None
+        if dropped:  # its first tokens, then nothing: counted finished, the connection left open
+            sent = min(DROPPED_AFTER, max_tokens - 1)
+            self.busy = True
+            self.transport.write(head + b"".join(_chunk(_event(stub_token(prompt, i), False, state.return_ids))
+                                                 for i in range(sent)))
+            state.count(len(prompt), sent, "length")
+            return
         self.transport.write(head + self._burst(prompt, max_tokens))
         state.count(len(prompt), max_tokens, "length")
         if close:
@@ -254,7 +271,8 @@ class StubProtocol(asyncio.Protocol):
             self.state.bursts[key] = body
         return body
 
-    async def _stream_slowly(self, head: bytes, prompt: list[int], max_tokens: int, close: bool) -> None:
+    async def _stream_slowly(self, head: bytes, prompt: list[int], max_tokens: int, close: bool,
+                             dropped: bool = False) -> None:
         state, transport = self.state, self.transport
         assert transport is not None
         state.running += 1
@@ -265,13 +283,15 @@ class StubProtocol(asyncio.Protocol):
                 await asyncio.sleep(state.token_delay)
                 if self.lost:
                     break
+                if dropped and sent == min(DROPPED_AFTER, max_tokens - 1):
+                    return  # forgotten: counted finished below, no end written, the connection left open
                 transport.write(_chunk(_event(stub_token(prompt, i), i == max_tokens - 1, state.return_ids)))
                 sent += 1
             if not self.lost:  # written in the same callback as the last token: no abort can fall between
                 transport.write(_chunk(b"data: [DONE]\n\n") + _LAST_CHUNK)
         finally:
             state.running -= 1
-            state.count(len(prompt), sent, "length" if sent == max_tokens and not self.lost else "abort")
+            state.count(len(prompt), sent, "length" if (sent == max_tokens or dropped) and not self.lost else "abort")
         if close:
             transport.close()
             self.lost = True
@@ -308,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu", type=int, default=None,
                    help="pin the stub to this CPU (os.sched_setaffinity), e.g. off the driver's core")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--drop-if-prompt-has", type=int, default=None, metavar="ID",
+                   help="a fault: a completion whose prompt holds token ID is counted finished but its response "
+                        "never ends (tests of kvbench's HTTP liveness watchdog)")
     p.add_argument("--fail-on-start", default=None, help="exit 3 at start-up printing this message (tests)")
     for flag in ENGINE_FLAGS:
         p.add_argument(flag, default=None)
@@ -338,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     config = {k: str(v) for k, v in config.items() if v is not None}
     config["max_model_len"] = str(args.max_model_len)
     state = StubState(token_delay=args.token_delay, per_token_writes=args.per_token_writes,
-                      return_ids=not args.no_token_ids, max_model_len=args.max_model_len, config=config)
+                      return_ids=not args.no_token_ids, max_model_len=args.max_model_len,
+                      drop_token=args.drop_if_prompt_has, config=config)
     try:
         import uvloop
     except ImportError:
