@@ -239,3 +239,24 @@ def test_driver_watchdog_follows_states_from_step_reports():
 def test_liveness_limits_are_validated_naming_the_field(value):
     with pytest.raises(ValueError, match=r"Liveness\.stall_steps"):
         Liveness(stall_steps=value)
+
+
+# ----------------------------------------------------------------------- check 8d judges the engine
+@pytest.mark.parametrize(("knob", "value"), [("block_size", 3), ("num_gpu_blocks", -1),
+                                             ("preemption_mode", "teleport")])
+def test_invalid_configuration_skips_when_the_adapter_refuses_first(knob, value, model_dir, requests_greedy):
+    """hf-cb's adapter refuses these values before transformers sees them: the check must not credit the
+    engine with the adapter's words (issue 18, item 6)."""
+    engine = make_adapter(parse_engine_spec("hf-cb"), model_dir)
+    try:
+        with pytest.raises(Skipped, match=rf"adapter refused {knob}=.*before the engine saw it"):
+            test_bad_input.test_invalid_configuration_names_the_field(knob=knob, value=value, engine=engine,
+                                                                       requests_greedy=requests_greedy)
+    finally:
+        engine.close()
+
+
+def test_invalid_configuration_passes_on_the_engines_own_refusal(model_dir, requests_greedy):
+    engine = make_adapter(parse_engine_spec("reference"), model_dir)
+    test_bad_input.test_invalid_configuration_names_the_field(knob="block_size", value=3, engine=engine,
+                                                               requests_greedy=requests_greedy)

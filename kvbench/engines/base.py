@@ -67,6 +67,19 @@ class EngineUnavailable(RuntimeError):
     to get one."""
 
 
+class AdapterRefusal(ValueError):
+    """The adapter itself refused a knob value before the engine ever saw it (it cannot translate it, or
+    it pre-checks a limit of the engine's). Distinct from the engine's own refusal: a check that judges
+    how the *engine* rejects bad configuration (check 8, invalid configuration) skips on this, saying
+    the engine's validation went untested, instead of crediting the engine with the adapter's words.
+
+    ``knob`` and ``value`` name what was refused; the message says why."""
+
+    def __init__(self, knob: str, value: Any, why: str):
+        self.knob, self.value = knob, value
+        super().__init__(why)
+
+
 class EngineAdapter(abc.ABC):
     """Base class of engine adapters. Subclasses set ``kind``, ``capabilities``, ``option_keys``."""
 
@@ -214,6 +227,7 @@ def _same_value(option: str, value: Any) -> bool:
 __all__ = [
     "CAPABILITIES",
     "DEFAULT_KNOBS",
+    "AdapterRefusal",
     "EngineAdapter",
     "EngineUnavailable",
     "GenOutput",

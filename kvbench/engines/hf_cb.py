@@ -122,7 +122,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvbench.core.counters import Counters
 from kvbench.core.trace import StepRecord
-from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.engines.base import (
+    DEFAULT_KNOBS,
+    AdapterRefusal,
+    EngineAdapter,
+    GenOutput,
+    GenRequest,
+    GenResult,
+    Knobs,
+)
 from kvbench.engines.hf import check_device, eos_token_ids, load_model
 from kvbench.engines.hf_cb_probe import (
     OFFLOAD,
@@ -182,11 +190,13 @@ def map_knobs(knobs: Knobs, options: dict[str, str], model_config: Any, device: 
     page_size = 256  # ContinuousBatchingConfig's default
     if knobs.block_size is not None:
         if knobs.block_size < 4:
-            raise ValueError(f"hf-cb: block_size={knobs.block_size}: the engine's page_size must be >= 4")
+            raise AdapterRefusal("block_size", knobs.block_size,
+                                 f"hf-cb: block_size={knobs.block_size}: the engine's page_size must be >= 4")
         page_size = kwargs["page_size"] = knobs.block_size
     if knobs.num_gpu_blocks is not None:
         if knobs.num_gpu_blocks < 1:
-            raise ValueError(f"hf-cb: num_gpu_blocks={knobs.num_gpu_blocks}: must be >= 1")
+            raise AdapterRefusal("num_gpu_blocks", knobs.num_gpu_blocks,
+                                 f"hf-cb: num_gpu_blocks={knobs.num_gpu_blocks}: must be >= 1")
         kwargs["num_blocks"] = knobs.num_gpu_blocks
     if knobs.max_num_batched_tokens is not None:
         kwargs["max_batch_tokens"] = knobs.max_num_batched_tokens
@@ -202,7 +212,8 @@ def map_knobs(knobs: Knobs, options: dict[str, str], model_config: Any, device: 
     elif knobs.num_cpu_blocks is not None:
         cpu_gib = knobs.num_cpu_blocks * bytes_per_block(model_config, page_size) / _GIB
     if knobs.preemption_mode not in (None, "recompute", "swap"):
-        raise ValueError(f"hf-cb: preemption_mode={knobs.preemption_mode!r}; allowed: 'recompute', 'swap'")
+        raise AdapterRefusal("preemption_mode", knobs.preemption_mode,
+                             f"hf-cb: preemption_mode={knobs.preemption_mode!r}; allowed: 'recompute', 'swap'")
     if knobs.preemption_mode == "recompute":
         if cpu_gib:
             notes.append("hf-cb: preemption_mode=recompute: CPU offload pool disabled (num_cpu_blocks ignored)")
