@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import shlex
 import signal
 import socket
@@ -30,6 +31,8 @@ from typing import Any
 import httpx
 
 _LIVE: set[ServerProcess] = set()
+#: a logged error: "ValueError: ...", "pydantic_core...ValidationError: 2 validation errors for ..."
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b:")
 
 
 class ServerStartError(RuntimeError):
@@ -89,8 +92,20 @@ class ServerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def server_output(self, lines: int = 30) -> str:
-        """The log's last ``lines`` the server wrote (the ``$ command`` lines kvbench wrote are left out)."""
-        return "\n".join(line for line in self.log_tail(lines).splitlines() if not line.startswith("$ "))
+        """What the server said about why it stopped: every error it logged with the few lines after it (a
+        validation error names its field on the next line), then its last ``lines``; the ``$ command`` lines
+        kvbench wrote are left out. The root cause is often far above the tail: vLLM's engine core logs it,
+        then its API server's own traceback fills the last 30 lines."""
+        try:
+            logged = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        logged = [line for line in logged if not line.startswith("$ ")]
+        errors: list[str] = []
+        for i, line in enumerate(logged):
+            if _ERROR_LINE.search(line):
+                errors.extend(x for x in logged[i:i + 4] if x not in errors)
+        return "\n".join([*errors[-60:], *logged[-lines:]])
 
     def wait_healthy(self, base_url: str, timeout: float) -> None:
         """Return once ``GET base_url/health`` answers 200; else stop the server and raise."""
@@ -100,9 +115,7 @@ class ServerProcess:
             code = self.proc.poll()
             if code is not None:
                 self.stop()
-                raise ServerStartError(f"the server exited with status {code} before /health answered.\n"
-                                       f"command: {shlex.join(self.argv)}\nlog {self.log_path}, last lines:\n"
-                                       f"{self.log_tail()}", self.server_output())
+                raise self._start_error(f"the server exited with status {code} before /health answered.")
             try:
                 if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
                     return
@@ -110,10 +123,13 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServerStartError(f"/health did not answer within {timeout:.0f} s (startup_timeout).\n"
-                                       f"command: {shlex.join(self.argv)}\nlog {self.log_path}, last lines:\n"
-                                       f"{self.log_tail()}", self.server_output())
+                raise self._start_error(f"/health did not answer within {timeout:.0f} s (startup_timeout).")
             time.sleep(0.1)
+
+    def _start_error(self, what: str) -> ServerStartError:
+        said = self.server_output()
+        return ServerStartError(f"{what}\ncommand: {shlex.join(self.argv)}\nlog {self.log_path}, last lines:\n"
+                                f"{self.log_tail()}\nerrors it logged:\n{_errors_only(said)}", said)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -170,3 +186,8 @@ def stop_all() -> None:
     """Stop every server this process started and has not stopped (at exit, whatever the cause)."""
     for server in list(_LIVE):
         server.stop(term_timeout=5.0, kill_timeout=5.0)
+
+
+def _errors_only(output: str) -> str:
+    """The error lines of :meth:`ServerProcess.server_output` (its tail is already in the message)."""
+    return "\n".join(line for line in output.splitlines() if _ERROR_LINE.search(line))[-4000:] or "(none)"
