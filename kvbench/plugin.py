@@ -340,7 +340,9 @@ def require(engine: Any, *capabilities: str) -> None:
     """Skip the calling test, naming the engine and capability, unless the engine has them all."""
     missing = [c for c in capabilities if c not in engine.capabilities]
     if missing:
-        pytest.skip(f"{engine.name} lacks capability {', '.join(missing)}")
+        why = getattr(engine, "lacking", {}) or {}  # the engine's own reason, where its adapter knows it
+        reasons = "".join(f" ({why[c]})" for c in missing if c in why)
+        pytest.skip(f"{engine.name} lacks capability {', '.join(missing)}{reasons}")
 
 
 # ------------------------------------------------------------------------- conformance as data

@@ -109,6 +109,9 @@ class EngineAdapter(abc.ABC):
     #: checks state their pressure in tokens (kvbench.core.kv_budget) and :meth:`pool_knobs` turns it into
     #: this engine's terms
     kv_layout: KVLayout = ANY_LAYOUT
+    #: capability -> why the engine lacks it, in the engine's terms ("vLLM V1 preempts by recompute only"), for
+    #: the skip a check needing it gives
+    lacking: dict[str, str] = {}  # noqa: RUF012
 
     #: Knobs field -> the option key it overrides, where the names differ (e.g. ``num_gpu_blocks`` ->
     #: ``num_gpu_blocks_override``). A knob named like an option key overrides that option without an entry.

@@ -112,6 +112,7 @@ class ServerAdapter(EngineAdapter):
         if self.preset.name == "vllm" and not cmd:
             self._locate_vllm()
         self.capabilities = self.preset.capabilities
+        self.lacking = dict(self.preset.lacking)
         self.unsupported_knobs = dict(self.preset.unsupported) if preset_name else {
             k: "cmd= without a preset: kvbench does not know the server's flags" for k in Knobs().__dataclass_fields__}
         self.startup_timeout = float(self.options.get("startup_timeout", 300))

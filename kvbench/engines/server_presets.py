@@ -64,6 +64,8 @@ class Preset:
     dialect: str = "vllm"
     #: the KV pools the server accepts (see kvbench.core.kv_budget)
     kv_layout: KVLayout = ANY_LAYOUT
+    #: capability -> why the server lacks it (said when a check needing it skips)
+    lacking: dict[str, str] = field(default_factory=dict)
 
     def flags(self, knobs: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
         """(flags for ``knobs``, {knob: why not} for those this preset cannot set to the asked value)."""
@@ -129,6 +131,9 @@ TRANSFORMERS = Preset(
     # stop_token_ids: said as generation_config's eos_token_id list (kvbench.engines.http_client)
     capabilities=frozenset({"recompute", "chunked_prefill", "sampling", "abort", "stop_token_ids"}),
     dialect="transformers",
+    lacking={"swap": "transformers serve offloads only on CUDA and has no flag for it",
+             "prefix_caching": "transformers serve has no flag for block sharing",
+             "priority": "transformers serve schedules FCFS only"},
 )
 
 #: vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py, 0.32): kernel block sizes MultipleOf(32),
@@ -171,6 +176,8 @@ VLLM = Preset(
     capabilities=_ALL - {"swap"},
     preemptions_are="recompute",
     kv_layout=VLLM_GPU_LAYOUT,
+    lacking={"swap": "vLLM V1 preempts by recompute only: it has no swap preemption",
+             "block_introspection": "vLLM exposes no block tables", "events": "vLLM publishes no engine events"},
 )
 
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvbench.conformance.metrics_truth import prefix_hit_floor, told_twice_disagreements
 from kvbench.conformance.prove import (
     assert_conforms,
     compare_outputs,
@@ -61,7 +62,10 @@ def test_swapped_blocks_survive_the_round_trip_byte_for_byte(engine, requests_gr
 
 
 def test_prefix_caching_equivalence_and_hits(engine, model_dir, truth_engine, near_ties):
-    """3. Prefix caching on == off, with hits > 0, on requests that share a system prompt."""
+    """3. Prefix caching on == off, with hits > 0, on requests that share a system prompt. Off counts no hit;
+    on counts at least the reuse the shared prefixes guarantee at this concurrency
+    (:func:`~kvbench.conformance.metrics_truth.prefix_hit_floor`), in its counter and in the responses'
+    per-request cached tokens where it reports them, and the two agree."""
     require(engine, "prefix_caching")
     requests = fitted_requests(engine, model_dir, seed=77, n=12, shared_prefix=64)
     truth = truth_engine.generate(requests)
@@ -69,6 +73,13 @@ def test_prefix_caching_equivalence_and_hits(engine, model_dir, truth_engine, ne
     off = engine.generate(requests, replace(base, enable_prefix_caching=False))
     on = engine.generate(requests, replace(base, enable_prefix_caching=True))
     prove(on, engine, "prefix_cache_hits", "a prefix-cache hit")
+    cached_off = sum(o.cached_tokens or 0 for o in off.outputs)
+    assert not off.counters.get("prefix_cache_hits") and not cached_off, \
+        (f"{engine.name} counted prefix-cache hits with caching off (prefix_cache_hits="
+         f"{off.counters.get('prefix_cache_hits')}, cached tokens in the responses {cached_off})")
+    floor = prefix_hit_floor(requests, base.block_size or engine.kv_layout.block_size(), base.max_num_seqs or 4)
+    problems = told_twice_disagreements(on, floor)
+    assert not problems, f"{engine.name}'s prefix-cache counts disagree:\n" + "\n".join(problems)
     _conforms(engine, off, truth, requests, truth_engine, near_ties, "prefix caching off")
     _conforms(engine, on, truth, requests, truth_engine, near_ties, "prefix caching on")
 
@@ -103,7 +114,8 @@ def test_seeded_sampling_is_reproducible_across_preemption(mode, engine, model_d
     require(engine, "sampling", mode)
     requests = fitted_requests(engine, model_dir, seed=31, n=12, temperature=1.0)
     calm = engine.generate(requests, roomy_knobs(engine, requests))
-    stormy = engine.generate(requests, pressured_knobs(engine, requests, num_cpu_blocks=512, preemption_mode=mode))
+    swap_space = {"num_cpu_blocks": 512} if mode == "swap" else {}  # a recompute engine needs no host pool
+    stormy = engine.generate(requests, pressured_knobs(engine, requests, preemption_mode=mode, **swap_space))
     prove(stormy, engine, f"preemptions_{mode}", f"{mode} preemption")
     differing = [a.request_id for a, b in zip(calm.outputs, stormy.outputs, strict=True) if a.token_ids != b.token_ids]
     assert not differing, f"seeded sampling changed under {mode} preemption for {differing}"
