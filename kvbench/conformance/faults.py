@@ -38,6 +38,8 @@ FAULTS: dict[str, str] = {
     "ignores_eos": "EOS never ends a request, even with ignore_eos=False (stop conditions)",
     "recomputed_counter_frozen": "the recomputed-token counter never moves (metrics truth)",
     "preemptions_without_swaps": "per-request preemption counts leave out swap preemptions (metrics truth)",
+    "undercounts_prefix_hits": "the prefix-cache hit counter counts half of each admission's hit (check 3: its "
+                               "responses' cached tokens and the shared prefixes' floor disagree with it)",
     "livelock": "after 20 steps the engine stops scheduling anything, forever (liveness)",
 }
 
@@ -160,6 +162,12 @@ class FaultyReferenceAdapter(ReferenceAdapter):
             return forget(request_id)
 
         bm.forget = leaky_forget
+
+    @staticmethod
+    def _patch_undercounts_prefix_hits(engine: Any) -> None:
+        bm = engine.block_manager
+        record = bm.record_prefix_query
+        bm.record_prefix_query = lambda num_tokens, hit_tokens: record(num_tokens, hit_tokens // 2)
 
     @staticmethod
     def _patch_livelock(engine: Any) -> None:

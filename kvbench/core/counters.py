@@ -29,6 +29,9 @@ COUNTER_SPECS: tuple[CounterSpec, ...] = (
                 "preemptions whose victim's KV was discarded, to be computed again on resume "
                 "(swap fallbacks included)"),
     CounterSpec("preemptions_swap", "events", "preemptions whose victim's KV was copied to host memory"),
+    CounterSpec("preemptions_total", "events",
+                "preemptions of every mode as the engine's own single total (vLLM's vllm:num_preemptions_total), "
+                "where it keeps one beside the by-mode counts: it must equal their sum"),
     CounterSpec("swap_outs", "requests", "requests whose KV blocks were copied device -> host"),
     CounterSpec("swap_ins", "requests", "requests whose KV blocks were copied host -> device on resume"),
     CounterSpec("swap_fallbacks", "events",
@@ -67,6 +70,7 @@ class Counters(Mapping[str, float]):
 
     preemptions_recompute: int | None = None
     preemptions_swap: int | None = None
+    preemptions_total: int | None = None
     swap_outs: int | None = None
     swap_ins: int | None = None
     swap_fallbacks: int | None = None

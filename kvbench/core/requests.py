@@ -36,13 +36,16 @@ class GenRequest:
 
 @dataclass
 class GenOutput:
-    """What one request produced. ``num_preemptions`` is None if the engine cannot tell."""
+    """What one request produced. ``num_preemptions`` is None if the engine cannot tell; ``cached_tokens``
+    (prompt tokens the engine says it served from its prefix cache for this request: vLLM's
+    ``usage.prompt_tokens_details.cached_tokens``) is None where the engine does not say."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None  # "length" | "stop" | "abort" | "rejected" | "error"
     num_preemptions: int | None = None
     error: str | None = None  # why a request was rejected or failed, in the engine's words
+    cached_tokens: int | None = None
 
 
 @dataclass

@@ -56,6 +56,10 @@ class Completion:
     #: times the server preempted this request, where it says so (the reference server's extension
     #: field ``num_preemptions`` on the finishing choice); None otherwise
     num_preemptions: int | None = None
+    #: prompt tokens the server says it served from its prefix cache for this request
+    #: (``usage.prompt_tokens_details.cached_tokens``: vLLM with --enable-prompt-tokens-details, the
+    #: reference server), where it says so
+    cached_tokens: int | None = None
 
 
 class TextTokens:
@@ -248,6 +252,9 @@ class CompletionClient:
         usage = data.get("usage") or {}
         if isinstance(usage.get("completion_tokens"), int):
             out.server_token_count = usage["completion_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            out.cached_tokens = _count(details.get("cached_tokens"))
         return out
 
     async def stream(self, body: dict[str, Any], on_tokens: OnTokens, clock: Callable[[], float] = time.perf_counter,

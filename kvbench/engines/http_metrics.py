@@ -7,6 +7,8 @@ Which metric feeds which counter of the contract (:mod:`kvbench.core.counters`):
     preemptions_recompute   reference_engine:preemptions_total{mode="recompute"}     else vllm:num_preemptions_
     preemptions_swap        reference_engine:preemptions_total{mode="swap"}          total when the caller says
                                                                                      which mode it counts
+    preemptions_total       vllm:num_preemptions_total                               the engine's one total,
+                                                                                     checked against the modes
     swap_outs / swap_ins    reference_engine:swap_outs_total / swap_ins_total        requests, not blocks
     swap_fallbacks          reference_engine:swap_fallbacks_total
     swapped_out/in_bytes    reference_engine:swapped_out_bytes_total / _in_
@@ -104,6 +106,7 @@ def cumulative_counters(snap: MetricsSnapshot, preemptions_are: str | None = Non
     (vLLM v1 only recomputes); without it that total feeds no counter."""
     values: dict[str, Any] = {name: _int(snap.value(metric, **lab)) for name, (metric, lab) in _SIMPLE.items()}
     values["swap_seconds"] = snap.value("reference_engine:swap_seconds_total")  # seconds: not rounded
+    values["preemptions_total"] = _int(snap.value("vllm:num_preemptions_total"))
     by_mode = "reference_engine:preemptions_total"
     if snap.has(by_mode):
         values["preemptions_recompute"] = _int(snap.value(by_mode, mode="recompute")) or 0

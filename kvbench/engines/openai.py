@@ -298,7 +298,7 @@ class OpenAIAdapter(EngineAdapter):
         from_text = 0
         for req, done in zip(requests, completions, strict=True):
             outputs.append(GenOutput(req.request_id, done.token_ids, done.finish_reason, done.num_preemptions,
-                                     done.error))
+                                     done.error, done.cached_tokens))
             from_text += done.ids_from_text
             if done.server_token_count is not None and done.server_token_count != len(done.token_ids):
                 self.evidence.append(f"{req.request_id}: the server counted {done.server_token_count} output "

@@ -194,7 +194,8 @@ class ReferenceAdapter(EngineAdapter):
                 outputs.append(GenOutput(r.request_id, [], "rejected", 0, rejected[r.request_id]))
             else:
                 out = final[r.request_id]
-                outputs.append(GenOutput(r.request_id, out.token_ids, out.finish_reason, out.num_preemptions))
+                outputs.append(GenOutput(r.request_id, out.token_ids, out.finish_reason, out.num_preemptions,
+                                         cached_tokens=out.num_cached_tokens))
         return GenResult(outputs, counters_of(engine), _evidence(engine), events=events.records)
 
     def block_manager_factory(self):

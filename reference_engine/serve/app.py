@@ -37,6 +37,7 @@ from reference_engine.serve.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     UnsupportedField,
     Usage,
     error_body,
@@ -376,7 +377,8 @@ class _Renderer:
 
     def usage(self, out: RequestOutput) -> Usage:
         n_prompt, n_out = len(self.prompt_ids), len(out.token_ids)
-        return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+        return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
 def _prompt_ids(prompt: str | list[int], codec: TextCodec | None, vocab_size: int) -> list[int]:

@@ -94,10 +94,15 @@ class CompletionChoice(BaseModel):
     num_preemptions: int | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache, summed over the request's admissions
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # vLLM's (--enable-prompt-tokens-details)
 
 
 class CompletionResponse(BaseModel):
