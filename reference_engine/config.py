@@ -31,7 +31,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (r
 ADMISSION_POLICIES = ("none", "watermark", "aimd")  # see reference_engine.admission
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "sliced", "triton")
 GiB = 1 << 30
 
 
@@ -57,7 +57,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     check_invariants: bool = False  # run the block manager's self-check after every step (slow)
-    attention_backend: str = "auto"  # decode attention: "torch", "triton", or "auto" = triton on CUDA if importable
+    # decode attention: "torch" (the oracle), "sliced" (attention.sliced_decode_attention: fewer memory passes
+    # on CPU), "triton", or "auto" = triton on CUDA if importable, torch otherwise
+    attention_backend: str = "auto"
     # Events retained in LLMEngine.events (oldest dropped first; 0 keeps none). A sink sees them all.
     max_events: int = DEFAULT_MAX_EVENTS
     # preemption_mode="auto" prices swap vs recompute with this hardware profile (a profile JSON file

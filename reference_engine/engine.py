@@ -305,9 +305,11 @@ def preemption_costs_of(engine: LLMEngine):
 
 
 def _attention_backend(choice: str, device: torch.device) -> str:
-    """"torch" or "triton" for this device. Triton is imported only when it could be used, so CPU
-    engines (and every ``import reference_engine``) do not pay for importing it."""
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+    """"torch", "sliced" or "triton" for this device ("auto": torch off CUDA). Triton is imported only
+    when it could be used, so CPU engines (and every ``import reference_engine``) do not pay for it."""
+    if choice in ("torch", "sliced"):
+        return choice
+    if choice == "auto" and device.type != "cuda":
         return "torch"
     from reference_engine.triton_attention import resolve_attention_backend
 

@@ -31,7 +31,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_manager.block_size
         self.engine_seed = engine_seed
-        self.attention_backend = attention_backend  # "torch" or "triton", already resolved for the device
+        self.attention_backend = attention_backend  # "torch", "sliced" or "triton", resolved for the device
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:

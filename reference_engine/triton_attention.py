@@ -48,7 +48,7 @@ except ImportError:  # triton is a Linux x86_64 dependency only; the torch path 
     triton = None
     tl = None
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "sliced", "triton")
 DEFAULT_BLOCK_N = 32  # keys per loop iteration; any power of two >= 16
 
 
@@ -77,7 +77,7 @@ def _why_unavailable(device: torch.device) -> str:
 
 
 def resolve_attention_backend(choice: str, device: torch.device | str) -> str:
-    """Turn a configured ``attention_backend`` into the one to use: ``"torch"`` or ``"triton"``.
+    """Turn a configured ``attention_backend`` into the one to use: ``"torch"``, ``"sliced"`` or ``"triton"``.
 
     ``"auto"`` picks triton on CUDA when it is available and torch otherwise (the interpreter is far
     too slow to pick by default). ``"triton"`` where it cannot run raises ``ValueError`` saying why.
@@ -85,8 +85,8 @@ def resolve_attention_backend(choice: str, device: torch.device | str) -> str:
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={choice!r} is invalid: expected one of {ATTENTION_BACKENDS}")
     device = torch.device(device)
-    if choice == "torch":
-        return "torch"
+    if choice in ("torch", "sliced"):
+        return choice
     if choice == "auto":
         return "triton" if device.type == "cuda" and triton_available(device) else "torch"
     if not triton_available(device):

@@ -1,11 +1,19 @@
 """Figures for the engine issues, each measured side by side in one run (not asserted anywhere):
 
-1. a batch-64 decode step of the ``small`` preset, paged attention vs the same model with a dense
-   (contiguous, non-paged) KV cache;
+1. a batch-64 decode step of the ``small`` preset: paged attention on the torch path (the oracle) and on
+   the sliced path (``attention_backend=sliced``), vs the same model with a dense
+   (contiguous, non-paged) KV cache; rounds interleaved, ratios taken round by round;
 2. swap-out + swap-in of 1,000 blocks vs a plain torch copy of the same bytes;
-3. recomputed tokens with and without prefix caching on the same overloaded workload.
+3. recomputed tokens with and without prefix caching on the same overloaded workload;
+4. ``reference`` in process (``LLMEngine.generate``) vs Hugging Face ``generate`` on one uniform batch
+   (every prompt the same length, so HF needs no padding: the dense upper bound), greedy, rounds
+   interleaved; the two outputs compared token by token.
 
-    python scripts/measure_engine.py [--context 256] [--repeats 20]
+    python scripts/measure_engine.py [--context 256] [--repeats 20] [--threads N] [--only 1,4]
+        [--hf-model tiny] [--hf-batch 64] [--hf-prompt 128] [--hf-output 64] [--hf-rounds 5]
+
+On a shared machine the times move by 2x between rounds; the ratios are taken within a round (the
+variants run back to back, in rotating order) and printed as median [min-max] over the rounds.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +41,31 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_seconds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each function once per round, the order rotating from round to round, after one warm-up
+    each: ``{name: [seconds per round]}``, so that ratios can be taken within a round."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def ratio_text(a: list[float], b: list[float]) -> str:
+    """Median [min-max] of the round-by-round ratios a/b."""
+    ratios = sorted(x / y for x, y in zip(a, b, strict=True))
+    return f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+
+
 @torch.inference_mode()
-def paged_vs_dense(context: int, repeats: int, batch: int = 64) -> tuple[float, float]:
+def paged_vs_dense(context: int, repeats: int, batch: int = 64) -> dict[str, list[float]]:
+    """Seconds per round of one batch-``batch`` decode step at ``context`` tokens: ``paged torch``,
+    ``paged sliced`` (the same step, input preparation included) and ``dense``."""
     ckpt = builtin_checkpoint("small")
     engine = LLMEngine(EngineConfig(model=str(ckpt), num_gpu_blocks_override=batch * (context // 16 + 2),
                                     max_num_seqs=batch))
@@ -48,9 +80,12 @@ def paged_vs_dense(context: int, repeats: int, batch: int = 64) -> tuple[float, 
     assert len(out.chunks) == batch and all(c.num_tokens == 1 for c in out.chunks)
     model, cache = engine.model, engine.kv_cache.device_cache
 
-    def paged():
-        ids, pos, meta, last = engine.runner.prepare(out.chunks)
-        model.compute_logits(model(ids, pos, cache, meta)[last])
+    def paged(backend: str):
+        def run():
+            engine.runner.attention_backend = backend
+            ids, pos, meta, last = engine.runner.prepare(out.chunks)
+            return model.compute_logits(model(ids, pos, cache, meta)[last])
+        return run
 
     # Dense baseline: the same weights, K/V for each sequence in one contiguous [B, T, H, D] tensor.
     mc = model.config
@@ -79,7 +114,50 @@ def paged_vs_dense(context: int, repeats: int, batch: int = 64) -> tuple[float, 
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         model.compute_logits(model.model.norm(x))
 
-    return _median_seconds(paged, repeats), _median_seconds(dense, repeats)
+    torch_logits, sliced_logits = paged("torch")(), paged("sliced")()
+    diff = (torch_logits - sliced_logits).abs().max().item()
+    same = bool((torch_logits.argmax(-1) == sliced_logits.argmax(-1)).all())
+    print(f"   sliced vs torch logits: max |diff| {diff:.1e}, greedy tokens {'equal' if same else 'DIFFER'}")
+    return interleaved_seconds({"paged torch": paged("torch"), "paged sliced": paged("sliced"),
+                                "dense": dense}, repeats)
+
+
+def reference_vs_hf(model_name: str, batch: int, prompt: int, output: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per round to generate ``output`` tokens for ``batch`` prompts of ``prompt`` tokens, greedy,
+    EOS ignored: the reference engine in process (its pool holds the whole batch, ``max_num_seqs`` =
+    batch), with the torch and the sliced decode attention, vs transformers' ``generate`` on the same
+    batch as one tensor. Prints whether their outputs agree."""
+    from transformers import LlamaForCausalLM
+
+    ckpt = str(builtin_checkpoint(model_name))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 500, (batch, prompt), generator=g)
+    blocks = batch * ((prompt + output) // 16 + 2)
+    engines = {backend: LLMEngine(EngineConfig(model=ckpt, num_gpu_blocks_override=blocks, max_num_seqs=batch,
+                                               max_num_batched_tokens=max(batch * prompt, 2048),
+                                               attention_backend=backend))
+               for backend in ("torch", "sliced")}
+    hf = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, use_safetensors=True).eval()
+    params = SamplingParams(max_tokens=output, ignore_eos=True)
+    outputs: dict[str, list[list[int]]] = {}
+
+    def reference(backend: str):
+        def run():
+            outputs[backend] = [o.token_ids for o in engines[backend].generate(prompts.tolist(), params)]
+        return run
+
+    @torch.inference_mode()
+    def transformers_generate():
+        seqs = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=output,
+                           min_new_tokens=output, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outputs["hf"] = seqs[:, prompt:].tolist()
+
+    times = interleaved_seconds({"reference torch": reference("torch"), "reference sliced": reference("sliced"),
+                                 "hf generate": transformers_generate}, rounds)
+    for backend in ("torch", "sliced"):
+        agree = sum(a == b for a, b in zip(outputs[backend], outputs["hf"], strict=True))
+        print(f"   reference ({backend}) outputs token-equal to hf for {agree}/{batch} prompts")
+    return times
 
 
 def swap_vs_copy(repeats: int, num_blocks: int = 1000) -> tuple[float, float, int]:
@@ -120,19 +198,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--only", default="1,2,3,4", help="which figures, e.g. 1,4")
+    parser.add_argument("--hf-model", default="tiny", help="built-in checkpoint for figure 4 (tiny or small)")
+    parser.add_argument("--hf-batch", type=int, default=64)
+    parser.add_argument("--hf-prompt", type=int, default=128)
+    parser.add_argument("--hf-output", type=int, default=64)
+    parser.add_argument("--hf-rounds", type=int, default=5)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    only = {int(x) for x in args.only.split(",")}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    paged, dense = paged_vs_dense(args.context, args.repeats)
-    print(f"1. batch-64 decode step, small preset, context {args.context}: paged {paged * 1e3:.1f} ms, "
-          f"dense {dense * 1e3:.1f} ms, paged/dense = {paged / dense:.2f}x")
-    swap, plain, nbytes = swap_vs_copy(args.repeats)
-    print(f"2. 1,000 blocks ({nbytes / 2**20:.0f} MiB) out and back: swap {2 * nbytes / swap / 2**30:.2f} GiB/s, "
-          f"plain torch copy {2 * nbytes / plain / 2**30:.2f} GiB/s, ratio {plain / swap:.2f}")
-    s = recompute_saved_by_prefix_caching()
-    print(f"3. overloaded workload (32 requests, 40 blocks): recomputed tokens without caching "
-          f"{s[False]['num_recomputed_tokens']}, with caching {s[True]['num_recomputed_tokens']}; computed tokens "
-          f"{s[False]['num_computed_tokens']} vs {s[True]['num_computed_tokens']}; "
-          f"preemptions {s[False]['num_preemptions']} vs {s[True]['num_preemptions']}")
+    if 1 in only:
+        t = paged_vs_dense(args.context, args.repeats)
+        med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+        print(f"1. batch-64 decode step, small preset, context {args.context}, {args.repeats} rounds (median ms): "
+              f"paged torch {med['paged torch']:.1f}, paged sliced {med['paged sliced']:.1f}, "
+              f"dense {med['dense']:.1f}; per round: torch/dense {ratio_text(t['paged torch'], t['dense'])}, "
+              f"sliced/dense {ratio_text(t['paged sliced'], t['dense'])}, "
+              f"sliced/torch {ratio_text(t['paged sliced'], t['paged torch'])}")
+    if 2 in only:
+        swap, plain, nbytes = swap_vs_copy(args.repeats)
+        print(f"2. 1,000 blocks ({nbytes / 2**20:.0f} MiB) out and back: swap {2 * nbytes / swap / 2**30:.2f} GiB/s, "
+              f"plain torch copy {2 * nbytes / plain / 2**30:.2f} GiB/s, ratio {plain / swap:.2f}")
+    if 3 in only:
+        s = recompute_saved_by_prefix_caching()
+        print(f"3. overloaded workload (32 requests, 40 blocks): recomputed tokens without caching "
+              f"{s[False]['num_recomputed_tokens']}, with caching {s[True]['num_recomputed_tokens']}; computed "
+              f"tokens {s[False]['num_computed_tokens']} vs {s[True]['num_computed_tokens']}; "
+              f"preemptions {s[False]['num_preemptions']} vs {s[True]['num_preemptions']}")
+    if 4 in only:
+        t = reference_vs_hf(args.hf_model, args.hf_batch, args.hf_prompt, args.hf_output, args.hf_rounds)
+        tokens = args.hf_batch * args.hf_output
+        tps = {k: tokens / statistics.median(v) for k, v in t.items()}
+        print(f"4. {args.hf_model}, {args.hf_batch} x {args.hf_prompt} prompt + {args.hf_output} output, "
+              f"{args.hf_rounds} rounds (median tok/s): reference torch {tps['reference torch']:,.0f}, reference "
+              f"sliced {tps['reference sliced']:,.0f}, hf generate {tps['hf generate']:,.0f}; throughput ratio per "
+              f"round: reference torch/hf {ratio_text(t['hf generate'], t['reference torch'])}, reference "
+              f"sliced/hf {ratio_text(t['hf generate'], t['reference sliced'])}, sliced/torch "
+              f"{ratio_text(t['reference torch'], t['reference sliced'])}")
 
 
 if __name__ == "__main__":
