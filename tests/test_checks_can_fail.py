@@ -85,6 +85,41 @@ def assert_fails(check: Callable[..., Any], match: str, **kwargs: Any) -> str:
 
 
 # ----------------------------------------------------------------------------------- checks 1-4, 7, 8
+def test_unpressured_equivalence_fails_when_the_engine_miscomputes_a_position(model_dir, truth, requests_greedy,
+                                                                             truth_engine):
+    from kvbench.conformance.prove import roomy_knobs
+
+    engine = faulty("miscomputes_one_position", model_dir)
+    unpressured = engine.generate(requests_greedy, roomy_knobs(engine, requests_greedy))
+    assert_fails(test_equivalence.test_unpressured_matches_ground_truth, r"differ from the ground truth",
+                 engine=engine, unpressured=unpressured, truth=truth, requests_greedy=requests_greedy,
+                 truth_engine=truth_engine, near_ties=[])
+
+
+def test_swap_equivalence_fails_when_swap_in_scrambles_blocks(model_dir, truth, requests_greedy, truth_engine):
+    assert_fails(test_equivalence.test_swap_preemption_equivalence, r"differ from the ground truth",
+                 engine=faulty("scrambles_swap_in", model_dir), truth=truth, requests_greedy=requests_greedy,
+                 truth_engine=truth_engine, near_ties=[])
+
+
+def test_prefix_caching_on_equals_off_fails_when_a_hit_serves_stale_kv(model_dir, truth_engine):
+    assert_fails(test_equivalence.test_prefix_caching_equivalence_and_hits, r"differ from the ground truth",
+                 engine=faulty("serves_stale_cached_blocks", model_dir), model_dir=model_dir, truth_engine=truth_engine,
+                 near_ties=[])
+
+
+def test_over_long_prompt_check_fails_when_the_engine_truncates(model_dir, requests_greedy, truth):
+    assert_fails(test_bad_input.test_over_long_prompt_is_refused_and_others_are_served,
+                 r"the bad request was not refused", engine=faulty("truncates_over_long_prompts", model_dir),
+                 model_dir=model_dir, requests_greedy=requests_greedy, truth=truth)
+
+
+def test_invalid_configuration_check_fails_when_the_error_names_no_field(model_dir, requests_greedy):
+    assert_fails(test_bad_input.test_invalid_configuration_names_the_field, r"the error does not name block_size",
+                 knob="block_size", value=3, engine=faulty("vague_config_error", model_dir),
+                 requests_greedy=requests_greedy)
+
+
 def test_recompute_equivalence_fails_when_recompute_corrupts_output(model_dir, truth, requests_greedy, truth_engine):
     assert_fails(test_equivalence.test_recompute_preemption_equivalence, r"differ from the ground truth",
                  engine=faulty("corrupts_recomputed_output", model_dir), truth=truth, requests_greedy=requests_greedy,
@@ -157,12 +192,16 @@ def test_victim_check_fails_on_the_wrong_victim(policy, fault, match, model_dir,
 
 
 # ----------------------------------------------------------------------------------- stop conditions
-@pytest.mark.parametrize(("condition", "fault"), [("stop_token_ids", "ignores_stop_token_ids"), ("eos", "ignores_eos")])
-def test_stop_condition_check_fails_when_the_condition_is_ignored(condition, fault, model_dir, requests_greedy, truth,
-                                                                 truth_engine):
-    assert_fails(test_stop_conditions.test_stop_condition_holds_under_pressure,
-                 r"(?s)finish reasons differ.*expected 'stop'", condition=condition, engine=faulty(fault, model_dir),
-                 requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine, near_ties=[])
+@pytest.mark.parametrize(("condition", "fault", "match"), [
+    ("stop_token_ids", "ignores_stop_token_ids", r"(?s)finish reasons differ.*expected 'stop'"),
+    ("eos", "ignores_eos", r"(?s)finish reasons differ.*expected 'stop'"),
+    ("max_tokens", "overruns_max_tokens", r"differ from the ground truth"),
+])
+def test_stop_condition_check_fails_when_the_condition_is_ignored(condition, fault, match, model_dir, requests_greedy,
+                                                                 truth, truth_engine):
+    assert_fails(test_stop_conditions.test_stop_condition_holds_under_pressure, match, condition=condition,
+                 engine=faulty(fault, model_dir), requests_greedy=requests_greedy, truth=truth,
+                 truth_engine=truth_engine, near_ties=[])
 
 
 # ----------------------------------------------------------------------------------- metrics truth
@@ -173,6 +212,12 @@ def test_stop_condition_check_fails_when_the_condition_is_ignored(condition, fau
 def test_metrics_truth_fails_on_a_lying_counter(mode, fault, match, model_dir, requests_greedy):
     assert_fails(test_metrics_truth.test_counters_agree_with_events_and_outputs, match, mode=mode,
                  engine=faulty(fault, model_dir), requests_greedy=requests_greedy)
+
+
+def test_counts_told_twice_fail_when_a_counter_overcounts(model_dir, requests_greedy):
+    assert_fails(test_metrics_truth.test_counts_told_twice_agree,
+                 r"generated_tokens=\d+ but the output tokens received = \d+",
+                 engine=faulty("overcounts_generated_tokens", model_dir), requests_greedy=requests_greedy)
 
 
 # ----------------------------------------------------------------------------------- liveness
@@ -260,3 +305,19 @@ def test_invalid_configuration_passes_on_the_engines_own_refusal(model_dir, requ
     engine = make_adapter(parse_engine_spec("reference"), model_dir)
     test_bad_input.test_invalid_configuration_names_the_field(knob="block_size", value=3, engine=engine,
                                                                requests_greedy=requests_greedy)
+
+
+def test_the_readme_maps_every_fault_to_a_check_and_an_existing_test():
+    """README's check -> fault -> test table names every fault of FAULTS, and every test it names exists."""
+    from pathlib import Path
+
+    from kvbench.conformance.faults import FAULTS
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("| check | fault (`kvbench/conformance/faults.py`)"):]
+    table = table[:table.index("\n\n")]
+    missing = [f for f in FAULTS if f"`{f}`" not in table]
+    assert not missing, f"faults with no row in README's check -> fault -> test table: {missing}"
+    for file, name in re.findall(r"`(test_[a-z_]+\.py)::(test_[a-z_]+)`", table):
+        assert f"def {name}(" in (root / "tests" / file).read_text(encoding="utf-8"), f"{file}::{name} is gone"

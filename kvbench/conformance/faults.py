@@ -5,41 +5,51 @@ Not a registered kind, so it never shows in the list of engines; name it by impo
 
     pytest suites/conformance --engine "kvbench.conformance.faults:FaultyReferenceAdapter:fault=fcfs_oldest_victim"
 
-Each fault is a small patch applied to a fresh ``LLMEngine`` (or to the adapter's result); the
-engine is otherwise the reference engine, unchanged.
+Each fault is a small patch applied to a fresh ``LLMEngine`` (its scheduler, block manager, KV cache,
+request intake or stats) or to the configuration it is built from, never to the results kvbench reads
+back; the engine is otherwise the reference engine, unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
-from kvbench.core.requests import GenOutput, GenRequest, GenResult
 from kvbench.engines.reference import ReferenceAdapter
 
-#: fault -> the property it breaks (the check that must catch it)
+#: fault -> the property it breaks (the check that must catch it). Every fault is in the engine: a
+#: patch of the ``LLMEngine`` the adapter builds (its scheduler, block manager, KV cache, request intake,
+#: stats) or of the configuration it is given, never of the results kvbench reads back.
 FAULTS: dict[str, str] = {
-    "corrupts_recomputed_output": "a request preempted by recompute comes back with a wrong last token (check 1)",
-    "scrambles_swap_in": "swap-in copies KV blocks into each other's places (check 2)",
+    "miscomputes_one_position": "the token sampled at the 48th position of every sequence is off by one (the "
+                                "unpressured run, and with it every equivalence check)",
+    "corrupts_recomputed_output": "the first token sampled after a recompute resume is off by one (check 1)",
+    "scrambles_swap_in": "swap-in copies KV blocks into each other's places (checks 2, 2b)",
     "ignores_prefix_caching": "enable_prefix_caching is silently off: nothing is ever reused (check 3)",
+    "serves_stale_cached_blocks": "a prefix-cache hit serves its last block with the KV values lost (check 3: "
+                                  "on != off)",
+    "undercounts_prefix_hits": "the prefix-cache hit counter counts half of each admission's hit (check 3: its "
+                               "responses' cached tokens and the shared prefixes' floor disagree with it)",
     "ignores_token_budget": "max_num_batched_tokens is ignored, so no prefill is ever split (check 4)",
     "never_aborts": "abort_request is accepted but does nothing (check 6)",
     "aborts_preemption_victims": "a request preempted by recompute is aborted instead of resumed (checks 1, 6)",
     "finishes_twice": "a finished request is reported finished again on the next step (check 6)",
     "leaks_block": "the first request released with device blocks (finished or aborted) keeps them (check 6)",
-    "ignores_seed": "per-request seeds are ignored (check 7)",
+    "ignores_seed": "per-request seeds are dropped at intake (check 7)",
+    "truncates_over_long_prompts": "a prompt past max_model_len is cut to fit and run instead of refused (check 8)",
     "vague_rejection": "a refused request's error does not say why (check 8)",
     "drops_unswappable_victims": "a victim the host pool cannot take is aborted, not recomputed (check 8)",
+    "vague_config_error": "an invalid configuration is refused without naming the field (check 8)",
     "fcfs_oldest_victim": "under FCFS the oldest running request is preempted, not the latest (check 9)",
     "priority_most_important_victim": "under the priority policy the most important running request is preempted",
-    "ignores_stop_token_ids": "stop_token_ids are never honoured (stop conditions)",
+    "ignores_stop_token_ids": "stop_token_ids are dropped at intake (stop conditions)",
     "ignores_eos": "EOS never ends a request, even with ignore_eos=False (stop conditions)",
+    "overruns_max_tokens": "a request gets one token more than its max_tokens (stop conditions)",
     "recomputed_counter_frozen": "the recomputed-token counter never moves (metrics truth)",
     "preemptions_without_swaps": "per-request preemption counts leave out swap preemptions (metrics truth)",
-    "undercounts_prefix_hits": "the prefix-cache hit counter counts half of each admission's hit (check 3: its "
-                               "responses' cached tokens and the shared prefixes' floor disagree with it)",
+    "overcounts_generated_tokens": "the generated-token counter counts one token too many per step (counts told "
+                                   "twice)",
     "livelock": "after 20 steps the engine stops scheduling anything, forever (liveness)",
 }
 
@@ -70,22 +80,16 @@ class FaultyReferenceAdapter(ReferenceAdapter):
         return super().engine_config(knobs)
 
     def build_engine(self, knobs: Knobs = DEFAULT_KNOBS):
-        engine = super().build_engine(knobs)
+        try:
+            engine = super().build_engine(knobs)
+        except ValueError:  # the engine's ConfigError, which names the field
+            if self.fault == "vague_config_error":
+                raise ValueError("invalid engine configuration") from None
+            raise
         patch = getattr(self, f"_patch_{self.fault}", None)
         if patch is not None:
             patch(engine)
         return engine
-
-    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
-        if self.fault == "ignores_stop_token_ids":
-            requests = [replace(r, stop_token_ids=()) for r in requests]
-        elif self.fault == "ignores_eos":
-            requests = [replace(r, ignore_eos=True) for r in requests]
-        elif self.fault == "ignores_seed":
-            requests = [replace(r, seed=None) for r in requests]
-        result = super().generate(requests, knobs)
-        fix = getattr(self, f"_result_{self.fault}", None)
-        return fix(result) if fix is not None else result
 
     # ------------------------------------------------------------------ engine patches
     @staticmethod
@@ -179,43 +183,172 @@ class FaultyReferenceAdapter(ReferenceAdapter):
 
         engine.step = stalled
 
-    # ------------------------------------------------------------------ result patches
+    # --- faults at the engine's intake: what add_request does with a request
     @staticmethod
-    def _result_corrupts_recomputed_output(result: GenResult) -> GenResult:
-        for o in result.outputs:
-            if o.num_preemptions and o.token_ids:
-                o.token_ids[-1] = (o.token_ids[-1] + 1) % 512
-        return result
+    def _wrap_intake(engine: Any, change: Any) -> None:
+        add = engine.add_request
+
+        def faulty_add(request_id, prompt_token_ids, sampling_params, *args, **kwargs):
+            prompt_token_ids, sampling_params = change(list(prompt_token_ids), sampling_params)
+            return add(request_id, prompt_token_ids, sampling_params, *args, **kwargs)
+
+        engine.add_request = faulty_add
+
+    @classmethod
+    def _patch_ignores_stop_token_ids(cls, engine: Any) -> None:
+        cls._wrap_intake(engine, lambda prompt, params: (prompt, replace(params, stop_token_ids=())))
+
+    @classmethod
+    def _patch_ignores_eos(cls, engine: Any) -> None:
+        cls._wrap_intake(engine, lambda prompt, params: (prompt, replace(params, ignore_eos=True)))
+
+    @classmethod
+    def _patch_ignores_seed(cls, engine: Any) -> None:
+        cls._wrap_intake(engine, lambda prompt, params: (prompt, replace(params, seed=None)))
+
+    @classmethod
+    def _patch_overruns_max_tokens(cls, engine: Any) -> None:
+        cls._wrap_intake(engine, lambda prompt, params: (prompt, replace(params, max_tokens=params.max_tokens + 1)))
+
+    @classmethod
+    def _patch_truncates_over_long_prompts(cls, engine: Any) -> None:
+        limit = engine.config.max_model_len
+
+        def truncate(prompt, params):
+            return (prompt[-(limit // 2):] if len(prompt) >= limit else prompt), params
+
+        cls._wrap_intake(engine, truncate)
 
     @staticmethod
-    def _result_vague_rejection(result: GenResult) -> GenResult:
-        for o in result.outputs:
-            if o.finish_reason == "rejected":
-                o.error = "rejected"
-        return result
+    def _patch_vague_rejection(engine: Any) -> None:
+        from reference_engine import RequestRejected
+
+        add = engine.add_request
+
+        def vague_add(*args, **kwargs):
+            try:
+                return add(*args, **kwargs)
+            except RequestRejected:
+                raise RequestRejected("rejected") from None
+
+        engine.add_request = vague_add
+
+    # --- faults in what the model's sampled tokens become (the scheduler's update)
+    @staticmethod
+    def _wrap_update(engine: Any, change: Any) -> None:
+        """``change(out, sampled)`` may rewrite ``sampled`` (request id -> token) before the scheduler takes
+        it: the request then goes on from a wrong token, as it would after a miscomputed step."""
+        scheduler = engine.scheduler
+        update = scheduler.update
+
+        def faulty_update(out, sampled):
+            change(out, sampled)
+            return update(out, sampled)
+
+        scheduler.update = faulty_update
+
+    @classmethod
+    def _patch_miscomputes_one_position(cls, engine: Any) -> None:
+        vocab = engine.model.config.vocab_size
+
+        def change(out, sampled):
+            for chunk in out.chunks:
+                req = chunk.request
+                if req.request_id in sampled and req.num_tokens == 47:  # this token lands at position 48
+                    sampled[req.request_id] = (sampled[req.request_id] + 1) % vocab
+
+        cls._wrap_update(engine, change)
+
+    @classmethod
+    def _patch_corrupts_recomputed_output(cls, engine: Any) -> None:
+        vocab, resumed = engine.model.config.vocab_size, set()
+
+        def change(out, sampled):
+            for chunk in out.chunks:
+                if chunk.start < chunk.request.max_computed_tokens:  # computing again what was discarded
+                    resumed.add(chunk.request.request_id)
+            for rid in resumed & set(sampled):
+                sampled[rid] = (sampled[rid] + 1) % vocab
+                resumed.discard(rid)
+
+        cls._wrap_update(engine, change)
+
+    # --- faults in the engine's stats
+    @staticmethod
+    def _patch_recomputed_counter_frozen(engine: Any) -> None:
+        scheduler = engine.scheduler
+        update = scheduler.update
+
+        def frozen(out, sampled):
+            before = scheduler.counters.recomputed_tokens
+            touched = update(out, sampled)
+            scheduler.counters.recomputed_tokens = before
+            return touched
+
+        scheduler.update = frozen
 
     @staticmethod
-    def _result_drops_unswappable_victims(result: GenResult) -> GenResult:
-        # Under preemption_mode="swap", a victim preempted by recompute is one the host pool could not take.
-        dropped = {e.request_id for e in result.events or []
-                   if e.kind == "preempted" and e.data.get("mode") == "recompute"}
-        result.outputs = [GenOutput(o.request_id, o.token_ids[:1], "abort", o.num_preemptions, o.error)
-                          if o.request_id in dropped else o for o in result.outputs]
-        return result
+    def _patch_overcounts_generated_tokens(engine: Any) -> None:
+        scheduler = engine.scheduler
+        update = scheduler.update
+
+        def overcounting(out, sampled):
+            touched = update(out, sampled)
+            if sampled:
+                scheduler.counters.generated_tokens += 1
+            return touched
+
+        scheduler.update = overcounting
 
     @staticmethod
-    def _result_recomputed_counter_frozen(result: GenResult) -> GenResult:
-        result.counters = replace(result.counters, recomputed_tokens=0)
-        return result
+    def _patch_preemptions_without_swaps(engine: Any) -> None:
+        from reference_engine.request import RequestStatus
+
+        scheduler = engine.scheduler
+        preempt = scheduler._preempt
+
+        def not_counting_swaps(victim, step):
+            preempt(victim, step)
+            if victim.status == RequestStatus.SWAPPED:
+                victim.num_preemptions -= 1
+
+        scheduler._preempt = not_counting_swaps
+
+    # --- faults in the prefix cache and swap
+    @staticmethod
+    def _patch_serves_stale_cached_blocks(engine: Any) -> None:
+        # (Reordering the hit blocks would not do: keys carry their positions, and attention over a
+        # prefix is blind to the order its blocks sit in.)
+        bm, cache = engine.block_manager, engine.kv_cache.device_cache
+        find = bm.find_cached_prefix
+
+        def stale(request):
+            hits = find(request)
+            if hits:
+                cache[hits[-1].block_id, :, 1].zero_()  # [layers, K/V, block_size, kv_heads, head_dim]: V lost
+            return hits
+
+        bm.find_cached_prefix = stale
 
     @staticmethod
-    def _result_preemptions_without_swaps(result: GenResult) -> GenResult:
-        swaps: dict[str, int] = {}
-        for e in result.events or []:
-            if e.kind == "preempted" and e.data.get("mode") == "swap":
-                swaps[e.request_id] = swaps.get(e.request_id, 0) + 1
-        result.outputs = [GenOutput(o.request_id, o.token_ids, o.finish_reason,
-                                    None if o.num_preemptions is None
-                                    else o.num_preemptions - swaps.get(o.request_id, 0), o.error)
-                          for o in result.outputs]
-        return result
+    def _patch_drops_unswappable_victims(engine: Any) -> None:
+        # A victim the host pool cannot take (the scheduler falls back to recompute) is aborted by the
+        # engine itself, through its own abort path, right after the step that preempted it.
+        scheduler, step, dropped = engine.scheduler, engine.step, []
+        preempt = scheduler._preempt
+
+        def noting_fallbacks(victim, step_builder):
+            before = scheduler.counters.swap_fallbacks
+            preempt(victim, step_builder)
+            if scheduler.counters.swap_fallbacks > before:
+                dropped.append(victim.request_id)
+
+        def step_dropping():
+            outputs = step()
+            for request_id in dropped:
+                engine.abort_request(request_id)
+            dropped.clear()
+            return outputs
+
+        scheduler._preempt = noting_fallbacks
+        engine.step = step_dropping
