@@ -12,6 +12,7 @@ back; the engine is otherwise the reference engine, unchanged.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -221,8 +222,8 @@ class FaultyReferenceAdapter(ReferenceAdapter):
 
     @staticmethod
     def _patch_vague_rejection(engine: Any) -> None:
-        from reference_engine import RequestRejected
-
+        # the engine's own exception type, from its module (kvbench's conformance part imports no engine)
+        RequestRejected = sys.modules[type(engine).__module__].RequestRejected
         add = engine.add_request
 
         def vague_add(*args, **kwargs):
@@ -302,14 +303,13 @@ class FaultyReferenceAdapter(ReferenceAdapter):
 
     @staticmethod
     def _patch_preemptions_without_swaps(engine: Any) -> None:
-        from reference_engine.request import RequestStatus
-
         scheduler = engine.scheduler
         preempt = scheduler._preempt
 
         def not_counting_swaps(victim, step):
+            swaps = scheduler.counters.preemptions_swap
             preempt(victim, step)
-            if victim.status == RequestStatus.SWAPPED:
+            if scheduler.counters.preemptions_swap > swaps:
                 victim.num_preemptions -= 1
 
         scheduler._preempt = not_counting_swaps
