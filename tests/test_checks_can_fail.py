@@ -321,3 +321,44 @@ def test_the_readme_maps_every_fault_to_a_check_and_an_existing_test():
     assert not missing, f"faults with no row in README's check -> fault -> test table: {missing}"
     for file, name in re.findall(r"`(test_[a-z_]+\.py)::(test_[a-z_]+)`", table):
         assert f"def {name}(" in (root / "tests" / file).read_text(encoding="utf-8"), f"{file}::{name} is gone"
+
+
+# ----------------------------------------------------------------------------------- over HTTP
+def faulty_server(fault: str, model_dir: str, log_dir: Any):
+    """The reference server (``server`` adapter, reference preset) with ``fault`` inside its engine."""
+    from kvbench.engines.server import ServerAdapter
+
+    cmd = ("{python} -m kvbench.engines.patched_server --patch kvbench.conformance.faults:apply_fault=" + fault
+           + " --model {model} --host 127.0.0.1 --port {port}")
+    return ServerAdapter(model_dir, {"preset": "reference", "cmd": cmd, "log_dir": str(log_dir)})
+
+
+def test_recompute_equivalence_fails_over_http_on_a_server_that_corrupts_recomputed_output(
+        model_dir, truth, requests_greedy, truth_engine, tmp_path):
+    engine = faulty_server("corrupts_recomputed_output", model_dir, tmp_path)
+    try:
+        assert_fails(test_equivalence.test_recompute_preemption_equivalence, r"differ from the ground truth",
+                     engine=engine, truth=truth, requests_greedy=requests_greedy, truth_engine=truth_engine,
+                     near_ties=[])
+    finally:
+        engine.close()
+
+
+def test_over_long_prompt_check_fails_over_http_on_a_server_that_truncates(model_dir, requests_greedy, truth, tmp_path):
+    engine = faulty_server("truncates_over_long_prompts", model_dir, tmp_path)
+    try:
+        assert_fails(test_bad_input.test_over_long_prompt_is_refused_and_others_are_served,
+                     r"the bad request was not refused", engine=engine, model_dir=model_dir,
+                     requests_greedy=requests_greedy, truth=truth)
+    finally:
+        engine.close()
+
+
+def test_a_patch_is_named_by_import_path_and_a_config_fault_is_refused():
+    from kvbench.engines.patched_server import resolve
+
+    for bad in ("no-colon", "kvbench.conformance.faults:nothing_here"):
+        with pytest.raises(ValueError, match="--patch"):
+            resolve(bad)
+    with pytest.raises(ValueError, match="not a patch of a built engine"):
+        resolve("kvbench.conformance.faults:apply_fault=ignores_token_budget")(object())

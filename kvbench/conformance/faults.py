@@ -55,6 +55,17 @@ FAULTS: dict[str, str] = {
 }
 
 
+def apply_fault(engine: Any, fault: str) -> None:
+    """Patch ``fault`` into a built ``LLMEngine`` (in process, or inside the reference server:
+    ``python -m kvbench.engines.patched_server --patch kvbench.conformance.faults:apply_fault=FAULT``).
+    ValueError for a fault that is not a patch of a built engine (one in its configuration)."""
+    patch = getattr(FaultyReferenceAdapter, f"_patch_{fault}", None)
+    if patch is None:
+        engine_faults = sorted(f for f in FAULTS if hasattr(FaultyReferenceAdapter, f"_patch_{f}"))
+        raise ValueError(f"fault={fault!r} is not a patch of a built engine; those are: {', '.join(engine_faults)}")
+    patch(engine)
+
+
 class FaultyReferenceAdapter(ReferenceAdapter):
     """The reference engine with one deliberate fault (option ``fault``; see FAULTS)."""
 
