@@ -117,13 +117,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions``, each [num_tokens, 1, head_dim]: looked up once per forward pass
+        and shared by every layer (as Hugging Face's ``position_embeddings``)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x: [num_tokens, heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        cos, sin = cos_sin
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.rotate(x, self.at(positions, x.dtype))
 
 
 class Attention(nn.Module):
@@ -139,17 +147,18 @@ class Attention(nn.Module):
         self.rope = rope
         self.qkv: nn.Linear | None = None  # q, k and v in one matmul, set by fuse_projections()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """x: [num_tokens, hidden]; ``cos_sin``: RoPE at the tokens' positions (:meth:`RotaryEmbedding.at`)."""
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
             qkv = self.qkv(x)  # [num_tokens, (hq + 2 * hkv) * d]
-            qk = self.rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), positions)  # RoPE once for q and k
+            qk = self.rope.rotate(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos_sin)  # once for q and k
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         else:
-            q = self.rope(self.q_proj(x).view(t, hq, d), positions)
-            k = self.rope(self.k_proj(x).view(t, hkv, d), positions)
+            q = self.rope.rotate(self.q_proj(x).view(t, hq, d), cos_sin)
+            k = self.rope.rotate(self.k_proj(x).view(t, hkv, d), cos_sin)
             v = self.v_proj(x).view(t, hkv, d)
         out = paged_attention(q, k, v, kv_cache, self.layer, meta)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(t, -1))
@@ -179,8 +188,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, kv_cache, meta):
-        h = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta):
+        h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -204,8 +213,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns final hidden states [num_tokens, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary_emb.at(positions, x.dtype)  # the same positions in every layer
         for layer in self.model.layers:
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, cos_sin, kv_cache, meta)
         return self.model.norm(x)
 
     @torch.no_grad()
