@@ -4,9 +4,10 @@ Kinds and their ``data``:
 
 =================  ===================================================================
 ``admitted``       ``cached_tokens`` (prefix hit), ``resumed`` (True after a recompute)
-``preempted``      ``mode`` ("recompute" | "swap"), ``blocks``, ``tokens_discarded`` (recompute
-                   only: the computed tokens whose KV was dropped); a swap's bytes are in
-                   its ``swapped_out`` event
+``preempted``      ``mode`` ("recompute" | "swap"), ``wanted`` (the mode the policy chose before
+                   the host pool was consulted: "swap" with mode "recompute" is a fallback),
+                   ``blocks``, ``tokens_discarded`` (recompute only: the computed tokens whose
+                   KV was dropped); a swap's bytes are in its ``swapped_out`` event
 ``swap_fallback``  ``blocks``, ``free_cpu_blocks``: swap wanted but the host pool was full,
                    so the victim was recomputed instead
 ``swapped_out``    ``blocks``, ``bytes``, ``seconds`` (of the step's whole batched copy) and

@@ -374,7 +374,8 @@ class Scheduler:
                 self.swapped.append(victim)
                 self.counters.preemptions_swap += 1
                 self.counters.swap_outs += 1
-                self.record_event("preempted", victim.request_id, mode="swap", blocks=num_blocks, **why)
+                self.record_event("preempted", victim.request_id, mode="swap", wanted="swap", blocks=num_blocks,
+                                  **why)
                 return
             fallback = True
             self.counters.swap_fallbacks += 1
@@ -385,7 +386,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         step.preempted.append(Preemption(victim.request_id, "recompute", fallback))
         self.counters.preemptions_recompute += 1
-        self.record_event("preempted", victim.request_id, mode="recompute", blocks=num_blocks,
+        self.record_event("preempted", victim.request_id, mode="recompute", wanted=wanted, blocks=num_blocks,
                           tokens_discarded=discarded, **why)
         self._enqueue_waiting(victim, front=True)
 

@@ -169,6 +169,13 @@ def test_swap_exhaustion_check_fails_when_unswappable_victims_are_dropped(model_
                  requests_greedy=requests_greedy, truth=truth)
 
 
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_fallback_check_fails_when_fallbacks_go_uncounted(mode, model_dir, requests_greedy):
+    assert_fails(test_bad_input.test_every_swap_wanted_but_not_made_is_a_counted_fallback,
+                 rf"{mode}: swap_fallbacks=0 but \d+ preemptions wanted a swap|a swap fallback did not happen",
+                 mode=mode, engine=faulty("uncounted_swap_fallbacks", model_dir), requests_greedy=requests_greedy)
+
+
 # ----------------------------------------------------------------------------------- check 6
 @pytest.mark.parametrize(("fault", "match"), [
     ("never_aborts", r"aborts never reached the engine"),

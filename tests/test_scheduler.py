@@ -271,7 +271,8 @@ def test_recompute_victim_is_the_latest_admitted_keeps_its_tokens_and_goes_to_th
     # r0 needs a block: r1, admitted after it, is preempted; its blocks pay for r0's.
     assert spans(out) == [("r0", 8, 1)] and out.num_preempted == 1
     (ev,) = events(sched, "preempted")
-    assert ev.request_id == "r1" and ev.data == {"mode": "recompute", "blocks": 2, "tokens_discarded": 6}
+    assert ev.request_id == "r1" and ev.data == {"mode": "recompute", "wanted": "recompute", "blocks": 2,
+                                                 "tokens_discarded": 6}
     assert r1.status is RequestStatus.WAITING and r1.num_computed_tokens == 0
     assert r1.output_token_ids == [DEFAULT_TOKEN], "generated tokens survive a recompute preemption"
     assert [r.request_id for r in sched.waiting] == ["r1", "r2"], "the victim goes to the FRONT of waiting"
@@ -417,7 +418,8 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full() -> None:
     assert out.swap_out == [] and out.preempted == (Preemption("r1", "recompute", fallback=True),)
     (fallback,) = events(sched, "swap_fallback")
     assert fallback.request_id == "r1" and fallback.data == {"blocks": 2, "free_cpu_blocks": 1}
-    assert events(sched, "preempted")[0].data["mode"] == "recompute"
+    assert (events(sched, "preempted")[0].data["mode"], events(sched, "preempted")[0].data["wanted"]) == \
+        ("recompute", "swap"), "the event says a swap was wanted: a fallback, told apart from a plain recompute"
     r1 = sched.requests["r1"]
     assert r1.status is RequestStatus.WAITING and r1.num_computed_tokens == 0 and sched.bm.num_free_cpu_blocks == 1
     c = sched.counters

@@ -42,6 +42,8 @@ FAULTS: dict[str, str] = {
     "vague_rejection": "a refused request's error does not say why (check 8)",
     "drops_unswappable_victims": "a victim the host pool cannot take is aborted, not recomputed (check 8)",
     "vague_config_error": "an invalid configuration is refused without naming the field (check 8)",
+    "uncounted_swap_fallbacks": "a swap the host pool could not take is recomputed without counting the fallback "
+                                "(check 8)",
     "fcfs_oldest_victim": "under FCFS the oldest running request is preempted, not the latest (check 9)",
     "priority_most_important_victim": "under the priority policy the most important running request is preempted",
     "ignores_stop_token_ids": "stop_token_ids are dropped at intake (stop conditions)",
@@ -340,6 +342,18 @@ class FaultyReferenceAdapter(ReferenceAdapter):
             return hits
 
         bm.find_cached_prefix = stale
+
+    @staticmethod
+    def _patch_uncounted_swap_fallbacks(engine: Any) -> None:
+        scheduler = engine.scheduler
+        preempt = scheduler._preempt
+
+        def uncounted(victim, step_builder):
+            before = scheduler.counters.swap_fallbacks
+            preempt(victim, step_builder)
+            scheduler.counters.swap_fallbacks = before
+
+        scheduler._preempt = uncounted
 
     @staticmethod
     def _patch_drops_unswappable_victims(engine: Any) -> None:

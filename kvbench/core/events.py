@@ -10,7 +10,9 @@ kind               data
 =================  =======================================================================
 ``admitted``       ``cached_tokens`` (tokens served by the prefix cache at this admission),
                    ``resumed`` (True when re-admitted after a recompute preemption)
-``preempted``      ``mode`` ("recompute" | "swap"), ``tokens_discarded`` (recompute: tokens of
+``preempted``      ``mode`` ("recompute" | "swap"), ``wanted`` (the mode the engine's policy chose
+                   for this victim before the host pool was consulted: "swap" with mode
+                   "recompute" is a swap fallback), ``tokens_discarded`` (recompute: tokens of
                    KV thrown away), ``running`` (ids of the requests running at that moment,
                    in admission order, oldest first, the victim included)
 ``swapped_out``    ``bytes``

@@ -8,7 +8,15 @@ import math
 
 import pytest
 
-from kvbench.conformance.prove import kv_needs, model_vocab, pressured_knobs, prove, require_knobs, roomy_knobs
+from kvbench.conformance.prove import (
+    kv_needs,
+    model_vocab,
+    pressured_knobs,
+    prove,
+    require_events,
+    require_knobs,
+    roomy_knobs,
+)
 from kvbench.core.kv_budget import KVBudget
 from kvbench.engines.base import AdapterRefusal, GenRequest, Knobs
 from kvbench.plugin import require
@@ -109,6 +117,27 @@ def test_exhausted_swap_space_falls_back_to_recompute(engine, requests_greedy, t
     assert not unfinished, f"requests did not finish once swap space ran out (no fallback to recompute): {unfinished}"
     wrong = [o.request_id for o, (_, t) in zip(result.outputs, pairs, strict=True) if o.token_ids != t.token_ids]
     assert not wrong, f"outputs after the fallback to recompute differ from the ground truth: {wrong}"
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_every_swap_wanted_but_not_made_is_a_counted_fallback(mode, engine, requests_greedy):
+    """8c'. With a host pool of one block, every preemption whose policy wanted a swap (fixed ``swap``, or
+    ``auto`` deciding by cost) but recomputed is counted in ``swap_fallbacks`` and says so on its event
+    (``wanted="swap"``, ``mode="recompute"``): the policy does what its knob says, and says when it cannot."""
+    require(engine, "swap", *(("auto_preemption",) if mode == "auto" else ()))
+    requests = [r for r in requests_greedy if len(r.prompt_token_ids) > engine.kv_layout.block_size()]
+    result = engine.generate(requests, pressured_knobs(engine, requests, num_cpu_blocks=1, preemption_mode=mode))
+    events = require_events(result, engine, "which preemptions wanted a swap")
+    preempted = [e for e in events if e.kind == "preempted"]
+    if preempted and all("wanted" not in e.data for e in preempted):
+        pytest.skip(f"{engine.name}'s preemption events do not say which mode was wanted (not exposed)")
+    fell_back = [e.request_id for e in preempted if e.data.get("wanted") == "swap" and e.data["mode"] == "recompute"]
+    if not fell_back:
+        pytest.skip(f"{mode}: no preemption wanted a swap the host pool could not take ({len(preempted)} "
+                    "preemptions): nothing proves fallbacks are counted (undecided)")
+    counted = prove(result, engine, "swap_fallbacks", "a swap fallback")
+    assert counted == len(fell_back), (f"{mode}: swap_fallbacks={counted} but {len(fell_back)} preemptions wanted a "
+                                       f"swap and recomputed ({fell_back[:10]})")
 
 
 @pytest.mark.parametrize(("knob", "value"), [("block_size", 3), ("num_gpu_blocks", -1), ("max_num_seqs", 0),
