@@ -281,8 +281,13 @@ def model_dir(kvbench_session: KvbenchSession) -> str:
         return kvbench_session.model
     from kvbench.checkpoints import checkpoint_for
 
-    layouts = [adapter_class(s.kind).kv_layout_for(dict(s.options)) for s in kvbench_session.engine_specs]
-    return str(checkpoint_for(layouts))
+    return str(checkpoint_for(engine_layouts(kvbench_session.engine_specs)))
+
+
+def engine_layouts(specs: list[EngineSpec]) -> list[Any]:
+    """The KV layouts the run's engines declare before they start (a built-in checkpoint is shaped so every
+    one of them loads it: :func:`kvbench.checkpoints.checkpoint_for`)."""
+    return [adapter_class(s.kind).kv_layout_for(dict(s.options)) for s in specs]
 
 
 @pytest.fixture(scope="session")

@@ -247,3 +247,10 @@ def test_an_engine_with_a_length_limit_is_held_to_it():
 
     with pytest.raises(pytest.fail.Exception, match="the bad request was not refused"):
         check(engine=Accepts(), model_dir=str(builtin_checkpoint("tiny")), requests_greedy=[], truth=GenResult([]))
+
+
+def test_a_variant_is_named_by_its_exact_id():
+    """A parametrized check's id has brackets; named exactly it matches (fnmatch alone would read a class)."""
+    e = Expectation("vllm", "invalid_configuration_names_the_field[num_gpu_blocks--1]", "r", "p", match="x")
+    assert e.matches_check("invalid_configuration_names_the_field[num_gpu_blocks--1]")
+    assert not e.matches_check("invalid_configuration_names_the_field[block_size-3]")

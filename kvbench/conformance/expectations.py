@@ -59,7 +59,9 @@ class Expectation:
 
     def matches_check(self, check_id: str) -> bool:
         base = check_id.split("[", 1)[0]
-        return fnmatch.fnmatchcase(check_id, self.check) or fnmatch.fnmatchcase(base, self.check)
+        # an exact id first: a variant's id has brackets, which fnmatch would read as a character class
+        return self.check in (check_id, base) or fnmatch.fnmatchcase(check_id, self.check) \
+            or fnmatch.fnmatchcase(base, self.check)
 
     def applies(self, kind: str, check_id: str,
                 version_of: Callable[[str], str | None] | None = None, family: str | None = None) -> bool:
