@@ -24,7 +24,7 @@ from kvbench.bench.scenarios.declare import (
     ratio_noise,
     within_noise,
 )
-from kvbench.report.facts import fmt_value
+from kvbench.report.facts import clock_of, closed_loop, fmt_value
 
 #: the score of a scenario this kvbench does not know (a results file from elsewhere)
 DEFAULT_SCORE = Score("output_throughput", True, label="output throughput")
@@ -58,18 +58,6 @@ def headlines(results: Results, reference: str | None) -> list[dict[str, Any]]:
                                       what="output throughput"))
         cards.append({**h.to_dict(), "scenario": sc["name"]})
     return cards
-
-
-def _clock_of(result: dict[str, Any]) -> str:
-    """"step" or "wall": how the result's arrivals were released (older results: wall)."""
-    clock = result.get("clock")
-    return str(clock.get("clock", "wall")) if isinstance(clock, dict) else "wall"
-
-
-def _closed_loop(sc: dict[str, Any]) -> bool:
-    """A closed-loop workload has no arrival times (a request comes when one finishes): the clock it
-    ran on cannot change what it served."""
-    return any("closed loop" in str(v) for v in sc.get("parameters", {}).values())
 
 
 def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
@@ -106,8 +94,8 @@ def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
             row["leader"] = row["leader"] if not idle else ""
             row["standings"] = [f"{r['engine']}: did not preempt" for r in idle]
             continue
-        clocks = {_clock_of(r) for r, _ in entries}
-        if len(clocks) > 1 and not _closed_loop(sc):
+        clocks = {clock_of(r) for r, _ in entries}
+        if len(clocks) > 1 and not closed_loop(sc):
             # On the step clock arrivals come by engine step, on the wall clock by time: a fast engine on
             # the step clock sees the same requests sooner. Open-loop figures are then not like for like.
             row["note"] = ("not ranked: engines ran on different clocks (" + ", ".join(sorted(clocks)) +
