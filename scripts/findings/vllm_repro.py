@@ -148,8 +148,9 @@ def negative_pool_override_misreported() -> bool:
             return True
     except ServerStartError as e:
         said = e.engine_output.splitlines()  # the server's own words, not the command line
-        errors = [line for line in said if "Error" in line]
-        print("  the server refused to start; its error:\n    " + "\n    ".join(errors[-2:]))
+        errors = list(dict.fromkeys(line.split("] ", 1)[-1] for line in said
+                                    if re.search(r"\w+Error: ", line) and "ulimit" not in line))
+        print("  the server refused to start; the errors it logged:\n    " + "\n    ".join(errors[:3]))
         return not any(re.search("num.gpu.blocks", line) for line in said)
 
 
