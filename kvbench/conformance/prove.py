@@ -51,9 +51,9 @@ def pressured_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], facto
                     outputs: GenResult | None = None, **more: Any) -> Knobs:
     """Knobs for a pool that holds the largest of ``requests`` alone (``factor`` times it) but far from all of
     them, in ``engine``'s terms (``outputs``: see :func:`kv_needs`); ``more`` knobs on top."""
-    budget = pressured(kv_needs(requests, outputs), factor)
-    # the largest request must be admitted whatever it turns out to need
-    budget = type(budget)(tokens=budget.tokens, largest=max(kv_needs(requests)))
+    # sized by what the requests really need (``outputs``), yet the largest must be admitted whatever it
+    # turns out to need, so ``largest`` is its max_tokens need
+    budget = replace(pressured(kv_needs(requests, outputs), factor), largest=max(kv_needs(requests), default=1))
     return engine.pool_knobs(budget).merged(Knobs(**more))
 
 

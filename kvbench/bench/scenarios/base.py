@@ -27,6 +27,7 @@ from kvbench.bench.workloads import (
     Workload,
     WorkloadSpec,
 )
+from kvbench.core.kv_budget import request_tokens
 from kvbench.core.stepping import workload_clock
 from kvbench.core.trace import Trace, TraceRecorder
 from kvbench.engines.base import EngineAdapter, Knobs
@@ -291,7 +292,7 @@ def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | 
     # the scenario's pools are in the reference engine's blocks: the same pressure, in tokens, in this
     # engine's terms (e.g. vLLM's CPU build takes blocks of 32 only)
     job = replace(job, knobs=adapter.engine_knobs(
-        job.knobs, [len(r.prompt_token_ids) + r.max_tokens for r in job.workload.requests]))
+        job.knobs, [request_tokens(len(r.prompt_token_ids), r.max_tokens) for r in job.workload.requests]))
     kwargs: dict[str, Any] = {}
     if step_seconds is not None and getattr(adapter, "steppable", False):
         kwargs["step_seconds"] = step_seconds
