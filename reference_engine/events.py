@@ -3,7 +3,9 @@
 Kinds and their ``data``:
 
 =================  ===================================================================
-``admitted``       ``cached_tokens`` (prefix hit), ``resumed`` (True after a recompute)
+``admitted``       ``cached_tokens`` (prefix hit), ``resumed`` (True after a recompute),
+                   ``kv_usage`` (fraction of the device pool in use right after this admission),
+                   ``num_running`` (requests already running that it joined)
 ``preempted``      ``mode`` ("recompute" | "swap"), ``wanted`` (the mode the policy chose before
                    the host pool was consulted: "swap" with mode "recompute" is a fallback),
                    ``blocks``, ``tokens_discarded`` (recompute only: the computed tokens whose

@@ -325,7 +325,11 @@ class Scheduler:
             self.bm.record_prefix_query(req.num_tokens, cached)
             if cached:
                 self.record_event("prefix_hit", req.request_id, tokens=cached)
-            self.record_event("admitted", req.request_id, cached_tokens=cached, resumed=req.num_preemptions > 0)
+            # kv_usage right after this admission and the batch it joined: what an admission policy's
+            # headroom is judged by (a policy admits into an empty batch whatever it holds)
+            used = self.bm.num_gpu_blocks - self.bm.num_free_gpu_blocks
+            self.record_event("admitted", req.request_id, cached_tokens=cached, resumed=req.num_preemptions > 0,
+                              kv_usage=used / self.bm.num_gpu_blocks, num_running=len(self.running))
             self._make_running(req)
             step.add_chunk(req, num_new)
 

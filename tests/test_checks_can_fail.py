@@ -21,6 +21,7 @@ from kvbench.conformance.prove import conformance_requests
 from kvbench.core.liveness import DriverWatchdog, Liveness, LivenessError, Watchdog
 from kvbench.engines.registry import make_adapter, parse_engine_spec
 from suites.conformance import (
+    test_admission,
     test_bad_input,
     test_equivalence,
     test_metrics_truth,
@@ -228,6 +229,11 @@ def test_counts_told_twice_fail_when_a_counter_overcounts(model_dir, requests_gr
 
 
 # ----------------------------------------------------------------------------------- liveness
+def test_admission_check_fails_when_the_watermark_ignores_its_headroom(model_dir, requests_greedy):
+    assert_fails(test_admission.test_watermark_admission_keeps_its_headroom, r"the headroom it must keep",
+                 engine=faulty("admission_ignores_headroom", model_dir), requests_greedy=requests_greedy)
+
+
 def test_a_livelocked_engine_fails_its_check_quickly_naming_the_stuck_requests(model_dir, truth, requests_greedy,
                                                                               truth_engine):
     # "quickly" is decided by what fired, not by a stopwatch: the 200-step limit (the message says

@@ -53,6 +53,8 @@ FAULTS: dict[str, str] = {
     "preemptions_without_swaps": "per-request preemption counts leave out swap preemptions (metrics truth)",
     "overcounts_generated_tokens": "the generated-token counter counts one token too many per step (counts told "
                                    "twice)",
+    "admission_ignores_headroom": "the watermark admission gate projects against the whole pool, ignoring "
+                                  "admission_headroom (check 12)",
     "livelock": "after 20 steps the engine stops scheduling anything, forever (liveness)",
 }
 
@@ -118,6 +120,12 @@ class FaultyReferenceAdapter(ReferenceAdapter):
         if scheduler.policy == "priority":
             scheduler._pick_victim = lambda candidates: min(candidates,
                                                             key=lambda r: (r.priority_key(), r.admitted_seq))
+
+    @staticmethod
+    def _patch_admission_ignores_headroom(engine: Any) -> None:
+        admission = engine.scheduler.admission
+        if hasattr(admission, "headroom"):  # the watermark gate; the others keep no headroom
+            admission.headroom = 0.0
 
     @staticmethod
     def _patch_scrambles_swap_in(engine: Any) -> None:

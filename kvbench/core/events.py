@@ -9,7 +9,9 @@ A data key the engine cannot fill is left out, never guessed.
 kind               data
 =================  =======================================================================
 ``admitted``       ``cached_tokens`` (tokens served by the prefix cache at this admission),
-                   ``resumed`` (True when re-admitted after a recompute preemption)
+                   ``resumed`` (True when re-admitted after a recompute preemption),
+                   ``kv_usage`` (fraction of the device pool in use right after this admission,
+                   its own blocks included), ``num_running`` (requests already running that it joined)
 ``preempted``      ``mode`` ("recompute" | "swap"), ``wanted`` (the mode the engine's policy chose
                    for this victim before the host pool was consulted: "swap" with mode
                    "recompute" is a swap fallback), ``tokens_discarded`` (recompute: tokens of
