@@ -228,12 +228,13 @@ def test_counts_told_twice_fail_when_a_counter_overcounts(model_dir, requests_gr
                  engine=faulty("overcounts_generated_tokens", model_dir), requests_greedy=requests_greedy)
 
 
-# ----------------------------------------------------------------------------------- liveness
+# ----------------------------------------------------------------------------------- check 12: admission
 def test_admission_check_fails_when_the_watermark_ignores_its_headroom(model_dir, requests_greedy):
     assert_fails(test_admission.test_watermark_admission_keeps_its_headroom, r"the headroom it must keep",
                  engine=faulty("admission_ignores_headroom", model_dir), requests_greedy=requests_greedy)
 
 
+# ----------------------------------------------------------------------------------- liveness
 def test_a_livelocked_engine_fails_its_check_quickly_naming_the_stuck_requests(model_dir, truth, requests_greedy,
                                                                               truth_engine):
     # "quickly" is decided by what fired, not by a stopwatch: the 200-step limit (the message says
@@ -363,6 +364,36 @@ def test_over_long_prompt_check_fails_over_http_on_a_server_that_truncates(model
         assert_fails(test_bad_input.test_over_long_prompt_is_refused_and_others_are_served,
                      r"the bad request was not refused", engine=engine, model_dir=model_dir,
                      requests_greedy=requests_greedy, truth=truth)
+    finally:
+        engine.close()
+
+
+# checks that run on a black-box engine, each failing over HTTP on the reference server with an engine fault
+# inside it: (check, the fault, what the failure must say, the check's own parameters)
+HTTP_CASES = [
+    pytest.param(test_equivalence.test_swap_preemption_equivalence, "scrambles_swap_in",
+                 r"differ from the ground truth", {}, id="swap-equivalence"),
+    pytest.param(test_equivalence.test_prefix_caching_equivalence_and_hits, "serves_stale_cached_blocks",
+                 r"differ from the ground truth", {}, id="prefix-caching"),
+    pytest.param(test_equivalence.test_seeded_sampling_is_reproducible_across_preemption, "ignores_seed",
+                 r"seeded sampling changed|another seed gave the same tokens", {"mode": "recompute"},
+                 id="seeded-sampling"),
+    pytest.param(test_stop_conditions.test_stop_condition_holds_under_pressure, "overruns_max_tokens",
+                 r"differ from the ground truth", {"condition": "max_tokens"}, id="stop-max-tokens"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("check", "fault", "match", "params"), HTTP_CASES)
+def test_black_box_checks_fail_over_http_on_a_faulty_server(check, fault, match, params, model_dir, truth,
+                                                            requests_greedy, truth_engine, tmp_path):
+    import inspect
+
+    engine = faulty_server(fault, model_dir, tmp_path)
+    available = {"engine": engine, "model_dir": model_dir, "truth": truth, "requests_greedy": requests_greedy,
+                 "truth_engine": truth_engine, "near_ties": [], **params}
+    try:
+        assert_fails(check, match, **{k: available[k] for k in inspect.signature(check).parameters})
     finally:
         engine.close()
 
