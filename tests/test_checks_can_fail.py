@@ -380,6 +380,13 @@ HTTP_CASES = [
                  id="seeded-sampling"),
     pytest.param(test_stop_conditions.test_stop_condition_holds_under_pressure, "overruns_max_tokens",
                  r"differ from the ground truth", {"condition": "max_tokens"}, id="stop-max-tokens"),
+    pytest.param(test_nothing_lost.test_every_request_finishes_exactly_once, "leaks_block",
+                 r"blocks are still held", {"mode": "recompute"}, id="nothing-lost-leak"),
+    pytest.param(test_nothing_lost.test_every_request_finishes_exactly_once, "never_aborts",
+                 r"aborts counter 0 but \d+ requests were aborted by the client", {"mode": "recompute"},
+                 id="nothing-lost-abort"),
+    pytest.param(test_nothing_lost.test_every_request_finishes_exactly_once, "aborts_preemption_victims",
+                 r"aborted by the engine, not asked for", {"mode": "recompute"}, id="nothing-lost-victims"),
 ]
 
 
