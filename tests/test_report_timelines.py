@@ -90,3 +90,47 @@ def test_step_clock_series_carry_the_workload_clock():
     trace.step_seconds = 0.01
     s = metrics.series(trace)
     assert s["workload_t"] == [0.0, 0.01, 0.02, 0.03, 0.04] and len(s["workload_t"]) == len(s["t"])
+
+
+def test_a_servers_metrics_are_drawn_on_the_timeline_only_where_a_server_was_sampled():
+    """/metrics samples (running, preemptions so far, the prefix-cache hit rate of each interval) become their
+    own timelines for the engine reached over HTTP; an engine in process draws no such line."""
+    from kvbench.bench.metrics import series
+    from kvbench.core.trace import StepRecord, Trace
+
+    samples = [StepRecord(t=0.5 * i, duration=0.5, num_running=i, num_waiting=0, kv_usage=0.1 * i, sampled=True,
+                          server_preemptions=[0, 0, 2, 5][i], server_prefix_hits=[0, 32, 32, 96][i],
+                          server_prefix_queries=[0, 64, 64, 128][i]) for i in range(4)]
+    s = series(Trace("server", STORM, steps=samples))
+    assert s["server_t"] == [0.0, 0.5, 1.0, 1.5] and s["server_running"] == [0, 1, 2, 3]
+    assert s["server_preemptions"] == [0, 0, 2, 5]
+    assert s["server_prefix_hit_rate"] == [None, 0.5, None, 1.0]  # nothing looked up in between: no rate
+    assert "server_t" not in series(Trace("in-process", STORM, steps=[StepRecord(t=0.5, duration=0.5,
+                                                                                 num_running=1, num_waiting=0)]))
+    res, sc = storm(("wall", "wall"))
+    sc["results"][1]["series"].update(s)
+    charts = _Charts(res).timelines(sc)
+    names = titles(charts)
+    for title in ("Running requests", "Preemptions so far", "Prefix-cache hit rate"):
+        chart = charts[names.index(f"{title} (server /metrics) — {STORM}")]
+        assert set(re.findall(r"<polyline[^>]*><title>(.*?)</title>", str(chart))) == {"other"}
+    del sc["results"][1]["series"]["server_t"], sc["results"][1]["series"]["server_running"]
+    for key in ("server_preemptions", "server_prefix_hit_rate"):
+        del sc["results"][1]["series"][key]
+    assert not any("server /metrics" in t for t in titles(_Charts(res).timelines(sc)))
+
+
+def test_sampled_steps_carry_the_servers_counts_since_the_first_sample():
+    from kvbench.engines.http_metrics import MetricsSnapshot, sampled_step
+
+    def snap(preemptions: int, hits: int, queries: int) -> MetricsSnapshot:
+        return MetricsSnapshot.parse(
+            "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n"
+            f"vllm:num_preemptions_total {preemptions}\nvllm:prefix_cache_hits_total {hits}\n"
+            f"vllm:prefix_cache_queries_total {queries}\n")
+
+    first = snap(7, 100, 400)
+    record = sampled_step(snap(10, 164, 528), 1.0, 0.25, first)
+    assert (record.server_preemptions, record.server_prefix_hits, record.server_prefix_queries) == (3, 64, 128)
+    bare = sampled_step(snap(10, 164, 528), 1.0, 0.25)
+    assert bare.server_preemptions is None and bare.sampled

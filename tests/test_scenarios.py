@@ -542,3 +542,21 @@ def test_auto_claims_fail_for_an_auto_that_always_makes_one_fixed_modes_choice()
     assert set(sc.auto_vs_fixed_claims(None, 100.0, 90.0).values()) == {None}
     # victims all priced one way: nothing to win from the mix, undecided (never passed)
     assert list(sc.auto_vs_fixed_claims(105.0, 100.0, 90.0, mixed=False).values()) == [True, None]
+
+
+def test_undecided_claims_are_their_own_field_never_a_passed_check():
+    """A claim left None is recorded under ``undecided`` with its reason, not among the checks (never "held"),
+    and the report's claims table and summary say "undecided"."""
+    from kvbench.bench.results import Results
+    from kvbench.report.render import render_report
+
+    outcome = sc.PREEMPTION_STORM.judge(_served(sc.PREEMPTION_STORM, [_quiet_trace()] * len(
+        sc.PREEMPTION_STORM.plan("quick", TINY))), "quick", TINY)
+    outcome.claims = {"preemptions grew with concurrency": True, "the highest concurrency preempted (a storm)": None}
+    results = Results()
+    sc.record(outcome, results, "reference")
+    (entry,) = results.scenario("preemption_storm")["results"]
+    assert entry["checks"] == {"preemptions grew with concurrency": True}
+    assert entry["undecided"] == {"the highest concurrency preempted (a storm)": sc.UNDECIDED_REASON}
+    html = render_report(Results.from_dict(results.to_dict()))
+    assert "? undecided" in html and "1/1 · 1 undecided" in html

@@ -536,11 +536,16 @@ def series(trace: Trace, max_points: int = 300, max_markers: int = 500) -> dict[
       keeps every spike visible after downsampling.
     * ``workload_t`` (step clock only): each ``t`` on the workload's clock.
     * ``preempt_t``, ``preempt_mode``: preemption markers (evenly thinned to ``max_markers``).
+    * ``server_t``, ``server_running``, ``server_preemptions``, ``server_prefix_hit_rate`` (engines reached over
+      HTTP only): what the server's ``/metrics`` said at each sample, evenly thinned to ``max_points``: requests
+      running, preemptions counted since the first sample, and the prefix-cache hit rate of the interval
+      before each sample (hits / tokens looked up; None where nothing was looked up or it is not exposed).
     * ``ttft_cdf_x``/``ttft_cdf_p``, ``tbt_cdf_x``/``tbt_cdf_p``: empirical CDFs (<= 101 points).
     """
     duration = _duration(trace)
     out: dict[str, list] = {}
     out.update(_step_series(trace, max_points))
+    out.update(_server_series(trace, max_points))
     if trace.step_seconds is not None:
         # on the step clock a trace second is not a workload second: each ``t`` on the workload's clock,
         # so a report can mark a workload event (a surge's start) on the trace's time axis
@@ -595,6 +600,26 @@ def _step_series(trace: Trace, max_points: int) -> dict[str, list]:
             mean = np.where(sum_w > 0, sum_vw / np.where(sum_w > 0, sum_w, 1.0), np.nan)
         out[c] = _none_if_nan(mean[occupied])
     return out
+
+
+def _server_series(trace: Trace, max_points: int) -> dict[str, list]:
+    """The server's own view over the run, from its ``/metrics`` samples (see :func:`series`); empty when the
+    trace has no sample carrying the server's counts."""
+    samples = sorted((s for s in trace.steps if s.sampled), key=lambda s: s.t)
+    if not any(s.server_preemptions is not None or s.server_prefix_queries is not None for s in samples):
+        return {}
+    if len(samples) > max_points:
+        keep = np.linspace(0, len(samples) - 1, max_points).round().astype(int)
+        samples = [samples[i] for i in keep]
+    rates: list[float | None] = []
+    for before, now in zip([None, *samples[:-1]], samples, strict=True):
+        looked = None if before is None or None in (now.server_prefix_queries, before.server_prefix_queries) \
+            else now.server_prefix_queries - before.server_prefix_queries
+        hits = None if before is None or None in (now.server_prefix_hits, before.server_prefix_hits) \
+            else now.server_prefix_hits - before.server_prefix_hits
+        rates.append(hits / looked if looked and hits is not None else None)
+    return {"server_t": [float(s.t) for s in samples], "server_running": [s.num_running for s in samples],
+            "server_preemptions": [s.server_preemptions for s in samples], "server_prefix_hit_rate": rates}
 
 
 def _gap_series(gaps: _Gaps, edges: np.ndarray) -> dict[str, list]:

@@ -19,6 +19,7 @@ report draws. Skeleton (``schema_version`` 1)::
                      "metrics": {"output_throughput": 812.5, "tbt_p99": 0.09, ...},   # metrics.summarize
                      "series": {"t": [...], "kv_usage": [...], ...},                # metrics.series
                      "checks": {"preemptions happened": true},
+                     "undecided": {"a claim": "why it could not be decided"},
                      "notes": ["..."],
                      "repeats": [{"output_throughput": 800.1, ...}, ...],  # every repeat's values
                      "spread": {"output_throughput": 6.2, ...},            # kvbench.bench.repeats.spread
@@ -214,7 +215,8 @@ class Results:
 
     def add_scenario_result(self, scenario: str, engine: Mapping[str, Any] | str, metrics: Mapping[str, Any], *,
                             series: Mapping[str, list] | None = None, checks: Mapping[str, bool] | None = None,
-                            notes: list[str] | None = None, mode: str | None = None,
+                            undecided: Mapping[str, str] | None = None, notes: list[str] | None = None,
+                            mode: str | None = None,
                             parameters: Mapping[str, Any] | None = None,
                             description: str | None = None, repeats: list[Mapping[str, Any]] | None = None,
                             spread: Mapping[str, float] | None = None,
@@ -226,6 +228,9 @@ class Results:
         names) is stored as ``Counters.to_dict()``, every counter of the contract with null = not
         exposed; omitted, the entry's ``counters`` is null (not recorded).
 
+        ``checks`` are the claims decided (True held, False failed); ``undecided`` the claims that could not
+        be decided, each with its reason: never counted as passed.
+
         ``metrics`` are the figures shown (the medians when the point was repeated); ``repeats`` every
         repeat's figures, ``spread`` their spreads, ``clock`` how arrivals were released (module docstring).
         """
@@ -233,6 +238,7 @@ class Results:
         sc = self.scenario(scenario, create=True, parameters=parameters, description=description)
         entry = jsonable({"engine": name, "mode": mode, "metrics": dict(metrics), "series": dict(series or {}),
                            "checks": {str(k): bool(v) for k, v in (checks or {}).items()},
+                           "undecided": {str(k): str(v) for k, v in (undecided or {}).items()},
                            "notes": [str(n) for n in (notes or [])],
                            "repeats": [dict(r) for r in (repeats or [])], "spread": dict(spread or {}),
                            "clock": dict(clock) if clock else None,
@@ -425,8 +431,8 @@ def validate(data: Any) -> dict[str, Any]:
             if not isinstance(res, dict) or "engine" not in res or not isinstance(res.get("metrics"), dict):
                 raise ResultsError(f"scenarios[{i}] ({sc['name']}) results[{j}] needs 'engine' and 'metrics'")
             res.setdefault("mode", None)
-            for key, default in (("series", {}), ("checks", {}), ("notes", []), ("repeats", []), ("spread", {}),
-                                 ("clock", None)):
+            for key, default in (("series", {}), ("checks", {}), ("undecided", {}), ("notes", []), ("repeats", []),
+                                 ("spread", {}), ("clock", None)):
                 res.setdefault(key, default)
             res.setdefault("counters", None)  # absent from files written before the counter contract
             try:

@@ -55,6 +55,11 @@ class StepRecord:
     # True: not an engine step but a sample of a server's /metrics (queues and KV usage only): its
     # token counts and num_preempted are not exposed (left 0), and must never be read as "none"
     sampled: bool = False
+    # samples only: what the server's /metrics counted since the run's first sample (cumulative); None where
+    # the server does not expose it. Preemptions of every mode; prefix-cache hits and lookups in tokens.
+    server_preemptions: int | None = None
+    server_prefix_hits: int | None = None
+    server_prefix_queries: int | None = None
 
 
 @dataclass

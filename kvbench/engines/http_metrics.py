@@ -209,16 +209,31 @@ def knobs_from_config_info(snap: MetricsSnapshot) -> dict[str, Any]:
     return knobs
 
 
-def sampled_step(snap: MetricsSnapshot, t: float, since_last: float) -> StepRecord | None:
+def _server_totals(snap: MetricsSnapshot) -> tuple[int | None, int | None, int | None]:
+    """(preemptions of every mode, prefix-cache hits, prefix-cache queries) as the server counts them."""
+    c = cumulative_counters(snap)
+    preemptions = c.preemptions_total if c.preemptions_total is not None else c.preemptions
+    return preemptions, c.prefix_cache_hits, c.prefix_cache_queries
+
+
+def sampled_step(snap: MetricsSnapshot, t: float, since_last: float,
+                 first: MetricsSnapshot | None = None) -> StepRecord | None:
     """A queue/KV sample as a :class:`StepRecord` (``duration`` = time since the previous sample, so
     duration-weighted means are time-weighted); None without the queue gauges. Samples carry no
-    token counts or preemptions (``sampled=True``: metrics read those as not exposed, never as 0)."""
+    token counts or per-step preemptions (``sampled=True``: metrics read those as not exposed, never as 0);
+    with ``first`` (the run's first sample) they carry the server's own cumulative counts since then
+    (``server_preemptions``, ``server_prefix_hits``, ``server_prefix_queries``), for the report's timelines."""
     running, waiting = snap.value("vllm:num_requests_running"), snap.value("vllm:num_requests_waiting")
     if running is None or waiting is None:
         return None
     usage = next((snap.value(n) for n in _USAGE if snap.has(n)), None)
     _, cpu = pool_sizes(snap)
     cpu_usage = snap.value("reference_engine:cpu_cache_usage_perc") if cpu else None
+    since = [None, None, None]
+    if first is not None:
+        since = [None if now is None or then is None else max(now - then, 0)
+                 for now, then in zip(_server_totals(snap), _server_totals(first), strict=True)]
     return StepRecord(t=t, duration=since_last, num_running=round(running), num_waiting=round(waiting),
                       num_swapped=round(snap.value("reference_engine:num_requests_swapped") or 0),
-                      kv_usage=usage, cpu_kv_usage=cpu_usage, sampled=True)
+                      kv_usage=usage, cpu_kv_usage=cpu_usage, sampled=True, server_preemptions=since[0],
+                      server_prefix_hits=since[1], server_prefix_queries=since[2])

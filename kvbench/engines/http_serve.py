@@ -67,12 +67,14 @@ def _body(client: CompletionClient, req: Any, stream: bool) -> dict[str, Any]:
 async def _poll_metrics(http: httpx.AsyncClient, recorder: TraceRecorder, interval: float, stats: DriverStats,
                         stop: asyncio.Event, watchdog: HttpWatchdog) -> None:
     last = recorder.now()
+    first: MetricsSnapshot | None = None  # the server's counters are cumulative since it started
     while not stop.is_set():
         try:
             response = await http.get("/metrics", timeout=max(1.0, 5 * interval))
             t = recorder.now()
             snap = MetricsSnapshot.parse(response.text) if response.status_code == 200 else None
-            record = sampled_step(snap, t, t - last) if snap is not None else None
+            first = first or snap
+            record = sampled_step(snap, t, t - last, first) if snap is not None else None
             if snap is not None:
                 watchdog.saw_metrics(snap)
         except (httpx.HTTPError, ValueError):

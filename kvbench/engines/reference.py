@@ -296,7 +296,8 @@ def _request_states(engine) -> dict[str, str]:
 
 
 # engine event kind -> the data keys of kvbench.core.events it carries
-_EVENT_KEYS = {"admitted": ("cached_tokens", "resumed", "kv_usage", "num_running"), "preempted": ("mode", "wanted", "tokens_discarded"),
+_EVENT_KEYS = {"admitted": ("cached_tokens", "resumed", "kv_usage", "num_running"),
+               "preempted": ("mode", "wanted", "tokens_discarded"),
                "swapped_out": ("bytes",), "swapped_in": ("bytes",), "finished": ("reason",), "aborted": ("state",)}
 
 

@@ -123,11 +123,13 @@ def _better(metric: str, ratio: float, noise: float | None = None) -> str:
 def summary_table(results: Results) -> dict[str, Any]:
     rows = []
     for sc, res in results.iter_results():
-        checks = res.get("checks", {})
+        checks, undecided = res.get("checks", {}), res.get("undecided") or {}
+        held = f"{sum(map(bool, checks.values()))}/{len(checks)}" if checks else ""
         rows.append({"scenario": sc["name"], "engine": res["engine"], "mode": res.get("mode"),
                      "cells": [facts.fmt_value(k, res) for k in SUMMARY_COLUMNS],
                      "sort": [_num(res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
-                     "checks": f"{sum(map(bool, checks.values()))}/{len(checks)}" if checks else "",
+                     # undecided claims are said apart: they never count as held
+                     "checks": " · ".join(filter(None, [held, f"{len(undecided)} undecided" if undecided else ""])),
                      "checks_ok": all(checks.values()), "machine": res.get("machine") or "",
                      "clock": facts.clock_of(res)})
     # merged shards (kvbench merge) keep each result's machine: a column when there is more than one
@@ -305,6 +307,13 @@ class _Charts:
         ("throughput_t", "throughput", "Output throughput", "tokens/s", lambda v: f"{v:,.0f}", None, False),
         ("t", "kv_usage", "KV usage", "KV blocks in use (%)", lambda v: f"{v * 100:g}", 1.0, False),
         ("t", "num_waiting", "Waiting requests", "requests", lambda v: f"{v:g}", None, True),
+        # engines reached over HTTP: what the server's own /metrics said during the run, beside the client's gaps
+        ("server_t", "server_running", "Running requests (server /metrics)", "requests", lambda v: f"{v:g}", None,
+         True),
+        ("server_t", "server_preemptions", "Preemptions so far (server /metrics)", "preemptions",
+         lambda v: f"{v:g}", None, True),
+        ("server_t", "server_prefix_hit_rate", "Prefix-cache hit rate (server /metrics)", "hits / tokens looked up (%)",
+         lambda v: f"{v * 100:g}", 1.0, False),
     )
 
     def timelines(self, sc: dict[str, Any]) -> list[Markup]:
@@ -333,6 +342,8 @@ class _Charts:
                 lines, marks, legend = [], [], {}
                 for r in members:
                     s = r["series"]
+                    if y_key not in s:  # a server's view: engines in process have none
+                        continue
                     color, dash = self.style(r["engine"], r.get("mode"), modes, one_engine=one_engine)
                     label = _label(r["engine"], r.get("mode"))
                     lines.append(rc.Line(label, s.get(x_key, []), s.get(y_key, []), color, dash=dash))
@@ -341,6 +352,8 @@ class _Charts:
                             c = rc.PREEMPT_COLORS.get(mode, "#d9434e")
                             marks.append(rc.Marker(t, c, f"{label}: preempted ({mode}) at {t:.3f} s"))
                             legend[f"preemption ({mode})"] = c
+                if not lines:
+                    continue
                 sub = f"{clock} clock only: not comparable with the other clock" if split else "one scale for all"
                 vlines = []
                 if event is not None:
@@ -495,10 +508,11 @@ def _engine_mode(label: str) -> tuple[str, str | None]:
 
 def claims_matrix(sc: dict[str, Any]) -> dict[str, Any] | None:
     """The scenario's claims once: claim x engine (results of one engine share their claims; a mode
-    whose verdict differs gets its own column)."""
-    columns: list[tuple[str, dict[str, bool]]] = []
+    whose verdict differs gets its own column). A cell is True (held), False (failed), a string (undecided:
+    the reason) or None (not a claim of that engine's run)."""
+    columns: list[tuple[str, dict[str, bool | str]]] = []
     for r in sc["results"]:
-        checks = r.get("checks") or {}
+        checks = {**(r.get("undecided") or {}), **(r.get("checks") or {})}
         if not checks:
             continue
         same = next((c for name, c in columns if name.split(" [")[0] == r["engine"] and c == checks), None)

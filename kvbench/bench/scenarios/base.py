@@ -414,14 +414,18 @@ def run_interleaved(scenario: Scenario, adapters: Mapping[str, EngineAdapter], m
     return result
 
 
+#: why a claim left None is undecided: the scenario's judge could not tell from what the engine exposes (its
+#: notes say more where a scenario knows more, e.g. a mechanism that did not fire)
+UNDECIDED_REASON = "the engine does not expose what it takes to tell, or the mechanism did not fire"
+
+
 def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
            slos: str | Mapping[str, float] | None = None) -> None:
     """Add an outcome to a :class:`~kvbench.bench.results.Results`: one entry per result (summary +
     the judge's extra figures + timelines), every sweep point, and the claims as checks.
-    Claims the engine could not show (None) are undecided: notes saying so, never checks (never passed)."""
+    Claims the engine could not show (None) are ``undecided``, each with its reason, never checks (never passed)."""
     checks = {c: bool(v) for c, v in outcome.claims.items() if v is not None}
-    unknown = [f"undecided (the engine does not expose what it takes to tell): {c}"
-               for c, v in outcome.claims.items() if v is None]
+    undecided = {c: UNDECIDED_REASON for c, v in outcome.claims.items() if v is None}
     params = {**outcome.parameters}
     runs = outcome.repeats or [outcome]
     clock = {"clock": "wall" if outcome.step_seconds is None else "step", "step_seconds": outcome.step_seconds,
@@ -429,14 +433,14 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
     for j, entry in enumerate(outcome.entries):
         per_repeat = [{**metrics.summarize(o.entries[j].trace, slos), **o.entries[j].extra} for o in runs]
         medians, spreads = repeats.aggregate(per_repeat)
-        notes = [*entry.notes, *outcome.notes, *unknown]
+        notes = [*entry.notes, *outcome.notes]
         exact = outcome.step_seconds is not None
         if exact and (moved := repeats.differing(per_repeat, [k for k in medians if repeats.is_count(k)])):
             # the step clock makes a deterministic engine's counts repeat; these did not
             exact = False
             notes.append(f"counts differed between step-clock repeats (gated with statistics): {', '.join(moved)}")
         results.add_scenario_result(outcome.scenario.name, engine, medians, series=metrics.series(entry.trace),
-                                    checks=checks, notes=notes, mode=entry.mode,
+                                    checks=checks, undecided=undecided, notes=notes, mode=entry.mode,
                                     parameters=params, description=outcome.scenario.description,
                                     repeats=per_repeat, spread=spreads, clock={**clock, "exact_counts": exact},
                                     counters=entry.trace.counters)  # the first repeat's, as the series
