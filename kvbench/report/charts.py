@@ -99,12 +99,11 @@ def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[
     if integer:
         step = max(1.0, float(round(step)))
     start = math.floor(lo / step) * step
-    ticks, v = [], start
-    while v <= hi + step * 1e-9:
-        ticks.append(round(v, 12))
-        v += step
+    # counted, not accumulated: adding a step far below lo's precision would never move past hi
+    count = min(int((hi - start) / step * (1 + 1e-9)) + 1, 4 * max(1, n) + 2)
+    ticks = [round(start + i * step, 12) for i in range(count)]
     if ticks[-1] < hi:
-        ticks.append(round(v, 12))
+        ticks.append(round(start + count * step, 12))
     return ticks
 
 
