@@ -182,7 +182,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# kvbench calibrate / simulate (the capacity-planning simulator, kvbench.engines.sim)
+# kvbench calibrate / simulate (the capacity-planning simulator, kvbench.sim.adapter)
 
 
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
@@ -206,7 +206,7 @@ def _calibrate_flags_named(text: str) -> str:
 
 
 def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.engines.calibrate import Design, calibrate_profile, fit_problems
+    from kvbench.sim.calibration import Design, calibrate_profile, fit_problems
 
     if args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
@@ -247,9 +247,9 @@ def _simulate_command(profile: Path, model: str | None) -> str:
     """The ``kvbench simulate`` command line that plans on a calibrated ``profile`` for ``model`` (None: the
     built-in tiny model, simulate's default too): ``--fit-lengths`` when the model's context is too
     short for the default workload's requests."""
-    from kvbench.bench.simulate import fit_length_scale
     from kvbench.checkpoints import builtin_checkpoint
     from kvbench.engines.registry import make_adapter, parse_engine_spec
+    from kvbench.sim.simulate import fit_length_scale
 
     spec = f"sim:hardware={profile}" + (f",model={model}" if model is not None else "")
     shape = make_adapter(parse_engine_spec(spec), str(builtin_checkpoint("tiny"))).model_shape
@@ -258,9 +258,9 @@ def _simulate_command(profile: Path, model: str | None) -> str:
 
 
 def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.bench import simulate as sim
-    from kvbench.bench.capacity_plan import capacity_plan
     from kvbench.engines.registry import EngineSpecError, make_adapter, parse_engine_spec
+    from kvbench.sim import simulate as sim
+    from kvbench.sim.capacity_plan import capacity_plan
 
     try:
         spec = parse_engine_spec(args.engine)
@@ -320,8 +320,8 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     plan = capacity_plan(runs, adapter, args.preemption_budget, workload)
     print(plan.text(), file=out)
     if report_dir is not None:
-        from kvbench.bench.capacity_plan import PlanDocument, SimulationSetup
-        from kvbench.report.capacity_plan import write_plan_report  # jinja2 and charts load only when needed
+        from kvbench.report.plan_report import write_plan_report  # jinja2 and charts load only when needed
+        from kvbench.sim.capacity_plan import PlanDocument, SimulationSetup
 
         doc = PlanDocument(SimulationSetup.of(args.engine, adapter, workload, sweep, base), runs, plan)
         try:
@@ -353,7 +353,7 @@ Handler = Callable[[argparse.Namespace, TextIO], int]
 
 
 def sim_workloads() -> tuple[str, ...]:
-    from kvbench.bench.simulate import WORKLOADS
+    from kvbench.sim.simulate import WORKLOADS
 
     return tuple(WORKLOADS)
 

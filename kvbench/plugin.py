@@ -251,7 +251,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip_gpu)
         spec = _engine_spec_of(item)
         if spec is not None and item.get_closest_marker("conformance") and _simulated(spec):
-            from kvbench.engines.sim import SIMULATED_REASON
+            from kvbench.sim.adapter import SIMULATED_REASON
 
             item.add_marker(pytest.mark.skip(reason=SIMULATED_REASON))  # placeholder tokens prove nothing
         if spec is not None and item.get_closest_marker("conformance"):

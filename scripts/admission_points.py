@@ -19,7 +19,7 @@ import time
 
 from kvbench.bench import metrics
 from kvbench.bench import scenarios as sc
-from kvbench.bench.scenarios.base import MODEL_PRESETS, STEP_SECONDS, Job, serve
+from kvbench.bench.scenarios.common import MODEL_PRESETS, STEP_SECONDS, Job, serve
 from kvbench.bench.scenarios.policies import goal_check
 from kvbench.checkpoints import builtin_checkpoint
 from kvbench.core.knobs import Knobs

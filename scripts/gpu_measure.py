@@ -321,7 +321,7 @@ def measure_swap(args: argparse.Namespace) -> dict[str, Any]:
 def run_storm(args: argparse.Namespace, results: Any) -> dict[str, Any]:
     """The preemption storm at quick scale on the reference engine on this device, recorded into results."""
     from kvbench.bench import scenarios as sc
-    from kvbench.bench.scenarios.base import STEP_SECONDS
+    from kvbench.bench.scenarios.common import STEP_SECONDS
     from kvbench.checkpoints import builtin_checkpoint
     from kvbench.engines.registry import make_adapter, parse_engine_spec
 

@@ -40,9 +40,9 @@ from kvbench.bench import metrics, repeats
 from kvbench.bench import scenarios as sc
 from kvbench.bench.results import Results
 from kvbench.checkpoints import builtin_checkpoint
-from kvbench.engines.calibrate import base_profile, interval_samples, recording
 from kvbench.engines.registry import EngineSpec, make_adapter, parse_engine_spec
 from kvbench.report.render import write_report
+from kvbench.sim.calibration import base_profile, interval_samples, recording
 from reference_engine.sim import CostModel, load_model_shape
 from reference_engine.sim.calibrate import Design, IntervalSample, fit_intervals, interval_errors
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvbench.checkpoints import builtin_checkpoint
 from kvbench.cli import main
-from kvbench.engines import calibrate as calibration
+from kvbench.sim import calibration
 from reference_engine.sim import load_profile
 
 #: a small design (a few seconds here): its fit is poor by construction, hence --force where it is saved
@@ -106,7 +106,7 @@ def test_simulate_names_a_model_too_big_for_the_profiles_memory_instead_of_a_tra
 # ------------------------------------------------------------------------------ the workloads' lengths
 @pytest.mark.parametrize("workload", ["evening_surge", "mixed_victims"])
 def test_fitted_lengths_fit_the_model_and_full_scale_is_unchanged(workload):
-    from kvbench.bench import simulate as sim
+    from kvbench.sim import simulate as sim
 
     build, _ = sim.WORKLOADS[workload]
     scale = sim.fit_length_scale(workload, 1024)

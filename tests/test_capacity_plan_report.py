@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.bench.capacity_plan import (
+from kvbench.cli import main
+from kvbench.report.plan_report import render_plan, write_plan_report
+from kvbench.sim.capacity_plan import (
     CapacityPlan,
     Claim,
     CostCrossover,
@@ -27,9 +29,7 @@ from kvbench.bench.capacity_plan import (
     SimulationSetup,
     capacity_plan,
 )
-from kvbench.bench.simulate import SimRun
-from kvbench.cli import main
-from kvbench.report.capacity_plan import render_plan, write_plan_report
+from kvbench.sim.simulate import SimRun
 from tests.chromium import INSTALL_HINT, find_chromium, load_page
 
 ENGINE = "sim:hardware=h200,model=llama-3-8b"

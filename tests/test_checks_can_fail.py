@@ -340,9 +340,9 @@ def test_the_readme_maps_every_fault_to_a_check_and_an_existing_test():
 # ----------------------------------------------------------------------------------- over HTTP
 def faulty_server(fault: str, model_dir: str, log_dir: Any):
     """The reference server (``server`` adapter, reference preset) with ``fault`` inside its engine."""
-    from kvbench.engines.server import ServerAdapter
+    from kvbench.engines.http.server import ServerAdapter
 
-    cmd = ("{python} -m kvbench.engines.patched_server --patch kvbench.conformance.faults:apply_fault=" + fault
+    cmd = ("{python} -m kvbench.engines.http.patched_server --patch kvbench.conformance.faults:apply_fault=" + fault
            + " --model {model} --host 127.0.0.1 --port {port}")
     return ServerAdapter(model_dir, {"preset": "reference", "cmd": cmd, "log_dir": str(log_dir)})
 
@@ -406,7 +406,7 @@ def test_black_box_checks_fail_over_http_on_a_faulty_server(check, fault, match,
 
 
 def test_a_patch_is_named_by_import_path_and_a_config_fault_is_refused():
-    from kvbench.engines.patched_server import resolve
+    from kvbench.engines.http.patched_server import resolve
 
     for bad in ("no-colon", "kvbench.conformance.faults:nothing_here"):
         with pytest.raises(ValueError, match="--patch"):

@@ -23,9 +23,9 @@ from kvbench.bench.results import Results, ResultsError
 from kvbench.core.counters import COUNTER_NAMES, COUNTER_SPECS, Counters, markdown_table, spec
 from kvbench.core.requests import GenResult
 from kvbench.core.trace import Trace, TraceRecorder
-from kvbench.engines import hf_cb_probe
 from kvbench.engines.base import GenRequest, Knobs
-from kvbench.engines.hf_cb_probe import (
+from kvbench.engines.hf.probe import (
+    LOGGER_NAME,
     OFFLOAD,
     PREFIX,
     SCHEDULE,
@@ -157,7 +157,7 @@ def _requests(n: int = 3, prompt_len: int = 20, max_tokens: int = 8) -> list[Gen
 
 
 def test_reference_counters_equal_the_engine_stats(ckpt_dir: str):
-    from kvbench.engines.reference import _STATS_TO_COUNTERS, ReferenceAdapter, counters_of
+    from kvbench.engines.inprocess.reference import _STATS_TO_COUNTERS, ReferenceAdapter, counters_of
 
     adapter = ReferenceAdapter(ckpt_dir)
     knobs = Knobs(block_size=16, num_gpu_blocks=6, max_num_batched_tokens=16, enable_chunked_prefill=True)
@@ -182,7 +182,7 @@ def test_reference_counters_equal_the_engine_stats(ckpt_dir: str):
 def test_reference_counters_prefer_the_typed_record():
     stats = {"num_gpu_blocks": 8, "num_free_gpu_blocks": 8, "num_cpu_blocks": 0, "num_free_cpu_blocks": 0,
              "num_preemptions_recompute": 1}
-    from kvbench.engines.reference import counters_of
+    from kvbench.engines.inprocess.reference import counters_of
 
     typed = SimpleNamespace(preemptions_recompute=5, aborts=2, steps=40)  # steps: not a contract counter
     c = counters_of(SimpleNamespace(stats=lambda: stats, counters=lambda: typed))
@@ -193,7 +193,7 @@ def test_reference_counters_prefer_the_typed_record():
 
 def test_hf_exposes_no_counter(ckpt_dir: str):
     pytest.importorskip("transformers")
-    from kvbench.engines.hf import HFAdapter
+    from kvbench.engines.hf.generate import HFAdapter
 
     result = HFAdapter(ckpt_dir).generate(_requests(1, 10, 4))
     assert isinstance(result.counters, Counters)
@@ -256,7 +256,7 @@ def test_log_capture_counts_the_engines_lines():
 
     logs = LogCapture()
     with logs.attached():
-        log = logging.getLogger(hf_cb_probe.LOGGER_NAME)
+        log = logging.getLogger(LOGGER_NAME)
         log.info("Offloaded 3 requests (1 to CPU, 2 soft reset): 0 starved requests remain.")
         log.debug("Found a prefix match of 32 tokens for request p2")
         log.debug("Restored CPU-offloaded request r1 with 9 prefill tokens and 3 generated tokens.")
@@ -276,7 +276,7 @@ def test_transformers_version_note():
 @pytest.fixture(scope="module")
 def cb(ckpt_dir: str):
     pytest.importorskip("transformers")
-    from kvbench.engines.hf_cb import HFContinuousBatchingAdapter
+    from kvbench.engines.hf.continuous_batching import HFContinuousBatchingAdapter
 
     return HFContinuousBatchingAdapter(ckpt_dir)
 

@@ -12,7 +12,7 @@ from kvbench.conformance.metrics_truth import prefix_hit_floor, told_twice_disag
 from kvbench.conformance.prove import roomy_knobs
 from kvbench.core.counters import Counters
 from kvbench.core.requests import GenOutput, GenRequest, GenResult
-from kvbench.engines.http_metrics import MetricsSnapshot, cumulative_counters
+from kvbench.engines.http.server_metrics import MetricsSnapshot, cumulative_counters
 from kvbench.engines.registry import make_adapter, parse_engine_spec
 from suites.conformance import test_equivalence
 from tests.test_checks_can_fail import assert_fails

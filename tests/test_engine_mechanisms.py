@@ -23,7 +23,7 @@ def test_swapped_blocks_are_byte_identical_after_the_round_trip(tiny_ckpt, workl
     """Snapshot each victim's device blocks as they leave, compare with where they land on return
     (the same check the conformance suite runs, through the reference adapter)."""
     from kvbench.engines.base import GenRequest, Knobs
-    from kvbench.engines.reference import ReferenceAdapter
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
 
     prompts, max_tokens = workload
     requests = [GenRequest(f"r{i}", p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]

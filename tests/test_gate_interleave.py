@@ -10,7 +10,7 @@ import pytest
 
 from kvbench.bench import scenarios as sc
 from kvbench.bench.lockstep import Baton, serve_lockstep
-from kvbench.bench.scenarios.base import SANITY_CLAIM
+from kvbench.bench.scenarios.common import SANITY_CLAIM
 from kvbench.bench.workloads import Workload
 from kvbench.core.requests import WorkloadRequest
 from kvbench.core.stepping import StepReport, drive
@@ -200,7 +200,7 @@ def test_serve_lockstep_hands_back_each_participants_exception():
 
 
 def test_step_delay_option_is_a_validated_testing_aid():
-    from kvbench.engines.reference import ReferenceAdapter
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
 
     ReferenceAdapter.validate_options({"step_delay_ms": "5", "preemption_mode": "swap"})
     for bad in ("-1", "soon", "nan"):

@@ -23,8 +23,8 @@ from kvbench.bench.workloads import Workload, WorkloadRequest
 from kvbench.conformance.equivalence import compare
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import GenRequest, Knobs
-from kvbench.engines.hf import HFAdapter
-from kvbench.engines.hf_cb import HFContinuousBatchingAdapter, map_knobs
+from kvbench.engines.hf.continuous_batching import HFContinuousBatchingAdapter, map_knobs
+from kvbench.engines.hf.generate import HFAdapter
 from reference_engine.checkpoint import write_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -109,7 +109,8 @@ def test_hf_rejects_unknown_options(ckpt_dir: str):
 
 
 def test_adapters_import_without_transformers():
-    code = ("import sys, kvbench.engines.hf, kvbench.engines.hf_cb, kvbench.conformance.equivalence; "
+    code = ("import sys, kvbench.engines.hf.generate, kvbench.engines.hf.continuous_batching, "
+            "kvbench.conformance.equivalence; "
             "print('transformers' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

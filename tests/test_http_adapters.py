@@ -25,19 +25,19 @@ from kvbench.conformance.prove import conformance_requests
 from kvbench.core.requests import GenRequest, WorkloadRequest
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import Knobs
-from kvbench.engines.http_metrics import MetricsSnapshot, cumulative_counters, knobs_from_config_info
-from kvbench.engines.http_process import ServerProcess, ServerStartError, free_port, group_alive
-from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter
-from kvbench.engines.server import ServerAdapter
-from kvbench.engines.server_presets import PRESETS
-from kvbench.engines.stub_server import stub_token
+from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter
+from kvbench.engines.http.presets import PRESETS
+from kvbench.engines.http.process import ServerProcess, ServerStartError, free_port, group_alive
+from kvbench.engines.http.server import ServerAdapter
+from kvbench.engines.http.server_metrics import MetricsSnapshot, cumulative_counters, knobs_from_config_info
+from kvbench.engines.http.stub_server import stub_token
 
 pytest_plugins = ["pytester"]
 
 #: the reference engine's block size these tests state their pools in
 BLOCK_SIZE = 16
 ROOT = Path(__file__).resolve().parent.parent
-STUB = "{python} -m kvbench.engines.stub_server --port {port}"
+STUB = "{python} -m kvbench.engines.http.stub_server --port {port}"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def model_dir() -> str:
 
 def _stub(tmp_path: Path, *flags: str) -> tuple[ServerProcess, str]:
     port = free_port()
-    server = ServerProcess([sys.executable, "-m", "kvbench.engines.stub_server", "--port", str(port), *flags],
+    server = ServerProcess([sys.executable, "-m", "kvbench.engines.http.stub_server", "--port", str(port), *flags],
                            tmp_path / f"stub-{port}.log")
     server.start()
     url = f"http://127.0.0.1:{port}"
@@ -207,7 +207,7 @@ def test_swap_requests_and_seconds_come_from_their_own_metrics_never_from_blocks
 def test_transformers_dialect_sends_text_and_says_extras_through_generation_config(model_dir):
     import json
 
-    from kvbench.engines.http_client import CompletionClient, TextTokens, completion_body, in_dialect
+    from kvbench.engines.http.client import CompletionClient, TextTokens, completion_body, in_dialect
 
     tokens = TextTokens(Path(model_dir) / "tokenizer.json")
     prompt = [1, 5, 0, 2, 300, 7]  # special tokens too: they must survive as text
@@ -233,7 +233,7 @@ def test_a_client_side_trace_reads_unseen_counts_as_not_exposed_never_zero():
     from kvbench.bench.metrics import summarize
     from kvbench.core.counters import Counters
     from kvbench.core.trace import RequestTrace, Trace
-    from kvbench.engines.http_serve import CLIENT_SIDE_BLIND_SPOTS
+    from kvbench.engines.http.driver import CLIENT_SIDE_BLIND_SPOTS
 
     def trace(counters: Counters) -> Trace:
         reqs = {"a": RequestTrace("a", 0.0, 8, 3, token_times=[0.1, 0.2, 0.3], finished=0.3, finish_reason="length",
@@ -356,7 +356,7 @@ ORPHAN_SCRIPT = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from kvbench.engines.base import GenRequest
-from kvbench.engines.server import ServerAdapter
+from kvbench.engines.http.server import ServerAdapter
 adapter = ServerAdapter("/m", {{"cmd": {cmd!r}, "log_dir": {log_dir!r}}})
 adapter.generate([GenRequest("r", [3], 1)])
 open({pgid_file!r}, "w").write(str(adapter._server.pgid))
@@ -388,7 +388,7 @@ def test_no_orphan_after_a_failing_pytest_test(pytester: pytest.Pytester, tmp_pa
     pgid_file = tmp_path / "pgid"
     pytester.makepyfile(test_fails=f"""
         from kvbench.engines.base import GenRequest
-        from kvbench.engines.server import ServerAdapter
+        from kvbench.engines.http.server import ServerAdapter
 
         def test_fails():
             adapter = ServerAdapter("/m", {{"cmd": {STUB!r}, "log_dir": {str(tmp_path)!r}}})
@@ -425,7 +425,7 @@ def reference_server(model_dir, tmp_path_factory):
 
 
 def test_reference_server_matches_in_process_under_recompute_pressure(reference_server, model_dir):
-    from kvbench.engines.reference import ReferenceAdapter
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
 
     requests = pressing_requests()
     over_http = reference_server.generate(requests, PRESSURE)
@@ -469,7 +469,7 @@ def test_reference_server_counts_swaps_by_request_as_in_process(reference_server
     The counts themselves are not compared with an in-process run: over HTTP the engine starts
     stepping as the first request arrives, so which requests are preempted follows arrival times.
     What holds for any schedule is compared instead, with enough pressure that swaps are certain."""
-    from kvbench.engines.reference import ReferenceAdapter
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
     from reference_engine import EngineConfig, LLMEngine
 
     requests = pressing_requests()
@@ -526,7 +526,7 @@ def test_sse_protocol_reassembles_events_split_anywhere():
     """Chunked framing and SSE lines split at every byte boundary still give every event, once."""
     import asyncio
 
-    from kvbench.engines.http_stream import StreamError, _SSEProtocol
+    from kvbench.engines.http.stream import StreamError, _SSEProtocol
 
     events = [b'data: {"choices":[{"token_ids":[%d]}]}\n\n' % i for i in range(3)] + [b"data: [DONE]\n\n"]
     body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"

@@ -16,12 +16,12 @@ from kvbench.checkpoints import builtin_checkpoint
 from kvbench.core.liveness import Liveness, LivenessError
 from kvbench.core.requests import GenRequest, WorkloadRequest
 from kvbench.core.trace import TraceRecorder
-from kvbench.engines.http_liveness import IDLE_SCRAPES, HttpWatchdog
-from kvbench.engines.http_metrics import MetricsSnapshot
-from kvbench.engines.http_process import ServerProcess, free_port
-from kvbench.engines.openai import OpenAIAdapter
-from kvbench.engines.server import ServerAdapter
-from kvbench.engines.stub_server import DROPPED_AFTER
+from kvbench.engines.http.openai import OpenAIAdapter
+from kvbench.engines.http.process import ServerProcess, free_port
+from kvbench.engines.http.server import ServerAdapter
+from kvbench.engines.http.server_metrics import MetricsSnapshot
+from kvbench.engines.http.stub_server import DROPPED_AFTER
+from kvbench.engines.http.watchdog import IDLE_SCRAPES, HttpWatchdog
 
 DROP = 999  # the token id that makes the stub drop a request
 
@@ -35,7 +35,7 @@ def model_dir() -> str:
 def dropping_stub(tmp_path_factory: pytest.TempPathFactory):
     """A stub that drops every request whose prompt holds token 999 (5 ms between streamed tokens)."""
     port = free_port()
-    server = ServerProcess([sys.executable, "-m", "kvbench.engines.stub_server", "--port", str(port),
+    server = ServerProcess([sys.executable, "-m", "kvbench.engines.http.stub_server", "--port", str(port),
                             "--token-delay", "0.005", "--drop-if-prompt-has", str(DROP)],
                            tmp_path_factory.mktemp("stub") / "stub.log")
     server.start()
@@ -87,7 +87,7 @@ def test_serve_names_the_dropped_stream_and_what_it_received(dropping_stub, mode
 
 
 def test_a_launched_server_runs_under_the_sessions_limits(model_dir, tmp_path):
-    cmd = "{python} -m kvbench.engines.stub_server --port {port} --drop-if-prompt-has " + str(DROP)
+    cmd = "{python} -m kvbench.engines.http.stub_server --port {port} --drop-if-prompt-has " + str(DROP)
     adapter = ServerAdapter(model_dir, {"cmd": cmd, "log_dir": str(tmp_path)})
     adapter.liveness = Liveness(stall_seconds=2.0)  # as the plugin sets it
     try:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvbench.core.knobs import Knobs
 from kvbench.core.kv_budget import ANY_LAYOUT, KVBudget, KVLayout, in_engine_terms, pool_knobs, pressured, roomy
-from kvbench.engines.server_presets import VLLM_CPU_LAYOUT, VLLM_GPU_LAYOUT
+from kvbench.engines.http.presets import VLLM_CPU_LAYOUT, VLLM_GPU_LAYOUT
 
 
 def test_the_conformance_pool_is_the_same_tokens_on_every_engine() -> None:
@@ -94,7 +94,7 @@ def test_a_pool_too_large_to_pressure_skips_saying_so() -> None:
 
 
 def test_a_running_servers_pool_is_used_as_it_stands_or_the_check_skips(monkeypatch) -> None:
-    from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter
+    from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter
 
     adapter = OpenAIAdapter.__new__(OpenAIAdapter)
     adapter.name = "openai"

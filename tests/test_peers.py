@@ -1,4 +1,4 @@
-"""Finding a peer engine (kvbench.engines.peers) and refusing, before any test runs, an engine that cannot be
+"""Finding a peer engine (kvbench.engines.http.peers) and refusing, before any test runs, an engine that cannot be
 had: one usage error that says how to get it, not a traceback per check."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.engines import peers
 from kvbench.engines.base import EngineUnavailable
-from kvbench.engines.http_process import free_port
-from kvbench.engines.openai import OpenAIAdapter
-from kvbench.engines.server import ServerAdapter
-from kvbench.engines.server_presets import VLLM_CPU_LAYOUT, VLLM_GPU_LAYOUT
+from kvbench.engines.http import peers
+from kvbench.engines.http.openai import OpenAIAdapter
+from kvbench.engines.http.presets import VLLM_CPU_LAYOUT, VLLM_GPU_LAYOUT
+from kvbench.engines.http.process import free_port
+from kvbench.engines.http.server import ServerAdapter
 
 pytest_plugins = ["pytester"]
 

@@ -11,7 +11,7 @@ import pytest
 from kvbench.bench import scenarios as sc
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios import policies
-from kvbench.bench.scenarios.base import Served
+from kvbench.bench.scenarios.common import Served
 from kvbench.report.render import render_report
 
 TINY = sc.Model("tiny-ckpt", "tiny", vocab_size=512, max_model_len=1024)

@@ -172,7 +172,7 @@ def test_knob_overrides_name_only_options_given_and_changed():
 
 
 def test_reference_maps_knobs_onto_its_option_names():
-    from kvbench.engines.reference import ReferenceAdapter
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
 
     adapter = ReferenceAdapter("m", {"num_gpu_blocks_override": "64", "enable_prefix_caching": "true"})
     assert adapter.knob_overrides(Knobs(num_gpu_blocks=24, enable_prefix_caching=True)) == {

@@ -121,7 +121,7 @@ def test_a_servers_metrics_are_drawn_on_the_timeline_only_where_a_server_was_sam
 
 
 def test_sampled_steps_carry_the_servers_counts_since_the_first_sample():
-    from kvbench.engines.http_metrics import MetricsSnapshot, sampled_step
+    from kvbench.engines.http.server_metrics import MetricsSnapshot, sampled_step
 
     def snap(preemptions: int, hits: int, queries: int) -> MetricsSnapshot:
         return MetricsSnapshot.parse(

@@ -12,7 +12,7 @@ import pytest
 from kvbench.bench import metrics
 from kvbench.bench import scenarios as sc
 from kvbench.bench.results import Results, validate
-from kvbench.bench.scenarios.base import STEP_SECONDS
+from kvbench.bench.scenarios.common import STEP_SECONDS
 from kvbench.engines.base import EngineAdapter, GenResult, Knobs
 from tests.trace_factory import make_trace, req, step
 
@@ -463,7 +463,7 @@ def test_serve_ends_the_duration_at_the_last_event():
 
 
 def test_crossover_forces_exactly_one_preemption_on_the_reference_engine(tiny_ckpt):
-    from kvbench.engines.reference import ReferenceAdapter
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
 
     model = sc.Model.from_dir(tiny_ckpt, "tiny")
     scenario = sc.SwapVsRecompute()
@@ -476,7 +476,7 @@ def test_crossover_forces_exactly_one_preemption_on_the_reference_engine(tiny_ck
 
 def test_reference_steps_tell_decodes_from_prefills(tiny_ckpt):
     """Step records count decode tokens as decode (the chunked-prefill claims rely on it)."""
-    from kvbench.engines.reference import ReferenceAdapter
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
 
     model = sc.Model.from_dir(tiny_ckpt, "tiny")
     job = sc.SWAP_VS_RECOMPUTE.plan("quick", model)[0]

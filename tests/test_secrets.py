@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
-from kvbench.engines.http_client import CompletionClient, CredentialError
+from kvbench.engines.http.client import CompletionClient, CredentialError
 from kvbench.engines.registry import EngineSpecError, make_adapter, parse_engine_spec
 
 pytest_plugins = ["pytester"]
@@ -162,7 +162,7 @@ def test_other_http_errors_stay_one_requests_rejection(refusing_server, monkeypa
 def test_a_credential_error_in_a_check_is_one_message_and_stops_the_run(pytester: pytest.Pytester):
     pytester.makepyfile(test_checks="""
         import pytest
-        from kvbench.engines.http_client import credential_error
+        from kvbench.engines.http.client import credential_error
 
         pytestmark = pytest.mark.conformance
 

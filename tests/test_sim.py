@@ -241,7 +241,7 @@ def test_sim_times_are_the_cost_models_seconds(tiny):
     engine = adapter.build_engine(Knobs(num_gpu_blocks=400))
     recorder = TraceRecorder(adapter.name, "t")
     from kvbench.core.stepping import drive
-    from kvbench.engines.sim import _SimSteppable
+    from kvbench.sim.adapter import _SimSteppable
 
     drive(_SimSteppable(engine), _workload().requests, recorder, virtual_clock=engine.clock)
     trace = recorder.finish()
@@ -278,7 +278,7 @@ def test_sim_is_marked_simulated_and_conformance_skips_it(tiny):
 def test_a_large_surge_completes(tiny):
     """10,000 requests with KVBENCH_SIM_SCALE=1 (minutes on a busy 2-core machine), else 300. The time is
     printed (-s), never asserted."""
-    from kvbench.bench.simulate import evening_surge_at_scale, simulate
+    from kvbench.sim.simulate import evening_surge_at_scale, simulate
 
     n = 10_000 if os.environ.get("KVBENCH_SIM_SCALE") == "1" else 300
     adapter = make_adapter(parse_engine_spec("sim:hardware=h200,model=llama-3-8b"), tiny)
@@ -298,8 +298,8 @@ def _pressured(seed: int = 5):
 
 def _drive_sim(tiny, knobs, fast: bool, workload, step_seconds=None):
     from kvbench.core.stepping import drive
-    from kvbench.engines.reference import counters_of
-    from kvbench.engines.sim import _SimSteppable, fast_path_liveness
+    from kvbench.engines.inprocess.reference import counters_of
+    from kvbench.sim.adapter import _SimSteppable, fast_path_liveness
 
     adapter = make_adapter(parse_engine_spec("sim:hardware=h200,model=llama-3-8b"), tiny)
     engine = adapter.build_engine(knobs)

@@ -25,7 +25,7 @@ from kvbench.conformance.stateful import (
     make_state_machine,
     register_profiles,
 )
-from kvbench.engines.reference_blocks import ReferenceBlockManager, reference_block_manager
+from kvbench.engines.inprocess.reference_blocks import ReferenceBlockManager, reference_block_manager
 from reference_engine.block_manager import BlockManager
 from reference_engine.request import Request
 

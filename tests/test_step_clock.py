@@ -12,7 +12,7 @@ from kvbench.core.counters import COUNTER_SPECS
 from kvbench.core.stepping import StepReport, drive, step_index, workload_clock
 from kvbench.core.trace import StepRecord, Trace, TraceRecorder
 from kvbench.engines.base import Knobs
-from kvbench.engines.reference import ReferenceAdapter
+from kvbench.engines.inprocess.reference import ReferenceAdapter
 
 #: a Poisson storm with aborts into a pool far too small: preempts a lot, in a timing-sensitive way
 SPEC = WorkloadSpec("storm", 12, Uniform(16, 64), Uniform(8, 24), StepSurge(((0.05, 80.0), (0.1, 200.0))),

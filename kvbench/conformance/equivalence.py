@@ -8,7 +8,7 @@ legitimately different, so comparing further is meaningless.
 
 :func:`compare` therefore walks both token lists to the first divergence and asks how close the
 ground truth's top-1/top-2 logits were at that position (``margins``, from
-:meth:`kvbench.engines.hf.HFAdapter.top2_margins`):
+:meth:`kvbench.engines.hf.generate.HFAdapter.top2_margins`):
 
 * ``exact``: same tokens, same length (or the actual output is a prefix of the expected one and
   the check aborted that request on purpose: see below);

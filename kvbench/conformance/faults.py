@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
-from kvbench.engines.reference import ReferenceAdapter
+from kvbench.engines.inprocess.reference import ReferenceAdapter
 
 #: fault -> the property it breaks (the check that must catch it). Every fault is in the engine: a
 #: patch of the ``LLMEngine`` the adapter builds (its scheduler, block manager, KV cache, request intake,
@@ -61,7 +61,7 @@ FAULTS: dict[str, str] = {
 
 def apply_fault(engine: Any, fault: str) -> None:
     """Patch ``fault`` into a built ``LLMEngine`` (in process, or inside the reference server:
-    ``python -m kvbench.engines.patched_server --patch kvbench.conformance.faults:apply_fault=FAULT``).
+    ``python -m kvbench.engines.http.patched_server --patch kvbench.conformance.faults:apply_fault=FAULT``).
     ValueError for a fault that is not a patch of a built engine (one in its configuration)."""
     patch = getattr(FaultyReferenceAdapter, f"_patch_{fault}", None)
     if patch is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
-from kvbench.core.events import EventRecord, preemption_records
+from kvbench.core.engine_events import EventRecord, preemption_records
 from kvbench.core.requests import GenRequest, GenResult
 
 

@@ -180,7 +180,7 @@ def greedy(requests: Sequence[GenRequest]) -> list[GenRequest]:
 
 
 def require_events(result: GenResult, engine: EngineAdapter, what: str) -> list:
-    """The run's events (:mod:`kvbench.core.events`); skip when the engine reports none."""
+    """The run's events (:mod:`kvbench.core.engine_events`); skip when the engine reports none."""
     if result.events is None:
         pytest.skip(f"{engine.name} reports no engine events, so nothing could prove {what}")
     return result.events

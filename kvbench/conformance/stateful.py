@@ -8,11 +8,11 @@ and that engine and model agree; at teardown it frees everything and asserts the
 
 An engine takes part through :class:`BlockManagerUnderTest`, a small adapter protocol keyed by
 request id (the engine keeps its own request objects). :class:`ReferenceBlockManager` adapts
-``reference_engine``'s block manager (``kvbench.engines.reference_blocks``, the only place that touches
+``reference_engine``'s block manager (``kvbench.engines.inprocess.reference_blocks``, the only place that touches
 ``reference_engine``, lazily, so other engines need not install it)::
 
     from kvbench.conformance.stateful import make_state_machine, machine_settings
-    from kvbench.engines.reference_blocks import reference_block_manager
+    from kvbench.engines.inprocess.reference_blocks import reference_block_manager
 
     Machine = make_state_machine(reference_block_manager(num_gpu_blocks=12, block_size=4))
     TestReferenceBlocks = Machine.TestCase

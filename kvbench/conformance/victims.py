@@ -4,7 +4,7 @@
 * ``priority``: the least important one: highest ``priority`` value (lower is more important, as
   in vLLM), then the latest arrival. Never a request more important than another one running.
 
-Proved from :class:`~kvbench.core.events.PreemptionRecord` s whose ``running`` lists the requests
+Proved from :class:`~kvbench.core.engine_events.PreemptionRecord` s whose ``running`` lists the requests
 running at that moment in admission order (the victim included).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvbench.core.events import PreemptionRecord
+from kvbench.core.engine_events import PreemptionRecord
 from kvbench.core.requests import GenRequest
 
 POLICIES = ("fcfs", "priority")

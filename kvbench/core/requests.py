@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbench.core.counters import Counters
-from kvbench.core.events import EventRecord
+from kvbench.core.engine_events import EventRecord
 
 
 def _check(ok: bool, message: str) -> None:
@@ -57,7 +57,7 @@ class GenResult:
     :meth:`Counters.from_dict` (unknown names are refused, naming them).
     ``evidence`` lists free-text lines (log lines, event summaries, why a counter is not exposed)
     a check may quote.
-    ``events`` are the engine's events in order (:mod:`kvbench.core.events`); ``None`` when the
+    ``events`` are the engine's events in order (:mod:`kvbench.core.engine_events`); ``None`` when the
     engine reports none (checks that need them skip saying so).
     """
 

@@ -102,7 +102,7 @@ class Trace:
 
 class TraceRecorder:
     """Collects a :class:`Trace` as an adapter serves a workload. Not thread-safe on purpose:
-    adapters that run engines on other threads record from one thread (see ``hf_cb``)."""
+    adapters that run engines on other threads record from one thread (see ``hf.continuous_batching``)."""
 
     def __init__(self, engine: str, scenario: str, clock=time.perf_counter):
         self.trace = Trace(engine=engine, scenario=scenario)

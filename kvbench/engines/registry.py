@@ -34,12 +34,12 @@ ENTRY_POINT_GROUP = "kvbench.engines"
 
 #: kvbench's own kinds, as its pyproject.toml registers them in :data:`ENTRY_POINT_GROUP`
 BUILTIN_KINDS: dict[str, str] = {
-    "reference": "kvbench.engines.reference:ReferenceAdapter",
-    "hf": "kvbench.engines.hf:HFAdapter",
-    "hf-cb": "kvbench.engines.hf_cb:HFContinuousBatchingAdapter",
-    "openai": "kvbench.engines.openai:OpenAIAdapter",
-    "server": "kvbench.engines.server:ServerAdapter",
-    "sim": "kvbench.engines.sim:SimAdapter",
+    "reference": "kvbench.engines.inprocess.reference:ReferenceAdapter",
+    "hf": "kvbench.engines.hf.generate:HFAdapter",
+    "hf-cb": "kvbench.engines.hf.continuous_batching:HFContinuousBatchingAdapter",
+    "openai": "kvbench.engines.http.openai:OpenAIAdapter",
+    "server": "kvbench.engines.http.server:ServerAdapter",
+    "sim": "kvbench.sim.adapter:SimAdapter",
 }
 
 # module.path:Class (dotted attributes allowed after the colon)

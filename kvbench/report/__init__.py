@@ -1,1 +1,1 @@
-"""The HTML report: rendering, charts, diagnosis and number formatting. Reads results only."""
+"""The HTML reports: the run's (rendering, charts, diagnosis) and the capacity plan's. Reads results and plans only."""

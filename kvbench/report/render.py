@@ -28,11 +28,11 @@ from markupsafe import Markup
 
 from kvbench import __version__
 from kvbench.bench import gate
+from kvbench.bench.formatting import fmt_bytes, fmt_metric, fmt_ratio, fmt_time, metric_label
 from kvbench.bench.results import Results
 from kvbench.report import charts as rc
 from kvbench.report import facts, recommend, sim_validation, trend, verdict
 from kvbench.report.diagnosis import baseline_engine_name, diagnose
-from kvbench.report.formatting import fmt_bytes, fmt_metric, fmt_ratio, fmt_time, metric_label
 
 #: what report files are written with: readable by everyone like any document (a results file written
 #: through a temporary file would otherwise keep mkstemp's 0600)

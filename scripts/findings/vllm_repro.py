@@ -38,9 +38,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kvbench.engines.http_process import ServerProcess, ServerStartError, free_port  # noqa: E402
-from kvbench.engines.peers import find_vllm  # noqa: E402
-from kvbench.engines.server_presets import vllm_cpu_settings  # noqa: E402
+from kvbench.engines.http.peers import find_vllm  # noqa: E402
+from kvbench.engines.http.presets import vllm_cpu_settings  # noqa: E402
+from kvbench.engines.http.process import ServerProcess, ServerStartError, free_port  # noqa: E402
 
 START_TIMEOUT_S = 300.0
 

@@ -18,7 +18,7 @@ Choices made here, once for every benchmark:
   default at ``quick`` scale, 1 at ``full``: :data:`kvbench.plugin.DEFAULT_REPEATS`); results keep
   each repeat's figures, their medians and spreads (the gate's noise floor), and the number in every
   scenario's parameters. A ``steppable`` engine (the reference engine) runs on the step clock
-  (:data:`kvbench.bench.scenarios.base.STEP_SECONDS` virtual seconds per step): arrivals and aborts are
+  (:data:`kvbench.bench.scenarios.common.STEP_SECONDS` virtual seconds per step): arrivals and aborts are
   released by engine step, so its counts are identical every repeat and every run, while its
   times stay on the wall clock. Other engines (hf-cb's own loop thread) run on the wall clock.
 * **Engines interleaved.** pytest shows one test per scenario and engine, but a scenario is served
@@ -46,7 +46,7 @@ from typing import Any
 import pytest
 
 from kvbench.bench import scenarios as sc
-from kvbench.bench.scenarios.base import STEP_SECONDS
+from kvbench.bench.scenarios.common import STEP_SECONDS
 from kvbench.bench.threads import pinned_torch_threads
 from kvbench.engines.base import EngineAdapter
 from kvbench.engines.registry import EngineSpec, make_adapter

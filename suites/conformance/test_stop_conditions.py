@@ -31,7 +31,7 @@ def _requests_for(condition, requests_greedy, truth, truth_engine):
         return list(requests_greedy)
     if condition == "stop_token_ids":
         return stop_token_requests(requests_greedy, truth)
-    from kvbench.engines.hf import eos_token_ids
+    from kvbench.engines.hf.generate import eos_token_ids
 
     model = truth_engine.model
     eos = eos_token_ids(model)

@@ -11,7 +11,7 @@ import pytest
 
 from kvbench.conformance.prove import pressured_knobs, prove, require_events
 from kvbench.conformance.victims import victim_violations
-from kvbench.core.events import preemption_records
+from kvbench.core.engine_events import preemption_records
 from kvbench.plugin import require
 
 pytestmark = pytest.mark.conformance

@@ -313,7 +313,7 @@ def _metric(samples: list[tuple[str, dict[str, str], float]], name: str, **label
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_http_soak(mode: str, tiny_model: str, soak_minutes: float, tmp_path: Path, record_property):
-    from kvbench.engines.http_process import ServerProcess, free_port
+    from kvbench.engines.http.process import ServerProcess, free_port
 
     minutes = soak_minutes / len(MODES)  # --soak-minutes is the HTTP soak's total, split over the modes
     requests = make_requests(PROMPT_POOL, 512, seed=9)

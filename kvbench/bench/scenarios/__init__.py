@@ -41,7 +41,7 @@ from the simulator on the step clock, whose counts are the engine's) priced by t
 one run of each scenario (``test_every_claim_holds_on_the_reference_engines_schedule`` in
 tests/test_scenarios.py keeps every claim shown at both scales). Sizes are in the tables below.
 
-Modules: :mod:`~kvbench.bench.scenarios.base` (models, jobs, outcomes, the runner, recording, shared
+Modules: :mod:`~kvbench.bench.scenarios.common` (models, jobs, outcomes, the runner, recording, shared
 claims), :mod:`~kvbench.bench.scenarios.surges` (evening surge, flash crowd),
 :mod:`~kvbench.bench.scenarios.storms` (preemption storm, swap-space exhaustion),
 :mod:`~kvbench.bench.scenarios.crossover` (swap vs recompute), :mod:`~kvbench.bench.scenarios.mechanisms`
@@ -51,7 +51,7 @@ auto preemption vs admission control). Everything public is re-exported here.
 
 from __future__ import annotations
 
-from kvbench.bench.scenarios.base import (
+from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     DOUBLED,
     FULL_POOL,

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvbench.bench import metrics
 from kvbench.bench.formatting import fmt_ratio, fmt_time
-from kvbench.bench.scenarios.base import (
+from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     Job,
     Model,

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio, fmt_time
 from kvbench.bench.metrics import step_tokens_known
-from kvbench.bench.scenarios.base import (
+from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     Job,
     Model,

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvbench.bench import metrics
 from kvbench.bench.formatting import fmt_metric
-from kvbench.bench.scenarios.base import (
+from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     Job,
     Model,

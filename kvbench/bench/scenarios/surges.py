@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, fmt_time
-from kvbench.bench.scenarios.base import (
+from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     DOUBLED,
     FULL_POOL,

@@ -1,6 +1,6 @@
 """plan.html: the capacity plan of a simulator sweep as one self-contained page, beside plan.json.
 
-Contract: :func:`render_plan` takes a :class:`~kvbench.bench.capacity_plan.PlanDocument` and returns one
+Contract: :func:`render_plan` takes a :class:`~kvbench.sim.capacity_plan.PlanDocument` and returns one
 HTML document with inline CSS, inline SVG charts and the report's few lines of inline script (sortable
 tables); it references no URL. It renders through the report's jinja2 environment
 (:func:`kvbench.report.render._render`: autoescape on, strict undefined), so every name that reaches
@@ -21,13 +21,13 @@ from typing import Any
 from markupsafe import Markup
 
 from kvbench import __version__
-from kvbench.bench.capacity_plan import PlanDocument, group_label, group_runs
-from kvbench.bench.simulate import SimRun, fmt_ms, fmt_number
 from kvbench.report import charts as rc
 from kvbench.report.render import _render, write_text_file
+from kvbench.sim.capacity_plan import PlanDocument, group_label, group_runs
+from kvbench.sim.simulate import SimRun, fmt_ms, fmt_number
 
 PLAN_HTML, PLAN_JSON = "plan.html", "plan.json"
-#: a group of runs as :func:`~kvbench.bench.capacity_plan.group_runs` keys it: its other knobs, sorted
+#: a group of runs as :func:`~kvbench.sim.capacity_plan.group_runs` keys it: its other knobs, sorted
 GroupKey = tuple[tuple[str, Any], ...]
 
 #: what the charts draw against each swept knob: (figure, title, y label, tick format)

@@ -31,7 +31,7 @@ import numpy as np
 from kvbench.core.knobs import Knobs
 from kvbench.core.requests import WorkloadRequest
 from kvbench.core.trace import TraceRecorder
-from kvbench.engines.reference import ReferenceAdapter
+from kvbench.engines.inprocess.reference import ReferenceAdapter
 from reference_engine.sim import CostModel, HardwareProfile, StepShape, load_model_shape
 from reference_engine.sim.calibrate import (
     Design,
@@ -195,7 +195,7 @@ def calibrate(model_dir: str, name: str = "this-machine", design: Design | None 
     fitted = CostModel(shape, profile)
     machine = f"{platform.machine()} {platform.node()}"
     fit: dict[str, Any] = {
-        "method": "served step intervals (kvbench.engines.calibrate, least squares in seconds)",
+        "method": "served step intervals (kvbench.sim.calibration, least squares in seconds)",
         "model": shape.name, "torch_threads": torch_threads, "machine": machine, "cpus": os.cpu_count(),
         "load_average": round(os.getloadavg()[0], 2), "rounds": design.rounds,
         "fit_contexts": [c for c in design.contexts if c not in design.heldout_contexts],

@@ -2,7 +2,7 @@
 a check needs, and talks to it as the ``openai`` adapter does.
 
 ``--engine server:preset=reference`` (or ``transformers``, ``vllm``, ``sglang``: see
-:mod:`kvbench.engines.server_presets`), or ``server:cmd=my-server --model {model} --port {port}`` for
+:mod:`kvbench.engines.http.presets`), or ``server:cmd=my-server --model {model} --port {port}`` for
 anything else (then no knob can be set: a check needing one is skipped), or both: ``cmd`` replaces the
 preset's command and keeps its knob flags. ``args=...`` appends flags (space-separated) to every launch.
 
@@ -10,7 +10,7 @@ For each ``generate``/``serve`` call: the knobs become flags; a knob the preset 
 value skips the check, naming it; if the running server was started with other knobs it is stopped and
 a new one started on a free port of 127.0.0.1; kvbench waits for ``/health`` (``startup_timeout``), runs,
 and keeps the server for the next call with the same knobs. ``close()`` (and interpreter exit, whatever
-the cause) stops it with its whole process group (:mod:`kvbench.engines.http_process`). Each server's
+the cause) stops it with its whole process group (:mod:`kvbench.engines.http.process`). Each server's
 log is kept (``log_dir``, default a fresh temporary directory); its path is in the run's evidence.
 """
 
@@ -34,10 +34,10 @@ from kvbench.engines.base import (
     Knobs,
     KVLayout,
 )
-from kvbench.engines.http_process import ServerProcess, free_port
-from kvbench.engines.openai import KnobsNotSettable, OpenAIAdapter, check_client_options
-from kvbench.engines.peers import PeerMissing, VllmInstall, find_vllm
-from kvbench.engines.server_presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
+from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter, check_client_options
+from kvbench.engines.http.peers import PeerMissing, VllmInstall, find_vllm
+from kvbench.engines.http.presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
+from kvbench.engines.http.process import ServerProcess, free_port
 
 _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvbench.core.liveness import DEFAULT_LIVENESS, Liveness, LivenessError
-from kvbench.engines.http_metrics import MetricsSnapshot, in_flight
+from kvbench.engines.http.server_metrics import MetricsSnapshot, in_flight
 
 #: seconds a server may report holding nothing while kvbench still has requests open on it, before
 #: they count as dropped: long enough for a finished request's

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from kvbench.engines.base import EngineUnavailable
-from kvbench.engines.http_stream import StreamError, stream_events
+from kvbench.engines.http.stream import StreamError, stream_events
 
 #: (arrival clock time of the chunk, token ids it carried) for every streamed chunk with tokens
 OnTokens = Callable[[float, list[int]], None]
@@ -260,7 +260,7 @@ class CompletionClient:
     async def stream(self, body: dict[str, Any], on_tokens: OnTokens, clock: Callable[[], float] = time.perf_counter,
                      started: asyncio.Event | None = None) -> Completion:
         """One streamed completion (Server-Sent Events) on its own connection
-        (:mod:`kvbench.engines.http_stream`). ``on_tokens(t, ids)`` is called as each chunk with tokens
+        (:mod:`kvbench.engines.http.stream`). ``on_tokens(t, ids)`` is called as each chunk with tokens
         arrives, ``t`` read from ``clock`` when its bytes arrived; ``started`` is set once the server has
         answered with the response's head. Cancelling the calling task closes the
         connection (how a client aborts a request)."""

@@ -9,7 +9,7 @@ same names: ``openai:url=...,block_size=16,num_gpu_blocks=24``). A check asking 
 server does not run with, or one nobody stated, is skipped saying so (:class:`KnobsNotSettable`); use
 the ``server`` adapter to have kvbench start a server per knob set.
 
-Counters come from ``/metrics`` scraped before and after a run (:mod:`kvbench.engines.http_metrics`):
+Counters come from ``/metrics`` scraped before and after a run (:mod:`kvbench.engines.http.server_metrics`):
 the difference is what the run did, provided nothing else uses the server meanwhile. After the last
 response the adapter waits until the server's queues are empty and its counters stop moving (the
 server may publish its numbers a step after the last token), then reads ``leaked_blocks``.
@@ -29,9 +29,9 @@ import pytest
 from kvbench.core.counters import Counters
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, KVBudget
-from kvbench.engines.http_client import DIALECTS, CompletionClient, TextTokens
-from kvbench.engines.http_liveness import IDLE_GRACE, HttpWatchdog, watched
-from kvbench.engines.http_metrics import (
+from kvbench.engines.http.client import DIALECTS, CompletionClient, TextTokens
+from kvbench.engines.http.driver import run_serve
+from kvbench.engines.http.server_metrics import (
     KNOB_FIELDS,
     MetricsSnapshot,
     blocks_in_use,
@@ -40,7 +40,7 @@ from kvbench.engines.http_metrics import (
     knobs_from_config_info,
     parse_knob,
 )
-from kvbench.engines.http_serve import run_serve
+from kvbench.engines.http.watchdog import IDLE_GRACE, HttpWatchdog, watched
 
 _KNOB_NAMES = tuple(Knobs().__dataclass_fields__)
 #: knobs a server's value can be declared for as an option: those vLLM's cache_config_info can carry
@@ -91,7 +91,7 @@ class OpenAIAdapter(EngineAdapter):
 
     aborts_race_finishes = True  # an abort is a closed stream; the server may finish first
     #: seconds the server may show nothing running or waiting while requests are open on it before they
-    #: count as dropped (:data:`kvbench.engines.http_liveness.IDLE_GRACE`; tests shorten it)
+    #: count as dropped (:data:`kvbench.engines.http.watchdog.IDLE_GRACE`; tests shorten it)
     idle_grace_seconds: float = IDLE_GRACE
 
     kind = "openai"
@@ -130,7 +130,7 @@ class OpenAIAdapter(EngineAdapter):
         import httpx
 
         from kvbench.engines.base import EngineUnavailable
-        from kvbench.engines.http_client import credential_error
+        from kvbench.engines.http.client import credential_error
 
         url = options["url"].rstrip("/")
         key = options.get("api_key")
@@ -310,7 +310,7 @@ class OpenAIAdapter(EngineAdapter):
         return GenResult(outputs, counters, [*self.evidence, *self.describe_evidence()])
 
     async def _generate(self, requests: Sequence[GenRequest]):
-        """Every request at once under the HTTP watchdog (:mod:`kvbench.engines.http_liveness`): a request
+        """Every request at once under the HTTP watchdog (:mod:`kvbench.engines.http.watchdog`): a request
         the server drops fails the run by name within ``Liveness.stall_seconds`` instead of its timeout."""
         async with self.client.session() as http:
             bodies = [self.client.body(r.prompt_token_ids, r.max_tokens, stream=False, temperature=r.temperature,
@@ -339,7 +339,7 @@ class OpenAIAdapter(EngineAdapter):
             return await watched(watchdog, work, scrape)
 
     def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:
-        """Stream every request at its arrival time, timing tokens client-side (see ``http_serve``)."""
+        """Stream every request at its arrival time, timing tokens client-side (see ``driver``)."""
         before = self.prepare(knobs)
         self.evidence = []
         requests = getattr(workload, "requests", workload)

@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 
 from kvbench.core.trace import TraceRecorder
-from kvbench.engines.http_client import Completion, CompletionClient
-from kvbench.engines.http_liveness import HttpWatchdog, watched
-from kvbench.engines.http_metrics import MetricsSnapshot, sampled_step
+from kvbench.engines.http.client import Completion, CompletionClient
+from kvbench.engines.http.server_metrics import MetricsSnapshot, sampled_step
+from kvbench.engines.http.watchdog import HttpWatchdog, watched
 
 #: what a client-side trace never holds, and why (shown by the report instead of zeros)
 #: (keys are the names :mod:`kvbench.bench.metrics` reads, so a per-request figure nobody could see is

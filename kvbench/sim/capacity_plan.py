@@ -1,6 +1,6 @@
 """The capacity plan of a simulator sweep, as data: what ``kvbench simulate`` prints and plan.html shows.
 
-:func:`capacity_plan` reads the runs of a sweep (:func:`kvbench.bench.simulate.run_sweep`) into a
+:func:`capacity_plan` reads the runs of a sweep (:func:`kvbench.sim.simulate.run_sweep`) into a
 :class:`CapacityPlan` of three findings, one entry per *group* (the runs that share every knob but the
 one the finding reads):
 
@@ -14,7 +14,7 @@ one the finding reads):
 plus :class:`CostCrossover`, the cost model's statement of which mode is cheaper for a victim of each
 length. :meth:`CapacityPlan.text` is the plan in words (the CLI prints it); :class:`PlanDocument`
 bundles the plan with what was simulated (:class:`SimulationSetup`) and the runs, as plain JSON
-(``plan.json``) that :mod:`kvbench.report.capacity_plan` renders as ``plan.html``.
+(``plan.json``) that :mod:`kvbench.report.plan_report` renders as ``plan.html``.
 
 Every time here is simulated seconds on the sim engine's hardware profile.
 """
@@ -28,9 +28,9 @@ from typing import Any
 
 from kvbench import __version__
 from kvbench.bench.results import jsonable
-from kvbench.bench.simulate import SimRun, fmt_ms, fmt_number
 from kvbench.bench.workloads import Workload
 from kvbench.core.knobs import Knobs
+from kvbench.sim.simulate import SimRun, fmt_ms, fmt_number
 
 #: a knee's throughput is at least this share of its group's best
 KNEE_SHARE = 0.95

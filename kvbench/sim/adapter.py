@@ -26,7 +26,7 @@ from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
 from kvbench.core.liveness import Liveness
 from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
-from kvbench.engines.reference import (
+from kvbench.engines.inprocess.reference import (
     _KNOB_TO_CONFIG,
     STEP_DELAY_OPTION,
     ReferenceAdapter,

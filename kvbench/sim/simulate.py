@@ -1,9 +1,9 @@
 """The simulator at scale: workloads, one run or a sweep of knobs on a ``sim`` engine, the runs table.
 
 ``kvbench simulate`` (:mod:`kvbench.cli`) is a thin face over this module and
-:mod:`kvbench.bench.capacity_plan`. A sweep serves one workload on a ``sim`` engine once per
+:mod:`kvbench.sim.capacity_plan`. A sweep serves one workload on a ``sim`` engine once per
 combination of knob values (:func:`run_sweep`); each run keeps its headline figures (:class:`SimRun`),
-and :func:`kvbench.bench.capacity_plan.capacity_plan` reads the grid into a plan (knee concurrency,
+and :func:`kvbench.sim.capacity_plan.capacity_plan` reads the grid into a plan (knee concurrency,
 the pool for a preemption budget, swap vs recompute with the cost model's crossover length).
 
 Every time here is simulated seconds on the sim engine's hardware profile.

@@ -1,7 +1,7 @@
 """A stub OpenAI-compatible server that answers instantly: the yardstick for kvbench's HTTP driver, and
 a server whose every answer a test can predict.
 
-``python -m kvbench.engines.stub_server --port 8123 [--token-delay S] [--no-token-ids] [engine flags]``
+``python -m kvbench.engines.http.stub_server --port 8123 [--token-delay S] [--no-token-ids] [engine flags]``
 serves on 127.0.0.1 only:
 
 * ``POST /v1/completions`` (token-id prompts, streamed or not): output token ``i`` of a prompt is
@@ -317,7 +317,7 @@ SWITCHES = {"--enable-prefix-caching": "enable_prefix_caching", "--enable-chunke
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvbench.engines.stub_server", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvbench.engines.http.stub_server", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1", choices=["127.0.0.1"], help="loopback only")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="stub", help="ignored (accepted so preset command templates fit)")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvbench.core.counters import COUNTER_NAMES, Counters
-from kvbench.core.events import EventRecord
+from kvbench.core.engine_events import EventRecord
 from kvbench.core.liveness import Watchdog
 from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
@@ -200,7 +200,7 @@ class ReferenceAdapter(EngineAdapter):
 
     def block_manager_factory(self):
         """Fresh block managers for the stateful refcount machine (conformance check 5)."""
-        from kvbench.engines.reference_blocks import reference_block_manager
+        from kvbench.engines.inprocess.reference_blocks import reference_block_manager
 
         return reference_block_manager()
 
@@ -295,14 +295,14 @@ def _request_states(engine) -> dict[str, str]:
             for rid, r in engine.scheduler.requests.items()}
 
 
-# engine event kind -> the data keys of kvbench.core.events it carries
+# engine event kind -> the data keys of kvbench.core.engine_events it carries
 _EVENT_KEYS = {"admitted": ("cached_tokens", "resumed", "kv_usage", "num_running"),
                "preempted": ("mode", "wanted", "tokens_discarded"),
                "swapped_out": ("bytes",), "swapped_in": ("bytes",), "finished": ("reason",), "aborted": ("state",)}
 
 
 class _EventCollector:
-    """Every engine event of one run as :class:`~kvbench.core.events.EventRecord` s, taken from an
+    """Every engine event of one run as :class:`~kvbench.core.engine_events.EventRecord` s, taken from an
     event sink as it is recorded (the engine's own log is bounded). A ``preempted`` record also gets
     ``running``: the requests running when the victim was chosen, in admission order (the scheduler
     has already taken the victim off its running list when it records the event, so it is put back

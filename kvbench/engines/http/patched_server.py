@@ -1,7 +1,7 @@
 """The reference server with a patch applied to its engine: how a test puts a fault inside a server
 and shows a check failing over HTTP on it.
 
-``python -m kvbench.engines.patched_server --patch MODULE:FUNCTION[=ARG] [reference_engine.serve's flags]``
+``python -m kvbench.engines.http.patched_server --patch MODULE:FUNCTION[=ARG] [reference_engine.serve's flags]``
 
 Every ``LLMEngine`` the server builds is handed to ``FUNCTION(engine)`` (``FUNCTION(engine, ARG)`` with
 ``=ARG``) before it serves, e.g. ``--patch kvbench.conformance.faults:apply_fault=corrupts_recomputed_output``.
@@ -32,7 +32,7 @@ def resolve(spec: str) -> Callable[[Any], None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbench.engines.patched_server", add_help=False)
+    parser = argparse.ArgumentParser(prog="python -m kvbench.engines.http.patched_server", add_help=False)
     parser.add_argument("--patch", required=True)
     args, serve_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:

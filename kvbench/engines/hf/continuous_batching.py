@@ -71,7 +71,7 @@ cross-check and quotes the INFO ones in ``GenResult.evidence``.
 
 What it does NOT expose (no counters, no metrics object, no per-step statistics, no event callbacks,
 no per-request preemption count, no queue lengths, no KV usage, no token counts). kvbench gets those
-with a *probe* (:mod:`kvbench.engines.hf_cb_probe`) that wraps six methods of the engine's own
+with a *probe* (:mod:`kvbench.engines.hf.probe`) that wraps six methods of the engine's own
 instances and reads their state: white-box, written for transformers 5.24, every hook guarded (a
 missing or changed internal makes its counters ``None`` with a note, never a crashed run), an
 "untested transformers version" note outside 5.24, and its counts cross-checked against the engine's
@@ -131,8 +131,8 @@ from kvbench.engines.base import (
     GenResult,
     Knobs,
 )
-from kvbench.engines.hf import check_device, eos_token_ids, load_model
-from kvbench.engines.hf_cb_probe import (
+from kvbench.engines.hf.generate import check_device, eos_token_ids, load_model
+from kvbench.engines.hf.probe import (
     OFFLOAD,
     SCHEDULE,
     UPDATE,
