@@ -264,9 +264,9 @@ def preemption_costs_of(engine: LLMEngine):
 
     config, kv = engine.config, engine.kv_cache
     if config.cost_profile is not None:
-        from reference_engine.sim.cost_model import CostModel
-        from reference_engine.sim.models import ModelShape
-        from reference_engine.sim.profiles import load_profile
+        from reference_engine.costs.cost_model import CostModel
+        from reference_engine.costs.model_shapes import ModelShape
+        from reference_engine.costs.profiles import load_profile
 
         mc = engine.model.config
         shape = ModelShape("engine-model", mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads,

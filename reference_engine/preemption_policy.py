@@ -34,7 +34,7 @@ Where the prices come from (:class:`PreemptionCosts`, a protocol with two method
   a few tens of milliseconds and is noisy on a busy machine, which can only move victims near the
   crossover from one mode to the other.
 * :class:`ModelCosts`: the capacity simulator's step cost model
-  (:class:`reference_engine.sim.cost_model.CostModel`) for a hardware profile
+  (:class:`reference_engine.costs.cost_model.CostModel`) for a hardware profile
   (``EngineConfig.cost_profile``: a calibrated profile file, or ``h200``...); the recompute is priced as
   the extra cost of its prefill added to the step it runs in: the running batch's decodes plus the
   prompts of waiting requests that step would prefill anyway (up to its token budget). On a GPU a
@@ -96,11 +96,11 @@ class LinearCosts:
 
 
 class ModelCosts:
-    """Prices from the simulator's :class:`~reference_engine.sim.cost_model.CostModel` (any object with
+    """Prices from the simulator's :class:`~reference_engine.costs.cost_model.CostModel` (any object with
     its ``swap_seconds(nbytes)`` and ``recompute_seconds(tokens, alongside)``)."""
 
     def __init__(self, cost_model: Any, block_size: int):
-        from reference_engine.sim.cost_model import StepShape
+        from reference_engine.costs.cost_model import StepShape
 
         self.cost_model = cost_model
         self.block_bytes = block_size * cost_model.kv_bytes_per_token

@@ -70,7 +70,7 @@ class SimAdapter(ReferenceAdapter):
     def validate_options(cls, options: dict[str, str]) -> None:
         """The profile and model load, ``clock`` is known, and every engine option passes ``EngineConfig``."""
         super(ReferenceAdapter, cls).validate_options(options)  # keys only; the engine's own check below
-        from reference_engine.sim import load_model_shape, load_profile
+        from reference_engine.costs import load_model_shape, load_profile
 
         load_profile(options.get("hardware", "h200"))
         if "model" in options:
@@ -83,13 +83,13 @@ class SimAdapter(ReferenceAdapter):
 
     @cached_property
     def profile(self):
-        from reference_engine.sim import load_profile
+        from reference_engine.costs import load_profile
 
         return load_profile(self.options.get("hardware", "h200"))
 
     @cached_property
     def model_shape(self):
-        from reference_engine.sim import load_model_shape
+        from reference_engine.costs import load_model_shape
 
         return load_model_shape(self.options.get("model", self.model_dir))
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from reference_engine.outputs import RequestOutput
 from reference_engine.sampling_params import SamplingParams
-from reference_engine.serve.metrics import EngineStats, ServerMetrics, read_engine_stats
+from reference_engine.serve.prometheus import EngineStats, ServerMetrics, read_engine_stats
 
 log = logging.getLogger("reference_engine.serve")
 

@@ -60,7 +60,7 @@ from reference_engine.serve.engine_loop import (
     abort_and_drain,
     observe_output,
 )
-from reference_engine.serve.metrics import EngineStats, ServerMetrics, read_engine_stats
+from reference_engine.serve.prometheus import EngineStats, ServerMetrics, read_engine_stats
 
 log = logging.getLogger("reference_engine.serve")
 

@@ -4,8 +4,8 @@ It *is* :class:`~reference_engine.engine.LLMEngine`: the same ``add_request`` va
 (schedule -> swap copies -> run -> update), ``abort_request``, ``stats()``, ``counters()`` and events,
 over the real :class:`~reference_engine.scheduler.Scheduler` and
 :class:`~reference_engine.block_manager.BlockManager`. Only three parts are swapped in: the runner
-(:class:`~reference_engine.sim.runner.SimRunner`: placeholder tokens, the clock moved on by the
-step's cost), the KV tensors (:class:`~reference_engine.sim.runner.SimKVCache`: swap copies priced
+(:class:`~reference_engine.sim.pricing_runner.SimRunner`: placeholder tokens, the clock moved on by the
+step's cost), the KV tensors (:class:`~reference_engine.sim.pricing_runner.SimKVCache`: swap copies priced
 over the host link) and the timer (``engine.timer`` is the virtual clock, so ``last_step["seconds"]``
 and ``swap_seconds`` are simulated seconds). With the same requests released before the same steps
 it makes the same scheduling decisions as the real engine, whatever the model's size.
@@ -21,6 +21,9 @@ import itertools
 
 from reference_engine.block_manager import BlockManager
 from reference_engine.config import ConfigError, EngineConfig, GiB
+from reference_engine.costs.cost_model import CostModel, StepShape
+from reference_engine.costs.model_shapes import ModelShape
+from reference_engine.costs.profiles import HardwareProfile
 from reference_engine.counters import EngineCounters
 from reference_engine.engine import LLMEngine, admission_of
 from reference_engine.events import EventLog, EventSink
@@ -28,11 +31,8 @@ from reference_engine.outputs import RequestOutput
 from reference_engine.preemption_policy import ModelCosts
 from reference_engine.request import RequestStatus
 from reference_engine.scheduler import Scheduler, _StepBuilder
-from reference_engine.sim.cost_model import CostModel, StepShape
 from reference_engine.sim.lazy import LazyDecodes, Span
-from reference_engine.sim.models import ModelShape
-from reference_engine.sim.profiles import HardwareProfile
-from reference_engine.sim.runner import SimKVCache, SimRunner, VirtualClock, placeholder_token
+from reference_engine.sim.pricing_runner import SimKVCache, SimRunner, VirtualClock, placeholder_token
 
 
 class _NoWeights:
