@@ -5,7 +5,7 @@ Public API (vLLM's names)::
     engine = LLMEngine(EngineConfig(model=ckpt_dir, num_gpu_blocks_override=64))
     engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
     while engine.has_unfinished_requests():
-        for out in engine.step(): ...
+        for out in engine.step().outputs: ...   # step() also says what it did: .record
     engine.generate(prompts, params) ; engine.abort_request("r1")
     engine.stats()      # gauges + cumulative counters, a flat dict (kvbench and /metrics read it)
     engine.counters()   # the cumulative counters as a typed snapshot (EngineCounters)
@@ -27,7 +27,7 @@ from reference_engine.counters import EngineCounters
 from reference_engine.events import EventLog, EventSink
 from reference_engine.kv_cache import KVCache
 from reference_engine.model import load_model
-from reference_engine.outputs import RequestOutput
+from reference_engine.outputs import RequestOutput, StepRecord, StepResult
 from reference_engine.request import Request, RequestStatus
 from reference_engine.runner import ModelRunner
 from reference_engine.sampling_params import SamplingParams
@@ -81,7 +81,6 @@ class LLMEngine:
             self.scheduler.preemption_costs = preemption_costs_of(self)
         self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step()
         self._ids = itertools.count()
-        self.last_step: dict[str, float | int] = {}
         # What steps and swap copies are timed with (the simulator, reference_engine.sim, puts its
         # virtual clock here).
         self.timer: Callable[[], float] = time.perf_counter
@@ -160,7 +159,9 @@ class LLMEngine:
         """What ``step`` reports of a request it touched (a snapshot: its own lists copied)."""
         return RequestOutput.of(request)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
+        """Schedule, copy swapped blocks, run, update. Returns the outputs of the requests the step
+        touched (aborted ones first) and the step's :class:`~reference_engine.outputs.StepRecord`."""
         t0 = self.timer()
         out = self.scheduler.schedule()
         self._copy_swapped_blocks(out)
@@ -169,10 +170,9 @@ class LLMEngine:
         if self.config.check_invariants:
             self.block_manager.check_invariants()
         outputs, self._pending = self._pending + [self._output_of(r) for r in touched], []
-        self.last_step = {"seconds": self.timer() - t0, "num_tokens": out.num_tokens,
-                          "num_prefill_tokens": out.num_prefill_tokens, "num_decode_tokens": out.num_decode_tokens,
-                          "num_preempted": out.num_preempted}
-        return outputs
+        record = StepRecord(self.timer() - t0, out.num_tokens, out.num_prefill_tokens, out.num_decode_tokens,
+                            out.num_preempted)
+        return StepResult(outputs, record)
 
     def _copy_swapped_blocks(self, out: SchedulerOutput) -> None:
         """One batched copy per direction; each request's event gets its own blocks and bytes, and the
@@ -206,7 +206,7 @@ class LLMEngine:
             self.add_request(rid, prompt, p)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
-            for o in self.step():
+            for o in self.step().outputs:
                 if o.finished:
                     final[o.request_id] = o
         return [final[rid] for rid in ids]

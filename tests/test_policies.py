@@ -400,10 +400,11 @@ def test_pacing_with_watermark_engine_outputs_exact(tiny_ckpt, chunked):
             engine.add_request(f"r{i}", p, sp)
         final, shapes = {}, []
         while engine.has_unfinished_requests():
-            for o in engine.step():
+            result = engine.step()
+            for o in result.outputs:
                 if o.finished:
                     final[o.request_id] = o.token_ids
-            shapes.append((engine.last_step["num_prefill_tokens"], engine.last_step["num_decode_tokens"]))
+            shapes.append((result.record.num_prefill_tokens, result.record.num_decode_tokens))
         assert engine.block_manager.is_whole()
         admitted = collections.Counter(e.step for e in engine.events if e.kind == "admitted")
         return [final[f"r{i}"] for i in range(len(prompts))], shapes, admitted

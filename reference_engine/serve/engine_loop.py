@@ -165,7 +165,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step().outputs
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self._in_flight))
             self._fail_all(EngineFailure(f"engine step failed: {type(e).__name__}: {e}"))

@@ -173,7 +173,7 @@ class _EngineCore:
 
     def _step(self) -> list[_Delta]:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step().outputs
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self.sent))
             self._fail_all(f"engine step failed: {type(e).__name__}: {e}")

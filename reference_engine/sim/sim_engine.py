@@ -6,7 +6,7 @@ over the real :class:`~reference_engine.scheduler.Scheduler` and
 :class:`~reference_engine.block_manager.BlockManager`. Only three parts are swapped in: the runner
 (:class:`~reference_engine.sim.pricing_runner.SimRunner`: placeholder tokens, the clock moved on by the
 step's cost), the KV tensors (:class:`~reference_engine.sim.pricing_runner.SimKVCache`: swap copies priced
-over the host link) and the timer (``engine.timer`` is the virtual clock, so ``last_step["seconds"]``
+over the host link) and the timer (``engine.timer`` is the virtual clock, so a step's ``record.seconds``
 and ``swap_seconds`` are simulated seconds). With the same requests released before the same steps
 it makes the same scheduling decisions as the real engine, whatever the model's size.
 
@@ -27,7 +27,7 @@ from reference_engine.costs.profiles import HardwareProfile
 from reference_engine.counters import EngineCounters
 from reference_engine.engine import LLMEngine, admission_of
 from reference_engine.events import EventLog, EventSink
-from reference_engine.outputs import RequestOutput
+from reference_engine.outputs import RequestOutput, StepRecord, StepResult
 from reference_engine.preemption_policy import ModelCosts
 from reference_engine.request import RequestStatus
 from reference_engine.scheduler import Scheduler, _StepBuilder
@@ -94,7 +94,6 @@ class SimEngine(LLMEngine):
         self.runner = SimRunner(self.cost, self.clock, placeholder_token(model.eos_token_ids))
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
-        self.last_step: dict[str, float | int] = {}
         self.timer = self.clock.now
         self.lazy = LazyDecodes(config.block_size, config.max_model_len, self.runner.token)
         # The fast path replays schedule() for steps it proves preemption-free; under the priority
@@ -131,7 +130,7 @@ class SimEngine(LLMEngine):
         # third of a large simulation's time
         return _output_of(request)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
         """:meth:`LLMEngine.step` on the virtual clock, with outputs that share the request's own lists
         (:meth:`_output_of`). Lazy requests (left by :meth:`step_fast`) are synced first."""
         if self.lazy.requests:
@@ -157,9 +156,9 @@ class SimEngine(LLMEngine):
         if not self._can_step_fast(s):
             self.plain_steps += 1
             num_aborted = len(self._pending)
-            outputs = self.step()
+            result = self.step()
             self._join_decoders(self.scheduler.running)
-            return self._fast_result(outputs, num_aborted, [])
+            return self._fast_result(result.outputs, num_aborted, [], result.record)
         self.fast_steps += 1
         return self._step_fast(s)
 
@@ -232,10 +231,8 @@ class SimEngine(LLMEngine):
         self._join_decoders(touched)
         outputs = self._pending + [_output_of(r) for r in finishing + touched]
         self._pending = []
-        self.last_step = {"seconds": self.timer() - t0, "num_tokens": out.num_tokens + n,
-                          "num_prefill_tokens": out.num_prefill_tokens, "num_decode_tokens": out.num_decode_tokens + n,
-                          "num_preempted": 0}
-        return self._fast_result(outputs, pending, finishing)
+        record = StepRecord(self.timer() - t0, out.num_tokens + n, out.num_prefill_tokens, out.num_decode_tokens + n, 0)
+        return self._fast_result(outputs, pending, finishing, record)
 
     def _join_decoders(self, requests) -> None:
         if not self.fast_path_eligible:
@@ -245,12 +242,13 @@ class SimEngine(LLMEngine):
             if req.request_id not in lazy.requests and lazy.can_join(req):
                 lazy.join(req, len(bm.block_tables[req.request_id]), s)
 
-    def _fast_result(self, outputs: list[RequestOutput], num_aborted: int, finishing: list) -> FastStep:
+    def _fast_result(self, outputs: list[RequestOutput], num_aborted: int, finishing: list,
+                     record: StepRecord) -> FastStep:
         lazy_done = {r.request_id for r in finishing}
         tokens = [o.request_id for o in outputs[num_aborted:] if o.request_id not in lazy_done]
         finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
         spans, self.lazy.closed = self.lazy.closed, []
-        return FastStep(tokens, finished, spans)
+        return FastStep(tokens, finished, spans, record)
 
 
 class _CheckedTokens:
@@ -269,12 +267,13 @@ class _CheckedTokens:
 class FastStep:
     """What one :meth:`SimEngine.step_fast` did for the driver: ``tokens``: requests that got one
     token at the end of this step; ``spans``: lazy requests' tokens, one at the end of every step of
-    each span (closed this step or by aborts since the last one); ``finished``: request id -> reason."""
+    each span (closed this step or by aborts since the last one); ``finished``: request id -> reason;
+    ``record``: what the step did, as :meth:`LLMEngine.step`'s (lazy decodes included)."""
 
-    __slots__ = ("finished", "spans", "tokens")
+    __slots__ = ("finished", "record", "spans", "tokens")
 
-    def __init__(self, tokens: list[str], finished: dict[str, str | None], spans: list[Span]):
-        self.tokens, self.finished, self.spans = tokens, finished, spans
+    def __init__(self, tokens: list[str], finished: dict[str, str | None], spans: list[Span], record: StepRecord):
+        self.tokens, self.finished, self.spans, self.record = tokens, finished, spans, record
 
 
 def _output_of(req) -> RequestOutput:
