@@ -1,14 +1,16 @@
-"""SimEngine: the reference engine with its model replaced by the cost model.
+"""SimEngine: the reference engine built from priced parts.
 
-It *is* :class:`~reference_engine.engine.LLMEngine`: the same ``add_request`` validation, ``step()``
-(schedule -> swap copies -> run -> update), ``abort_request``, ``stats()``, ``counters()`` and events,
-over the real :class:`~reference_engine.scheduler.Scheduler` and
-:class:`~reference_engine.block_manager.BlockManager`. Only three parts are swapped in: the runner
-(:class:`~reference_engine.sim.pricing_runner.SimRunner`: placeholder tokens, the clock moved on by the
-step's cost), the KV tensors (:class:`~reference_engine.sim.pricing_runner.SimKVCache`: swap copies priced
-over the host link) and the timer (``engine.timer`` is the virtual clock, so a step's ``record.seconds``
-and ``swap_seconds`` are simulated seconds). With the same requests released before the same steps
-it makes the same scheduling decisions as the real engine, whatever the model's size.
+It *is* :class:`~reference_engine.engine.LLMEngine`, built through its public constructor with
+:func:`priced_parts` as the parts factory: the same ``add_request`` validation, ``step()`` (schedule
+-> swap copies -> run -> update), ``abort_request``, ``stats()``, ``counters()`` and events, over the
+real :class:`~reference_engine.scheduler.Scheduler` and
+:class:`~reference_engine.block_manager.BlockManager`. Only the model's parts differ: the runner
+(:class:`~reference_engine.sim.pricing_runner.SimRunner`: placeholder tokens, the clock moved on by
+the step's cost), the KV tensors (:class:`~reference_engine.sim.pricing_runner.SimKVCache`: swap
+copies priced over the host link) and the timer and event clock (the virtual clock, so a step's
+``record.seconds`` and ``swap_seconds`` are simulated seconds). With the same requests released
+before the same steps it makes the same scheduling decisions as the real engine, whatever the
+model's size.
 
 The device pool is sized as on a GPU: ``gpu_memory_utilization`` of the profile's memory minus the
 weights at ``EngineConfig.dtype`` (activation memory is not reserved: the pool is a little larger
@@ -17,20 +19,17 @@ than a real engine's), unless ``num_gpu_blocks_override`` says otherwise.
 
 from __future__ import annotations
 
-import itertools
-
 from reference_engine.block_manager import BlockManager
 from reference_engine.config import ConfigError, EngineConfig, GiB
 from reference_engine.costs.cost_model import CostModel, StepShape
 from reference_engine.costs.model_shapes import ModelShape
 from reference_engine.costs.profiles import HardwareProfile
 from reference_engine.counters import EngineCounters
-from reference_engine.engine import LLMEngine, admission_of
-from reference_engine.events import EventLog, EventSink
+from reference_engine.engine import EngineParts, LLMEngine
+from reference_engine.events import EventSink
 from reference_engine.outputs import RequestOutput, StepRecord, StepResult
 from reference_engine.preemption_policy import ModelCosts
 from reference_engine.request import RequestStatus
-from reference_engine.scheduler import Scheduler, _StepBuilder
 from reference_engine.sim.lazy import LazyDecodes, Span
 from reference_engine.sim.pricing_runner import SimKVCache, SimRunner, VirtualClock, placeholder_token
 
@@ -55,46 +54,42 @@ def device_pool_blocks(model: ModelShape, profile: HardwareProfile, config: Engi
     return blocks
 
 
+def priced_parts(config: EngineConfig, model: ModelShape, profile: HardwareProfile, cost: CostModel,
+                 clock: VirtualClock) -> EngineParts:
+    """The engine's parts for ``config`` with the model priced instead of run: pools sized for
+    ``model`` on ``profile`` (:func:`device_pool_blocks`), a runner and KV stand-in that move ``clock``
+    on by ``cost``, ``clock`` as the timer and event clock, and auto pricing victims with that same
+    cost model. Outputs share the request's own lists (placeholders, read at once; copying them every
+    step was a third of a large simulation's time)."""
+    config = config.resolve(model.max_position_embeddings)
+    block_bytes = config.block_size * cost.kv_bytes_per_token
+    num_gpu_blocks = config.num_gpu_blocks_override or device_pool_blocks(model, profile, config, block_bytes)
+    if config.num_cpu_blocks_override is not None:
+        num_cpu_blocks = config.num_cpu_blocks_override
+    elif config.preemption_mode in ("swap", "auto"):  # auto may swap: it needs the host pool too
+        num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
+    else:
+        num_cpu_blocks = 0
+    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size, config.enable_prefix_caching,
+                                 EngineCounters())
+    return EngineParts(
+        config, _NoWeights(model), block_manager, SimKVCache(block_bytes, cost, clock),
+        SimRunner(cost, clock, placeholder_token(model.eos_token_ids)),
+        preemption_costs=ModelCosts(cost, config.block_size), timer=clock.now, clock=clock.now,
+        output_of=_output_of, device=None, attention_backend="simulated")
+
+
 class SimEngine(LLMEngine):
     """An LLMEngine that computes nothing; ``clock`` is its virtual time in seconds."""
 
     def __init__(self, config: EngineConfig, model: ModelShape, profile: HardwareProfile,
                  event_sink: EventSink | None = None):
-        # Not LLMEngine.__init__: it loads weights and allocates KV tensors. The parts built here are
-        # the ones it builds, from the same config, with the model's parts replaced.
-        self.device = None
-        self.model = _NoWeights(model)
         self.shape, self.profile = model, profile
-        self.config = config = config.resolve(model.max_position_embeddings)
         self.cost = CostModel(model, profile, config.dtype)
-        block_bytes = config.block_size * self.cost.kv_bytes_per_token
-        num_gpu_blocks = config.num_gpu_blocks_override or device_pool_blocks(model, profile, config, block_bytes)
-        if config.num_cpu_blocks_override is not None:
-            num_cpu_blocks = config.num_cpu_blocks_override
-        elif config.preemption_mode in ("swap", "auto"):  # auto may swap: it needs the host pool too
-            num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
-        else:
-            num_cpu_blocks = 0
         self.clock = VirtualClock()
-        self._counters = EngineCounters()
-        self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
-                                          config.enable_prefix_caching, self._counters)
-        self.kv_cache = SimKVCache(block_bytes, self.cost, self.clock)
-        self.scheduler = Scheduler(
-            self.block_manager, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            scheduling_policy=config.scheduling_policy, clock=self.clock.now, events=EventLog(config.max_events),
-            admission=admission_of(config), prefill_pacing_tokens=config.prefill_pacing_tokens,
-            # auto prices victims with the same cost model that advances the clock
-            preemption_costs=ModelCosts(self.cost, config.block_size))
-        if event_sink is not None:
-            self.add_event_sink(event_sink)
-        self.attention_backend = "simulated"
-        self.runner = SimRunner(self.cost, self.clock, placeholder_token(model.eos_token_ids))
-        self._pending: list[RequestOutput] = []
-        self._ids = itertools.count()
-        self.timer = self.clock.now
+        super().__init__(config, event_sink,
+                         build_parts=lambda c: priced_parts(c, model, profile, self.cost, self.clock))
+        config = self.config
         self.lazy = LazyDecodes(config.block_size, config.max_model_len, self.runner.token)
         # The fast path replays schedule() for steps it proves preemption-free; under the priority
         # policy admission itself may preempt, and prefix caching registers blocks every step.
@@ -104,15 +99,6 @@ class SimEngine(LLMEngine):
         self.fast_path_eligible = (config.scheduling_policy == "fcfs" and not config.enable_prefix_caching
                                    and config.admission_policy == "none" and config.prefill_pacing_tokens is None)
         self.fast_steps = self.plain_steps = 0  # how often step_fast could take its fast path
-
-    def _validate(self, request_id, prompt, params) -> None:
-        """:meth:`LLMEngine._validate`, with the per-token check done at C speed when the prompt is a
-        list of plain ints (a simulated surge holds millions of prompt tokens; checking them one by
-        one in Python was a fifth of its time). Any other prompt is checked token by token as usual."""
-        if (type(prompt) is list and prompt and set(map(type, prompt)) == {int} and min(prompt) >= 0
-                and max(prompt) < self.model.config.vocab_size):
-            prompt = _CheckedTokens(len(prompt))
-        super()._validate(request_id, prompt, params)
 
     def add_request(self, *args, **kwargs) -> None:
         """:meth:`LLMEngine.add_request`, then the clock moves on by the profile's ``per_request_s``."""
@@ -125,18 +111,12 @@ class SimEngine(LLMEngine):
             self.lazy.leave(req, self.scheduler.step_index + 1)
         return super().abort_request(request_id)
 
-    def _output_of(self, request) -> RequestOutput:
-        # the request's own lists, not copies: placeholders, read at once; copying them every step was a
-        # third of a large simulation's time
-        return _output_of(request)
-
     def step(self) -> StepResult:
-        """:meth:`LLMEngine.step` on the virtual clock, with outputs that share the request's own lists
-        (:meth:`_output_of`). Lazy requests (left by :meth:`step_fast`) are synced first."""
+        """:meth:`LLMEngine.step` on the virtual clock. Lazy requests (left by :meth:`step_fast`) are
+        synced first."""
         if self.lazy.requests:
             self.lazy.leave_all(self.scheduler.step_index + 1)
         return super().step()
-
 
     # ------------------------------------------------------------------ the fast path
     def step_fast(self) -> FastStep:
@@ -145,20 +125,20 @@ class SimEngine(LLMEngine):
 
         A step is taken fast when nothing in it can preempt: every lazy decoder crossing a block
         boundary and every partial prefill gets its blocks from the free pool, and the token budget
-        covers the decodes. It then replays :meth:`Scheduler.schedule` (the decodes in admission
-        order, partial prefills, then the scheduler's own ``_schedule_swapped`` and
-        ``_schedule_waiting``, which under FCFS never preempt) with the lazy decoders added by count.
-        Any other step is a plain :meth:`step` with every lazy request synced first, after which the
-        steady decoders turn lazy again. Tokens of lazy requests come back as
-        :class:`~reference_engine.sim.lazy.Span` s, in ``FastStep.spans`` (aborts add theirs to
+        covers the decodes. It then gives the crossing decoders their blocks and calls
+        :meth:`Scheduler.schedule` with the lazy decodes by count (``decoded_elsewhere``) and the
+        partial prefills as the only running requests to schedule; the pricing runner adds the lazy
+        decodes to the step's shape. Any other step is a plain :meth:`step` with every lazy request
+        synced first, after which the steady decoders turn lazy again. Tokens of lazy requests come
+        back as :class:`~reference_engine.sim.lazy.Span` s, in ``FastStep.spans`` (aborts add theirs to
         ``lazy.closed``, drained by the next step)."""
         s = self.scheduler.step_index + 1
         if not self._can_step_fast(s):
             self.plain_steps += 1
-            num_aborted = len(self._pending)
+            aborted = self.take_aborted()
             result = self.step()
             self._join_decoders(self.scheduler.running)
-            return self._fast_result(result.outputs, num_aborted, [], result.record)
+            return self._fast_result(aborted + result.outputs, len(aborted), [], result.record)
         self.fast_steps += 1
         return self._step_fast(s)
 
@@ -190,32 +170,18 @@ class SimEngine(LLMEngine):
 
     def _step_fast(self, s: int) -> FastStep:
         t0 = self.timer()
-        sched, bm, lazy, counters = self.scheduler, self.block_manager, self.lazy, self._counters
-        pending = len(self._pending)
-        # -- schedule(), as Scheduler.schedule does it, with the lazy decodes by count
-        counters.steps += 1
-        step = _StepBuilder(s, sched.max_num_batched_tokens)
-        step.budget -= len(lazy)
+        sched, bm, lazy, counters = self.scheduler, self.block_manager, self.lazy, self.scheduler.counters
+        aborted = self.take_aborted()
+        # -- schedule(), with the lazy decodes by count: first the blocks of those crossing a boundary
         for req in lazy.crossing(s):
             lazy.sync(req, s)
             allocated = bm.allocate_slots(req, 1)
             assert allocated, "_can_step_fast counted the blocks"
             lazy.allocated(req.request_id, s)
-        for req in self._partial_prefills():
-            if step.budget == 0:
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            allocated = bm.allocate_slots(req, n)
-            assert allocated, "_can_step_fast counted the blocks"
-            step.add_chunk(req, n)
-        # The scheduler's own admission helpers, unchanged (a step that preempted never gets here).
-        sched._schedule_swapped(step)
-        if not sched.swapped:
-            sched._schedule_waiting(step)
-        counters.prefill_chunks += sum(1 for c in step.chunks.values() if not c.completes)
-        out = step.build(bm)
+        out = sched.schedule(decoded_elsewhere=len(lazy), running=self._partial_prefills())
+        assert not out.preempted, "_can_step_fast proved the step preempts nobody"
         # -- swap copies, the run, the update
-        self._copy_swapped_blocks(out)
+        self.copy_swapped_blocks(out)
         n = len(lazy)
         context = lazy.computed_before(s) + n
         decodes = StepShape(0, n, n, n, context, context)
@@ -229,10 +195,9 @@ class SimEngine(LLMEngine):
         lazy.forget_step(s)
         touched = sched.update(out, sampled)
         self._join_decoders(touched)
-        outputs = self._pending + [_output_of(r) for r in finishing + touched]
-        self._pending = []
+        outputs = aborted + [_output_of(r) for r in finishing + touched]
         record = StepRecord(self.timer() - t0, out.num_tokens + n, out.num_prefill_tokens, out.num_decode_tokens + n, 0)
-        return self._fast_result(outputs, pending, finishing, record)
+        return self._fast_result(outputs, len(aborted), finishing, record)
 
     def _join_decoders(self, requests) -> None:
         if not self.fast_path_eligible:
@@ -249,21 +214,6 @@ class SimEngine(LLMEngine):
         finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
         spans, self.lazy.closed = self.lazy.closed, []
         return FastStep(tokens, finished, spans, record)
-
-
-class _CheckedTokens:
-    """A prompt whose tokens were already checked: its length, and no tokens left to check."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self):
-        return iter(())
-
-
 class FastStep:
     """What one :meth:`SimEngine.step_fast` did for the driver: ``tokens``: requests that got one
     token at the end of this step; ``spans``: lazy requests' tokens, one at the end of every step of
