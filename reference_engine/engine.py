@@ -5,11 +5,15 @@ Public API (vLLM's names)::
     engine = LLMEngine(EngineConfig(model=ckpt_dir, num_gpu_blocks_override=64))
     engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
     while engine.has_unfinished_requests():
-        for out in engine.step(): ...
+        for out in engine.step().outputs: ...   # step() also says what it did: .record
     engine.generate(prompts, params) ; engine.abort_request("r1")
     engine.stats()      # gauges + cumulative counters, a flat dict (kvbench and /metrics read it)
     engine.counters()   # the cumulative counters as a typed snapshot (EngineCounters)
     engine.events       # the latest EngineConfig.max_events events; engine.add_event_sink(fn) sees all
+
+What the engine runs on comes from a parts factory (:class:`EngineParts`): :func:`load_parts` loads the
+model and allocates the KV tensors; the simulator (:mod:`reference_engine.sim`) passes one whose
+runner prices steps on a virtual clock: ``LLMEngine(config, build_parts=...)``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -27,11 +33,12 @@ from reference_engine.counters import EngineCounters
 from reference_engine.events import EventLog, EventSink
 from reference_engine.kv_cache import KVCache
 from reference_engine.model import load_model
-from reference_engine.outputs import RequestOutput
+from reference_engine.outputs import RequestOutput, StepRecord, StepResult
+from reference_engine.preemption_policy import PreemptionCosts, auto_costs
 from reference_engine.request import Request, RequestStatus
 from reference_engine.runner import ModelRunner
 from reference_engine.sampling_params import SamplingParams
-from reference_engine.scheduler import DEFAULT_COSTS, ScheduledChunk, Scheduler, SchedulerOutput
+from reference_engine.scheduler import Scheduler, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -40,58 +47,115 @@ class RequestRejected(ValueError):
     """``add_request`` refused a request; the engine and every other request are untouched."""
 
 
+class StepRunner(Protocol):
+    """Runs (or prices) one scheduled step."""
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Compute ``out.chunks`` into their blocks; the sampled token of every chunk that completes its
+        sequence, by request id."""
+        ...
+
+
+class SwapSpace(Protocol):
+    """The KV pools as the engine sees them: batched block copies between device and host."""
+
+    block_bytes: int
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> int:
+        """Copy (device block, host block) pairs to the host; the bytes copied."""
+        ...
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> int:
+        """Copy (host block, device block) pairs to the device; the bytes copied."""
+        ...
+
+
+@dataclass
+class EngineParts:
+    """What an :class:`LLMEngine` runs on, built from its config by a parts factory: :func:`load_parts`
+    (the model's weights and KV tensors on ``config.device``), or another (the simulator's
+    :func:`reference_engine.sim.sim_engine.priced_parts`: a runner that prices steps on a virtual
+    clock). The engine builds the scheduler over ``block_manager`` and drives the rest."""
+
+    config: EngineConfig  # resolved (EngineConfig.resolve) for the model's max_position_embeddings
+    model: Any  # its .config: vocab_size and eos_token_ids (what add_request checks and stops on)
+    block_manager: BlockManager  # its counters are the engine's one record
+    kv_cache: SwapSpace
+    runner: StepRunner
+    preemption_costs: PreemptionCosts | None = None  # what auto prices victims with (None: the defaults)
+    timer: Callable[[], float] = time.perf_counter  # times steps and swap copies
+    clock: Callable[[], float] = time.monotonic  # stamps events
+    output_of: Callable[[Request], RequestOutput] = RequestOutput.of  # what step() reports of a request
+    device: torch.device | None = None
+    attention_backend: str = "torch"
+
+
+def load_parts(config: EngineConfig) -> EngineParts:
+    """The engine's parts for ``config``: the model loaded on ``config.device``, KV pools sized by
+    ``num_gpu_blocks_override`` or the device's memory (``gpu_memory_utilization`` on CUDA,
+    ``kv_cache_space`` on CPU) and ``swap_space``, the model runner, and auto's measured prices."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("EngineConfig.device is 'cuda' but torch.cuda.is_available() is False")
+    dtype = _DTYPES[config.dtype]
+    model = load_model(config.model, device=str(device), dtype=dtype)
+    mc = model.config
+    config = config.resolve(mc.max_position_embeddings)
+    block_bytes = mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    num_gpu_blocks = config.num_gpu_blocks_override or _device_pool_blocks(config, device, block_bytes)
+    if config.num_cpu_blocks_override is not None:
+        num_cpu_blocks = config.num_cpu_blocks_override
+    elif config.preemption_mode in ("swap", "auto"):
+        num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
+    else:
+        num_cpu_blocks = 0  # recompute never swaps: reserve no host memory
+    # One record for the whole engine: the pool, block manager, scheduler and engine each count
+    # their own facts in it.
+    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size, config.enable_prefix_caching,
+                                 EngineCounters())
+    kv_cache = KVCache(num_gpu_blocks, num_cpu_blocks, mc.num_layers, config.block_size, mc.num_kv_heads,
+                       mc.head_dim, dtype, device)
+    attention_backend = _attention_backend(config.attention_backend, device)
+    runner = ModelRunner(model, kv_cache, block_manager, device, config.seed, attention_backend)
+    costs = None
+    if config.preemption_mode == "auto":
+        costs = auto_costs(config, mc, kv_cache, runner, block_manager.num_free_gpu_blocks)
+    return EngineParts(config, model, block_manager, kv_cache, runner, preemption_costs=costs, device=device,
+                       attention_backend=attention_backend)
+
+
+def _device_pool_blocks(config: EngineConfig, device: torch.device, block_bytes: int) -> int:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free)
+        return max(int(budget) // block_bytes, 1)
+    return max(int(config.kv_cache_space * GiB) // block_bytes, 1)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, event_sink: EventSink | None = None):
+    def __init__(self, config: EngineConfig, event_sink: EventSink | None = None, *,
+                 build_parts: Callable[[EngineConfig], EngineParts] = load_parts):
         """``event_sink``, if given, is called with every event as it is recorded (see
-        :meth:`add_event_sink`)."""
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("EngineConfig.device is 'cuda' but torch.cuda.is_available() is False")
-        dtype = _DTYPES[config.dtype]
-        self.model = load_model(config.model, device=str(self.device), dtype=dtype)
-        mc = self.model.config
-        self.config = config = config.resolve(mc.max_position_embeddings)
-        block_bytes = mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-        num_gpu_blocks = config.num_gpu_blocks_override or self._device_pool_blocks(block_bytes)
-        if config.num_cpu_blocks_override is not None:
-            num_cpu_blocks = config.num_cpu_blocks_override
-        elif config.preemption_mode in ("swap", "auto"):
-            num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
-        else:
-            num_cpu_blocks = 0  # recompute never swaps: reserve no host memory
-        # One record for the whole engine: the pool, block manager, scheduler and engine each count
-        # their own facts in it.
-        self._counters = EngineCounters()
-        self.block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size,
-                                          config.enable_prefix_caching, self._counters)
-        self.kv_cache = KVCache(num_gpu_blocks, num_cpu_blocks, mc.num_layers, config.block_size, mc.num_kv_heads,
-                                mc.head_dim, dtype, self.device)
+        :meth:`add_event_sink`). ``build_parts``: what makes the model, KV pools and runner from
+        ``config`` (:class:`EngineParts`; the simulator passes its own)."""
+        parts = build_parts(config)
+        self.config = config = parts.config
+        self.device, self.model, self.attention_backend = parts.device, parts.model, parts.attention_backend
+        self.block_manager, self.kv_cache, self.runner = parts.block_manager, parts.kv_cache, parts.runner
+        self._counters = parts.block_manager.counters
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            scheduling_policy=config.scheduling_policy, events=EventLog(config.max_events),
-            admission=admission_of(config), prefill_pacing_tokens=config.prefill_pacing_tokens)
+            scheduling_policy=config.scheduling_policy, clock=parts.clock, events=EventLog(config.max_events),
+            preemption_costs=parts.preemption_costs, admission=admission_of(config),
+            prefill_pacing_tokens=config.prefill_pacing_tokens)
         if event_sink is not None:
             self.add_event_sink(event_sink)
-        self.attention_backend = _attention_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, config.seed,
-                                  self.attention_backend)
-        if config.preemption_mode == "auto":
-            self.scheduler.preemption_costs = preemption_costs_of(self)
+        self._output_of = parts.output_of
         self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step()
         self._ids = itertools.count()
-        self.last_step: dict[str, float | int] = {}
-        # What steps and swap copies are timed with (the simulator, reference_engine.sim, puts its
-        # virtual clock here).
-        self.timer: Callable[[], float] = time.perf_counter
-
-    def _device_pool_blocks(self, block_bytes: int) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free)
-            return max(int(budget) // block_bytes, 1)
-        return max(int(self.config.kv_cache_space * GiB) // block_bytes, 1)
+        self.timer: Callable[[], float] = parts.timer  # what steps and swap copies are timed with
 
     # ------------------------------------------------------------------ requests
     @property
@@ -130,7 +194,7 @@ class LLMEngine:
         if n == 0:
             raise RequestRejected(f"request {request_id!r}: the prompt is empty")
         vocab = self.model.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+        if not _tokens_in_range(prompt, vocab):
             raise RequestRejected(f"request {request_id!r}: prompt token ids must be integers in [0, {vocab})")
         if n >= max_len:
             raise RequestRejected(f"request {request_id!r}: prompt of {n} tokens does not fit max_model_len="
@@ -152,31 +216,35 @@ class LLMEngine:
         self._pending.append(RequestOutput.of(req))
         return True
 
+    def take_aborted(self) -> list[RequestOutput]:
+        """The outputs of requests aborted since the last step, which the next ``step()`` would deliver
+        first; the caller takes them instead (a step driven from outside: the simulator's fast path)."""
+        aborted, self._pending = self._pending, []
+        return aborted
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     # ------------------------------------------------------------------ the step
-    def _output_of(self, request: Request) -> RequestOutput:
-        """What ``step`` reports of a request it touched (a snapshot: its own lists copied)."""
-        return RequestOutput.of(request)
-
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
+        """Schedule, copy swapped blocks, run, update. Returns the outputs of the requests the step
+        touched (aborted ones first) and the step's :class:`~reference_engine.outputs.StepRecord`."""
         t0 = self.timer()
         out = self.scheduler.schedule()
-        self._copy_swapped_blocks(out)
+        self.copy_swapped_blocks(out)
         sampled = self.runner.execute(out)
         touched = self.scheduler.update(out, sampled)
         if self.config.check_invariants:
             self.block_manager.check_invariants()
         outputs, self._pending = self._pending + [self._output_of(r) for r in touched], []
-        self.last_step = {"seconds": self.timer() - t0, "num_tokens": out.num_tokens,
-                          "num_prefill_tokens": out.num_prefill_tokens, "num_decode_tokens": out.num_decode_tokens,
-                          "num_preempted": out.num_preempted}
-        return outputs
+        record = StepRecord(self.timer() - t0, out.num_tokens, out.num_prefill_tokens, out.num_decode_tokens,
+                            out.num_preempted)
+        return StepResult(outputs, record)
 
-    def _copy_swapped_blocks(self, out: SchedulerOutput) -> None:
-        """One batched copy per direction; each request's event gets its own blocks and bytes, and the
-        seconds of the step's whole copy (``requests`` says how many shared it)."""
+    def copy_swapped_blocks(self, out: SchedulerOutput) -> None:
+        """The step's swap copies (``step()``'s second phase, public for steps driven from outside: the
+        simulator's fast path). One batched copy per direction; each request's event gets its own blocks
+        and bytes, and the seconds of the step's whole copy (``requests`` says how many shared it)."""
         # Swap-outs first: their freed device blocks may be rewritten by this very step.
         for kind, per_request in (("swapped_out", out.swap_out_blocks), ("swapped_in", out.swap_in_blocks)):
             if not per_request:
@@ -206,7 +274,7 @@ class LLMEngine:
             self.add_request(rid, prompt, p)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
-            for o in self.step():
+            for o in self.step().outputs:
                 if o.finished:
                     final[o.request_id] = o
         return [final[rid] for rid in ids]
@@ -248,60 +316,12 @@ def admission_of(config: EngineConfig):
                           budget=config.preemption_budget, max_model_len=config.max_model_len)
 
 
-#: costs measured by :func:`preemption_costs_of`, per (model, dtype, device, block size): measured once
-#: per process, so that engines built again for the same model (a benchmark's repeats, a conformance
-#: check's runs) make the same choices; a fresh measurement per engine moved victims near the
-#: crossover from one mode to the other between repeats on a loaded machine
-_MEASURED_COSTS: dict[tuple, object] = {}
-
-
-def preemption_costs_of(engine: LLMEngine):
-    """What ``preemption_mode="auto"`` prices victims with: the step cost model on
-    ``config.cost_profile`` when one is given, else swap and prefill costs measured on this engine's
-    own KV cache and model (:func:`reference_engine.preemption_policy.measure_linear_costs`), once per
-    process and model (:data:`_MEASURED_COSTS`)."""
-    from reference_engine.preemption_policy import ModelCosts, measure_linear_costs
-
-    config, kv = engine.config, engine.kv_cache
-    if config.cost_profile is not None:
-        from reference_engine.sim.cost_model import CostModel
-        from reference_engine.sim.models import ModelShape
-        from reference_engine.sim.profiles import load_profile
-
-        mc = engine.model.config
-        shape = ModelShape("engine-model", mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
-                           mc.intermediate_size, mc.vocab_size, mc.max_position_embeddings, mc.head_dim,
-                           bool(getattr(mc, "tie_word_embeddings", False)))
-        return ModelCosts(CostModel(shape, load_profile(config.cost_profile), config.dtype), config.block_size)
-    num_blocks = min(8, kv.device_cache.shape[0], kv.host_cache.shape[0])
-
-    def copy_blocks(n: int) -> None:
-        # The swap-out path itself, index building included. Safe at start-up: it reads device blocks
-        # nobody holds and writes host blocks that are only ever read after a later swap-out wrote them.
-        kv.swap_out([(i, i) for i in range(n)])
-
-    def prefill(n: int) -> None:
-        # a prefill of n tokens alone, through the runner, into blocks borrowed and given back at once
-        # (the pool is empty at start-up: nothing is overwritten)
-        probe = Request("__auto_cost_probe__", [0] * n, SamplingParams(max_tokens=1), 0.0)
-        if not engine.block_manager.allocate_slots(probe, n):
-            raise RuntimeError("no room")
-        try:
-            chunk = ScheduledChunk(probe, 0, n, True)
-            engine.runner.execute(SchedulerOutput(step=0, chunks=(chunk,),
-                                                  block_ids={probe.request_id: tuple(engine.block_manager.blocks_of(
-                                                      probe.request_id))}))
-        finally:
-            engine.block_manager.forget(probe.request_id)
-
-    long = min(128, config.max_model_len - 1, engine.block_manager.num_free_gpu_blocks * config.block_size)
-    if long < 8 or num_blocks < 2:  # too small a pool to measure in: the documented defaults
-        return DEFAULT_COSTS
-    key = (config.model, config.dtype, config.device, config.block_size)
-    if key not in _MEASURED_COSTS:
-        _MEASURED_COSTS[key] = measure_linear_costs(copy_blocks, prefill, time.perf_counter, blocks=num_blocks,
-                                                    short=max(long // 4, 1), long=long)
-    return _MEASURED_COSTS[key]
+def _tokens_in_range(prompt: Sequence[int], vocab: int) -> bool:
+    """Every token an int in ``[0, vocab)``. A list of plain ints is checked at C speed (a simulated surge
+    holds millions of prompt tokens; checking them one by one was a fifth of its time)."""
+    if type(prompt) is list and set(map(type, prompt)) == {int}:
+        return min(prompt) >= 0 and max(prompt) < vocab
+    return all(isinstance(t, int) and 0 <= t < vocab for t in prompt)
 
 
 def _attention_backend(choice: str, device: torch.device) -> str:

@@ -28,13 +28,13 @@ first). Each ``preempted`` event carries the choice: ``mode``, ``reason``, ``est
 Where the prices come from (:class:`PreemptionCosts`, a protocol with two methods):
 
 * :class:`LinearCosts`: per block over the link, per copy, per recomputed token. The engine measures
-  them once at start-up when no profile is given (:func:`measure_linear_costs` times a batched copy of
-  a few blocks and two prefills of different lengths on the engine's own model), so on this machine
+  them once at start-up when no profile is given (:func:`auto_costs`: :func:`measure_linear_costs` times
+  a batched copy of a few blocks and two prefills of different lengths on the engine's own model), so on this machine
   "auto" prices with this machine's numbers. Simple and documented, not a fit: the measurement takes
   a few tens of milliseconds and is noisy on a busy machine, which can only move victims near the
   crossover from one mode to the other.
-* :class:`ModelCosts`: the capacity simulator's step cost model
-  (:class:`reference_engine.sim.cost_model.CostModel`) for a hardware profile
+* :class:`ModelCosts`: the step cost model the capacity simulator runs on
+  (:class:`reference_engine.costs.cost_model.CostModel`) for a hardware profile
   (``EngineConfig.cost_profile``: a calibrated profile file, or ``h200``...); the recompute is priced as
   the extra cost of its prefill added to the step it runs in: the running batch's decodes plus the
   prompts of waiting requests that step would prefill anyway (up to its token budget). On a GPU a
@@ -43,6 +43,9 @@ Where the prices come from (:class:`PreemptionCosts`, a protocol with two method
   token displaces one of theirs. Priced beside the decodes only, auto recomputed 2,536 short victims
   at an estimated 0.29 s in all and lost 2.4% of throughput to fixed swap (simulated no-cache mix,
   Llama-3-8B on H200).
+
+Until the engine hands it measured or profiled prices, the scheduler prices with :data:`DEFAULT_COSTS`.
+The scheduler calls one function, :func:`choose`; the engine gets its prices from one, :func:`auto_costs`.
 
 Constructible from plain numbers: the decision (:func:`choose`) needs no model and no tensors.
 """
@@ -54,6 +57,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from reference_engine.config import EngineConfig
+from reference_engine.costs.cost_model import CostModel, StepShape
+from reference_engine.costs.model_shapes import ModelShape
+from reference_engine.costs.profiles import load_profile
 
 
 class PreemptionCosts(Protocol):
@@ -95,16 +103,18 @@ class LinearCosts:
         return max(num_tokens, 0) * self.per_token_s
 
 
+#: auto's prices until the engine measures or loads real ones (a CPU-ish guess: 20 us per copy, 5 us
+#: per block over the link, 50 us per recomputed token); plain-number tests pass their own
+DEFAULT_COSTS = LinearCosts(per_block_s=5e-6, per_copy_s=2e-5, per_token_s=5e-5, source="defaults")
+
+
 class ModelCosts:
-    """Prices from the simulator's :class:`~reference_engine.sim.cost_model.CostModel` (any object with
-    its ``swap_seconds(nbytes)`` and ``recompute_seconds(tokens, alongside)``)."""
+    """Prices from the step cost model (:class:`~reference_engine.costs.cost_model.CostModel`, or any
+    object with its ``swap_seconds(nbytes)`` and ``recompute_seconds(tokens, alongside)``)."""
 
     def __init__(self, cost_model: Any, block_size: int):
-        from reference_engine.sim.cost_model import StepShape
-
         self.cost_model = cost_model
         self.block_bytes = block_size * cost_model.kv_bytes_per_token
-        self._shape = StepShape
         self.source = f"cost model: {cost_model.model.name} on {cost_model.profile.name}"
 
     def swap_seconds(self, num_blocks: int) -> float:
@@ -114,9 +124,9 @@ class ModelCosts:
                           prefill_tokens: int = 0) -> float:
         alongside = None
         if num_running > 0:
-            alongside = self._shape(0, num_running, num_running, num_running, context_tokens, context_tokens)
+            alongside = StepShape(0, num_running, num_running, num_running, context_tokens, context_tokens)
         if prefill_tokens > 0:
-            others = self._shape.prefill(prefill_tokens)
+            others = StepShape.prefill(prefill_tokens)
             alongside = others if alongside is None else alongside + others
         return self.cost_model.recompute_seconds(num_tokens, alongside)
 
@@ -167,7 +177,46 @@ def choose(costs: PreemptionCosts, *, num_blocks: int, computed_tokens: int, sur
 
 
 # --------------------------------------------------------------------------------------------
-# measuring the linear costs on the engine's own model, once at start-up
+# the engine's prices: a profile's cost model, or linear costs measured on its own model at start-up
+
+#: costs measured by :func:`auto_costs`, per (model, dtype, device, block size): measured once per
+#: process, so that engines built again for the same model (a benchmark's repeats, a conformance
+#: check's runs) make the same choices; a fresh measurement per engine moved victims near the
+#: crossover from one mode to the other between repeats on a loaded machine
+_MEASURED_COSTS: dict[tuple, LinearCosts] = {}
+
+
+def auto_costs(config: EngineConfig, model_config: Any, kv_cache: Any, runner: Any,
+               free_device_blocks: int) -> PreemptionCosts:
+    """What ``preemption_mode="auto"`` prices victims with, for an engine at start-up (nothing running).
+
+    ``config.cost_profile`` given: :class:`ModelCosts` on the step cost model of the engine's model
+    (``model_config``: :class:`reference_engine.model.ModelConfig`'s sizes) on that profile. Else
+    :class:`LinearCosts` measured (:func:`measure_linear_costs`) on the engine's own ``kv_cache`` (a
+    batched ``swap_out`` of its first blocks) and ``runner`` (``runner.prefill_alone(n)``), once per
+    process and model (:data:`_MEASURED_COSTS`); :data:`DEFAULT_COSTS` when the pools are too small
+    to measure in (fewer than 2 blocks on either side, or room for fewer than 8 tokens)."""
+    if config.cost_profile is not None:
+        mc = model_config
+        shape = ModelShape("engine-model", mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
+                           mc.intermediate_size, mc.vocab_size, mc.max_position_embeddings, mc.head_dim,
+                           bool(getattr(mc, "tie_word_embeddings", False)))
+        return ModelCosts(CostModel(shape, load_profile(config.cost_profile), config.dtype), config.block_size)
+    num_blocks = min(8, kv_cache.device_cache.shape[0], kv_cache.host_cache.shape[0])
+
+    def copy_blocks(n: int) -> None:
+        # The swap-out path itself, index building included. Safe at start-up: it reads device blocks
+        # nobody holds and writes host blocks that are only ever read after a later swap-out wrote them.
+        kv_cache.swap_out([(i, i) for i in range(n)])
+
+    long = min(128, config.max_model_len - 1, free_device_blocks * config.block_size)
+    if long < 8 or num_blocks < 2:  # too small a pool to measure in: the documented defaults
+        return DEFAULT_COSTS
+    key = (config.model, config.dtype, config.device, config.block_size)
+    if key not in _MEASURED_COSTS:
+        _MEASURED_COSTS[key] = measure_linear_costs(copy_blocks, runner.prefill_alone, time.perf_counter,
+                                                    blocks=num_blocks, short=max(long // 4, 1), long=long)
+    return _MEASURED_COSTS[key]
 
 
 def measure_linear_costs(copy_blocks: Callable[[int], None], prefill: Callable[[int], None],

@@ -18,7 +18,9 @@ from reference_engine.attention import AttentionGroup, AttentionMetadata, build_
 from reference_engine.block_manager import BlockManager
 from reference_engine.kv_cache import KVCache
 from reference_engine.model import LlamaForCausalLM
+from reference_engine.request import Request
 from reference_engine.sampler import sample, token_logprobs
+from reference_engine.sampling_params import SamplingParams
 from reference_engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -52,6 +54,21 @@ class ModelRunner:
             if lp is not None:
                 req.output_logprobs.append(lp)
         return {req.request_id: tok for req, tok in zip(requests, sampled, strict=True)}
+
+    def prefill_alone(self, num_tokens: int) -> None:
+        """Prefill ``num_tokens`` placeholder tokens alone, in blocks borrowed from the pool and given back
+        at once: what ``preemption_mode="auto"`` times at start-up
+        (:func:`reference_engine.preemption_policy.auto_costs`). Only while nothing runs: the pool is
+        empty then, so nothing is overwritten."""
+        probe = Request("__auto_cost_probe__", [0] * num_tokens, SamplingParams(max_tokens=1), 0.0)
+        if not self.bm.allocate_slots(probe, num_tokens):
+            raise RuntimeError("no room")
+        try:
+            chunk = ScheduledChunk(probe, 0, num_tokens, True)
+            self.execute(SchedulerOutput(step=0, chunks=(chunk,),
+                                         block_ids={probe.request_id: tuple(self.bm.blocks_of(probe.request_id))}))
+        finally:
+            self.bm.forget(probe.request_id)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                               torch.Tensor]:

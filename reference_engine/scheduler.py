@@ -38,19 +38,15 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from reference_engine.admission import AdmissionPolicy, remaining_growth
 from reference_engine.block_manager import BlockManager
 from reference_engine.events import DEFAULT_MAX_EVENTS, EngineEvent, EventLog
-from reference_engine.preemption_policy import Decision, LinearCosts, PreemptionCosts, choose
+from reference_engine.preemption_policy import DEFAULT_COSTS, Decision, PreemptionCosts, choose
 from reference_engine.request import Request, RequestStatus
-
-#: auto's prices until the engine measures or loads real ones (a CPU-ish guess: 20 us per copy, 5 us
-#: per block over the link, 50 us per recomputed token); plain-number tests pass their own
-DEFAULT_COSTS = LinearCosts(per_block_s=5e-6, per_copy_s=2e-5, per_token_s=5e-5, source="defaults")
 
 BlockPairs = tuple[tuple[int, int], ...]  # (source block, destination block) copies
 
@@ -180,7 +176,8 @@ class Scheduler:
                  admission: AdmissionPolicy | None = None, prefill_pacing_tokens: int | None = None):
         """``events``: where events are recorded (a fresh bounded log if None). Counters go to the block
         manager's record (``block_manager.counters``): one record per engine. ``preemption_costs``:
-        what ``preemption_mode="auto"`` prices victims with (:data:`DEFAULT_COSTS` if None; the engine
+        what ``preemption_mode="auto"`` prices victims with
+        (:data:`~reference_engine.preemption_policy.DEFAULT_COSTS` if None; the engine
         replaces it with measured or profiled costs). ``admission``: the admission policy (admit what
         fits now if None). ``prefill_pacing_tokens``: the prefill cap of steps with decodes (see the
         module docstring; None: no cap)."""
@@ -231,10 +228,19 @@ class Scheduler:
         self.events.append(EngineEvent(kind, request_id, self.step_index, self.clock(), data))
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, decoded_elsewhere: int = 0, running: Sequence[Request] | None = None) -> SchedulerOutput:
+        """Decide the next step (the order in the module docstring).
+
+        ``decoded_elsewhere``, ``running``: for a caller that accounts for some running decodes itself
+        (the simulator's lazy decodes, :mod:`reference_engine.sim.lazy`): that many tokens come off the
+        step's token budget and get no chunk, and only ``running`` (the other running requests) are
+        scheduled as running requests are. The caller has already given those decodes the blocks they
+        write, and must know the step preempts nobody (a victim is picked from all of ``self.running``).
+        """
         self.counters.steps += 1
-        step = _StepBuilder(self.step_index, self.max_num_batched_tokens, prefill_room=self._prefill_cap())
-        self._schedule_running(step)
+        step = _StepBuilder(self.step_index, self.max_num_batched_tokens - decoded_elsewhere,
+                            prefill_room=self._prefill_cap())
+        self._schedule_running(step, self.running if running is None else running)
         if not step.preempted:
             self._schedule_swapped(step)
         # Swapped requests resume before new admissions, and a step that had to preempt admits
@@ -253,9 +259,9 @@ class Scheduler:
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         return self.prefill_pacing_tokens if decoding else None
 
-    def _schedule_running(self, step: _StepBuilder) -> None:
+    def _schedule_running(self, step: _StepBuilder, running: Sequence[Request]) -> None:
         # Decodes first, then partial prefills, each in admission order.
-        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.admitted_seq))
+        order = sorted(running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.admitted_seq))
         for req in order:
             if req.status is not RequestStatus.RUNNING or step.budget == 0:
                 continue

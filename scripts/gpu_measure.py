@@ -261,17 +261,16 @@ def measure_decode(model_dir: Path, args: argparse.Namespace, backend: str, band
             engine.add_request(rid, [rng.randrange(3, shape["vocab_size"]) for _ in range(args.context)],
                                SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         for _ in range(max_tokens):  # prefill until every request decodes
-            engine.step()
-            if engine.last_step["num_prefill_tokens"] == 0:
+            if engine.step().record.num_prefill_tokens == 0:
                 break
         engine.step()  # one decode step as warm-up (kernel compilation, allocator)
         kv_tokens_before = sum(engine.scheduler.requests[rid].num_tokens for rid in ids)
         times = []
         for _ in range(args.decode_steps):
             t0 = time.perf_counter()
-            engine.step()
+            record = engine.step().record
             times.append(time.perf_counter() - t0)
-            assert engine.last_step["num_decode_tokens"] == batch, engine.last_step
+            assert record.num_decode_tokens == batch, record
         kv_tokens_after = sum(engine.scheduler.requests[rid].num_tokens for rid in ids)
         for rid in ids:
             engine.abort_request(rid)

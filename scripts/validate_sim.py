@@ -43,7 +43,7 @@ from kvbench.checkpoints import builtin_checkpoint
 from kvbench.engines.registry import EngineSpec, make_adapter, parse_engine_spec
 from kvbench.report.render import write_report
 from kvbench.sim.calibration import base_profile, interval_samples, recording
-from reference_engine.sim import CostModel, load_model_shape
+from reference_engine.costs import CostModel, load_model_shape
 from reference_engine.sim.calibrate import Design, IntervalSample, fit_intervals, interval_errors
 
 TIMES = ("output_throughput", "ttft_p50", "ttft_p99", "tbt_p99")

@@ -38,7 +38,7 @@ def _run(engine: LLMEngine) -> dict[str, Any]:
     """Step until idle; the final output of every request that finished."""
     final = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 final[out.request_id] = out
     return final
@@ -170,7 +170,7 @@ def test_aborting_an_unknown_or_finished_request_returns_false(make_engine) -> N
     engine.add_request("r", _prompt(4, seed=10), _greedy(2))
     assert engine.abort_request("r") is True
     assert engine.abort_request("r") is False, "aborting twice"
-    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    assert [o.finish_reason for o in engine.step().outputs] == ["abort"]
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -15,7 +15,7 @@ import pytest
 from kvbench.checkpoints import builtin_checkpoint
 from kvbench.cli import main
 from kvbench.sim import calibration
-from reference_engine.sim import load_profile
+from reference_engine.costs import load_profile
 
 #: a small design (a few seconds here): its fit is poor by construction, hence --force where it is saved
 SMALL_DESIGN = ["--contexts", "16,48", "--batches", "1,4", "--prefills", "8,32", "--heldout", "48", "--repeats", "1",

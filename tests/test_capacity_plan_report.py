@@ -194,7 +194,7 @@ def test_report_file_that_cannot_be_written_exits_2(tmp_path, capsys):
 
 def test_markup_in_a_hardware_profile_name_is_escaped_and_calibrated_is_said(tmp_path):
     """A profile file's name and source reach the page only escaped; a profile with a fit reads calibrated."""
-    from reference_engine.sim import load_profile
+    from reference_engine.costs import load_profile
 
     profile = {**load_profile("h200").to_dict(), "name": EVIL, "source": EVIL, "fit": {"median_error": 0.05}}
     path = tmp_path / "evil-profile.json"

@@ -193,7 +193,7 @@ def test_abort_in_any_state_frees_blocks(state, make_engine):
         target = None
     if target is not None:
         assert engine.abort_request(target)
-        outs = engine.step()
+        outs = engine.step().outputs
         assert any(o.request_id == target and o.finish_reason == "abort" for o in outs)
         assert target not in engine.block_manager.block_tables and target not in engine.block_manager.host_tables
         assert _events(engine, "aborted")[0].data["state"] == ("waiting" if state == "preempted" else

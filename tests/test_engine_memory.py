@@ -90,10 +90,10 @@ def test_a_long_engine_run_keeps_only_max_events(tiny_ckpt: str) -> None:
     for i in range(120):
         engine.add_request(f"r{i}", _prompt(i), PARAMS)
         if i % 3 == 2:  # arrivals outpace the steps: the waiting queue builds up, then drains
-            finished += sum(o.finished for o in engine.step())
+            finished += sum(o.finished for o in engine.step().outputs)
     engine.abort_request("r119")
     while engine.has_unfinished_requests():
-        finished += sum(o.finished for o in engine.step())
+        finished += sum(o.finished for o in engine.step().outputs)
     assert finished == 120
     assert len(engine.events) == 40 and engine.events.num_dropped == len(received) - 40
     assert list(engine.events) == received[-40:], "the log keeps the latest events, in order"

@@ -2,7 +2,8 @@
 conformance, report -> the faces (plugin, cli); conformance uses only the workloads of bench and
 nothing of sim. Inside engines each family of adapters (inprocess, hf, http) is its own room: it
 imports the engines' shared modules (base) and itself, never another family. reference_engine never
-imports kvbench, and no two modules of kvbench and reference_engine share a file name.
+imports kvbench, and no two modules of kvbench and reference_engine share a file name. Inside reference_engine:
+serve and sim -> the engine's core modules -> costs.
 
 Imports inside functions count too: a lazy import is still an arrow.
 """
@@ -36,7 +37,7 @@ REFERENCE_ENGINE_USERS = ("kvbench.engines.inprocess.", "kvbench.engines.http.pa
                           "kvbench.checkpoints", "kvbench.demo")
 #: file names kvbench and reference_engine still share, each being renamed by a change in flight (issue 20).
 #: This list must shrink to empty: remove a name when its collision is gone, and never add one.
-SHARED_NAMES_BEING_RENAMED = {"cli.py", "metrics.py", "runner.py", "engine.py", "counters.py"}
+SHARED_NAMES_BEING_RENAMED = {"cli.py", "counters.py"}
 
 
 def _imports(path: Path) -> list[str]:
@@ -152,3 +153,53 @@ def test_no_name_shadows_a_package() -> None:
             if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name in shadowed:
                 hits.append(f"{_module(path)}.{node.name}")
     assert not hits
+
+
+REFERENCE_ENGINE_FILES = sorted((ROOT / "reference_engine").rglob("*.py"))
+#: reference_engine's own floors: what stands above the engine's core modules, and what below them
+ABOVE_CORE = ("reference_engine.sim", "reference_engine.serve")
+BELOW_CORE = "reference_engine.costs"
+
+
+def _reference_engine_part(module: str) -> str:
+    """"costs", "sim" or "serve" for a module of those subpackages, "core" for the engine's own modules."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else "core"
+
+
+def _names(target: str, prefix: str) -> bool:
+    return target == prefix or target.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("path", [p for p in REFERENCE_ENGINE_FILES
+                                  if _reference_engine_part(_module(p)) == "core"], ids=lambda p: _module(p))
+def test_engine_core_never_imports_the_simulator_or_the_server(path: Path) -> None:
+    """The engine stands alone: the simulator and the server are built on it, never the other way
+    (the simulator composes the engine's parts; the engine does not know it exists)."""
+    bad = [t for t in _imports(path) if any(_names(t, above) for above in ABOVE_CORE)]
+    assert not bad, f"{_module(path)} imports above the engine's core: {bad}"
+
+
+@pytest.mark.parametrize("path", [p for p in REFERENCE_ENGINE_FILES
+                                  if _reference_engine_part(_module(p)) == "costs"], ids=lambda p: _module(p))
+def test_costs_import_nothing_above_them(path: Path) -> None:
+    """Costs (cost model, model shapes, hardware profiles) stand below both the engine and the simulator."""
+    bad = [t for t in _imports(path) if _names(t, "reference_engine") and not _names(t, BELOW_CORE)]
+    assert not bad, f"{_module(path)} imports above the costs: {bad}"
+
+
+def test_the_simulator_never_imports_the_server() -> None:
+    bad = {_module(p): t for p in REFERENCE_ENGINE_FILES if _reference_engine_part(_module(p)) == "sim"
+           for t in _imports(p) if _names(t, "reference_engine.serve")}
+    assert not bad
+
+
+def test_reference_engine_module_names_are_unique() -> None:
+    """Within reference_engine a module name means one module (``engine`` is the engine, not also the
+    simulator)."""
+    faces = {"__init__", "__main__"}
+    seen: dict[str, list[str]] = {}
+    for path in REFERENCE_ENGINE_FILES:
+        if path.stem not in faces:
+            seen.setdefault(path.stem, []).append(_module(path))
+    assert not {name: mods for name, mods in seen.items() if len(mods) > 1}

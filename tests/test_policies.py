@@ -84,9 +84,9 @@ def test_choose_recomputes_a_victim_sharing_blocks_even_when_swap_is_cheaper():
 def test_model_costs_price_a_recompute_beside_the_waiting_prompts():
     # On a GPU a decode step is memory-bound: 128 tokens beside 64 decodes alone look almost free, but
     # beside a full step of waiting prompts (compute-bound) each recomputed token costs its compute.
+    from reference_engine.costs import load_model_shape, load_profile
+    from reference_engine.costs.cost_model import CostModel
     from reference_engine.preemption_policy import ModelCosts
-    from reference_engine.sim import load_model_shape, load_profile
-    from reference_engine.sim.cost_model import CostModel
 
     costs = ModelCosts(CostModel(load_model_shape("llama-3-8b"), load_profile("h200")), 16)
     beside_decodes = costs.recompute_seconds(128, 64, 64 * 1500)
@@ -400,10 +400,11 @@ def test_pacing_with_watermark_engine_outputs_exact(tiny_ckpt, chunked):
             engine.add_request(f"r{i}", p, sp)
         final, shapes = {}, []
         while engine.has_unfinished_requests():
-            for o in engine.step():
+            result = engine.step()
+            for o in result.outputs:
                 if o.finished:
                     final[o.request_id] = o.token_ids
-            shapes.append((engine.last_step["num_prefill_tokens"], engine.last_step["num_decode_tokens"]))
+            shapes.append((result.record.num_prefill_tokens, result.record.num_decode_tokens))
         assert engine.block_manager.is_whole()
         admitted = collections.Counter(e.step for e in engine.events if e.kind == "admitted")
         return [final[f"r{i}"] for i in range(len(prompts))], shapes, admitted

@@ -17,7 +17,7 @@ from kvbench.checkpoints import builtin_checkpoint
 from kvbench.core.knobs import Knobs
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.registry import EngineSpec, make_adapter, parse_engine_spec
-from reference_engine.sim import (
+from reference_engine.costs import (
     PROFILES,
     Coefficients,
     CostModel,

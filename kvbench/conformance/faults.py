@@ -154,11 +154,11 @@ class FaultyReferenceAdapter(ReferenceAdapter):
             return out
 
         def step_dropping_victims():
-            outputs = step()
+            result = step()
             for request_id in victims:
                 engine.abort_request(request_id)
             victims.clear()
-            return outputs
+            return result
 
         engine.scheduler.schedule = schedule_noting_victims
         engine.step = step_dropping_victims
@@ -168,9 +168,10 @@ class FaultyReferenceAdapter(ReferenceAdapter):
         step, again = engine.step, []
 
         def step_twice():
-            outputs = again + step()
+            result = step()
+            outputs = again + result.outputs
             again[:] = [o for o in outputs if o.finished and o not in again][:1]
-            return outputs
+            return replace(result, outputs=outputs)
 
         engine.step = step_twice
 
@@ -197,11 +198,15 @@ class FaultyReferenceAdapter(ReferenceAdapter):
 
     @staticmethod
     def _patch_livelock(engine: Any) -> None:
-        step, taken = engine.step, [0]
+        step, taken, last = engine.step, [0], []
 
         def stalled():
             taken[0] += 1
-            return step() if taken[0] <= 20 else []
+            if taken[0] <= 20:
+                last[:] = [step()]
+                return last[0]
+            # nothing scheduled: no outputs, and a record of a step that did nothing (its type's defaults)
+            return replace(last[0], outputs=[], record=type(last[0].record)())
 
         engine.step = stalled
 

@@ -69,7 +69,7 @@ def step_index(t: float, step_seconds: float) -> int:
 
 
 class VirtualClock(Protocol):
-    """A simulator's clock (e.g. :class:`reference_engine.sim.runner.VirtualClock`): seconds that move
+    """A simulator's clock (e.g. :class:`reference_engine.sim.pricing_runner.VirtualClock`): seconds that move
     only when the engine works (its steps advance it) or when the driver jumps an idle gap."""
 
     def now(self) -> float: ...

@@ -70,7 +70,7 @@ class SimAdapter(ReferenceAdapter):
     def validate_options(cls, options: dict[str, str]) -> None:
         """The profile and model load, ``clock`` is known, and every engine option passes ``EngineConfig``."""
         super(ReferenceAdapter, cls).validate_options(options)  # keys only; the engine's own check below
-        from reference_engine.sim import load_model_shape, load_profile
+        from reference_engine.costs import load_model_shape, load_profile
 
         load_profile(options.get("hardware", "h200"))
         if "model" in options:
@@ -83,13 +83,13 @@ class SimAdapter(ReferenceAdapter):
 
     @cached_property
     def profile(self):
-        from reference_engine.sim import load_profile
+        from reference_engine.costs import load_profile
 
         return load_profile(self.options.get("hardware", "h200"))
 
     @cached_property
     def model_shape(self):
-        from reference_engine.sim import load_model_shape
+        from reference_engine.costs import load_model_shape
 
         return load_model_shape(self.options.get("model", self.model_dir))
 
@@ -176,11 +176,11 @@ class _SimSteppable(_Steppable):  # submit and has_work as the reference engine'
             self._step_end.append(self.recorder.now())
             assert len(self._step_end) == self.engine.scheduler.step_index + 1, "one step per call"
             self._record_spans(done.spans)
-            return self._report(dict.fromkeys(done.tokens, 1), done.finished)
-        outputs = self.engine.step()
+            return self._report(dict.fromkeys(done.tokens, 1), done.finished, done.record)
+        result = self.engine.step()
         new_tokens, finished = {}, {}
         produced = self._produced
-        for out in outputs:
+        for out in result.outputs:
             rid = out.request_id
             n = len(out.token_ids) - produced.get(rid, 0)
             if n:
@@ -190,9 +190,10 @@ class _SimSteppable(_Steppable):  # submit and has_work as the reference engine'
                 produced.pop(rid, None)
             else:
                 produced[rid] = len(out.token_ids)
-        return self._report(new_tokens, finished)
+        return self._report(new_tokens, finished, result.record)
 
-    def _report(self, new_tokens: dict[str, int], finished: dict[str, str | None]) -> StepReport:
+    def _report(self, new_tokens: dict[str, int], finished: dict[str, str | None], last) -> StepReport:
+        """``last``: the engine's record of the step (:class:`reference_engine.outputs.StepRecord`)."""
         admitted, preempted, resumed = [], [], []
         for e in self._events:
             if e.kind == "admitted":
@@ -202,13 +203,13 @@ class _SimSteppable(_Steppable):  # submit and has_work as the reference engine'
             else:
                 resumed.append(e.request_id)
         self._events.clear()
-        bm, s, last = self.engine.block_manager, self.engine.scheduler, self.engine.last_step
+        bm, s = self.engine.block_manager, self.engine.scheduler
         cpu = (1 - bm.num_free_cpu_blocks / bm.num_cpu_blocks) if bm.num_cpu_blocks else None
         record = StepRecord(t=0.0, duration=0.0, num_running=len(s.running), num_waiting=len(s.waiting),
                             num_swapped=len(s.swapped), kv_usage=1 - bm.num_free_gpu_blocks / bm.num_gpu_blocks,
                             cpu_kv_usage=cpu,
-                            num_prefill_tokens=last["num_prefill_tokens"], num_decode_tokens=last["num_decode_tokens"],
-                            num_preempted=last["num_preempted"])
+                            num_prefill_tokens=last.num_prefill_tokens, num_decode_tokens=last.num_decode_tokens,
+                            num_preempted=last.num_preempted)
         return StepReport(new_tokens, finished, admitted, preempted, resumed, record)
 
 

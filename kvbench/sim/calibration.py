@@ -32,7 +32,7 @@ from kvbench.core.knobs import Knobs
 from kvbench.core.requests import WorkloadRequest
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.inprocess.reference import ReferenceAdapter
-from reference_engine.sim import CostModel, HardwareProfile, StepShape, load_model_shape
+from reference_engine.costs import Coefficients, CostModel, HardwareProfile, StepShape, load_model_shape
 from reference_engine.sim.calibrate import (
     Design,
     IntervalSample,
@@ -42,7 +42,6 @@ from reference_engine.sim.calibrate import (
     fit_swap,
     peak_flops,
 )
-from reference_engine.sim.profiles import Coefficients
 
 __all__ = ["MIN_R2", "Calibration", "Design", "base_profile", "calibrate", "calibrate_profile", "cell_requests",
            "fit_problems", "interval_samples", "recording"]

@@ -31,7 +31,7 @@ from reference_engine.serve.detokenize import TextCodec, load_codec
 from reference_engine.serve.disconnect import AbortOnDisconnectStream, ClientGone, race_disconnect
 from reference_engine.serve.engine_loop import EngineFailure, EngineLoop
 from reference_engine.serve.engine_process import EngineInfo, EngineProcess
-from reference_engine.serve.metrics import ServerMetrics
+from reference_engine.serve.prometheus import ServerMetrics
 from reference_engine.serve.protocol import (
     CompletionChoice,
     CompletionLogprobs,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from reference_engine.outputs import RequestOutput
 from reference_engine.sampling_params import SamplingParams
-from reference_engine.serve.metrics import EngineStats, ServerMetrics, read_engine_stats
+from reference_engine.serve.prometheus import EngineStats, ServerMetrics, read_engine_stats
 
 log = logging.getLogger("reference_engine.serve")
 
@@ -165,7 +165,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step().outputs
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self._in_flight))
             self._fail_all(EngineFailure(f"engine step failed: {type(e).__name__}: {e}"))

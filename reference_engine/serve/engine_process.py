@@ -60,7 +60,7 @@ from reference_engine.serve.engine_loop import (
     abort_and_drain,
     observe_output,
 )
-from reference_engine.serve.metrics import EngineStats, ServerMetrics, read_engine_stats
+from reference_engine.serve.prometheus import EngineStats, ServerMetrics, read_engine_stats
 
 log = logging.getLogger("reference_engine.serve")
 
@@ -173,7 +173,7 @@ class _EngineCore:
 
     def _step(self) -> list[_Delta]:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step().outputs
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self.sent))
             self._fail_all(f"engine step failed: {type(e).__name__}: {e}")

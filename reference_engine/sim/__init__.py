@@ -1,12 +1,12 @@
 """The capacity-planning simulator: the reference engine's own scheduler and block manager, with a
 runner that computes nothing and advances a virtual clock by a step cost model.
 
-Modules: :mod:`~reference_engine.sim.models` (model shapes: presets or any ``config.json``),
-:mod:`~reference_engine.sim.profiles` (hardware profiles: H200, H100, A100-80GB from public specs, or
-a calibrated profile file), :mod:`~reference_engine.sim.cost_model` (step, swap and recompute
-costs), :mod:`~reference_engine.sim.runner` (the virtual clock, the runner, the KV stand-in),
-:mod:`~reference_engine.sim.engine` (:class:`SimEngine`), :mod:`~reference_engine.sim.calibrate`
-(fitting a profile on this machine).
+Modules: :mod:`~reference_engine.sim.pricing_runner` (the virtual clock, the runner that prices
+steps, the KV stand-in), :mod:`~reference_engine.sim.sim_engine` (:class:`SimEngine`: the engine
+built from those parts), :mod:`~reference_engine.sim.lazy` (the fast path's lazy decodes),
+:mod:`~reference_engine.sim.calibrate` (fitting a profile on this machine). The costs themselves
+(model shapes, hardware profiles, the step cost model) live below both engine and simulator, in
+:mod:`reference_engine.costs`.
 
     engine = SimEngine(EngineConfig(model="llama-3-8b", dtype="bfloat16"), load_model_shape("llama-3-8b"),
                        load_profile("h200"))
@@ -17,12 +17,7 @@ costs), :mod:`~reference_engine.sim.runner` (the virtual clock, the runner, the 
 
 from __future__ import annotations
 
-from reference_engine.sim.cost_model import CostModel, Crossover, StepShape
-from reference_engine.sim.engine import SimEngine, device_pool_blocks
-from reference_engine.sim.models import PRESETS, ModelShape, load_model_shape
-from reference_engine.sim.profiles import PROFILES, Coefficients, HardwareProfile, load_profile
-from reference_engine.sim.runner import SimKVCache, SimRunner, VirtualClock
+from reference_engine.sim.pricing_runner import SimKVCache, SimRunner, VirtualClock
+from reference_engine.sim.sim_engine import SimEngine, device_pool_blocks
 
-__all__ = ["PRESETS", "PROFILES", "Coefficients", "CostModel", "Crossover", "HardwareProfile", "ModelShape",
-           "SimEngine", "SimKVCache", "SimRunner", "StepShape", "VirtualClock", "device_pool_blocks",
-           "load_model_shape", "load_profile"]
+__all__ = ["SimEngine", "SimKVCache", "SimRunner", "VirtualClock", "device_pool_blocks"]

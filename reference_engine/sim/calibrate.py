@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference_engine.sim.cost_model import FEATURES, CostModel, StepShape
-from reference_engine.sim.profiles import Coefficients
+from reference_engine.costs.cost_model import FEATURES, CostModel, StepShape
+from reference_engine.costs.profiles import Coefficients
 
 
 @dataclass(frozen=True)

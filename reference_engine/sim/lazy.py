@@ -23,7 +23,7 @@ outputs and ``T`` blocks of ``block_size`` tokens::
         then every block_size steps
     finishing token: at step s0 + remaining - 1, remaining = min(max_tokens - o0, max_model_len - (c0 + 1))
 
-The step itself is :meth:`reference_engine.sim.engine.SimEngine.step_fast`.
+The step itself is :meth:`reference_engine.sim.sim_engine.SimEngine.step_fast`.
 """
 
 from __future__ import annotations

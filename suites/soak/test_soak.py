@@ -185,7 +185,7 @@ def test_in_process_soak(mode: str, tiny_model: str, in_process_case, record_pro
         for rid in abort_due.pop(step, []):
             if engine.abort_request(rid):  # False: it had finished already, and is not counted as aborted
                 aborted.add(rid)
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 finals.setdefault(out.request_id, []).append((out.finish_reason, list(out.token_ids)))
                 in_flight.discard(out.request_id)

@@ -184,7 +184,7 @@ class ReferenceAdapter(EngineAdapter):
         final = {}
         watchdog = Watchdog(self.liveness)
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step().outputs:
                 if out.finished:
                     final[out.request_id] = out
             watchdog.observe(_work_done(engine), _request_states(engine))
@@ -360,11 +360,11 @@ class _Steppable:
         return self.engine.has_unfinished_requests()
 
     def step(self) -> StepReport:
-        outputs = self.engine.step()
+        result = self.engine.step()
         if self.step_delay:
             time.sleep(self.step_delay)
         new_tokens, finished = {}, {}
-        for out in outputs:
+        for out in result.outputs:
             n = len(out.token_ids) - self._produced.get(out.request_id, 0)
             if n:
                 new_tokens[out.request_id] = n
@@ -381,10 +381,10 @@ class _Steppable:
             elif e.kind == "swapped_in":
                 resumed.append(e.request_id)
         self._new_events.clear()
-        stats, last = self.engine.stats(), self.engine.last_step
+        stats, last = self.engine.stats(), result.record
         record = StepRecord(t=0.0, duration=0.0, num_running=stats["num_running"], num_waiting=stats["num_waiting"],
                             num_swapped=stats["num_swapped"], kv_usage=stats["gpu_cache_usage"],
                             cpu_kv_usage=stats["cpu_cache_usage"] if stats["num_cpu_blocks"] else None,
-                            num_prefill_tokens=last["num_prefill_tokens"], num_decode_tokens=last["num_decode_tokens"],
-                            num_preempted=last["num_preempted"])
+                            num_prefill_tokens=last.num_prefill_tokens, num_decode_tokens=last.num_decode_tokens,
+                            num_preempted=last.num_preempted)
         return StepReport(new_tokens, finished, admitted, preempted, resumed, record)

@@ -10,8 +10,8 @@ by its cost over the host link and returns the bytes it would have copied.
 
 from __future__ import annotations
 
+from reference_engine.costs.cost_model import CostModel, StepShape
 from reference_engine.scheduler import SchedulerOutput
-from reference_engine.sim.cost_model import CostModel, StepShape
 
 
 class VirtualClock:

@@ -2,7 +2,7 @@
 
 A profile holds the machine's peak rates (compute FLOP/s, memory bandwidth, host-link bandwidth),
 its memory size (the KV pool is what is left after the weights) and the coefficients of the step
-cost model (:mod:`reference_engine.sim.cost_model`). The built-in GPU profiles take the rates from
+cost model (:mod:`reference_engine.costs.cost_model`). The built-in GPU profiles take the rates from
 NVIDIA's public datasheets; their coefficients are *assumed* typical efficiencies, not fitted on the
 machine (nobody calibrated them here: there is no GPU), so their absolute times are estimates.
 ``kvbench calibrate`` fits the coefficients on this machine and writes a profile file.

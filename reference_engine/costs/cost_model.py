@@ -2,13 +2,13 @@
 
 A step's *shape* is what the scheduler decided (:class:`StepShape`): how many tokens are prefilled,
 how many sequences decode, how many KV tokens attention reads and how many (query, key) pairs it
-scores. Its *work* follows from the model's sizes (:class:`~reference_engine.sim.models.ModelShape`)::
+scores. Its *work* follows from the model's sizes (:class:`~reference_engine.costs.model_shapes.ModelShape`)::
 
     dense FLOPs     = 2 x layer weights x tokens  +  2 x hidden x vocab x sampled rows
     attention FLOPs = 4 x layers x heads x head_dim x (query, key) pairs
     bytes           = weights (read once per step) + KV bytes per token x (tokens read + tokens written)
 
-and its *time* from the profile (:class:`~reference_engine.sim.profiles.HardwareProfile`), a roofline
+and its *time* from the profile (:class:`~reference_engine.costs.profiles.HardwareProfile`), a roofline
 with fitted coefficients::
 
     t = fixed_s + per_seq_s x sequences + combine(dense x FLOPs_d / F + attention x FLOPs_a / F,
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from reference_engine.sim.models import ModelShape
-from reference_engine.sim.profiles import HardwareProfile
+from reference_engine.costs.model_shapes import ModelShape
+from reference_engine.costs.profiles import HardwareProfile
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: the order of :func:`features` and of the coefficients calibration fits
