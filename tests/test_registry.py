@@ -195,3 +195,11 @@ def test_adapters_made_from_specs_report_overrides_to_the_running_test():
     assert evidence_of(properties) == {"preemptions_recompute": 7}
     record_evidence("preemptions_recompute", 8)  # after the block: no collector, no effect
     assert len(properties) == 1
+
+
+def test_kvbench_own_stale_metadata_never_overrides_a_builtin_kind(tmp_path, monkeypatch):
+    """An install made before a module moved still lists the old path for a built-in kind: the checkout's
+    table wins, so ``--engine reference`` keeps working until the next ``pip install -e .``."""
+    _dist_info(tmp_path, "kvbench", "[kvbench.engines]\nreference = kvbench.engines.reference:ReferenceAdapter\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert registry.engine_kinds()["reference"] == registry.BUILTIN_KINDS["reference"]

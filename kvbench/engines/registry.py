@@ -9,8 +9,9 @@ A *registered kind* is a name in the ``kvbench.engines`` entry-point group (``im
 whose value is ``module:Class``. kvbench's own kinds register there in its ``pyproject.toml``, exactly
 as a third-party package does in its own, so installing such a package adds its kinds with no change
 to kvbench. :data:`BUILTIN_KINDS` mirrors kvbench's own entry points (a test holds the two equal) and
-fills in only the kinds the installed metadata lacks, so a checkout edited since its last
-``pip install -e .`` still finds them. A kind wins over an import path of the same spelling.
+is what kvbench's own kinds resolve to: the checkout's code, not its installed metadata, which goes
+stale when a module moves after the last ``pip install -e .``. A kind wins over an import path of the
+same spelling.
 
 :func:`parse_engine_spec` resolves the class, checks every key against its ``option_keys`` and every
 value with its ``validate_options`` (the engine's own validation), and raises
@@ -88,6 +89,8 @@ def engine_kinds() -> dict[str, str]:
     seen: dict[str, tuple[str, str]] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = getattr(getattr(ep, "dist", None), "name", None) or "?"
+        if dist == "kvbench" and ep.name in BUILTIN_KINDS:
+            continue  # kvbench's own metadata may predate a move: the checkout's table is the truth
         if ep.name in seen and seen[ep.name][0] != ep.value:
             raise EngineSpecError(f"engine kind {ep.name!r} is registered twice in entry-point group "
                                   f"{ENTRY_POINT_GROUP!r}: {seen[ep.name][0]} (by {seen[ep.name][1]}) and "
