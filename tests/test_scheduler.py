@@ -286,7 +286,10 @@ def test_recompute_victim_is_the_latest_admitted_keeps_its_tokens_and_goes_to_th
     assert r1.num_recomputed_tokens == 6 and sched.counters.recomputed_tokens == 6
     assert r1.output_token_ids == [DEFAULT_TOKEN] * 2
     (admitted,) = [e for e in events(sched, "admitted", out.step) if e.request_id == "r1"]
-    assert admitted.data == {"cached_tokens": 0, "resumed": True}
+    assert {k: admitted.data[k] for k in ("cached_tokens", "resumed", "num_running")} == {
+        "cached_tokens": 0, "resumed": True, "num_running": 0}  # r0 had finished: an empty batch
+    used = sched.bm.num_gpu_blocks - sched.bm.num_free_gpu_blocks
+    assert admitted.data["kv_usage"] <= used / sched.bm.num_gpu_blocks  # r2 was admitted after it
     model.run()
     assert r1.num_preemptions == 1 and len(r1.output_token_ids) == 5
     assert sched.counters.recomputed_tokens == 6, "tokens never computed before are not recompute"
