@@ -78,44 +78,14 @@ def engine(engine_spec: EngineSpec, model_dir: str, request: pytest.FixtureReque
     """The adapter for one ``--engine`` spec, shared by every test of the session."""
     adapter = make_adapter(engine_spec, model_dir)
     ks = session_of(request.config)
-    if ks.liveness is not None:
-        adapter.liveness = ks.liveness
-    if "admission_control" in adapter.capabilities:
-        _admission_off_in_checks(adapter)
+    # Checks force preemptions on purpose and prove them; admission control exists to avoid them and
+    # would leave a check nothing to prove. So checks run with admission off unless they ask for it, and
+    # the records say so (a knob override). Exactness with admission on is tested in
+    # tests/test_policies.py; the benchmarks keep the engine's setting.
+    adapter.configure_run(liveness=ks.liveness,
+                          admission_off_by_default="admission_control" in adapter.capabilities)
     yield adapter
     adapter.close()
-
-
-def _admission_off_in_checks(adapter: Any) -> None:
-    """Conformance checks force preemptions on purpose and prove them; admission control exists to
-    avoid them and would leave a check nothing to prove. So checks run with admission off unless
-    they ask for it, and the records say so (a knob override). Exactness with admission on is
-    tested in tests/test_policies.py; the benchmarks (``serve``) keep the engine's setting."""
-    import functools
-
-    from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
-
-    def admission_off(method, knobs_at: int):
-        """``method`` with its knobs (positional ``knobs_at`` or keyword) defaulting to admission off."""
-
-        @functools.wraps(method)
-        def wrapper(*args, **kwargs):
-            args = list(args)
-            knobs = kwargs.get("knobs", args[knobs_at] if len(args) > knobs_at else DEFAULT_KNOBS)
-            if knobs.admission_policy is None:
-                knobs = knobs.merged(Knobs(admission_policy="none"))
-            if "knobs" in kwargs or len(args) <= knobs_at:
-                kwargs["knobs"] = knobs
-            else:
-                args[knobs_at] = knobs
-            return method(*args, **kwargs)
-
-        return wrapper
-
-    # every entry point a check drives with knobs (the storm of check 6 serves a workload)
-    for name, knobs_at in (("generate", 1), ("swap_round_trip", 1), ("serve", 2)):
-        if hasattr(adapter, name):
-            setattr(adapter, name, admission_off(getattr(adapter, name), knobs_at))
 
 
 @pytest.fixture(scope="session")
