@@ -111,6 +111,10 @@ class EngineAdapter(abc.ABC):
     #: checks state their pressure in tokens (kvbench.core.kv_budget) and :meth:`pool_knobs` turns it into
     #: this engine's terms
     kv_layout: KVLayout = ANY_LAYOUT
+    #: True for a simulator: its tokens are placeholders and its times simulated seconds. The one place that
+    #: says so: conformance checks skip such an engine, and :meth:`describe` tags its results ``simulated``
+    #: for the report
+    simulated: bool = False
     #: capability -> why the engine lacks it, in the engine's terms ("vLLM V1 preempts by recompute only"), for
     #: the skip a check needing it gives
     lacking: dict[str, str] = {}  # noqa: RUF012
@@ -223,7 +227,7 @@ class EngineAdapter(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """Engine identity and configuration for results files."""
         return {"name": self.name, "kind": self.kind, "options": redact_options(self.options, self.secret_options),
-                "capabilities": sorted(self.capabilities)}
+                "capabilities": sorted(self.capabilities), **({"simulated": True} if self.simulated else {})}
 
     @classmethod
     def check_available(cls, options: dict[str, str]) -> None:

@@ -20,7 +20,7 @@ from kvbench.core.events import EventRecord
 from kvbench.core.liveness import Watchdog
 from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
-from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, WorkloadRequest
 
 # Knobs field -> EngineConfig field
 _KNOB_TO_CONFIG = {
@@ -31,16 +31,6 @@ _KNOB_TO_CONFIG = {
     "preemption_mode": "preemption_mode", "scheduling_policy": "scheduling_policy",
     "admission_policy": "admission_policy", "admission_headroom": "admission_headroom",
     "prefill_pacing_tokens": "prefill_pacing_tokens",
-}
-# stats() key -> kvbench counter name
-_STATS_TO_COUNTERS = {
-    "num_preemptions_recompute": "preemptions_recompute", "num_preemptions_swap": "preemptions_swap",
-    "num_swap_outs": "swap_outs", "num_swap_ins": "swap_ins", "num_swap_fallbacks": "swap_fallbacks",
-    "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
-    "num_prefill_chunks": "prefill_chunks", "num_recomputed_tokens": "recomputed_tokens",
-    "num_computed_tokens": "computed_tokens", "swapped_out_bytes": "swapped_out_bytes",
-    "swapped_in_bytes": "swapped_in_bytes", "swap_seconds": "swap_seconds",
-    "num_generated_tokens": "generated_tokens",
 }
 
 
@@ -209,8 +199,6 @@ class ReferenceAdapter(EngineAdapter):
         back with what it held when it left. Returns (blocks compared, mismatch descriptions)."""
         import torch
 
-        from reference_engine import SamplingParams
-
         engine = self.build_engine(knobs)
         kv = engine.kv_cache
         left: dict[int, Any] = {}
@@ -233,8 +221,7 @@ class ReferenceAdapter(EngineAdapter):
 
         kv.swap_out, kv.swap_in = checked_out, checked_in
         for r in requests:
-            engine.add_request(r.request_id, r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens,
-                                                                               ignore_eos=True))
+            engine.add_request(r.request_id, r.prompt_token_ids, sampling_params_of(r))
         while engine.has_unfinished_requests():
             engine.step()
         return compared, mismatches
@@ -254,18 +241,13 @@ class ReferenceAdapter(EngineAdapter):
 def counters_of(engine) -> Counters:
     """The engine's counters as the contract's record.
 
-    From ``engine.counters()`` (a typed ``EngineCounters`` whose field names are the contract's)
-    when the engine has it, else from ``engine.stats()`` through :data:`_STATS_TO_COUNTERS`. Pool
+    From ``engine.counters()`` (a typed ``EngineCounters`` whose field names are the contract's); pool
     sizes and ``leaked_blocks`` (device + host blocks still held) come from ``stats()``. A contract
-    counter the engine keeps in neither place (``aborts`` today) stays ``None``: not exposed.
+    counter the engine does not keep stays ``None``: not exposed.
     """
     stats = engine.stats()
-    typed = getattr(engine, "counters", None)
-    if callable(typed):
-        record = typed()
-        values = {name: getattr(record, name) for name in COUNTER_NAMES if hasattr(record, name)}
-    else:
-        values = {name: stats[key] for key, name in _STATS_TO_COUNTERS.items() if key in stats}
+    record = engine.counters()
+    values = {name: getattr(record, name) for name in COUNTER_NAMES if hasattr(record, name)}
     values["leaked_blocks"] = (stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"]
                                + stats["num_cpu_blocks"] - stats["num_free_cpu_blocks"])
     values["num_gpu_blocks"] = stats["num_gpu_blocks"]
@@ -273,13 +255,15 @@ def counters_of(engine) -> Counters:
     return Counters.from_dict(values)
 
 
-def sampling_params_of(request: GenRequest):
-    """The reference engine's SamplingParams for a GenRequest."""
+def sampling_params_of(request: GenRequest | WorkloadRequest):
+    """The reference engine's SamplingParams for a request: a GenRequest's sampling fields; a
+    WorkloadRequest has only temperature and seed, and always runs to ``max_tokens`` (no EOS, no stop)."""
     from reference_engine import SamplingParams
 
-    return SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_k=request.top_k,
-                          top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos,
-                          stop_token_ids=tuple(request.stop_token_ids))
+    return SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                          top_k=getattr(request, "top_k", 0), top_p=getattr(request, "top_p", 1.0), seed=request.seed,
+                          ignore_eos=getattr(request, "ignore_eos", True),
+                          stop_token_ids=tuple(getattr(request, "stop_token_ids", ())))
 
 
 def _work_done(engine) -> int:
@@ -333,6 +317,20 @@ def _evidence(engine, limit: int = 20) -> list[str]:
     return [f"step {e.step}: {e.kind} {e.request_id} {e.data}" for e in interesting[:limit]]
 
 
+def step_changes(events: Sequence[Any]) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """A step's engine events as the driver's :class:`~kvbench.core.stepping.StepReport` lists: (admitted,
+    preempted with its mode, resumed: re-admitted after a recompute preemption, or swapped back in)."""
+    admitted, preempted, resumed = [], [], []
+    for e in events:
+        if e.kind == "admitted":
+            (resumed if e.data.get("resumed") else admitted).append(e.request_id)
+        elif e.kind == "preempted":
+            preempted.append((e.request_id, e.data["mode"]))
+        elif e.kind == "swapped_in":
+            resumed.append(e.request_id)
+    return admitted, preempted, resumed
+
+
 class _Steppable:
     """reference_engine seen through the driver's SteppableEngine protocol."""
 
@@ -346,11 +344,8 @@ class _Steppable:
         self._produced: dict[str, int] = {}
 
     def submit(self, request: Any) -> None:
-        from reference_engine import SamplingParams
-
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
-                                ignore_eos=True)
-        self.engine.add_request(request.request_id, request.prompt_token_ids, params, priority=request.priority)
+        self.engine.add_request(request.request_id, request.prompt_token_ids, sampling_params_of(request),
+                                priority=request.priority)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -371,14 +366,7 @@ class _Steppable:
             if out.finished:
                 finished[out.request_id] = out.finish_reason
                 self._produced.pop(out.request_id, None)
-        admitted, preempted, resumed = [], [], []
-        for e in self._new_events:
-            if e.kind == "admitted":
-                (resumed if e.data.get("resumed") else admitted).append(e.request_id)
-            elif e.kind == "preempted":
-                preempted.append((e.request_id, e.data["mode"]))
-            elif e.kind == "swapped_in":
-                resumed.append(e.request_id)
+        admitted, preempted, resumed = step_changes(self._new_events)
         self._new_events.clear()
         stats, last = self.engine.stats(), self.engine.last_step
         record = StepRecord(t=0.0, duration=0.0, num_running=stats["num_running"], num_waiting=stats["num_waiting"],

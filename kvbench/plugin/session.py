@@ -67,9 +67,9 @@ def engine_spec_of(item: pytest.Item) -> EngineSpec | None:
 
 
 def is_simulator(spec: EngineSpec) -> bool:
-    """Whether ``spec`` names a simulator (an adapter class with ``simulated = True``)."""
+    """Whether ``spec`` names a simulator (:attr:`kvbench.engines.base.EngineAdapter.simulated`)."""
     try:
-        return bool(getattr(adapter_class(spec.kind), "simulated", False))
+        return adapter_class(spec.kind).simulated
     except EngineSpecError:
         return False
 
