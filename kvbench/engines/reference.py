@@ -10,8 +10,11 @@ exposed to the stateful refcount machine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,30 +37,35 @@ _KNOB_TO_CONFIG = {
 }
 
 
-def _config_fields() -> dict[str, Any]:
+@functools.cache
+def _config_types() -> dict[str, Any]:
+    """Every ``EngineConfig`` field but ``model`` -> its resolved type (``int``, ``int | None``, ``str``...)."""
     from reference_engine import EngineConfig
 
-    return {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig) if f.name != "model"}
 
 
-def _coerce(name: str, raw: str) -> Any:
+def coerce_option(name: str, raw: str) -> Any:
     """Turn an option string into the EngineConfig field's type ("true" -> True, "64" -> 64, "none" -> None)."""
     from reference_engine import ConfigError
 
-    annotation = str(_config_fields()[name].type)
-    if raw.lower() in ("none", "null") and "None" in annotation:
+    declared = _config_types()[name]
+    union = typing.get_origin(declared) in (typing.Union, types.UnionType)
+    members = typing.get_args(declared) if union else (declared,)
+    if raw.lower() in ("none", "null") and type(None) in members:
         return None
+    kind = next(m for m in members if m is not type(None))
     try:
-        if annotation.startswith("bool"):
+        if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(raw)
             return raw.lower() in ("true", "1", "yes")
-        if annotation.startswith("int"):
-            return int(raw)
-        if annotation.startswith("float"):
-            return float(raw)
+        if kind is int or kind is float:
+            return kind(raw)
     except ValueError:
-        raise ConfigError(name, raw, f"a value of type {annotation}") from None
+        shown = " | ".join("None" if m is type(None) else m.__name__ for m in members)
+        raise ConfigError(name, raw, f"a value of type {shown}") from None
     return raw
 
 
@@ -117,7 +125,7 @@ class ReferenceAdapter(EngineAdapter):
 
         cls._step_delay_of(options)
         EngineConfig(model="<model checked when the engine is built>",
-                     **{k: _coerce(k, v) for k, v in options.items() if k != STEP_DELAY_OPTION})
+                     **{k: coerce_option(k, v) for k, v in options.items() if k != STEP_DELAY_OPTION})
 
     @staticmethod
     def _step_delay_of(options: dict[str, str]) -> float:
@@ -147,7 +155,7 @@ class ReferenceAdapter(EngineAdapter):
         """The EngineConfig for these options with the knobs applied over them."""
         from reference_engine import EngineConfig
 
-        values: dict[str, Any] = {k: _coerce(k, v) for k, v in self.options.items() if k != STEP_DELAY_OPTION}
+        values: dict[str, Any] = {k: coerce_option(k, v) for k, v in self.options.items() if k != STEP_DELAY_OPTION}
         for knob, value in knobs.as_dict().items():
             values[_KNOB_TO_CONFIG[knob]] = value
         return EngineConfig(model=self.model_dir, **values)

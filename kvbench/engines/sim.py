@@ -30,8 +30,8 @@ from kvbench.engines.reference import (
     _KNOB_TO_CONFIG,
     STEP_DELAY_OPTION,
     ReferenceAdapter,
-    _coerce,
     _Steppable,
+    coerce_option,
     counters_of,
     step_changes,
 )
@@ -98,7 +98,7 @@ class SimAdapter(ReferenceAdapter):
         """The reference engine's config for these options and knobs, at the profile's dtype unless given."""
         from reference_engine import EngineConfig
 
-        values: dict[str, Any] = {k: _coerce(k, v) for k, v in self.options.items() if k not in _SIM_KEYS}
+        values: dict[str, Any] = {k: coerce_option(k, v) for k, v in self.options.items() if k not in _SIM_KEYS}
         values.setdefault("dtype", self.profile.dtype)
         for knob, value in knobs.as_dict().items():
             values[_KNOB_TO_CONFIG[knob]] = value
