@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench import __version__
-from kvbench.bench.results import jsonable
 from kvbench.bench.simulate import SimRun, fmt_ms, fmt_number
 from kvbench.bench.workloads import Workload
+from kvbench.core.jsonable import jsonable
 from kvbench.core.knobs import Knobs
 
 #: a knee's throughput is at least this share of its group's best

@@ -13,9 +13,9 @@ from typing import Any
 
 from kvbench import __version__
 from kvbench.bench import gate
+from kvbench.bench.formatting import metric_label
 from kvbench.bench.results import Results
 from kvbench.report import render
-from kvbench.report.formatting import metric_label
 
 
 def _run(results: Results, path: str) -> dict[str, Any]:
