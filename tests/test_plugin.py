@@ -375,7 +375,7 @@ def test_conformance_records_survive_xdist(pytester: pytest.Pytester):
 
 def test_two_sessions_started_in_the_same_second_write_two_run_folders(tmp_path):
     """A conformance run beside a benchmark run used to share reports/<second>/ and overwrite each other."""
-    from kvbench.plugin import _claim_run_dir
+    from kvbench.plugin.session_end import claim_run_dir as _claim_run_dir
 
     names = [_claim_run_dir(tmp_path, "20261201-070603") for _ in range(3)]
     assert names == ["20261201-070603", "20261201-070603-2", "20261201-070603-3"]

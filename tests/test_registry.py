@@ -203,3 +203,33 @@ def test_kvbench_own_stale_metadata_never_overrides_a_builtin_kind(tmp_path, mon
     _dist_info(tmp_path, "kvbench", "[kvbench.engines]\nreference = kvbench.engines.reference:ReferenceAdapter\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert registry.engine_kinds()["reference"] == registry.BUILTIN_KINDS["reference"]
+
+
+class KnobsSeen(EchoAdapter):
+    """Keeps the knobs each generate call ran with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen: list = []
+
+    def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
+        self.seen.append(knobs)
+        return super().generate(requests, knobs)
+
+
+def test_run_settings_are_the_adapters_own_methods_not_patches():
+    """configure_run sets data; the entry points the base class wraps at class definition apply it."""
+    adapter = make_adapter(parse_engine_spec("tests.test_registry:KnobsSeen:preemption_mode=swap"), "m")
+    assert not {"generate", "serve"} & set(vars(adapter))  # nothing assigned onto the instance
+    request = GenRequest("r", [1, 2], 1)
+    adapter.generate([request])
+    assert adapter.seen == [DEFAULT_KNOBS]  # not configured: the knobs as asked
+    adapter.configure_run(admission_off_by_default=True)
+    assert adapter.knobs_for(Knobs(block_size=16)) == Knobs(block_size=16, admission_policy="none")
+    assert adapter.knobs_for(Knobs(admission_policy="watermark")).admission_policy == "watermark"
+    with collecting([]) as collector:
+        adapter.generate([request], knobs=Knobs(preemption_mode="recompute"))
+        adapter.generate([request])
+    assert adapter.seen[1:] == [Knobs(preemption_mode="recompute", admission_policy="none"),
+                                Knobs(admission_policy="none")]
+    assert collector.knob_overrides == {"preemption_mode": ["swap", "recompute"]}  # recorded once per call

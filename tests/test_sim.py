@@ -266,7 +266,7 @@ def test_sim_pool_is_memory_left_after_the_weights(tiny):
 
 
 def test_sim_is_marked_simulated_and_conformance_skips_it(tiny):
-    from kvbench.plugin import _simulated
+    from kvbench.plugin.session import is_simulator as _simulated
 
     adapter = make_adapter(parse_engine_spec("sim"), tiny)
     assert adapter.describe()["simulated"] is True

@@ -76,6 +76,7 @@ import pandas as pd
 
 from kvbench import __version__
 from kvbench.core.counters import Counters
+from kvbench.core.jsonable import jsonable
 
 SCHEMA_VERSION = 1
 #: metric names a swap-vs-recompute sweep may use for "cost of one preempt-and-resume", by preference
@@ -139,21 +140,6 @@ def commit_info(cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-
-
-def jsonable(value: Any) -> Any:
-    """Floats that JSON cannot hold (NaN, inf) become None; tuples become lists; numpy scalars, floats."""
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    if isinstance(value, bool) or value is None or isinstance(value, str | int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if hasattr(value, "item"):  # numpy scalar
-        return jsonable(value.item())
-    return str(value)
 
 
 # --------------------------------------------------------------------------------------------

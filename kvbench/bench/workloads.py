@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from kvbench.core.jsonable import jsonable
 from kvbench.core.requests import WorkloadRequest
 
 # The key of each aspect's sub-stream is its index here. Append new aspects at the end and never
@@ -60,12 +61,6 @@ def _check(ok: bool, message: str) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, tuple | list):
-        return [_jsonable(v) for v in value]
-    return value.item() if isinstance(value, np.generic) else value  # numpy scalars are not JSON
 
 
 def _request_id(index: int) -> str:
@@ -143,7 +138,7 @@ class _Block:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind} if self.kind else {}
-        out.update({f.name: _jsonable(getattr(self, f.name)) for f in fields(self)})  # type: ignore[arg-type]
+        out.update({f.name: jsonable(getattr(self, f.name)) for f in fields(self)})  # type: ignore[arg-type]
         return out
 
 

@@ -18,7 +18,9 @@ cannot map in ``unsupported_knobs`` so that checks can skip with that reason.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 # The protocol's vocabulary lives in kvbench.core; it is re-exported here so that an adapter needs
@@ -109,6 +111,10 @@ class EngineAdapter(abc.ABC):
     #: checks state their pressure in tokens (kvbench.core.kv_budget) and :meth:`pool_knobs` turns it into
     #: this engine's terms
     kv_layout: KVLayout = ANY_LAYOUT
+    #: True for a simulator: its tokens are placeholders and its times simulated seconds. The one place that
+    #: says so: conformance checks skip such an engine, and :meth:`describe` tags its results ``simulated``
+    #: for the report
+    simulated: bool = False
     #: capability -> why the engine lacks it, in the engine's terms ("vLLM V1 preempts by recompute only"), for
     #: the skip a check needing it gives
     lacking: dict[str, str] = {}  # noqa: RUF012
@@ -117,8 +123,60 @@ class EngineAdapter(abc.ABC):
     #: ``num_gpu_blocks_override``). A knob named like an option key overrides that option without an entry.
     knob_options: dict[str, str] = {}  # noqa: RUF012
     #: limits of the no-progress watchdog every engine-driving loop runs under (the plugin sets them per
-    #: session from --kvbench-deadline / --kvbench-stall-steps / --kvbench-stall-seconds)
+    #: session from --kvbench-deadline / --kvbench-stall-steps / --kvbench-stall-seconds, through
+    #: :meth:`configure_run`)
     liveness: Liveness = DEFAULT_LIVENESS
+    #: whether runs whose knobs leave ``admission_policy`` unset run with admission control off (set by
+    #: :meth:`configure_run`; see :meth:`knobs_for`)
+    admission_off_by_default: bool = False
+    #: whether ``generate`` and ``serve`` report the engine options their knobs override to the running
+    #: test's evidence collector (set by :meth:`configure_run`)
+    reports_knob_overrides: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every entry point a subclass defines that takes knobs (:data:`KNOB_ENTRY_POINTS`) runs
+        :meth:`_run_with` first: the one place where the session's run settings meet each call, so that
+        every adapter, a third-party one included, follows them without writing a line for it."""
+        super().__init_subclass__(**kwargs)
+        for name, position in KNOB_ENTRY_POINTS.items():
+            method = cls.__dict__.get(name)
+            if inspect.isfunction(method) and not getattr(method, "__isabstractmethod__", False):
+                setattr(cls, name, _entry_point(name, position, method))
+
+    def configure_run(self, *, liveness: Liveness | None = None, admission_off_by_default: bool | None = None,
+                      reports_knob_overrides: bool | None = None) -> None:
+        """How this adapter's runs go for the session that owns it; what is not given stays as it is.
+
+        ``liveness``: the no-progress watchdog's limits. ``admission_off_by_default``: conformance checks
+        force preemptions on purpose and prove them, and admission control exists to avoid them, so the
+        plugin's ``engine`` fixture turns it off unless a check's knobs ask for it (and the records say so,
+        as a knob override; benchmarks keep the engine's setting). ``reports_knob_overrides``: adapters
+        made from an ``--engine`` spec (:func:`kvbench.engines.registry.make_adapter`) report the options
+        each call's knobs override (:func:`kvbench.core.evidence.record_knob_overrides`), so results can
+        say when a check ran with other values than the spec named."""
+        if liveness is not None:
+            self.liveness = liveness
+        if admission_off_by_default is not None:
+            self.admission_off_by_default = admission_off_by_default
+        if reports_knob_overrides is not None:
+            self.reports_knob_overrides = reports_knob_overrides
+
+    def knobs_for(self, knobs: Knobs) -> Knobs:
+        """The knobs a run is driven with for ``knobs`` asked: admission control off when
+        :attr:`admission_off_by_default` is set and ``knobs`` leave it unset; else ``knobs`` themselves."""
+        if self.admission_off_by_default and knobs.admission_policy is None:
+            return knobs.merged(Knobs(admission_policy="none"))
+        return knobs
+
+    def _run_with(self, entry_point: str, knobs: Knobs | None) -> Knobs | None:
+        """Before each call of an entry point: the knobs it runs with (None: as asked, the method's own
+        default) after :meth:`knobs_for`, with the overrides reported where :meth:`configure_run` says so."""
+        used = self.knobs_for(DEFAULT_KNOBS if knobs is None else knobs)
+        if self.reports_knob_overrides and entry_point in ("generate", "serve"):
+            from kvbench.core.evidence import record_knob_overrides
+
+            record_knob_overrides(self.knob_overrides(used))
+        return None if knobs is None and used is DEFAULT_KNOBS else used
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         """Raises ValueError naming the option, as :meth:`validate_options` does."""
@@ -169,7 +227,7 @@ class EngineAdapter(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """Engine identity and configuration for results files."""
         return {"name": self.name, "kind": self.kind, "options": redact_options(self.options, self.secret_options),
-                "capabilities": sorted(self.capabilities)}
+                "capabilities": sorted(self.capabilities), **({"simulated": True} if self.simulated else {})}
 
     @classmethod
     def check_available(cls, options: dict[str, str]) -> None:
@@ -212,6 +270,31 @@ class EngineAdapter(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, servers, device memory)."""
+
+
+#: the adapter methods a check or benchmark drives with knobs -> where ``knobs`` sits among their positional
+#: arguments after ``self``: generate(requests, knobs), swap_round_trip(requests, knobs), serve(workload,
+#: recorder, knobs)
+KNOB_ENTRY_POINTS = {"generate": 1, "swap_round_trip": 1, "serve": 2}
+
+
+def _entry_point(name: str, position: int, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` running :meth:`EngineAdapter._run_with` on its knobs first (once per call: a subclass's
+    entry point that calls its base's through ``super()`` has already done it)."""
+
+    @functools.wraps(method)
+    def entry(self: EngineAdapter, *args: Any, **kwargs: Any) -> Any:
+        if getattr(type(self), name) is not entry:  # reached through super() from the subclass's own
+            return method(self, *args, **kwargs)
+        positional = "knobs" not in kwargs and len(args) > position
+        used = self._run_with(name, args[position] if positional else kwargs.get("knobs"))
+        if used is not None and positional:
+            args = (*args[:position], used, *args[position + 1:])
+        elif used is not None:
+            kwargs["knobs"] = used
+        return method(self, *args, **kwargs)
+
+    return entry
 
 
 def _same_value(option: str, value: Any) -> bool:

@@ -220,33 +220,9 @@ def make_adapter(spec: EngineSpec, model_dir: str) -> EngineAdapter:
     """A new adapter for ``spec`` on the checkpoint ``model_dir``.
 
     Its ``generate`` and ``serve`` report the engine options each call's knobs override to the evidence
-    collector of the running test, if any (:func:`kvbench.core.evidence.record_knob_overrides`), so
-    results can say when a check ran with other values than the ``--engine`` spec named.
+    collector of the running test, if any (:meth:`EngineAdapter.configure_run`), so results can say when
+    a check ran with other values than the ``--engine`` spec named.
     """
     adapter = adapter_class(spec.kind)(model_dir, spec.options, name=spec.name)
-    _watch_knob_overrides(adapter)
+    adapter.configure_run(reports_knob_overrides=True)
     return adapter
-
-
-def _watch_knob_overrides(adapter: EngineAdapter) -> None:
-    # Wrapped on the instance, not the class: every adapter, third-party ones included, reports overrides
-    # without writing a line for it, and the class stays as its author wrote it.
-    import functools
-
-    from kvbench.core.evidence import record_knob_overrides
-
-    for method in ("generate", "serve"):
-        bound = getattr(adapter, method)
-
-        def watched(*args: Any, _bound: Any = bound, _method: str = method, **kwargs: Any) -> Any:
-            knobs = kwargs.get("knobs", args[_KNOBS_POSITION[_method]] if len(args) > _KNOBS_POSITION[_method]
-                               else None)
-            if knobs is not None:
-                record_knob_overrides(adapter.knob_overrides(knobs))
-            return _bound(*args, **kwargs)
-
-        setattr(adapter, method, functools.wraps(bound)(watched))
-
-
-# where ``knobs`` sits among the positional arguments: generate(requests, knobs), serve(workload, recorder, knobs)
-_KNOBS_POSITION = {"generate": 1, "serve": 2}

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, fmt_ratio, fmt_time
 from kvbench.bench.results import Results
-from kvbench.bench.scenarios.declare import NOISE_FLOOR_S, Pressure, plural
+from kvbench.bench.scenarios.declare import NOISE_FLOOR_S, Pressure, num, plural
 from kvbench.report.facts import Crossover, Facts
 from kvbench.report.verdict import pressure_of
 
@@ -35,14 +35,6 @@ OK, BETTER, WATCH, PROBLEM, NOT_MEASURED = "ok", "better than expected", "watch"
 RANK = {PROBLEM: 4, WATCH: 3, BETTER: 2, OK: 1, NOT_MEASURED: 0}
 #: "markedly worse than another engine on the same scenario": this many times its count, and by 3 or more
 WORSE_FACTOR = 1.5
-
-
-def _num(value: Any) -> float | None:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def baseline_engine_name(results: Results) -> str | None:
@@ -105,15 +97,15 @@ def engine_mode(results: Results, engine: str) -> str:
     for sc, res in results.iter_results():
         p = pressure_of(sc)
         if res["engine"] == engine and not (p and p.forced_mode):
-            swaps += _num(res["metrics"].get("preemptions_swap")) or 0
-            recomputes += _num(res["metrics"].get("preemptions_recompute")) or 0
+            swaps += num(res["metrics"].get("preemptions_swap")) or 0
+            recomputes += num(res["metrics"].get("preemptions_recompute")) or 0
     return "swap" if swaps > recomputes else "recompute"
 
 
 def _peers(results: Results, sc: dict, res: dict, key: str) -> list[tuple[str, float]]:
     """Other engines' values of ``key`` on the same scenario and mode."""
     return [(r["engine"], v) for r in sc["results"] if r["engine"] != res["engine"] and r.get("mode") == res.get("mode")
-            and (v := _num(r["metrics"].get(key))) is not None]
+            and (v := num(r["metrics"].get(key))) is not None]
 
 
 def _worse_than_peers(results: Results, sc: dict, res: dict, key: str, value: float) -> str:
@@ -131,14 +123,14 @@ def _check_preemptions(results: Results, engine: str, rows: list[Row]) -> dict[s
     title = "Is the preemption count growing?"
     knob = ("Lower max_num_seqs toward the knee; give the KV pool more blocks (gpu_memory_utilization, "
             "num_gpu_blocks).")
-    known = [(sc, res, v) for sc, res in rows if (v := _num(res["metrics"].get("preemptions"))) is not None]
+    known = [(sc, res, v) for sc, res in rows if (v := num(res["metrics"].get("preemptions"))) is not None]
     if not known:
         return _check(1, title, NOT_MEASURED, "The engine does not expose preemptions.", "")
     unexpected, structural, missing, worse, facts = [], [], [], [], []
     for sc, res, v in known:
         p = pressure_of(sc)
         m = res["metrics"]
-        before = _num(m.get("preemptions_before_surge"))
+        before = num(m.get("preemptions_before_surge"))
         if p is not None and not p.preemptions and v > 0:
             unexpected.append(f"preempted {plural(v, 'time')} in {_where(sc, res)}, which declares no preemption")
         elif p is not None and p.preemptions and v == 0:
@@ -146,8 +138,8 @@ def _check_preemptions(results: Results, engine: str, rows: list[Row]) -> dict[s
         if before:
             structural.append(f"{plural(before, 'preemption')} in {_where(sc, res)} before the surge began (seed 001: "
                               "a structural capacity gap, not the safety net)")
-        if p is None and (_num(m.get("preemption_active_share")) or 0) >= 0.5:
-            structural.append(f"preemptions through {(_num(m.get('preemption_active_share')) or 0) * 100:.0f}% of "
+        if p is None and (num(m.get("preemption_active_share")) or 0) >= 0.5:
+            structural.append(f"preemptions through {(num(m.get('preemption_active_share')) or 0) * 100:.0f}% of "
                               f"{_where(sc, res)} (seed 001: a structural capacity gap)")
         if v > 0 and (w := _worse_than_peers(results, sc, res, "preemptions", v)):
             worse.append(w)
@@ -157,7 +149,7 @@ def _check_preemptions(results: Results, engine: str, rows: list[Row]) -> dict[s
         fact = (f"Most in {_where(top_sc, top_res)}: {plural(top, 'preemption')} "
                 f"(recompute {fmt_metric('preemptions', m.get('preemptions_recompute'))}, "
                 f"swap {fmt_metric('preemptions', m.get('preemptions_swap'))})")
-        most = _num(m.get("max_preemptions_per_request"))
+        most = num(m.get("max_preemptions_per_request"))
         if most:
             fact += f"; one request was preempted {plural(most, 'time')}"
         facts.append(fact + ".")
@@ -183,7 +175,7 @@ def _sweep_growth(results: Results, engine: str) -> str:
     for sc in results.scenarios:
         for sw in sc["sweeps"]:
             pts = sorted((p for p in sw["points"] if p["engine"] == engine
-                          and _num(p["metrics"].get("preemptions")) is not None), key=lambda p: p["x"])
+                          and num(p["metrics"].get("preemptions")) is not None), key=lambda p: p["x"])
             # preemptions growing with load is a concurrency sweep's question (not a policy's headroom,
             # whose points are several surges' series)
             if len(pts) >= 2 and sw["name"] == "concurrency" and {p.get("mode") for p in sw["points"]} != {
@@ -199,7 +191,7 @@ def _check_kv(results: Results, rows: list[Row]) -> dict[str, Any]:
     title = "Is KV usage pinned near 100%?"
     knob = ("More KV blocks (gpu_memory_utilization, num_gpu_blocks); fewer concurrent sequences "
             "(max_num_seqs); cap max_model_len if long-context bursts fill the pool.")
-    known = [(sc, res, v) for sc, res in rows if (v := _num(res["metrics"].get("kv_usage_time_over_95"))) is not None]
+    known = [(sc, res, v) for sc, res in rows if (v := num(res["metrics"].get("kv_usage_time_over_95"))) is not None]
     if not known:
         return _check(2, title, NOT_MEASURED, "The engine does not expose KV usage.", "")
     # Rules of thumb: pinned for a tenth of a run is worth watching, for half of it the pool is the bottleneck.
@@ -220,10 +212,10 @@ def _check_kv(results: Results, rows: list[Row]) -> dict[str, Any]:
 
 
 def _capacity_tokens(params: dict[str, Any]) -> float | None:
-    blocks, size = _num(params.get("num_gpu_blocks")), _num(params.get("block_size"))
+    blocks, size = num(params.get("num_gpu_blocks")), num(params.get("block_size"))
     if blocks and size:
         return blocks * size
-    return _num(params.get("capacity_tokens"))
+    return num(params.get("capacity_tokens"))
 
 
 def _check_concurrency(results: Results, engine: str, rows: list[Row]) -> dict[str, Any]:
@@ -234,14 +226,14 @@ def _check_concurrency(results: Results, engine: str, rows: list[Row]) -> dict[s
     for sc, res in rows:
         m, params = res["metrics"], sc.get("parameters", {})
         cap = _capacity_tokens(params)
-        per_req = (_num(m.get("prompt_len_mean")) or 0) + (_num(m.get("output_len_mean")) or 0)
-        seqs = _num(params.get("max_num_seqs")) or _num(eng_opts.get("max_num_seqs"))
+        per_req = (num(m.get("prompt_len_mean")) or 0) + (num(m.get("output_len_mean")) or 0)
+        seqs = num(params.get("max_num_seqs")) or num(eng_opts.get("max_num_seqs"))
         if not cap or not per_req:
             continue
         fits = cap / per_req
         fits_min = fits if fits_min is None else min(fits, fits_min)
         p = pressure_of(sc)
-        if seqs and seqs > fits and (_num(m.get("preemptions")) or 0) > 0 and (p is None or not p.preemptions):
+        if seqs and seqs > fits and (num(m.get("preemptions")) or 0) > 0 and (p is None or not p.preemptions):
             over.append(f"{_where(sc, res)}: max_num_seqs = {seqs:g} but the pool holds ≈ {fits:.1f} requests of "
                         f"{per_req:,.0f} tokens, and it preempted")
         elif len(facts) < 2:
@@ -267,7 +259,7 @@ def _check_concurrency(results: Results, engine: str, rows: list[Row]) -> dict[s
 def _check_starvation(results: Results, rows: list[Row]) -> dict[str, Any]:
     title = "Starvation: how long do preempted requests wait?"
     knob = "Priority scheduling for latency-sensitive traffic; lower max_num_seqs so victims resume sooner."
-    known = [(sc, res, v) for sc, res in rows if (v := _num(res["metrics"].get("starvation_max_s"))) is not None]
+    known = [(sc, res, v) for sc, res in rows if (v := num(res["metrics"].get("starvation_max_s"))) is not None]
     if not known:
         return _check(4, title, NOT_MEASURED, "The engine does not record preemption and resume times.", "")
     worst: list[tuple[str, str]] = []  # (status, finding)
@@ -275,8 +267,8 @@ def _check_starvation(results: Results, rows: list[Row]) -> dict[str, Any]:
         if not wait:
             continue
         m, p = res["metrics"], pressure_of(sc)
-        e2e = _num(m.get("e2e_p50"))
-        repeat = _num(m.get("max_preemptions_per_request")) or 0
+        e2e = num(m.get("e2e_p50"))
+        repeat = num(m.get("max_preemptions_per_request")) or 0
         # A wait longer than a typical whole request, or a request bounced three times, is starvation.
         starving = (e2e and wait > e2e) or repeat >= 3
         if not starving:
@@ -307,11 +299,11 @@ def _check_swap(results: Results, engine: str, rows: list[Row]) -> dict[str, Any
     title = "Swap bandwidth: is swap slow against recompute?"
     mode = engine_mode(results, engine)
     facts: list[str] = []
-    bw_rows = [(sc, res, v) for sc, res in rows if (v := _num(res["metrics"].get("swap_bandwidth"))) is not None]
+    bw_rows = [(sc, res, v) for sc, res in rows if (v := num(res["metrics"].get("swap_bandwidth"))) is not None]
     if bw_rows:
         sc, res, bw = max(bw_rows, key=lambda r: r[2])
         m = res["metrics"]
-        moved = (_num(m.get("swapped_out_bytes")) or 0) + (_num(m.get("swapped_in_bytes")) or 0)
+        moved = (num(m.get("swapped_out_bytes")) or 0) + (num(m.get("swapped_in_bytes")) or 0)
         facts.append(f"{_where(sc, res)}: swap moved {fmt_metric('swapped_out_bytes', moved)} at "
                      f"{fmt_metric('swap_bandwidth', bw)} ({fmt_time(m.get('swap_seconds'))} spent copying).")
     cx = swap_crossover(results, engine)
@@ -329,7 +321,7 @@ def _check_swap(results: Results, engine: str, rows: list[Row]) -> dict[str, Any
             facts.append(f"Crossover {cx.text} ({engine}): swap and recompute cost the same at that {cx.x_label}; "
                          f"{cx.above} is cheaper above it (swap costs {fmt_ratio(ratio)} of recompute at "
                          f"{cx.xs[-1]:g}).")
-    exposed = any(_num(res["metrics"].get(k)) is not None for _, res in rows
+    exposed = any(num(res["metrics"].get(k)) is not None for _, res in rows
                   for k in ("preemptions_swap", "preemptions_recompute", "preemptions"))
     if not facts and not exposed:
         return _check(5, title, NOT_MEASURED, "No preemption counts, swap activity or swap-vs-recompute sweep for "
@@ -342,14 +334,14 @@ def _check_swap(results: Results, engine: str, rows: list[Row]) -> dict[str, Any
             "than the crossover.")
     unexpected = []
     for sc, res in rows:
-        fb, p = _num(res["metrics"].get("swap_fallbacks")), pressure_of(sc)
+        fb, p = num(res["metrics"].get("swap_fallbacks")), pressure_of(sc)
         if fb and (p is None or not p.swap_fallback):
             unexpected.append(f"{_where(sc, res)}: host swap space ran out, fell back to recompute "
                               f"{plural(fb, 'time')}.")
     if unexpected:
         return _check(5, title, PROBLEM, " ".join(unexpected + facts), knob)
     if cx and cx.x is not None and not quiet:
-        lens = sorted(v for _, r in rows if (v := _num(r["metrics"].get("prompt_len_mean"))))
+        lens = sorted(v for _, r in rows if (v := num(r["metrics"].get("prompt_len_mean"))))
         if lens and cx.above == "swap" and lens[len(lens) // 2] < cx.x:
             facts.append(f"Your prompts average {lens[len(lens) // 2]:,.0f} tokens, below the crossover: recompute "
                          "would suit them.")

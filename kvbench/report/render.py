@@ -30,6 +30,7 @@ from kvbench import __version__
 from kvbench.bench import gate
 from kvbench.bench.formatting import fmt_bytes, fmt_metric, fmt_ratio, fmt_time, metric_label
 from kvbench.bench.results import Results
+from kvbench.bench.scenarios.declare import num
 from kvbench.report import charts as rc
 from kvbench.report import facts, recommend, sim_validation, trend, verdict
 from kvbench.report.diagnosis import baseline_engine_name, diagnose
@@ -86,16 +87,6 @@ def _label(engine: str, mode: str | None) -> str:
     return f"{engine} [{mode}]" if mode else engine
 
 
-def _num(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
 def _find_scenario(results: Results, *needles: str) -> dict[str, Any] | None:
     for sc in results.scenarios:
         if any(n in sc["name"].lower() for n in needles):
@@ -127,7 +118,7 @@ def summary_table(results: Results) -> dict[str, Any]:
         held = f"{sum(map(bool, checks.values()))}/{len(checks)}" if checks else ""
         rows.append({"scenario": sc["name"], "engine": res["engine"], "mode": res.get("mode"),
                      "cells": [facts.fmt_value(k, res) for k in SUMMARY_COLUMNS],
-                     "sort": [_num(res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
+                     "sort": [num(res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
                      # undecided claims are said apart: they never count as held
                      "checks": " · ".join(filter(None, [held, f"{len(undecided)} undecided" if undecided else ""])),
                      "checks_ok": all(checks.values()), "machine": res.get("machine") or "",
@@ -159,7 +150,7 @@ def side_by_side(results: Results) -> list[dict[str, Any]]:
         pairs = [(r, bases[r.get("mode")]) for r in res if r.get("mode") in bases and r is not bases[r.get("mode")]]
         rows = []
         for key in COMPARE_METRICS:
-            values = [_num(r["metrics"].get(key)) for r in res]
+            values = [num(r["metrics"].get(key)) for r in res]
             if all(v is None for v in values):
                 continue
             ratios = [_ratio_cell(facts.compare(key, other, base, sc)) for other, base in pairs]
@@ -418,7 +409,7 @@ class _Charts:
             lines, vlines, no_knee = [], [], []
             for (eng, mode), pts in groups.items():
                 pts = sorted(pts, key=lambda p: p["x"])
-                ys = [_num(p["metrics"].get(metric)) for p in pts]
+                ys = [num(p["metrics"].get(metric)) for p in pts]
                 if all(y is None for y in ys):
                     continue
                 color, dash = self.style(eng, mode, modes, one_engine=len({e for e, _ in groups}) == 1)
@@ -480,9 +471,9 @@ def _scenario_event(sc: dict[str, Any]) -> tuple[str, float] | None:
     """The scenario's landmark on the workload's clock: ("surge", t) from its parameters or results."""
     params = sc.get("parameters", {})
     for key, name in (("surge_start_s", "surge"), ("wave_start_s", "wave")):
-        t = _num(params.get(key))
+        t = num(params.get(key))
         if t is None:
-            t = next((v for r in sc["results"] if (v := _num(r["metrics"].get(key))) is not None), None)
+            t = next((v for r in sc["results"] if (v := num(r["metrics"].get(key))) is not None), None)
         if t is not None:
             return f"{name} starts", t
     return None
@@ -716,7 +707,7 @@ def write_index(report_dir: str | os.PathLike[str]) -> Path:
         tp = None
         if storm and ref:
             r = next((x for x in storm["results"] if x["engine"] == ref), None)
-            tp = _num(r["metrics"].get("output_throughput")) if r else None
+            tp = num(r["metrics"].get("output_throughput")) if r else None
         commit = res.data.get("commit") or {}
         run.update(error=None, created=res.data.get("created") or "", sort=res.data.get("created") or "", tp=tp,
                    commit=(commit.get("id") or "")[:10], dirty=bool(commit.get("dirty")),

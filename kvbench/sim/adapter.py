@@ -30,9 +30,10 @@ from kvbench.engines.inprocess.reference import (
     _KNOB_TO_CONFIG,
     STEP_DELAY_OPTION,
     ReferenceAdapter,
-    _coerce,
     _Steppable,
+    coerce_option,
     counters_of,
+    step_changes,
 )
 
 #: why conformance checks skip a simulated engine
@@ -47,7 +48,7 @@ class SimAdapter(ReferenceAdapter):
     """the simulator: reference_engine's scheduler on a cost model's virtual clock (no real tokens)"""
 
     kind = "sim"
-    #: conformance checks skip it with :data:`SIMULATED_REASON`; reports tag its results as simulated
+    #: conformance checks skip it with :data:`SIMULATED_REASON`
     simulated = True
     # Placeholder tokens: no sampling, no stop tokens, no block bytes to compare (block introspection
     # would test the very block manager the reference engine's checks already test).
@@ -97,7 +98,7 @@ class SimAdapter(ReferenceAdapter):
         """The reference engine's config for these options and knobs, at the profile's dtype unless given."""
         from reference_engine import EngineConfig
 
-        values: dict[str, Any] = {k: _coerce(k, v) for k, v in self.options.items() if k not in _SIM_KEYS}
+        values: dict[str, Any] = {k: coerce_option(k, v) for k, v in self.options.items() if k not in _SIM_KEYS}
         values.setdefault("dtype", self.profile.dtype)
         for knob, value in knobs.as_dict().items():
             values[_KNOB_TO_CONFIG[knob]] = value
@@ -109,7 +110,7 @@ class SimAdapter(ReferenceAdapter):
         return SimEngine(self.engine_config(knobs), self.model_shape, self.profile)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "simulated": True, "hardware": self.profile.name,
+        return {**super().describe(), "hardware": self.profile.name,
                 "hardware_source": self.profile.source, "calibrated": self.profile.fit is not None,
                 "model": self.model_shape.name, "clock": self.options.get("clock", "cost")}
 
@@ -194,14 +195,7 @@ class _SimSteppable(_Steppable):  # submit and has_work as the reference engine'
 
     def _report(self, new_tokens: dict[str, int], finished: dict[str, str | None], last) -> StepReport:
         """``last``: the engine's record of the step (:class:`reference_engine.outputs.StepRecord`)."""
-        admitted, preempted, resumed = [], [], []
-        for e in self._events:
-            if e.kind == "admitted":
-                (resumed if e.data.get("resumed") else admitted).append(e.request_id)
-            elif e.kind == "preempted":
-                preempted.append((e.request_id, e.data["mode"]))
-            else:
-                resumed.append(e.request_id)
+        admitted, preempted, resumed = step_changes(self._events)
         self._events.clear()
         bm, s = self.engine.block_manager, self.engine.scheduler
         cpu = (1 - bm.num_free_cpu_blocks / bm.num_cpu_blocks) if bm.num_cpu_blocks else None
@@ -211,8 +205,3 @@ class _SimSteppable(_Steppable):  # submit and has_work as the reference engine'
                             num_prefill_tokens=last.num_prefill_tokens, num_decode_tokens=last.num_decode_tokens,
                             num_preempted=last.num_preempted)
         return StepReport(new_tokens, finished, admitted, preempted, resumed, record)
-
-
-def is_simulated(adapter_or_class: Any) -> bool:
-    """Whether an adapter (or adapter class) is a simulator whose tokens are placeholders."""
-    return bool(getattr(adapter_or_class, "simulated", False))

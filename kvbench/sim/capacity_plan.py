@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench import __version__
-from kvbench.bench.results import jsonable
 from kvbench.bench.workloads import Workload
+from kvbench.core.jsonable import jsonable
 from kvbench.core.knobs import Knobs
 from kvbench.sim.simulate import SimRun, fmt_ms, fmt_number
 

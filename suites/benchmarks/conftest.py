@@ -200,8 +200,7 @@ class StormScheduler:
         """The one adapter of ``spec`` on the benchmark model, made on first use."""
         if spec.name not in self._adapters:
             adapter = make_adapter(spec, self.model.path)
-            if self.ks.liveness is not None:
-                adapter.liveness = self.ks.liveness
+            adapter.configure_run(liveness=self.ks.liveness)
             self._adapters[spec.name] = adapter
         return self._adapters[spec.name]
 

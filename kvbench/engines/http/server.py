@@ -180,7 +180,7 @@ class ServerAdapter(EngineAdapter):
         options.update({k: str(v) for k, v in wanted.items()})
         options["url"] = f"http://127.0.0.1:{port}"
         self._remote = OpenAIAdapter(self.model_dir, options, name=self.name)
-        self._remote.liveness = self.liveness  # the session's limits: the HTTP watchdog runs under them
+        self._remote.configure_run(liveness=self.liveness)  # the session's limits: the HTTP watchdog runs under them
         self._knobs = wanted
         return self._remote
 

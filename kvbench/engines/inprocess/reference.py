@@ -10,8 +10,11 @@ exposed to the stateful refcount machine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +23,7 @@ from kvbench.core.engine_events import EventRecord
 from kvbench.core.liveness import Watchdog
 from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
-from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, WorkloadRequest
 
 # Knobs field -> EngineConfig field
 _KNOB_TO_CONFIG = {
@@ -32,42 +35,37 @@ _KNOB_TO_CONFIG = {
     "admission_policy": "admission_policy", "admission_headroom": "admission_headroom",
     "prefill_pacing_tokens": "prefill_pacing_tokens",
 }
-# stats() key -> kvbench counter name
-_STATS_TO_COUNTERS = {
-    "num_preemptions_recompute": "preemptions_recompute", "num_preemptions_swap": "preemptions_swap",
-    "num_swap_outs": "swap_outs", "num_swap_ins": "swap_ins", "num_swap_fallbacks": "swap_fallbacks",
-    "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
-    "num_prefill_chunks": "prefill_chunks", "num_recomputed_tokens": "recomputed_tokens",
-    "num_computed_tokens": "computed_tokens", "swapped_out_bytes": "swapped_out_bytes",
-    "swapped_in_bytes": "swapped_in_bytes", "swap_seconds": "swap_seconds",
-    "num_generated_tokens": "generated_tokens",
-}
 
 
-def _config_fields() -> dict[str, Any]:
+@functools.cache
+def _config_types() -> dict[str, Any]:
+    """Every ``EngineConfig`` field but ``model`` -> its resolved type (``int``, ``int | None``, ``str``...)."""
     from reference_engine import EngineConfig
 
-    return {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig) if f.name != "model"}
 
 
-def _coerce(name: str, raw: str) -> Any:
+def coerce_option(name: str, raw: str) -> Any:
     """Turn an option string into the EngineConfig field's type ("true" -> True, "64" -> 64, "none" -> None)."""
     from reference_engine import ConfigError
 
-    annotation = str(_config_fields()[name].type)
-    if raw.lower() in ("none", "null") and "None" in annotation:
+    declared = _config_types()[name]
+    union = typing.get_origin(declared) in (typing.Union, types.UnionType)
+    members = typing.get_args(declared) if union else (declared,)
+    if raw.lower() in ("none", "null") and type(None) in members:
         return None
+    kind = next(m for m in members if m is not type(None))
     try:
-        if annotation.startswith("bool"):
+        if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(raw)
             return raw.lower() in ("true", "1", "yes")
-        if annotation.startswith("int"):
-            return int(raw)
-        if annotation.startswith("float"):
-            return float(raw)
+        if kind is int or kind is float:
+            return kind(raw)
     except ValueError:
-        raise ConfigError(name, raw, f"a value of type {annotation}") from None
+        shown = " | ".join("None" if m is type(None) else m.__name__ for m in members)
+        raise ConfigError(name, raw, f"a value of type {shown}") from None
     return raw
 
 
@@ -127,7 +125,7 @@ class ReferenceAdapter(EngineAdapter):
 
         cls._step_delay_of(options)
         EngineConfig(model="<model checked when the engine is built>",
-                     **{k: _coerce(k, v) for k, v in options.items() if k != STEP_DELAY_OPTION})
+                     **{k: coerce_option(k, v) for k, v in options.items() if k != STEP_DELAY_OPTION})
 
     @staticmethod
     def _step_delay_of(options: dict[str, str]) -> float:
@@ -157,7 +155,7 @@ class ReferenceAdapter(EngineAdapter):
         """The EngineConfig for these options with the knobs applied over them."""
         from reference_engine import EngineConfig
 
-        values: dict[str, Any] = {k: _coerce(k, v) for k, v in self.options.items() if k != STEP_DELAY_OPTION}
+        values: dict[str, Any] = {k: coerce_option(k, v) for k, v in self.options.items() if k != STEP_DELAY_OPTION}
         for knob, value in knobs.as_dict().items():
             values[_KNOB_TO_CONFIG[knob]] = value
         return EngineConfig(model=self.model_dir, **values)
@@ -209,8 +207,6 @@ class ReferenceAdapter(EngineAdapter):
         back with what it held when it left. Returns (blocks compared, mismatch descriptions)."""
         import torch
 
-        from reference_engine import SamplingParams
-
         engine = self.build_engine(knobs)
         kv = engine.kv_cache
         left: dict[int, Any] = {}
@@ -233,8 +229,7 @@ class ReferenceAdapter(EngineAdapter):
 
         kv.swap_out, kv.swap_in = checked_out, checked_in
         for r in requests:
-            engine.add_request(r.request_id, r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens,
-                                                                               ignore_eos=True))
+            engine.add_request(r.request_id, r.prompt_token_ids, sampling_params_of(r))
         while engine.has_unfinished_requests():
             engine.step()
         return compared, mismatches
@@ -254,18 +249,13 @@ class ReferenceAdapter(EngineAdapter):
 def counters_of(engine) -> Counters:
     """The engine's counters as the contract's record.
 
-    From ``engine.counters()`` (a typed ``EngineCounters`` whose field names are the contract's)
-    when the engine has it, else from ``engine.stats()`` through :data:`_STATS_TO_COUNTERS`. Pool
+    From ``engine.counters()`` (a typed ``EngineCounters`` whose field names are the contract's); pool
     sizes and ``leaked_blocks`` (device + host blocks still held) come from ``stats()``. A contract
-    counter the engine keeps in neither place (``aborts`` today) stays ``None``: not exposed.
+    counter the engine does not keep stays ``None``: not exposed.
     """
     stats = engine.stats()
-    typed = getattr(engine, "counters", None)
-    if callable(typed):
-        record = typed()
-        values = {name: getattr(record, name) for name in COUNTER_NAMES if hasattr(record, name)}
-    else:
-        values = {name: stats[key] for key, name in _STATS_TO_COUNTERS.items() if key in stats}
+    record = engine.counters()
+    values = {name: getattr(record, name) for name in COUNTER_NAMES if hasattr(record, name)}
     values["leaked_blocks"] = (stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"]
                                + stats["num_cpu_blocks"] - stats["num_free_cpu_blocks"])
     values["num_gpu_blocks"] = stats["num_gpu_blocks"]
@@ -273,13 +263,15 @@ def counters_of(engine) -> Counters:
     return Counters.from_dict(values)
 
 
-def sampling_params_of(request: GenRequest):
-    """The reference engine's SamplingParams for a GenRequest."""
+def sampling_params_of(request: GenRequest | WorkloadRequest):
+    """The reference engine's SamplingParams for a request: a GenRequest's sampling fields; a
+    WorkloadRequest has only temperature and seed, and always runs to ``max_tokens`` (no EOS, no stop)."""
     from reference_engine import SamplingParams
 
-    return SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_k=request.top_k,
-                          top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos,
-                          stop_token_ids=tuple(request.stop_token_ids))
+    return SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                          top_k=getattr(request, "top_k", 0), top_p=getattr(request, "top_p", 1.0), seed=request.seed,
+                          ignore_eos=getattr(request, "ignore_eos", True),
+                          stop_token_ids=tuple(getattr(request, "stop_token_ids", ())))
 
 
 def _work_done(engine) -> int:
@@ -334,6 +326,20 @@ def _evidence(engine, limit: int = 20) -> list[str]:
     return [f"step {e.step}: {e.kind} {e.request_id} {e.data}" for e in interesting[:limit]]
 
 
+def step_changes(events: Sequence[Any]) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """A step's engine events as the driver's :class:`~kvbench.core.stepping.StepReport` lists: (admitted,
+    preempted with its mode, resumed: re-admitted after a recompute preemption, or swapped back in)."""
+    admitted, preempted, resumed = [], [], []
+    for e in events:
+        if e.kind == "admitted":
+            (resumed if e.data.get("resumed") else admitted).append(e.request_id)
+        elif e.kind == "preempted":
+            preempted.append((e.request_id, e.data["mode"]))
+        elif e.kind == "swapped_in":
+            resumed.append(e.request_id)
+    return admitted, preempted, resumed
+
+
 class _Steppable:
     """reference_engine seen through the driver's SteppableEngine protocol."""
 
@@ -347,11 +353,8 @@ class _Steppable:
         self._produced: dict[str, int] = {}
 
     def submit(self, request: Any) -> None:
-        from reference_engine import SamplingParams
-
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed,
-                                ignore_eos=True)
-        self.engine.add_request(request.request_id, request.prompt_token_ids, params, priority=request.priority)
+        self.engine.add_request(request.request_id, request.prompt_token_ids, sampling_params_of(request),
+                                priority=request.priority)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -372,14 +375,7 @@ class _Steppable:
             if out.finished:
                 finished[out.request_id] = out.finish_reason
                 self._produced.pop(out.request_id, None)
-        admitted, preempted, resumed = [], [], []
-        for e in self._new_events:
-            if e.kind == "admitted":
-                (resumed if e.data.get("resumed") else admitted).append(e.request_id)
-            elif e.kind == "preempted":
-                preempted.append((e.request_id, e.data["mode"]))
-            elif e.kind == "swapped_in":
-                resumed.append(e.request_id)
+        admitted, preempted, resumed = step_changes(self._new_events)
         self._new_events.clear()
         stats, last = self.engine.stats(), result.record
         record = StepRecord(t=0.0, duration=0.0, num_running=stats["num_running"], num_waiting=stats["num_waiting"],
