@@ -560,3 +560,7 @@ def test_undecided_claims_are_their_own_field_never_a_passed_check():
     assert entry["undecided"] == {"the highest concurrency preempted (a storm)": sc.UNDECIDED_REASON}
     html = render_report(Results.from_dict(results.to_dict()))
     assert "? undecided" in html and "1/1 · 1 undecided" in html
+    from kvbench.plugin.session_end import undecided_claims
+
+    assert undecided_claims(results) == [  # the terminal's section
+        f"preemption_storm [reference]: the highest concurrency preempted (a storm): {sc.UNDECIDED_REASON}"]

@@ -99,6 +99,15 @@ def add_failed_item(session: pytest.Session, nodeid: str, title: str, longrepr: 
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def undecided_claims(results: Any) -> list[str]:
+    """One line per benchmark claim that could not be decided (``scenario [engine]: claim: why``); empty
+    without results. These benchmarks passed on their decided claims only: the lines say what was not shown."""
+    if results is None:
+        return []
+    return [f"{sc['name']} [{res['engine']}{' ' + res['mode'] if res.get('mode') else ''}]: {claim}: {why}"
+            for sc, res in results.iter_results() for claim, why in (res.get("undecided") or {}).items()]
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     ks = config.stash.get(SESSION_KEY, None)
     if ks is None:
@@ -115,6 +124,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         for line in ks.findings:
             bad = line.startswith(("NOW PASSES", "UNEXPECTED FAILURE"))
             tr.write_line(line, red=bad, yellow=not bad)
+    undecided = undecided_claims(ks.results)
+    if undecided:
+        tr.section("kvbench undecided claims (not passed: the benchmark could not tell)")
+        for line in undecided:
+            tr.write_line(line, yellow=True)
     if ks.report_path is None:
         return
     tr.section("kvbench")
