@@ -379,6 +379,10 @@ HTTP_CASES = [
                  r"differ from the ground truth", {}, id="prefix-caching"),
     pytest.param(test_equivalence.test_prefix_caching_equivalence_and_hits, "undercounts_prefix_hits",
                  r"cached tokens add up to \d+ but prefix_cache_hits=\d+", {}, id="prefix-hits-told-twice"),
+    pytest.param(test_equivalence.test_recompute_after_preemption_reuses_cached_blocks, "ignores_prefix_caching",
+                 r"prefix-cache hit on resume did not happen", {}, id="prefix-reuse-on-resume"),
+    pytest.param(test_equivalence.test_chunked_prefill_equivalence, "ignores_token_budget",
+                 r"chunked prefill did not happen", {"budget": 16}, id="chunked-prefill"),
     pytest.param(test_bad_input.test_request_larger_than_the_pool_is_refused_and_others_are_served,
                  "vague_rejection", r"does not mention 'blocks'", {}, id="larger-than-the-pool"),
     pytest.param(test_bad_input.test_exhausted_swap_space_falls_back_to_recompute, "drops_unswappable_victims",
@@ -424,4 +428,4 @@ def test_a_patch_is_named_by_import_path_and_a_config_fault_is_refused():
         with pytest.raises(ValueError, match="--patch"):
             resolve(bad)
     with pytest.raises(ValueError, match="not a patch of a built engine"):
-        resolve("kvbench.conformance.faults:apply_fault=ignores_token_budget")(object())
+        resolve("kvbench.conformance.faults:apply_fault=vague_config_error")(object())

@@ -88,13 +88,6 @@ class FaultyReferenceAdapter(ReferenceAdapter):
         super().__init__(model_dir, options, name)
         self.fault = self.options.pop("fault")
 
-    def engine_config(self, knobs: Knobs = DEFAULT_KNOBS):
-        if self.fault == "ignores_prefix_caching" and knobs.enable_prefix_caching:
-            knobs = replace(knobs, enable_prefix_caching=False)
-        if self.fault == "ignores_token_budget" and knobs.max_num_batched_tokens is not None:
-            knobs = replace(knobs, max_num_batched_tokens=max(knobs.max_num_batched_tokens, 4096))
-        return super().engine_config(knobs)
-
     def build_engine(self, knobs: Knobs = DEFAULT_KNOBS):
         try:
             engine = super().build_engine(knobs)
@@ -120,6 +113,16 @@ class FaultyReferenceAdapter(ReferenceAdapter):
         if scheduler.policy == "priority":
             scheduler._pick_victim = lambda candidates: min(candidates,
                                                             key=lambda r: (r.priority_key(), r.admitted_seq))
+
+    @staticmethod
+    def _patch_ignores_prefix_caching(engine: Any) -> None:
+        # the block manager and its pool neither look up nor keep cached blocks, whatever the config says
+        engine.block_manager.enable_caching = engine.block_manager.pool.enable_caching = False
+
+    @staticmethod
+    def _patch_ignores_token_budget(engine: Any) -> None:
+        scheduler = engine.scheduler
+        scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, 4096)
 
     @staticmethod
     def _patch_admission_ignores_headroom(engine: Any) -> None:
