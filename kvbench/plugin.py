@@ -145,7 +145,9 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         specs = [parse_engine_spec(s) for s in (config.getoption("engine") or ["reference"])]
     except EngineSpecError as e:
-        raise pytest.UsageError(str(e)) from None
+        from kvbench.engines.registry import one_line
+
+        raise pytest.UsageError(one_line(e)) from None
     if len({s.name for s in specs}) != len(specs):
         raise pytest.UsageError("--engine: the same engine is named twice")
     _check_engines_available(specs)
@@ -609,7 +611,8 @@ def _conformance_summary(tr: Any, ks: KvbenchSession) -> None:
     for record in ks.conformance.values():
         counts = by_engine.setdefault(record["engine"], {})
         counts[record["outcome"]] = counts.get(record["outcome"], 0) + 1
-    for engine, counts in by_engine.items():
+    given = [spec.name for spec in ks.engine_specs]  # the order of --engine, however the tests ran (xdist)
+    for engine, counts in sorted(by_engine.items(), key=lambda kv: given.index(kv[0]) if kv[0] in given else 99):
         near = sum(r["near_ties"] for r in ks.conformance.values() if r["engine"] == engine)
         tr.write_line(f"{engine}: " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
                       + (f" ({near} near-ties)" if near else ""))
