@@ -412,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "more than 10%), p99_tbt:+20% (fail if it rises more than 20%), preemptions:+0 "
                               "(fail on any increase). Short names: " + ", ".join(sorted(gate.SHORT_NAMES))
                               + "; pNN_ttft/tbt/tpot/e2e and any metric key also work. Prefix abs: (abs:throughput:"
-                              "-10%%) gates that time on its absolute value.")
+                              "-10%) gates that time on its absolute value.")
     p.add_argument("baseline", metavar="BASELINE.json", help="the reference run (A)")
     p.add_argument("current", metavar="CURRENT.json", help="the run under test (B)")
     p.add_argument("-t", "--threshold", action="append", metavar="EXPR",
