@@ -1,14 +1,24 @@
-"""``kvbench`` command line: re-render reports and gate regressions from results files.
+"""The ``kvbench`` command: reports, gates and merges of results files, the simulator, a demo.
 
-Both commands read results files only; nothing re-runs an engine.
+Nothing here re-runs a benchmark: ``report``, ``compare`` and ``merge`` read results files only.
 
     kvbench report RESULTS.json [--baseline B.json] [-o OUT.html] [--force]
     kvbench compare BASELINE.json CURRENT.json [--threshold EXPR ...] [--gate-absolute] [--noise-k K] [--html OUT]
-    kvbench merge SHARD.json ... -o MERGED.json [--report DIR] [--force]
+    kvbench merge RESULTS.json ... -o MERGED.json [--report DIR] [--force]
+    kvbench engines [KIND]
+    kvbench demo [--requests N] [--blocks N]
+    kvbench calibrate [--model DIR] [-o PROFILE.json] [design flags]
+    kvbench simulate [--engine SPEC] [--workload NAME] [--requests N] [--sweep KNOB=V,V,...] [--report DIR]
+
+``report`` re-renders the HTML report of a results file (by default over the report.html beside it, which
+was rendered from the same file); ``compare`` gates one run against another; ``merge`` joins the
+results.json of shards or runs made on several machines; ``engines`` lists the engine kinds and the
+option keys of each (what ``--engine KIND:KEY=VALUE`` accepts); ``demo`` serves a burst on the tiny
+model in both preemption modes; ``calibrate`` fits the simulator's cost model on this machine;
+``simulate`` serves a workload at scale on the simulator and prints a capacity plan.
 
 Exit status: 0 success (no regression); 1 ``compare`` found regressions or baseline results missing
-from the current run (each is named);
-2 usage or file errors (message on stderr).
+from the current run (each is named); 2 usage or file errors (message on stderr).
 """
 
 from __future__ import annotations
@@ -54,7 +64,9 @@ def _cmd_report(args: argparse.Namespace, out: TextIO) -> int:
     results = _load(args.results, "results file")
     baseline = _load(args.baseline, "baseline file") if args.baseline else None
     target = Path(args.output) if args.output else Path(args.results).with_name("report.html")
-    if target.exists() and not args.force:  # a report is often the only copy of a run's rendering: ask first
+    # The report beside RESULTS.json is a rendering of that same file: re-rendering it is what the command is
+    # for. Another existing file named with -o may be anything: ask first.
+    if args.output and target.exists() and not args.force:
         raise CLIError(f"{target} exists; pass --force to overwrite it, or -o to write elsewhere")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -173,6 +185,18 @@ def _cmd_merge(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def _cmd_engines(args: argparse.Namespace, out: TextIO) -> int:
+    from kvbench.engines.registry import EngineSpecError, adapter_class, usage
+
+    if args.kind is not None:
+        try:
+            adapter_class(args.kind)
+        except EngineSpecError as e:
+            raise CLIError(f"{e}; kvbench engines lists the kinds") from None
+    print(usage(args.kind), file=out)
+    return EXIT_OK
+
+
 def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     from kvbench.demo import run_demo
 
@@ -258,14 +282,14 @@ def _simulate_command(profile: Path, model: str | None) -> str:
 
 
 def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.engines.registry import EngineSpecError, make_adapter, parse_engine_spec
+    from kvbench.engines.registry import EngineSpecError, make_adapter, one_line, parse_engine_spec
     from kvbench.sim import simulate as sim
     from kvbench.sim.capacity_plan import capacity_plan
 
     try:
         spec = parse_engine_spec(args.engine)
     except EngineSpecError as e:
-        raise CLIError(str(e)) from e
+        raise CLIError(one_line(e)) from e
     if spec.kind != "sim":
         raise CLIError(f"--engine {args.engine!r}: kvbench simulate runs the sim engine (sim:hardware=...,model=...)")
     try:
@@ -359,17 +383,24 @@ def sim_workloads() -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvbench", description="Reports and regression gates from kvbench "
-                                     "results files (nothing here re-runs an engine).")
+    parser = argparse.ArgumentParser(
+        prog="kvbench",
+        description="kvbench's command line: re-render reports, gate and merge results files (these read files "
+                    "only), list the engine kinds and their options, run a demo, calibrate and run the "
+                    "capacity-planning simulator. The checks and benchmarks themselves run under pytest "
+                    "(pytest suites/ [--benchmark] [--engine SPEC ...]).",
+        epilog="Exit status: 0 success; 1 compare found a regression; 2 a usage or file error.")
     parser.add_argument("--version", action="version", version=f"kvbench {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("report", help="render report.html from a results file",
-                       description="Render the self-contained HTML report of RESULTS.json.")
+                       description="Render the self-contained HTML report of RESULTS.json, by default over the "
+                                   "report.html beside it (a rendering of the same file).")
     p.add_argument("results", metavar="RESULTS.json")
     p.add_argument("--baseline", metavar="B.json", help="also show deltas against this results file")
-    p.add_argument("-o", "--output", metavar="OUT.html", help="default: report.html next to RESULTS.json")
-    p.add_argument("-f", "--force", action="store_true", help="overwrite OUT.html if it exists")
+    p.add_argument("-o", "--output", metavar="OUT.html", help="where to write (default: report.html next to "
+                   "RESULTS.json, replaced if it exists)")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite OUT.html given with -o if it exists")
     p.set_defaults(handler=_cmd_report)
 
     p = sub.add_parser("compare", help="gate: compare two results files against thresholds",
@@ -381,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "more than 10%), p99_tbt:+20% (fail if it rises more than 20%), preemptions:+0 "
                               "(fail on any increase). Short names: " + ", ".join(sorted(gate.SHORT_NAMES))
                               + "; pNN_ttft/tbt/tpot/e2e and any metric key also work. Prefix abs: (abs:throughput:"
-                              "-10%%) gates that time on its absolute value.")
+                              "-10%) gates that time on its absolute value.")
     p.add_argument("baseline", metavar="BASELINE.json", help="the reference run (A)")
     p.add_argument("current", metavar="CURRENT.json", help="the run under test (B)")
     p.add_argument("-t", "--threshold", action="append", metavar="EXPR",
@@ -400,17 +431,29 @@ def build_parser() -> argparse.ArgumentParser:
                                    "measured on. Refuses files of different schema versions or scenario sizes "
                                    "(--benchmark-scale), the same result or shard twice, and one engine name with "
                                    "different options, naming the files.")
-    p.add_argument("results", nargs="+", metavar="RESULTS.json")
-    p.add_argument("-o", "--output", required=True, metavar="MERGED.json")
+    p.add_argument("results", nargs="+", metavar="RESULTS.json", help="the files to merge; a shard writes "
+                   "<report-dir>/<run>-shardIofN/results.json")
+    p.add_argument("-o", "--output", required=True, metavar="MERGED.json", help="the merged results file")
     p.add_argument("--report", metavar="DIR", help="also write DIR/report.html (with a machine column) and "
                                                     "DIR/results.json")
     p.add_argument("-f", "--force", action="store_true", help="overwrite MERGED.json if it exists")
     p.set_defaults(handler=_cmd_merge)
 
+    p = sub.add_parser("engines", help="list the engine kinds and each kind's option keys",
+                       description="List every engine kind (kvbench's own and those other packages register in "
+                                   "the 'kvbench.engines' entry-point group) with its option keys: what --engine "
+                                   "KIND:KEY=VALUE,... accepts, in pytest and in kvbench simulate.")
+    p.add_argument("kind", nargs="?", metavar="KIND", help="only this kind (or MODULE:CLASS)")
+    p.set_defaults(handler=_cmd_engines)
+
     p = sub.add_parser("demo", help="serve a burst on the tiny model under memory pressure, in both "
-                       "preemption modes, and print what was preempted and what it cost")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--blocks", type=int, default=48, help="device KV pool in blocks of 16 tokens")
+                       "preemption modes, and print what was preempted and what it cost",
+                       description="Serve a burst of requests on the built-in tiny model with a KV pool too small "
+                                   "for them, once per preemption mode (recompute, swap), and print what was "
+                                   "preempted and what it cost.")
+    p.add_argument("--requests", type=int, default=32, help="requests in the burst (default %(default)s)")
+    p.add_argument("--blocks", type=int, default=48, help="device KV pool in blocks of 16 tokens "
+                   "(default %(default)s; at least 19)")
     p.set_defaults(handler=_cmd_demo)
 
     p = sub.add_parser("calibrate", help="fit the simulator's step cost model to the reference engine as kvbench "
@@ -428,8 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "profile. It refuses to overwrite PROFILE.json, or to save a fit that explains "
                                    "too little (R² below 0.3), without --force.")
     p.add_argument("--model", metavar="DIR", help="checkpoint to calibrate on (default: the built-in tiny model)")
-    p.add_argument("-o", "--output", default="profiles/this-machine.json", metavar="PROFILE.json")
-    p.add_argument("--name", default="this-machine")
+    p.add_argument("-o", "--output", default="profiles/this-machine.json", metavar="PROFILE.json",
+                   help="where to save the profile (default %(default)s)")
+    p.add_argument("--name", default="this-machine", help="the profile's name (default %(default)s)")
     p.add_argument("-f", "--force", action="store_true", help="overwrite PROFILE.json if it exists, and save a fit "
                    "whose R² (fitted or held-out cells) is below 0.3 (refused otherwise, saying why)")
     p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (default 1)")
@@ -443,8 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, help="times every cell is served, rounds interleaved (default 5)")
     p.set_defaults(handler=_cmd_calibrate)
 
-    p = sub.add_parser("simulate", help="simulate the evening surge at scale on a sim engine; a capacity plan",
-                       description="Serve the evening surge at production scale on the simulator (the reference "
+    p = sub.add_parser("simulate", help="simulate a workload at scale on a sim engine; a capacity plan",
+                       description="Serve a workload (the evening surge by default) at production scale on the "
+                                   "simulator (the reference "
                                    "engine's scheduler on a cost model's clock) once, or once per combination of a "
                                    "--sweep, and print the headline figures and a capacity plan.")
     p.add_argument("--engine", default="sim:hardware=h200,model=llama-3-8b", metavar="SPEC",
@@ -453,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evening_surge (default) or mixed_victims (short and long victims for preemption_mode=auto; "
                         "prefix caching on)")
     p.add_argument("--requests", type=int, default=None, help="default 10,000 (evening_surge) or 1,600 (mixed_victims)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     p.add_argument("--fit-lengths", action="store_true",
                    help="when the model's context is shorter than the workload's longest request, scale every "
                         "length (prompts, outputs, shared prefixes) by one factor so it fits; arrivals unchanged "
@@ -479,7 +524,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_usage(sys.stderr)
-        print("kvbench: error: a command is required (report, compare, merge, demo, calibrate, simulate)",
+        print("kvbench: error: a command is required (report, compare, merge, engines, demo, calibrate, simulate)",
               file=sys.stderr)
         return EXIT_USAGE
     try:

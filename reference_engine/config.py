@@ -37,18 +37,19 @@ GiB = 1 << 30
 
 @dataclass
 class EngineConfig:
-    """Everything that shapes the engine. See the module docstring for how the pools are sized."""
+    """Everything that shapes the engine. What each field means and accepts is :data:`FIELD_DOCS` (the
+    server's ``--help`` prints it); the module docstring says how the pools are sized."""
 
     model: str
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_space: float = 0.5  # GiB of device KV pool on CPU when no override is given
-    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks (vLLM's default)
+    kv_cache_space: float = 0.5
+    swap_space: float = 4.0
     num_cpu_blocks_override: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: 512 with chunked prefill, else max_model_len
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"
@@ -56,26 +57,14 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
-    check_invariants: bool = False  # run the block manager's self-check after every step (slow)
-    # decode attention: "torch" (the oracle), "sliced" (attention.sliced_decode_attention: fewer memory passes
-    # on CPU), "triton", or "auto" = triton on CUDA if importable, torch otherwise
+    check_invariants: bool = False
     attention_backend: str = "auto"
-    # Events retained in LLMEngine.events (oldest dropped first; 0 keeps none). A sink sees them all.
     max_events: int = DEFAULT_MAX_EVENTS
-    # preemption_mode="auto" prices swap vs recompute with this hardware profile (a profile JSON file
-    # from `kvbench calibrate`, or a built-in name such as "h200"); None: costs measured at engine start.
     cost_profile: str | None = None
-    # Admission control (reference_engine.admission): "none" admits whatever fits now (vLLM's rule);
-    # "watermark" admits only if the projected KV use over the next admission_horizon steps stays
-    # under (1 - admission_headroom) of the pool; "aimd" caps running requests, halving the cap when
-    # preemptions exceed preemption_budget per 100 steps and growing it by one per quiet window.
     admission_policy: str = "none"
     admission_headroom: float = 0.05
     admission_horizon: int = 64
     preemption_budget: float = 1.0
-    # Prefill pacing (reference_engine.scheduler): while a request decodes, a step computes at most this
-    # many prefill tokens beside the decodes (unchunked: a longer prompt only as the step's one prefill);
-    # None: no cap.
     prefill_pacing_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -126,6 +115,56 @@ class EngineConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(max_model_len=max_model_len, max_num_batched_tokens=budget)
         return EngineConfig(**values)
+
+
+#: What each field means and what it accepts: one sentence or two, plain text (the server's ``--help``
+#: prints them as they are). A test holds every field described.
+FIELD_DOCS: dict[str, str] = {
+    "model": "checkpoint directory: a Hugging Face Llama config.json with *.safetensors weights",
+    "block_size": "tokens per KV block; a power of two from 1 to 128",
+    "num_gpu_blocks_override": "device KV pool size in blocks (an integer >= 1); unset: sized from kv_cache_space "
+                               "on CPU, gpu_memory_utilization on CUDA",
+    "gpu_memory_utilization": "on CUDA without a block override, the share of device memory for weights and the "
+                              "KV pool; a number in (0, 1]",
+    "kv_cache_space": "on CPU without a block override, GiB of device KV pool; a number > 0",
+    "swap_space": "GiB of host memory for swapped-out blocks (vLLM's default 4), reserved only when "
+                  "preemption_mode is swap or auto; a number >= 0",
+    "num_cpu_blocks_override": "host (swap) pool size in blocks (an integer >= 0); unset: sized from swap_space",
+    "max_num_seqs": "most requests running in one step; an integer >= 1",
+    "max_num_batched_tokens": "token budget of one step (an integer >= 1); unset: 512 with chunked prefill, else "
+                              "max_model_len (without chunking it must be at least max_model_len)",
+    "max_model_len": "longest prompt + output accepted, in tokens (an integer >= 2, at most the model's "
+                     "max_position_embeddings); unset: max_position_embeddings",
+    "enable_chunked_prefill": "split a prompt's prefill over steps within the token budget",
+    "enable_prefix_caching": "reuse the KV blocks of an identical prompt prefix",
+    "preemption_mode": "what happens to a preempted request's KV: recompute (freed, computed again), swap "
+                       "(copied to the host pool; recompute when it is full) or auto (whichever costs less, per "
+                       "victim)",
+    "scheduling_policy": "fcfs (first come, first served; the latest admitted is preempted first) or priority "
+                         "(lowest priority value first; the least important is preempted first)",
+    "seed": "seed of sampling for requests that give none; an integer",
+    "device": "cpu, cuda or cuda:N",
+    "dtype": "weights and KV dtype: float32, float16 or bfloat16",
+    "check_invariants": "run the block manager's self-check after every step (slow; for debugging)",
+    "attention_backend": "decode attention: torch (the readable oracle), sliced (fewer memory passes on CPU), "
+                         "triton (CUDA, or TRITON_INTERPRET=1), or auto (triton on CUDA if importable, torch "
+                         "otherwise)",
+    "max_events": "engine events retained in LLMEngine.events, oldest dropped first (0 keeps none; a sink sees "
+                  "them all); an integer >= 0",
+    "cost_profile": "how preemption_mode=auto prices swap against recompute: a hardware profile JSON file from "
+                    "kvbench calibrate, or a built-in name such as h200; unset: costs measured at engine start",
+    "admission_policy": "none (admit whatever fits now, vLLM's rule), watermark (admit only if the projected KV "
+                        "use over the next admission_horizon steps stays under 1 - admission_headroom of the "
+                        "pool) or aimd (cap running requests: halved when preemptions exceed preemption_budget "
+                        "per 100 steps, raised by one per quiet window)",
+    "admission_headroom": "watermark admission: share of the pool kept free; a number in [0, 1)",
+    "admission_horizon": "watermark admission: steps of growth projected for running requests; an integer >= 0",
+    "preemption_budget": "aimd admission: preemptions per 100 steps tolerated before the cap is halved; a number "
+                         "in [0, 100]",
+    "prefill_pacing_tokens": "while a request decodes, at most this many prefill tokens per step beside the "
+                             "decodes (without chunking, a longer prompt only as the step's one prefill); an "
+                             "integer >= 1; unset: no cap",
+}
 
 
 def _positive_power_of_two(name: str, value: Any, upper: int) -> None:

@@ -321,18 +321,18 @@ def test_invalid_configuration_passes_on_the_engines_own_refusal(model_dir, requ
                                                                requests_greedy=requests_greedy)
 
 
-def test_the_readme_maps_every_fault_to_a_check_and_an_existing_test():
-    """README's check -> fault -> test table names every fault of FAULTS, and every test it names exists."""
+def test_the_docs_map_every_fault_to_a_check_and_an_existing_test():
+    """docs/checks.md's check -> fault -> test table names every fault of FAULTS, and every test it names exists."""
     from pathlib import Path
 
     from kvbench.conformance.faults import FAULTS
 
     root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    table = readme[readme.index("| check | fault (`kvbench/conformance/faults.py`)"):]
+    page = (root / "docs" / "checks.md").read_text(encoding="utf-8")
+    table = page[page.index("| check | fault (`kvbench/conformance/faults.py`)"):]
     table = table[:table.index("\n\n")]
     missing = [f for f in FAULTS if f"`{f}`" not in table]
-    assert not missing, f"faults with no row in README's check -> fault -> test table: {missing}"
+    assert not missing, f"faults with no row in docs/checks.md's check -> fault -> test table: {missing}"
     for file, name in re.findall(r"`(test_[a-z_]+\.py)::(test_[a-z_]+)`", table):
         assert f"def {name}(" in (root / "tests" / file).read_text(encoding="utf-8"), f"{file}::{name} is gone"
 

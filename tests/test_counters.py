@@ -36,7 +36,7 @@ from kvbench.engines.hf.probe import (
     transformers_version_note,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ENGINES_PAGE = Path(__file__).resolve().parents[1] / "docs" / "engines.md"
 
 # ------------------------------------------------------------------------------------------- the record
 
@@ -84,13 +84,13 @@ def test_to_dict_names_every_counter_and_from_dict_round_trips():
     assert Counters.from_dict(json.loads(json.dumps(d))) == c
 
 
-def test_table_printed_by_the_module_is_the_readme_table():
+def test_table_printed_by_the_module_is_the_table_in_the_docs():
     out = subprocess.run([sys.executable, "-m", "kvbench.core.counters"], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == markdown_table()
     assert all(f"| `{s.name}` | {s.unit} |" in out for s in COUNTER_SPECS)
-    assert markdown_table() in README.read_text(encoding="utf-8"), "README's counter table is stale: paste " \
-        "the output of `python -m kvbench.core.counters`"
+    assert markdown_table() in ENGINES_PAGE.read_text(encoding="utf-8"), "docs/engines.md's counter table is " \
+        "stale: paste the output of `python -m kvbench.core.counters`"
 
 
 # ------------------------------------------------------------------------ traces, results, metrics

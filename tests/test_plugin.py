@@ -15,12 +15,18 @@ def test_help_lists_the_kvbench_options(pytester: pytest.Pytester):
                                  "*--report-dir*", "*--baseline*", "*--threshold*", "*--slo*"])
 
 
-def test_unknown_engine_kind_is_a_usage_error_listing_kinds_and_keys(pytester: pytest.Pytester):
+def _last_line(result: pytest.RunResult) -> str:
+    return [line for line in result.stderr.lines if line.strip()][-1]
+
+
+def test_unknown_engine_kind_is_a_one_line_usage_error_pointing_at_the_kinds(pytester: pytest.Pytester):
     pytester.makepyfile("def test_nothing(): pass")
     result = pytester.runpytest_subprocess("--engine", "warp-drive")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*unknown engine kind 'warp-drive'*", "*MODULE:CLASS*", "*Kinds and their keys:*",
-                                 "*reference:*", "*hf-cb:*"])
+    # the error alone, last: the kinds and their keys are a request away (kvbench engines [KIND])
+    assert "unknown engine kind 'warp-drive'" in _last_line(result)
+    assert "kvbench engines [KIND]" in _last_line(result)
+    assert "Kinds and their keys" not in result.stderr.str()
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -32,11 +38,14 @@ def test_unknown_engine_kind_is_a_usage_error_listing_kinds_and_keys(pytester: p
     ("reference:preemption_mode=swapp", "*EngineConfig.preemption_mode='swapp' is invalid: expected one of "
                                         "'recompute', 'swap'*"),
 ])
-def test_bad_engine_option_is_a_usage_error_listing_the_kinds_keys(pytester: pytest.Pytester, spec, message):
+def test_bad_engine_option_is_a_one_line_usage_error(pytester: pytest.Pytester, spec, message):
     pytester.makepyfile("def test_nothing(): pass")
     result = pytester.runpytest_subprocess("--engine", spec)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([message, "*Its keys:*", "*reference:*", "*num_gpu_blocks_override:*"])
+    result.stderr.fnmatch_lines([message])
+    from fnmatch import fnmatch
+
+    assert fnmatch(_last_line(result), message), f"the error is not the last line: {result.stderr.str()}"
     assert "test_nothing" not in result.stdout.str() and "passed" not in result.stdout.str()
 
 

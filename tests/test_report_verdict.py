@@ -280,18 +280,24 @@ def test_report_files_are_written_0644(tmp_path):
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
 
 
-def test_cli_report_says_what_it_wrote_and_refuses_to_overwrite(tmp_path, capsys):
+def test_cli_report_says_what_it_wrote_re_renders_beside_its_results_and_asks_before_overwriting_elsewhere(
+        tmp_path, capsys):
     src = tmp_path / "results.json"
     _results().save(src)
     assert cli(["report", str(src)]) == 0
     out = capsys.readouterr().out
     assert f"report written to {tmp_path / 'report.html'}" in out and "KiB" in out
     before = (tmp_path / "report.html").read_text()
-    (tmp_path / "report.html").write_text("keep me")
-    assert cli(["report", str(src)]) == 2
-    assert "--force" in capsys.readouterr().err and (tmp_path / "report.html").read_text() == "keep me"
-    assert cli(["report", str(src), "--force"]) == 0
-    assert (tmp_path / "report.html").read_text() == before
+    # the report beside RESULTS.json is a rendering of that file: `kvbench report RESULTS.json` renders it again
+    (tmp_path / "report.html").write_text("an older rendering")
+    assert cli(["report", str(src)]) == 0 and (tmp_path / "report.html").read_text() == before
+    # another file named with -o may be anything: asked first
+    other = tmp_path / "other.html"
+    other.write_text("keep me")
+    assert cli(["report", str(src), "-o", str(other)]) == 2
+    assert "--force" in capsys.readouterr().err and other.read_text() == "keep me"
+    assert cli(["report", str(src), "-o", str(other), "--force"]) == 0
+    assert other.read_text() == before
 
 
 def test_scoreboard_does_not_rank_open_loop_runs_on_different_clocks():

@@ -1,7 +1,7 @@
 """A third-party adapter, installed as a package would be, drives the real conformance suite.
 
-The adapter is the README's example, taken from the README itself (so the documented code is the
-tested code). "Installed" = a ``.dist-info`` folder with ``entry_points.txt`` beside the module on
+The adapter is the example of docs/engines.md, taken from that page itself (so the documented code is
+the tested code). "Installed" = a ``.dist-info`` folder with ``entry_points.txt`` beside the module on
 ``PYTHONPATH``: what ``importlib.metadata`` finds for a pip-installed distribution, without pip or a
 network. Both live under ``tmp_path`` and go with it.
 """
@@ -22,11 +22,11 @@ pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def readme_example() -> str:
-    """The code block that follows ``<!-- example-adapter: toy_engines.py -->`` in the README."""
+def documented_example() -> str:
+    """The code block that follows ``<!-- example-adapter: toy_engines.py -->`` in docs/engines.md."""
     found = re.search(r"<!-- example-adapter: toy_engines.py -->\n```python\n(.*?)```",
-                      (ROOT / "README.md").read_text(), re.S)
-    assert found, "README lost its example adapter (marker <!-- example-adapter: toy_engines.py -->)"
+                      (ROOT / "docs" / "engines.md").read_text(), re.S)
+    assert found, "docs/engines.md lost its example adapter (marker <!-- example-adapter: toy_engines.py -->)"
     return found.group(1)
 
 
@@ -35,7 +35,7 @@ def toy_package(tmp_path: Path) -> Path:
     """A folder holding the module and its distribution metadata, as site-packages would."""
     root = tmp_path / "site"
     root.mkdir()
-    (root / "toy_engines.py").write_text(readme_example())
+    (root / "toy_engines.py").write_text(documented_example())
     info = root / "toy_engines-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-engines\nVersion: 0.1\n")

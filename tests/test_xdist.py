@@ -349,7 +349,7 @@ def test_the_ci_example_uses_real_options_and_uploads_the_report():
     assert "-n auto" in text and "--baseline" in text and "actions/upload-artifact" in text
     assert "--name kvbench-benchmarks-main" in text and "kvbench-benchmarks-${{ github.ref == 'refs/heads/main'" \
         " && 'main'" in text
-    assert build_parser()  # the CLI the README's merge instructions use is importable
+    assert build_parser()  # the CLI the merge instructions of docs/benchmarks.md use is importable
 
 
 def test_a_storm_benchmarks_engines_stay_in_one_shard() -> None:

@@ -5,7 +5,7 @@ server's ``/metrics``). A field left ``None`` means "the engine does not expose 
 would claim that nothing happened. Checks prove mechanisms from these fields, metrics prefer them
 over what the trace saw from outside, and the report shows "not exposed" for ``None``.
 
-The table :data:`COUNTER_SPECS` is the documentation (the README renders it): a name means exactly
+The table :data:`COUNTER_SPECS` is the documentation (docs/engines.md renders it): a name means exactly
 what its row says in every adapter. ``python -m kvbench.core.counters`` prints it as Markdown.
 """
 
@@ -153,7 +153,7 @@ def spec(name: str) -> CounterSpec:
 
 
 def markdown_table() -> str:
-    """The contract as the README's table."""
+    """The contract as the table in docs/engines.md."""
     rows = ["| counter | unit | meaning |", "|---|---|---|"]
     rows += [f"| `{s.name}` | {s.unit} | {s.meaning} |" for s in COUNTER_SPECS]
     return "\n".join(rows)

@@ -155,6 +155,13 @@ def usage(kind: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def one_line(error: EngineSpecError) -> str:
+    """The error of an ``--engine`` value alone, on one line, as a command line shows it: the kinds and their
+    keys that :func:`usage` lists are a request away (``kvbench engines [KIND]``), not printed before it."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else "invalid --engine value"
+    return f"{first} (kvbench engines [KIND] lists the engine kinds and their option keys)"
+
+
 def _split_target(text: str) -> tuple[str, str]:
     """``(kind or module:Class, the options text)``; raises EngineSpecError for an unknown kind."""
     head, sep, tail = text.partition(":")

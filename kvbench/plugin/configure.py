@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.engines.registry import EngineSpec, EngineSpecError, adapter_class, parse_engine_spec
+from kvbench.engines.registry import EngineSpec, EngineSpecError, adapter_class, one_line, parse_engine_spec
 from kvbench.plugin.conformance_records import ConformanceRecorder
 from kvbench.plugin.distribution import configure_distribution
 from kvbench.plugin.expected_failures import ExpectedFailures
@@ -26,7 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         specs = [parse_engine_spec(s) for s in (config.getoption("engine") or ["reference"])]
     except EngineSpecError as e:
-        raise pytest.UsageError(str(e)) from None
+        raise pytest.UsageError(one_line(e)) from None
     if len({s.name for s in specs}) != len(specs):
         raise pytest.UsageError("--engine: the same engine is named twice")
     _check_engines_available(specs)

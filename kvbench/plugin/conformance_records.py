@@ -205,7 +205,9 @@ def conformance_summary(tr: Any, ks: KvbenchSession) -> None:
     for record in ks.conformance.values():
         counts = by_engine.setdefault(record["engine"], {})
         counts[record["outcome"]] = counts.get(record["outcome"], 0) + 1
-    for engine, counts in by_engine.items():
+    given = [spec.name for spec in ks.engine_specs]  # the order of --engine, however the tests ran (xdist)
+    order = {name: i for i, name in enumerate(given)}
+    for engine, counts in sorted(by_engine.items(), key=lambda kv: order.get(kv[0], len(given))):
         near = sum(r["near_ties"] for r in ks.conformance.values() if r["engine"] == engine)
         tr.write_line(f"{engine}: " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
                       + (f" ({near} near-ties)" if near else ""))

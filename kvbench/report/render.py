@@ -192,7 +192,7 @@ def _ratio_chart(sc: dict[str, Any], pairs: list[tuple[dict, dict]]) -> Markup |
                                f" · {c.verdict}", text=c.text))
     if not bars:
         return None
-    names = sorted({f"{o['engine']} ÷ {b['engine']}" for o, b in pairs})
+    names = list(dict.fromkeys(f"{o['engine']} ÷ {b['engine']}" for o, b in pairs))  # in the run's engine order
     return rc.ratio_bars(f"{', '.join(names)} — {sc['name']}", bars,
                          subtitle="green: better beyond the noise, red: worse, grey: within the noise "
                                   "(log scale, clipped at 4×)")

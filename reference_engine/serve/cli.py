@@ -3,8 +3,9 @@
 Every ``EngineConfig`` field is a flag named as ``vllm serve`` names it (``--block-size``,
 ``--num-gpu-blocks-override``, ``--preemption-mode``, ``--enable-prefix-caching`` /
 ``--no-enable-prefix-caching``, ...): the flags are generated from the dataclass, so a new field is a new
-flag. Values are checked by ``EngineConfig`` itself, and a bad one exits with status 2 and its
-``ConfigError`` message, which names the field. Server flags: ``--host`` (default 127.0.0.1: binding
+flag, and each flag's help is the field's entry in ``reference_engine.config.FIELD_DOCS``. Values are
+checked by ``EngineConfig`` itself, and a bad one exits with status 2 and its ``ConfigError`` message,
+which names the field. Server flags: ``--host`` (default 127.0.0.1: binding
 every interface is a choice to make explicitly), ``--port`` (0 = a free port, printed), ``--api-key``,
 ``--served-model-name``, ``--max-body-bytes``, ``--access-log``, ``--engine-process`` (default on: the
 engine steps in its own process; ``--no-engine-process`` keeps it on a thread of the server).
@@ -23,7 +24,7 @@ import socket
 import sys
 from typing import Any
 
-from reference_engine.config import ConfigError, EngineConfig
+from reference_engine.config import FIELD_DOCS, ConfigError, EngineConfig
 from reference_engine.serve.app import DEFAULT_MAX_BODY_BYTES
 
 READY_PREFIX = "reference_engine.serve: listening on "
@@ -41,28 +42,38 @@ def _flag_type(annotation: str) -> tuple[Any, bool]:
     return _SCALARS[parts[0]], False
 
 
+def _metavar(name: str, kind: Any) -> str:
+    """``DIR`` for the model, else the value's type: what the flag takes, its meaning being in the help."""
+    return "DIR" if name == "model" else {int: "N", float: "X", str: "NAME"}[kind]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m reference_engine.serve",
         description="OpenAI-compatible server (/v1/completions, /v1/models, /health, /metrics) for reference_engine.")
-    engine = parser.add_argument_group("engine (EngineConfig fields, vLLM's names)")
+    engine = parser.add_argument_group("engine", "EngineConfig fields, named as vllm serve names them")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind, is_bool = _flag_type(str(f.type))
         default = None if f.default is dataclasses.MISSING else f.default
+        shown = "required" if f.name == "model" else f"default: {'unset' if default is None else default}"
+        help_text = f"{FIELD_DOCS[f.name]} ({shown})".replace("%", "%%")  # argparse formats help with %
         if is_bool:
             engine.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                help=f"EngineConfig.{f.name} (default: {default})")
+                                help=help_text)
         else:
             engine.add_argument(flag, dest=f.name, type=kind, default=default, required=f.name == "model",
-                                metavar=f.name.upper(), help=f"EngineConfig.{f.name} (default: {default})")
+                                metavar=_metavar(f.name, kind), help=help_text)
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, local only)")
-    server.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 = any free port)")
-    server.add_argument("--api-key", default=None,
+    server.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
+                        help="interface to bind (default: 127.0.0.1, local only)")
+    server.add_argument("--port", type=int, default=8000, metavar="N",
+                        help="TCP port (default: 8000; 0 = any free port)")
+    server.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    server.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
-    server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    server.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="model name in the API (default: --model)")
+    server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                         help=f"largest request body accepted (default: {DEFAULT_MAX_BODY_BYTES})")
     server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                         help="log every request (default: off)")
