@@ -47,19 +47,19 @@ def _run(out: TextIO, num_requests: int, num_gpu_blocks: int, seed: int) -> int:
         outputs = engine.generate(prompts, params)
         seconds = time.perf_counter() - t0
         outputs_by_mode[mode] = [o.token_ids for o in outputs]
-        s = engine.stats()
+        c = engine.counters()
         preempted = sorted(((o.num_preemptions, i) for i, o in enumerate(outputs) if o.num_preemptions),
                            reverse=True)
         print(f"== preemption_mode={mode}", file=out)
-        print(f"   wall time {seconds:.2f} s, {s['num_generated_tokens'] / seconds:.0f} output tokens/s, "
-              f"{s['num_steps']} steps", file=out)
-        print(f"   preemptions: {s['num_preemptions']} ({s['num_preemptions_recompute']} recompute, "
-              f"{s['num_preemptions_swap']} swap), {len(preempted)} of {num_requests} requests preempted, "
+        print(f"   wall time {seconds:.2f} s, {c.generated_tokens / seconds:.0f} output tokens/s, "
+              f"{c.steps} steps", file=out)
+        print(f"   preemptions: {c.preemptions} ({c.preemptions_recompute} recompute, "
+              f"{c.preemptions_swap} swap), {len(preempted)} of {num_requests} requests preempted, "
               f"most often {preempted[0][0] if preempted else 0}x", file=out)
-        print(f"   recomputed tokens: {s['num_recomputed_tokens']} of {s['num_computed_tokens']} computed "
-              f"({s['num_recomputed_tokens'] / max(s['num_computed_tokens'], 1):.0%})", file=out)
-        print(f"   swapped: {s['swapped_out_bytes'] / 2**20:.1f} MiB out, {s['swapped_in_bytes'] / 2**20:.1f} MiB in, "
-              f"{s['swap_seconds'] * 1e3:.1f} ms copying", file=out)
+        print(f"   recomputed tokens: {c.recomputed_tokens} of {c.computed_tokens} computed "
+              f"({c.recomputed_tokens / max(c.computed_tokens, 1):.0%})", file=out)
+        print(f"   swapped: {c.swapped_out_bytes / 2**20:.1f} MiB out, {c.swapped_in_bytes / 2**20:.1f} MiB in, "
+              f"{c.swap_seconds * 1e3:.1f} ms copying", file=out)
         print("   most preempted: " + ", ".join(f"request {i} ({n}x)" for n, i in preempted[:5]) + "\n", file=out)
     same = outputs_by_mode["recompute"] == outputs_by_mode["swap"]
     print(f"Outputs identical in both modes: {same}. Next: `pytest suites/` (conformance) and "

@@ -7,8 +7,8 @@ Public API (vLLM's names)::
     while engine.has_unfinished_requests():
         for out in engine.step().outputs: ...   # step() also says what it did: .record
     engine.generate(prompts, params) ; engine.abort_request("r1")
-    engine.stats()      # gauges + cumulative counters, a flat dict (kvbench and /metrics read it)
-    engine.counters()   # the cumulative counters as a typed snapshot (EngineCounters)
+    engine.stats()      # gauges (queues, pool sizes and usage), a flat dict
+    engine.counters()   # the cumulative counters, a typed snapshot (EngineCounters: the contract's names)
     engine.events       # the latest EngineConfig.max_events events; engine.add_event_sink(fn) sees all
 
 What the engine runs on comes from a parts factory (:class:`EngineParts`): :func:`load_parts` loads the
@@ -285,9 +285,9 @@ class LLMEngine:
         return self._counters.snapshot()
 
     def stats(self) -> dict[str, float | int]:
-        """Gauges (queues, pool usage) and the cumulative counters under their ``stats()`` names
-        (vLLM's metric names where it has one; :class:`EngineCounters` documents each counter)."""
-        bm, s, c = self.block_manager, self.scheduler, self._counters
+        """Gauges only, what holds right now: pool sizes, free and cached blocks, queue lengths, the
+        pools' usage fractions. What has happened so far is :meth:`counters`."""
+        bm, s = self.block_manager, self.scheduler
         gpu_used = bm.num_gpu_blocks - bm.num_free_gpu_blocks
         cpu_used = bm.num_cpu_blocks - bm.num_free_cpu_blocks
         return {
@@ -297,15 +297,6 @@ class LLMEngine:
             "num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
             "gpu_cache_usage": gpu_used / bm.num_gpu_blocks,
             "cpu_cache_usage": cpu_used / bm.num_cpu_blocks if bm.num_cpu_blocks else 0.0,
-            "num_preemptions": c.preemptions,
-            "num_preemptions_recompute": c.preemptions_recompute, "num_preemptions_swap": c.preemptions_swap,
-            "num_swap_fallbacks": c.swap_fallbacks, "num_swap_outs": c.swap_outs, "num_swap_ins": c.swap_ins,
-            "swapped_out_bytes": c.swapped_out_bytes, "swapped_in_bytes": c.swapped_in_bytes,
-            "swap_seconds": c.swap_seconds,
-            "prefix_cache_queries": c.prefix_cache_queries, "prefix_cache_hits": c.prefix_cache_hits,
-            "num_prefill_chunks": c.prefill_chunks, "num_computed_tokens": c.computed_tokens,
-            "num_recomputed_tokens": c.recomputed_tokens, "num_generated_tokens": c.generated_tokens,
-            "num_evicted_blocks": c.evicted_blocks, "num_steps": c.steps,
         }
 
 

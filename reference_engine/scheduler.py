@@ -520,9 +520,11 @@ class Scheduler:
             self.record_event("finished", req.request_id, reason=status.value, output_tokens=len(req.output_token_ids))
 
     def abort(self, request_id: str) -> Request | None:
-        """Abort a request in any state, freeing its device and host blocks. None if unknown."""
+        """Abort a request in any state, freeing its device and host blocks. None if unknown (or already
+        finished: a finished request is no longer held), and then nothing is counted."""
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self.counters.aborts += 1
         self.finish(req, RequestStatus.FINISHED_ABORTED)
         return req

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from kvbench.checkpoints import builtin_checkpoint
 from reference_engine import EngineConfig, LLMEngine, SamplingParams
+from reference_engine.counters import EngineCounters
 from reference_engine.kv_cache import KVCache
 
 
@@ -180,18 +181,18 @@ def swap_vs_copy(repeats: int, num_blocks: int = 1000) -> tuple[float, float, in
     return _median_seconds(swap, repeats), _median_seconds(plain, repeats), num_blocks * kv.block_bytes
 
 
-def recompute_saved_by_prefix_caching() -> dict[bool, dict]:
+def recompute_saved_by_prefix_caching() -> dict[bool, EngineCounters]:
     ckpt = builtin_checkpoint("tiny")
     g = torch.Generator().manual_seed(1234)
     lengths = torch.randint(1, 301, (32,), generator=g)
     prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in lengths]
     params = [SamplingParams(max_tokens=int(m), ignore_eos=True) for m in torch.randint(1, 101, (32,), generator=g)]
-    stats = {}
+    counters = {}
     for caching in (False, True):
         engine = LLMEngine(EngineConfig(model=str(ckpt), num_gpu_blocks_override=40, enable_prefix_caching=caching))
         engine.generate(prompts, params)
-        stats[caching] = engine.stats()
-    return stats
+        counters[caching] = engine.counters()
+    return counters
 
 
 def main() -> None:
@@ -225,9 +226,9 @@ def main() -> None:
     if 3 in only:
         s = recompute_saved_by_prefix_caching()
         print(f"3. overloaded workload (32 requests, 40 blocks): recomputed tokens without caching "
-              f"{s[False]['num_recomputed_tokens']}, with caching {s[True]['num_recomputed_tokens']}; computed "
-              f"tokens {s[False]['num_computed_tokens']} vs {s[True]['num_computed_tokens']}; "
-              f"preemptions {s[False]['num_preemptions']} vs {s[True]['num_preemptions']}")
+              f"{s[False].recomputed_tokens}, with caching {s[True].recomputed_tokens}; computed "
+              f"tokens {s[False].computed_tokens} vs {s[True].computed_tokens}; "
+              f"preemptions {s[False].preemptions} vs {s[True].preemptions}")
     if 4 in only:
         t = reference_vs_hf(args.hf_model, args.hf_batch, args.hf_prompt, args.hf_output, args.hf_rounds)
         tokens = args.hf_batch * args.hf_output

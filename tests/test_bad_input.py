@@ -46,7 +46,7 @@ def _run(engine: LLMEngine) -> dict[str, Any]:
 
 def _snapshot(engine: LLMEngine) -> tuple:
     s = engine.scheduler
-    return (engine.stats(), sorted(s.requests), [r.request_id for r in s.waiting],
+    return (engine.stats(), engine.counters(), sorted(s.requests), [r.request_id for r in s.waiting],
             [r.request_id for r in s.running], {k: list(v) for k, v in engine.block_manager.block_tables.items()})
 
 
@@ -164,13 +164,14 @@ def test_a_near_zero_temperature_samples_the_argmax_instead_of_crashing_the_step
 
 def test_aborting_an_unknown_or_finished_request_returns_false(make_engine) -> None:
     engine = make_engine(num_gpu_blocks_override=16)
-    before = engine.stats()
+    before = engine.stats(), engine.counters()
     assert engine.abort_request("nobody") is False
-    assert engine.stats() == before and not engine.has_unfinished_requests()
+    assert (engine.stats(), engine.counters()) == before and not engine.has_unfinished_requests()
     engine.add_request("r", _prompt(4, seed=10), _greedy(2))
     assert engine.abort_request("r") is True
     assert engine.abort_request("r") is False, "aborting twice"
     assert [o.finish_reason for o in engine.step().outputs] == ["abort"]
+    assert engine.counters().aborts == 1, "only the abort of an unfinished request counts"
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -392,6 +392,8 @@ HTTP_CASES = [
                  id="seeded-sampling"),
     pytest.param(test_stop_conditions.test_stop_condition_holds_under_pressure, "overruns_max_tokens",
                  r"differ from the ground truth", {"condition": "max_tokens"}, id="stop-max-tokens"),
+    pytest.param(test_metrics_truth.test_counts_told_twice_agree, "overcounts_generated_tokens",
+                 r"generated_tokens=\d+ but the output tokens received = \d+", {}, id="counts-told-twice"),
     pytest.param(test_nothing_lost.test_every_request_finishes_exactly_once, "leaks_block",
                  r"blocks are still held", {"mode": "recompute"}, id="nothing-lost-leak"),
     pytest.param(test_nothing_lost.test_every_request_finishes_exactly_once, "never_aborts",

@@ -2,7 +2,8 @@
 
 The record itself (validation, "None = not exposed", the mapping over exposed counters, ``minus``),
 its journey through traces and results files, the metrics' reading of it, and each adapter's
-counters: ``reference`` equals the engine's own stats, ``hf`` exposes nothing (all None, never 0),
+counters: ``reference`` is the engine's ``EngineCounters`` copied by name, in process and read back
+from a reference server's ``/metrics``, ``hf`` exposes nothing (all None, never 0),
 ``hf-cb`` counts ``prefill_chunks`` as the contract defines it and survives a renamed or broken
 internal with the dependent counters None. hf-cb runs are on the tiny model with one short request.
 """
@@ -156,48 +157,139 @@ def _requests(n: int = 3, prompt_len: int = 20, max_tokens: int = 8) -> list[Gen
             for i in range(n)]
 
 
-# the engine's stats() key -> the contract's counter it must equal
-_STATS_TO_COUNTERS = {
-    "num_preemptions_recompute": "preemptions_recompute", "num_preemptions_swap": "preemptions_swap",
-    "num_swap_outs": "swap_outs", "num_swap_ins": "swap_ins", "num_swap_fallbacks": "swap_fallbacks",
-    "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
-    "num_prefill_chunks": "prefill_chunks", "num_recomputed_tokens": "recomputed_tokens",
-    "num_computed_tokens": "computed_tokens", "swapped_out_bytes": "swapped_out_bytes",
-    "swapped_in_bytes": "swapped_in_bytes", "swap_seconds": "swap_seconds",
-    "num_generated_tokens": "generated_tokens",
-}
+#: with these knobs every EngineCounters field of a _pressured_engine run is above 0 (a host pool of 3
+#: blocks takes one swap, then falls back to recompute)
+EVERY_COUNTER_MOVES = {"num_cpu_blocks": 3, "preemption_mode": "swap", "enable_prefix_caching": True}
 
 
-def test_reference_counters_equal_the_engine_stats(ckpt_dir: str):
-    from kvbench.engines.inprocess.reference import ReferenceAdapter, counters_of
-
-    adapter = ReferenceAdapter(ckpt_dir)
-    knobs = Knobs(block_size=16, num_gpu_blocks=6, max_num_batched_tokens=16, enable_chunked_prefill=True)
-    engine = adapter.build_engine(knobs)
+def _pressured_engine(ckpt_dir: str, **knobs):
+    """A finished run in which most counters moved: chunked prefill, preemptions (swap, and recompute
+    when the host pool fills), prefix hits, and one request aborted in flight."""
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
     from reference_engine import SamplingParams
 
+    knobs = {"block_size": 16, "num_gpu_blocks": 6, "max_num_batched_tokens": 16, "enable_chunked_prefill": True,
+             **knobs}
+    engine = ReferenceAdapter(ckpt_dir).build_engine(Knobs(**knobs))
+    shared = _requests(1, 32, 1)[0].prompt_token_ids  # two full blocks every request starts with
     for r in _requests(4, 30, 12):
-        engine.add_request(r.request_id, r.prompt_token_ids, SamplingParams(max_tokens=12, ignore_eos=True))
+        engine.add_request(r.request_id, shared + r.prompt_token_ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request("gone", shared + [5] * 20, SamplingParams(max_tokens=12, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_request("gone")
     while engine.has_unfinished_requests():
         engine.step()
-    c, stats = counters_of(engine), engine.stats()
+    return engine
+
+
+def test_reference_counters_are_the_engine_record_copied_by_name(ckpt_dir: str):
+    from kvbench.engines.inprocess.reference import ReferenceAdapter, counters_of
+    from reference_engine.counters import EngineCounters
+
+    engine = _pressured_engine(ckpt_dir)
+    c, record, stats = counters_of(engine), engine.counters(), engine.stats()
     assert isinstance(c, Counters)
-    for key, name in _STATS_TO_COUNTERS.items():
-        assert getattr(c, name) == stats[key], name
-    assert c.prefill_chunks > 0 and c.preemptions_recompute > 0  # the values compared are not all zeros
+    shared = [f.name for f in dataclasses.fields(EngineCounters) if f.name in COUNTER_NAMES]
+    assert set(f.name for f in dataclasses.fields(EngineCounters)) - set(shared) == {"steps", "evicted_blocks"}
+    for name in shared:
+        assert getattr(c, name) == getattr(record, name), name
+    assert c.prefill_chunks > 0 and c.preemptions_recompute > 0 and c.aborts == 1  # not all zeros
     assert c.leaked_blocks == 0 and c.num_gpu_blocks == stats["num_gpu_blocks"] == 6
-    result = adapter.generate(_requests(2), Knobs(block_size=16, num_gpu_blocks=64))
+    result = ReferenceAdapter(ckpt_dir).generate(_requests(2), Knobs(block_size=16, num_gpu_blocks=64))
     assert isinstance(result.counters, Counters) and result.counters.generated_tokens == 16
 
 
-def test_reference_counters_are_the_typed_record():
-    stats = {"num_gpu_blocks": 8, "num_free_gpu_blocks": 8, "num_cpu_blocks": 0, "num_free_cpu_blocks": 0,
-             "num_preemptions_recompute": 1}
+def test_engine_stats_are_gauges_only(ckpt_dir: str):
+    from reference_engine.counters import EngineCounters
+
+    stats = _pressured_engine(ckpt_dir).stats()
+    assert set(stats) == {"num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks",
+                          "num_cached_blocks", "num_running", "num_waiting", "num_swapped", "gpu_cache_usage",
+                          "cpu_cache_usage"}
+    assert not set(stats) & {f.name for f in dataclasses.fields(EngineCounters)}
+
+
+def test_reference_counters_copy_every_contract_field_of_the_record():
+    from kvbench.engines.inprocess.reference import counters_of
+    from reference_engine.counters import EngineCounters
+
+    stats = {"num_gpu_blocks": 8, "num_free_gpu_blocks": 8, "num_cpu_blocks": 0, "num_free_cpu_blocks": 0}
+    record = EngineCounters(preemptions_recompute=5, aborts=2, steps=40)  # steps: not a contract counter
+    c = counters_of(SimpleNamespace(stats=lambda: stats, counters=lambda: record))
+    assert (c.preemptions_recompute, c.aborts, c.leaked_blocks, c.swap_ins) == (5, 2, 0, 0)
+    assert c.preemptions_total is None, "the engine keeps no total of its own beside the modes"
+
+
+def test_an_aborted_in_flight_request_counts_one_abort(ckpt_dir: str):
+    from kvbench.engines.inprocess.reference import ReferenceAdapter, counters_of
+    from reference_engine import SamplingParams
+
+    engine = ReferenceAdapter(ckpt_dir).build_engine(Knobs(block_size=16, num_gpu_blocks=64))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request("running", [5] * 10, params)
+    engine.add_request("done", [6] * 10, SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()
+    assert engine.counters().aborts == 0
+    assert engine.abort_request("running") is True  # in flight: counted
+    assert engine.counters().aborts == 1
+    assert engine.abort_request("running") is False and engine.abort_request("done") is False  # finished: not
+    assert engine.abort_request("nobody") is False
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.counters().aborts == 1 and counters_of(engine).aborts == 1
+    assert [e.kind for e in engine.events].count("aborted") == 1
+
+
+def _server_metrics_text(engine) -> str:
+    """What a reference server's ``/metrics`` says of ``engine`` (the server's own collector, no server)."""
+    from reference_engine.serve.prometheus import ServerMetrics, read_engine_stats
+
+    stats = read_engine_stats(engine)
+    bm = engine.block_manager
+    return ServerMetrics("m", engine.config, bm.num_gpu_blocks, bm.num_cpu_blocks,
+                         snapshot=lambda: stats).render().decode()
+
+
+def test_every_engine_counter_is_on_the_servers_metrics_under_its_own_name(ckpt_dir: str):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from reference_engine.counters import EngineCounters, field_docs
+
+    engine = _pressured_engine(ckpt_dir, **EVERY_COUNTER_MOVES)
+    record = engine.counters()
+    families = {f.name: f for f in text_string_to_metric_families(_server_metrics_text(engine))}
+    for f in dataclasses.fields(EngineCounters):
+        family = families.get(f"reference_engine:{f.name}")
+        assert family is not None and family.type == "counter", f"reference_engine:{f.name}_total is missing"
+        [sample] = family.samples
+        assert sample.name == f"reference_engine:{f.name}_total"
+        assert sample.value == getattr(record, f.name), f.name
+        assert family.documentation == field_docs()[f.name] != "", f.name
+    # vLLM's names are fed from the same record
+    vllm = {name: families[name].samples[0].value for name in ("vllm:num_preemptions", "vllm:prefix_cache_queries",
+                                                               "vllm:prefix_cache_hits", "vllm:generation_tokens")}
+    assert vllm == {"vllm:num_preemptions": record.preemptions, "vllm:prefix_cache_queries":
+                    record.prefix_cache_queries, "vllm:prefix_cache_hits": record.prefix_cache_hits,
+                    "vllm:generation_tokens": record.generated_tokens}
+    unmoved = [f.name for f in dataclasses.fields(EngineCounters) if not getattr(record, f.name)]
+    assert not unmoved, f"the run left {unmoved} at 0: the comparison would prove less"
+
+
+def test_counters_read_back_from_the_servers_metrics_equal_the_engines(ckpt_dir: str):
+    pytest.importorskip("prometheus_client")
+    from kvbench.engines.http.server_metrics import MetricsSnapshot, cumulative_counters
     from kvbench.engines.inprocess.reference import counters_of
 
-    typed = SimpleNamespace(preemptions_recompute=5, aborts=2, steps=40)  # steps: not a contract counter
-    c = counters_of(SimpleNamespace(stats=lambda: stats, counters=lambda: typed))
-    assert (c.preemptions_recompute, c.aborts, c.leaked_blocks, c.swap_ins) == (5, 2, 0, None)
+    engine = _pressured_engine(ckpt_dir, **EVERY_COUNTER_MOVES)
+    over_http = cumulative_counters(MetricsSnapshot.parse(_server_metrics_text(engine)))
+    record, in_process = engine.counters(), counters_of(engine)
+    shared = [f.name for f in dataclasses.fields(record) if f.name in COUNTER_NAMES]
+    assert {n: getattr(over_http, n) for n in shared} == {n: getattr(record, n) for n in shared}
+    assert over_http.preemptions_total == record.preemptions
+    assert (over_http.num_gpu_blocks, over_http.num_cpu_blocks) == (in_process.num_gpu_blocks,
+                                                                     in_process.num_cpu_blocks)
 
 
 def test_hf_exposes_no_counter(ckpt_dir: str):

@@ -68,8 +68,8 @@ def test_what_is_not_told_twice_is_not_compared():
 def test_a_servers_total_is_read_beside_its_by_mode_counts():
     text = "\n".join([
         "# TYPE vllm:num_preemptions counter", "vllm:num_preemptions_total 7",
-        "# TYPE reference_engine:preemptions counter",
-        'reference_engine:preemptions_total{mode="recompute"} 3', 'reference_engine:preemptions_total{mode="swap"} 3',
+        "# TYPE reference_engine:preemptions_recompute counter", "reference_engine:preemptions_recompute_total 3",
+        "# TYPE reference_engine:preemptions_swap counter", "reference_engine:preemptions_swap_total 3",
     ]) + "\n"
     counters = cumulative_counters(MetricsSnapshot.parse(text))
     assert (counters.preemptions_total, counters.preemptions) == (7, 6)

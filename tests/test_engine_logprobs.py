@@ -13,7 +13,7 @@ def test_logprobs_align_with_tokens_and_leave_outputs_unchanged(make_engine) -> 
     # A tiny pool forces recompute preemptions: logprobs must stay aligned with tokens through them.
     engine = make_engine(num_gpu_blocks_override=8, block_size=4)
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3))
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.counters().preemptions > 0
     for p, o in zip(plain, outs, strict=True):
         assert o.token_ids == p.token_ids
         assert p.logprobs is None and len(o.logprobs) == len(o.token_ids)

@@ -41,11 +41,11 @@ def test_swap_events_carry_bytes_and_time(make_engine, workload):
     outs, ins = _events(engine, "swapped_out"), _events(engine, "swapped_in")
     assert outs and ins
     assert all(e.data["bytes"] > 0 and e.data["seconds"] >= 0 for e in outs + ins)
-    stats = engine.stats()
-    assert stats["swapped_out_bytes"] == stats["swapped_in_bytes"] > 0
+    c = engine.counters()
+    assert c.swapped_out_bytes == c.swapped_in_bytes > 0
     # each event carries its own request's bytes: they add up to the engine's totals
-    assert sum(e.data["bytes"] for e in outs) == stats["swapped_out_bytes"]
-    assert sum(e.data["bytes"] for e in ins) == stats["swapped_in_bytes"]
+    assert sum(e.data["bytes"] for e in outs) == c.swapped_out_bytes
+    assert sum(e.data["bytes"] for e in ins) == c.swapped_in_bytes
     # swapped requests resume before new admissions and never in a step that swapped out
     out_steps = {e.step for e in outs}
     assert not out_steps.intersection(e.step for e in ins)
@@ -55,8 +55,8 @@ def test_host_pool_exhaustion_falls_back_to_recompute(make_engine, workload, hf_
     prompts, max_tokens = workload
     engine = make_engine(num_gpu_blocks_override=40, preemption_mode="swap", num_cpu_blocks_override=6)
     outputs = engine.generate(prompts, greedy_params(max_tokens))
-    stats = engine.stats()
-    assert stats["num_swap_fallbacks"] > 0 and stats["num_preemptions_recompute"] == stats["num_swap_fallbacks"]
+    c = engine.counters()
+    assert c.swap_fallbacks > 0 and c.preemptions_recompute == c.swap_fallbacks
     assert _events(engine, "swap_fallback")
     assert [o.token_ids for o in outputs] == hf_greedy
     assert all(o.finished for o in outputs)
@@ -71,9 +71,9 @@ def test_prefix_caching_on_equals_off_and_hits(make_engine):
     engine = make_engine(num_gpu_blocks_override=512, enable_prefix_caching=True, max_num_seqs=4)
     on = engine.generate(prompts, params)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
-    stats = engine.stats()
-    assert stats["prefix_cache_hits"] >= 6 * 96  # 6 full blocks of the system prompt, later requests
-    assert sum(o.num_cached_tokens for o in on) == stats["prefix_cache_hits"]
+    hits = engine.counters().prefix_cache_hits
+    assert hits >= 6 * 96  # 6 full blocks of the system prompt, later requests
+    assert sum(o.num_cached_tokens for o in on) == hits
     assert _events(engine, "prefix_hit")
 
 
@@ -101,11 +101,11 @@ def test_prefix_caching_makes_recompute_cheaper(make_engine, workload, hf_greedy
         engine = make_engine(num_gpu_blocks_override=40, enable_prefix_caching=caching)
         outputs = engine.generate(prompts, greedy_params(max_tokens))
         assert [o.token_ids for o in outputs] == hf_greedy
-        results[caching] = engine.stats()
-    assert results[False]["num_preemptions_recompute"] > 0 and results[True]["num_preemptions_recompute"] > 0
-    assert results[True]["prefix_cache_hits"] > 0
-    assert results[True]["num_computed_tokens"] < results[False]["num_computed_tokens"]
-    assert results[True]["num_recomputed_tokens"] < results[False]["num_recomputed_tokens"]
+        results[caching] = engine.counters()
+    assert results[False].preemptions_recompute > 0 and results[True].preemptions_recompute > 0
+    assert results[True].prefix_cache_hits > 0
+    assert results[True].computed_tokens < results[False].computed_tokens
+    assert results[True].recomputed_tokens < results[False].recomputed_tokens
 
 
 def test_mid_prefill_preemption_resumes_past_cached_blocks(make_engine):

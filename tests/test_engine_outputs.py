@@ -20,20 +20,20 @@ DEVICES = [
 # name -> (engine overrides, {counter: minimum value} proving the mechanism fired)
 PRESSURE = {
     "unpressured": (dict(num_gpu_blocks_override=2048), {}),
-    "recompute": (dict(num_gpu_blocks_override=40), {"num_preemptions_recompute": 3}),
+    "recompute": (dict(num_gpu_blocks_override=40), {"preemptions_recompute": 3}),
     "chunked16": (dict(num_gpu_blocks_override=2048, enable_chunked_prefill=True, max_num_batched_tokens=16),
-                  {"num_prefill_chunks": 2}),
+                  {"prefill_chunks": 2}),
     "chunked64": (dict(num_gpu_blocks_override=2048, enable_chunked_prefill=True, max_num_batched_tokens=64),
-                  {"num_prefill_chunks": 2}),
+                  {"prefill_chunks": 2}),
     "recompute+chunked64": (dict(num_gpu_blocks_override=48, enable_chunked_prefill=True, max_num_batched_tokens=64),
-                            {"num_preemptions_recompute": 3, "num_prefill_chunks": 2}),
+                            {"preemptions_recompute": 3, "prefill_chunks": 2}),
     "swap": (dict(num_gpu_blocks_override=40, preemption_mode="swap"),
-             {"num_preemptions_swap": 3, "num_swap_ins": 3}),
+             {"preemptions_swap": 3, "swap_ins": 3}),
     "prefix": (dict(num_gpu_blocks_override=40, enable_prefix_caching=True),
-               {"num_preemptions_recompute": 3, "prefix_cache_hits": 1}),
+               {"preemptions_recompute": 3, "prefix_cache_hits": 1}),
     "swap+prefix+chunked": (dict(num_gpu_blocks_override=48, preemption_mode="swap", enable_prefix_caching=True,
                                  enable_chunked_prefill=True, max_num_batched_tokens=64),
-                            {"num_preemptions_swap": 3, "num_swap_ins": 3, "num_prefill_chunks": 2}),
+                            {"preemptions_swap": 3, "swap_ins": 3, "prefill_chunks": 2}),
 }
 
 
@@ -44,11 +44,12 @@ def test_greedy_outputs_equal_transformers(case, device, make_engine, workload, 
     engine = make_engine(device=device, **overrides)
     prompts, max_tokens = workload
     outputs = engine.generate(prompts, greedy_params(max_tokens))
-    stats = engine.stats()
+    counters = engine.counters()
     for counter, minimum in fired.items():
-        assert stats[counter] >= minimum, f"{case}: {counter}={stats[counter]}, the mechanism did not fire"
+        value = getattr(counters, counter)
+        assert value >= minimum, f"{case}: {counter}={value}, the mechanism did not fire"
     if case == "unpressured":
-        assert stats["num_preemptions"] == 0
+        assert counters.preemptions == 0
     mismatched = [i for i, (o, ref) in enumerate(zip(outputs, hf_greedy, strict=True)) if o.token_ids != ref]
     assert not mismatched, f"{case}: {len(mismatched)} requests differ from transformers, first {mismatched[:5]}"
     assert all(o.finish_reason == "length" for o in outputs)
@@ -58,8 +59,8 @@ def test_preempted_requests_report_their_preemptions(make_engine, workload):
     prompts, max_tokens = workload
     engine = make_engine(num_gpu_blocks_override=40)
     outputs = engine.generate(prompts, greedy_params(max_tokens))
-    assert sum(o.num_preemptions for o in outputs) == engine.stats()["num_preemptions"] > 0
-    assert sum(o.num_recomputed_tokens for o in outputs) == engine.stats()["num_recomputed_tokens"] > 0
+    assert sum(o.num_preemptions for o in outputs) == engine.counters().preemptions > 0
+    assert sum(o.num_recomputed_tokens for o in outputs) == engine.counters().recomputed_tokens > 0
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 128])
@@ -82,7 +83,7 @@ def test_seeded_sampling_is_reproducible_across_preemption(mode, make_engine, wo
     calm = make_engine(num_gpu_blocks_override=2048).generate(prompts, params)
     pressured_engine = make_engine(num_gpu_blocks_override=32, preemption_mode=mode)
     pressured = pressured_engine.generate(prompts, params)
-    assert pressured_engine.stats()["num_preemptions"] > 0
+    assert pressured_engine.counters().preemptions > 0
     assert [o.token_ids for o in pressured] == [o.token_ids for o in calm]
     # and the sampler really samples: another seed gives other tokens, greedy gives other tokens
     reseeded = make_engine(num_gpu_blocks_override=2048).generate(

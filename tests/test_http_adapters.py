@@ -200,6 +200,18 @@ def test_swap_requests_and_seconds_come_from_their_own_metrics_never_from_blocks
     assert blocks_only.swap_outs is None and blocks_only.swap_ins is None, "blocks are not requests"
 
 
+def test_a_counter_under_its_own_name_wins_over_vllms_name():
+    text = textwrap.dedent("""        vllm:request_success_total{finished_reason="abort",model_name="m"} 3
+        vllm:prefix_cache_queries_total{model_name="m"} 90
+        vllm:generation_tokens_total{model_name="m"} 50
+        reference_engine:aborts_total{model_name="m"} 4
+        reference_engine:prefix_cache_queries_total{model_name="m"} 100
+        """)
+    c = cumulative_counters(MetricsSnapshot.parse(text))
+    assert (c.aborts, c.prefix_cache_queries, c.generated_tokens) == (4, 100, 50), "own name first, else vLLM's"
+    assert c.preemptions_recompute is None and c.preemptions_swap is None
+
+
 # --------------------------------------------------------------------------------------------
 # dialects: what a server that is not vLLM-shaped is sent
 

@@ -324,7 +324,8 @@ def test_metrics_have_vllm_names_and_counters_move_under_pressure(servers, local
     assert asyncio.run(run_all()) == [o.token_ids for o in want]  # preempted, yet token-exact
     after = wait_idle(url)
     assert after["vllm:num_preemptions_total"] > before["vllm:num_preemptions_total"]
-    assert after["reference_engine:preemptions_total{mode=recompute}"] > 0
+    assert after["reference_engine:preemptions_recompute_total"] > 0
+    assert after["reference_engine:preemptions_recompute_total"] == after["vllm:num_preemptions_total"]
     assert after["reference_engine:recomputed_tokens_total"] > before["reference_engine:recomputed_tokens_total"]
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 24
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 120

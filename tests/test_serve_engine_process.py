@@ -79,14 +79,15 @@ def test_outputs_through_the_pipe_equal_the_engine_alone_under_preemption(tiny_c
         finals, stats = _run(engine, scenario)
     finally:
         engine.stop()
-    assert stats.preemptions_recompute > 0, "the pool never ran dry: nothing was preempted"
+    assert stats.counters.preemptions_recompute > 0, "the pool never ran dry: nothing was preempted"
     for got, want in zip(finals, alone, strict=True):
         assert got.token_ids == want.token_ids
         assert got.finish_reason == "length"
         assert [lp.token_id for lp in got.logprobs] == got.token_ids  # one entry per token, in order
         assert [[t for t, _ in lp.top] for lp in got.logprobs] == [[t for t, _ in lp.top] for lp in want.logprobs]
-    assert sum(f.num_preemptions for f in finals) == stats.preemptions_recompute
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks == 12
+    assert sum(f.num_preemptions for f in finals) == stats.counters.preemptions_recompute
+    assert stats.counters.generated_tokens == 6 * 60 and stats.counters.aborts == 0
+    assert stats.gauges.num_free_gpu_blocks == stats.gauges.num_gpu_blocks == 12
 
 
 def test_a_refused_request_raises_and_the_others_are_served(roomy: EngineProcess) -> None:
@@ -109,7 +110,7 @@ def test_an_abort_ends_the_request_and_frees_its_blocks(roomy: EngineProcess) ->
         engine.abort("long")
         final = await _final(outputs)
         for _ in range(100):  # the stats of the step that aborted arrive with it, or one batch later
-            if engine.stats().num_running == 0:
+            if engine.stats().gauges.num_running == 0:
                 break
             await asyncio.sleep(0.05)
         return first, final, engine.stats()
@@ -117,7 +118,8 @@ def test_an_abort_ends_the_request_and_frees_its_blocks(roomy: EngineProcess) ->
     first, final, stats = _run(roomy, scenario)
     assert not first.finished
     assert final.finished and final.finish_reason == "abort" and len(final.token_ids) < GREEDY_LONG.max_tokens
-    assert stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert stats.gauges.num_running == 0 and stats.gauges.num_free_gpu_blocks == stats.gauges.num_gpu_blocks
+    assert stats.counters.aborts == 1, "the engine counted the abort of a request in flight"
 
 
 def test_a_flood_of_large_commands_does_not_deadlock_the_pipe(roomy: EngineProcess) -> None:
@@ -203,7 +205,7 @@ def test_callers_cancelled_while_adding_leave_nothing_behind(tiny_ckpt: str) -> 
         front.abort("accepted")  # the contract: a caller cancelled while adding still aborts
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if front.num_waiting_on() == 0 and front.stats().num_running == 0:
+            if front.num_waiting_on() == 0 and front.stats().gauges.num_running == 0:
                 break
             await asyncio.sleep(0.01)
         return front.num_waiting_on()

@@ -39,7 +39,10 @@ COUNTER_SPECS: tuple[CounterSpec, ...] = (
     CounterSpec("swapped_out_bytes", "bytes", "KV bytes copied device -> host"),
     CounterSpec("swapped_in_bytes", "bytes", "KV bytes copied host -> device"),
     CounterSpec("swap_seconds", "seconds", "wall time spent copying KV between the pools, both directions"),
-    CounterSpec("prefix_cache_queries", "tokens", "prompt tokens looked up in the prefix cache at admission"),
+    CounterSpec("prefix_cache_queries", "tokens",
+                "tokens looked up in the prefix cache: the request's whole sequence at each admission (its prompt, "
+                "plus the tokens it generated before a recompute preemption when admitted again), as vLLM v1 "
+                "counts them"),
     CounterSpec("prefix_cache_hits", "tokens", "looked-up tokens whose KV was served from the prefix cache"),
     CounterSpec("prefill_chunks", "pieces",
                 "prefill pieces that ended before the request's prompt (or recomputed context) was complete: "

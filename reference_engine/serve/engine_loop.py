@@ -221,7 +221,6 @@ def observe_output(metrics: ServerMetrics | None, flight: InFlight, out: Request
             m.prompt_tokens.inc(flight.prompt_len)
         else:
             m.itl.observe(now - flight.last_token_time)
-        m.generation_tokens.inc(new_tokens)
     if m is not None and out.finished:
         m.observe_finished(out.finish_reason or "abort")
     if new_tokens > 0:

@@ -359,7 +359,7 @@ def test_http_soak(mode: str, tiny_model: str, soak_minutes: float, tmp_path: Pa
         assert _metric(m, "reference_engine:num_free_gpu_blocks") == _metric(m, "reference_engine:num_gpu_blocks"), \
             "device blocks still held after every request finished"
         assert _metric(m, "reference_engine:cpu_cache_usage_perc") == 0
-        preemptions = _metric(m, "reference_engine:preemptions_total", mode=mode)
+        preemptions = _metric(m, f"reference_engine:preemptions_{mode}_total")
         assert preemptions > 0, f"no {mode} preemption over HTTP: the pool was never under pressure"
         # leaks: memory, connections, threads
         for _ in range(20):  # closed connections take a moment to leave the server's table

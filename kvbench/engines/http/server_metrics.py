@@ -1,36 +1,29 @@
 """A server's ``/metrics`` (Prometheus text) read as kvbench's counters, knobs and queue samples.
 
-Which metric feeds which counter of the contract (:mod:`kvbench.core.counters`)::
+Which metric feeds which counter of the contract (:mod:`kvbench.core.counters`) is one table,
+:data:`COUNTER_METRICS`: for each cumulative counter, the metrics that say it, first one present wins.
+First ``reference_engine:<counter>_total``, the counter under its own name (the reference server
+publishes every field of its ``EngineCounters`` so, and any server may), then vLLM's name where vLLM
+counts the same thing. Foreign names are renamed there and nowhere else::
 
-    contract counter        metric (first one present wins)                          note
-    ----------------------  -------------------------------------------------------  --------------------------
-    preemptions_recompute   reference_engine:preemptions_total{mode="recompute"}     else vllm:num_preemptions_
-    preemptions_swap        reference_engine:preemptions_total{mode="swap"}          total when the caller says
-                                                                                     which mode it counts
-    preemptions_total       vllm:num_preemptions_total                               the engine's one total,
-                                                                                     checked against the modes
-    swap_outs / swap_ins    reference_engine:swap_outs_total / swap_ins_total        requests, not blocks
-    swap_fallbacks          reference_engine:swap_fallbacks_total
-    swapped_out/in_bytes    reference_engine:swapped_out_bytes_total / _in_
-    swap_seconds            reference_engine:swap_seconds_total                      seconds
-    prefix_cache_queries    vllm:prefix_cache_queries_total                          tokens
-    prefix_cache_hits       vllm:prefix_cache_hits_total                             tokens
-    prefill_chunks          reference_engine:prefill_chunks_total
-    computed_tokens         reference_engine:computed_tokens_total
-    recomputed_tokens       reference_engine:recomputed_tokens_total
-    generated_tokens        vllm:generation_tokens_total
-    aborts                  vllm:request_success_total{finished_reason="abort"}
-    num_gpu_blocks          vllm:cache_config_info{num_gpu_blocks}                   else reference_engine:
-                                                                                     num_gpu_blocks
+    contract counter        metric (first one present wins)
+    ----------------------  ----------------------------------------------------------------------
+    every counter below     reference_engine:<counter>_total
+    preemptions_recompute   else vllm:num_preemptions_total, when the caller says that the server
+    preemptions_swap        preempts in that mode only (``preemptions_are``): the other mode is 0
+    preemptions_total       vllm:num_preemptions_total (the engine's one total, checked against the modes)
+    prefix_cache_queries    else vllm:prefix_cache_queries_total                      tokens
+    prefix_cache_hits       else vllm:prefix_cache_hits_total                         tokens
+    generated_tokens        else vllm:generation_tokens_total
+    aborts                  else vllm:request_success_total{finished_reason="abort"}
+    num_gpu_blocks          vllm:cache_config_info{num_gpu_blocks}, else reference_engine:num_gpu_blocks
     num_cpu_blocks          vllm:cache_config_info{num_cpu_blocks}
     leaked_blocks           blocks in use once the server is idle: (num_gpu_blocks - reference_engine:
                             num_free_gpu_blocks), else round(vllm:kv_cache_usage_perc x num_gpu_blocks);
                             plus round(reference_engine:cpu_cache_usage_perc x num_cpu_blocks)
 
-A metric the server does not publish leaves its counter ``None`` ("not exposed"), never 0. The
-reference server also publishes swapped *blocks* (``reference_engine:swap_out_blocks_total``); those
-are not requests, so they never feed ``swap_outs``/``swap_ins``. ``aborts`` counts what the server
-finished with reason "abort" (vLLM counts a request the client abandoned that way).
+A metric the server does not publish leaves its counter ``None`` ("not exposed"), never 0. Counts are
+rounded to integers; ``swap_seconds`` is not.
 """
 
 from __future__ import annotations
@@ -44,21 +37,34 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbench.core.counters import Counters
 from kvbench.core.trace import StepRecord
 
-#: contract counter -> cumulative metric sample name (and label filter)
-_SIMPLE: dict[str, tuple[str, dict[str, str]]] = {
-    "swap_outs": ("reference_engine:swap_outs_total", {}),
-    "swap_ins": ("reference_engine:swap_ins_total", {}),
-    "swap_fallbacks": ("reference_engine:swap_fallbacks_total", {}),
-    "swapped_out_bytes": ("reference_engine:swapped_out_bytes_total", {}),
-    "swapped_in_bytes": ("reference_engine:swapped_in_bytes_total", {}),
-    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", {}),
-    "prefix_cache_hits": ("vllm:prefix_cache_hits_total", {}),
-    "prefill_chunks": ("reference_engine:prefill_chunks_total", {}),
-    "computed_tokens": ("reference_engine:computed_tokens_total", {}),
-    "recomputed_tokens": ("reference_engine:recomputed_tokens_total", {}),
-    "generated_tokens": ("vllm:generation_tokens_total", {}),
-    "aborts": ("vllm:request_success_total", {"finished_reason": "abort"}),
+#: a sample name and the labels a sample must carry to count
+Source = tuple[str, dict[str, str]]
+
+
+def _own(counter: str) -> Source:
+    return f"reference_engine:{counter}_total", {}
+
+
+#: contract counter -> the metrics that say it, first one present wins: its own name, then vLLM's
+COUNTER_METRICS: dict[str, tuple[Source, ...]] = {
+    "preemptions_recompute": (_own("preemptions_recompute"),),
+    "preemptions_swap": (_own("preemptions_swap"),),
+    "preemptions_total": (("vllm:num_preemptions_total", {}),),
+    "swap_outs": (_own("swap_outs"),),
+    "swap_ins": (_own("swap_ins"),),
+    "swap_fallbacks": (_own("swap_fallbacks"),),
+    "swapped_out_bytes": (_own("swapped_out_bytes"),),
+    "swapped_in_bytes": (_own("swapped_in_bytes"),),
+    "swap_seconds": (_own("swap_seconds"),),
+    "prefix_cache_queries": (_own("prefix_cache_queries"), ("vllm:prefix_cache_queries_total", {})),
+    "prefix_cache_hits": (_own("prefix_cache_hits"), ("vllm:prefix_cache_hits_total", {})),
+    "prefill_chunks": (_own("prefill_chunks"),),
+    "computed_tokens": (_own("computed_tokens"),),
+    "recomputed_tokens": (_own("recomputed_tokens"),),
+    "generated_tokens": (_own("generated_tokens"), ("vllm:generation_tokens_total", {})),
+    "aborts": (_own("aborts"), ("vllm:request_success_total", {"finished_reason": "abort"})),
 }
+_NOT_ROUNDED = {"swap_seconds"}
 _USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second is vLLM v0's name
 CONFIG_INFO = "vllm:cache_config_info"
 
@@ -101,22 +107,20 @@ def _int(value: float | None) -> int | None:
 
 def cumulative_counters(snap: MetricsSnapshot, preemptions_are: str | None = None) -> Counters:
     """The contract's counters as the server's cumulative totals (subtract a before-scrape with
-    :meth:`Counters.minus`). ``preemptions_are`` ("recompute"|"swap") says which mode
-    ``vllm:num_preemptions_total`` counts on a server that does not split preemptions by mode
-    (vLLM v1 only recomputes); without it that total feeds no counter."""
-    values: dict[str, Any] = {name: _int(snap.value(metric, **lab)) for name, (metric, lab) in _SIMPLE.items()}
-    values["swap_seconds"] = snap.value("reference_engine:swap_seconds_total")  # seconds: not rounded
-    values["preemptions_total"] = _int(snap.value("vllm:num_preemptions_total"))
-    by_mode = "reference_engine:preemptions_total"
-    if snap.has(by_mode):
-        values["preemptions_recompute"] = _int(snap.value(by_mode, mode="recompute")) or 0
-        values["preemptions_swap"] = _int(snap.value(by_mode, mode="swap")) or 0
-    elif preemptions_are in ("recompute", "swap") and snap.has("vllm:num_preemptions_total"):
-        values[f"preemptions_{preemptions_are}"] = _int(snap.value("vllm:num_preemptions_total"))
+    :meth:`Counters.minus`), read through :data:`COUNTER_METRICS`. ``preemptions_are``
+    ("recompute"|"swap") says which mode ``vllm:num_preemptions_total`` counts on a server that does
+    not count preemptions by mode (vLLM v1 only recomputes); without it that total feeds no mode."""
+    values: dict[str, Any] = {}
+    for name, sources in COUNTER_METRICS.items():
+        metric, labels = next(((m, lab) for m, lab in sources if snap.has(m)), sources[0])
+        value = snap.value(metric, **labels)
+        values[name] = value if name in _NOT_ROUNDED else _int(value)
+    by_mode = values["preemptions_recompute"] is not None or values["preemptions_swap"] is not None
+    if not by_mode and preemptions_are in ("recompute", "swap") and values["preemptions_total"] is not None:
+        values[f"preemptions_{preemptions_are}"] = values["preemptions_total"]
         # a server that cannot preempt the other way exposes that mode as a true zero
         values["preemptions_swap" if preemptions_are == "recompute" else "preemptions_recompute"] = 0
-    blocks = pool_sizes(snap)
-    values["num_gpu_blocks"], values["num_cpu_blocks"] = blocks
+    values["num_gpu_blocks"], values["num_cpu_blocks"] = pool_sizes(snap)
     return Counters(**{k: v for k, v in values.items() if v is not None})
 
 

@@ -19,9 +19,10 @@ serves on 127.0.0.1 only:
   open); a non-streamed one gets no answer at all.
 
 Per finished or aborted request: ``vllm:prefix_cache_queries_total`` += prompt length,
-``vllm:prefix_cache_hits_total`` += prompt length // 2, ``reference_engine:preemptions_total{mode=
-"recompute"}`` += 1, ``vllm:generation_tokens_total`` += tokens sent, and
-``vllm:request_success_total{finished_reason}`` += 1 ("abort" for a closed stream).
+``vllm:prefix_cache_hits_total`` += prompt length // 2, ``vllm:num_preemptions_total`` and
+``reference_engine:preemptions_recompute_total`` += 1 (``reference_engine:preemptions_swap_total`` stays
+0), ``vllm:generation_tokens_total`` += tokens sent, and ``vllm:request_success_total{finished_reason}``
++= 1 ("abort" for a closed stream).
 
 A bare asyncio protocol (no framework, no ASGI server; uvloop's loop where installed) that answers a
 streamed completion with one write of pre-built bytes: the stub must cost far less per token than the
@@ -88,9 +89,9 @@ class StubState:
             "# TYPE vllm:generation_tokens counter", f"vllm:generation_tokens_total{{{m}}} {self.generated}",
             "# TYPE vllm:request_success counter",
             *(f'vllm:request_success_total{{finished_reason="{r}",{m}}} {n}' for r, n in self.finished.items()),
-            "# TYPE reference_engine:preemptions counter",
-            f'reference_engine:preemptions_total{{mode="recompute",{m}}} {self.preemptions}',
-            f'reference_engine:preemptions_total{{mode="swap",{m}}} 0',
+            "# TYPE reference_engine:preemptions_recompute counter",
+            f"reference_engine:preemptions_recompute_total{{{m}}} {self.preemptions}",
+            "# TYPE reference_engine:preemptions_swap counter", f"reference_engine:preemptions_swap_total{{{m}}} 0",
             "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{labels}{',' if labels else ''}{m}}} 1",
         ]
         return "\n".join(lines) + "\n"

@@ -2,7 +2,7 @@
 
 Every ``EngineConfig`` field is an option (``reference:preemption_mode=swap,enable_prefix_caching=true``);
 a check's :class:`~kvbench.engines.base.Knobs` override options, since that is how checks force
-pressure. Counters come from ``LLMEngine.counters()`` (or ``stats()``) as the contract's record
+pressure. Counters come from ``LLMEngine.counters()``, whose fields carry the contract's names
 (:func:`counters_of`), per-step records from the engine's queues and events, and the block manager is
 exposed to the stateful refcount machine.
 """
@@ -247,15 +247,12 @@ class ReferenceAdapter(EngineAdapter):
 
 
 def counters_of(engine) -> Counters:
-    """The engine's counters as the contract's record.
-
-    From ``engine.counters()`` (a typed ``EngineCounters`` whose field names are the contract's); pool
-    sizes and ``leaked_blocks`` (device + host blocks still held) come from ``stats()``. A contract
-    counter the engine does not keep stays ``None``: not exposed.
-    """
-    stats = engine.stats()
-    record = engine.counters()
-    values = {name: getattr(record, name) for name in COUNTER_NAMES if hasattr(record, name)}
+    """The engine's counters as the contract's record: every ``engine.counters()`` field that is a
+    contract counter, copied by name (``EngineCounters`` uses the contract's names; its extra fields,
+    ``steps`` and ``evicted_blocks``, are not in the contract). Pool sizes and ``leaked_blocks``
+    (device + host blocks still held) come from the gauges of ``engine.stats()``."""
+    record, stats = engine.counters(), engine.stats()
+    values = {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.name in COUNTER_NAMES}
     values["leaked_blocks"] = (stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"]
                                + stats["num_cpu_blocks"] - stats["num_free_cpu_blocks"])
     values["num_gpu_blocks"] = stats["num_gpu_blocks"]
@@ -276,8 +273,8 @@ def sampling_params_of(request: GenRequest | WorkloadRequest):
 
 def _work_done(engine) -> int:
     """Tokens computed plus tokens sampled so far: grows with every step that did anything."""
-    stats = engine.stats()
-    return int(stats.get("num_computed_tokens", 0)) + int(stats.get("num_generated_tokens", 0))
+    counters = engine.counters()
+    return counters.computed_tokens + counters.generated_tokens
 
 
 def _request_states(engine) -> dict[str, str]:
