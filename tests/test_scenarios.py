@@ -92,6 +92,9 @@ def test_every_claim_holds_on_the_reference_engines_schedule(name, scale, preset
         # Claims about times on the cost clock are undecided on the step clock by design.
         assert {c: v for c, v in outcome.claims.items()
                 if v is not True and not c.endswith(sc.COST_CLOCK_CLAIM)} == {}, (mode, outcome.explain())
+        # and each such claim says why it was not decided, not the generic reason
+        assert all("cost clock only" in outcome.undecided_reasons.get(c, "") for c, v in outcome.claims.items()
+                   if v is None), outcome.undecided_reasons
 
 
 def test_plans_are_seeded():

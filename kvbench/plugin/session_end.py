@@ -104,8 +104,10 @@ def undecided_claims(results: Any) -> list[str]:
     without results. These benchmarks passed on their decided claims only: the lines say what was not shown."""
     if results is None:
         return []
-    return [f"{sc['name']} [{res['engine']}{' ' + res['mode'] if res.get('mode') else ''}]: {claim}: {why}"
-            for sc, res in results.iter_results() for claim, why in (res.get("undecided") or {}).items()]
+    # a scenario's claims are judged once per engine and stored on each of its results (one per mode)
+    lines = (f"{sc['name']} [{res['engine']}]: {claim}: {why}"
+             for sc, res in results.iter_results() for claim, why in (res.get("undecided") or {}).items())
+    return list(dict.fromkeys(lines))
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

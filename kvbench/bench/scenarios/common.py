@@ -128,6 +128,8 @@ class Outcome:
     entries: list[ResultEntry] = field(default_factory=list)
     points: list[SweepPoint] = field(default_factory=list)
     claims: dict[str, bool | None] = field(default_factory=dict)
+    #: why a claim left None could not be decided, where the judge knows better than UNDECIDED_REASON
+    undecided_reasons: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     #: the judged outcomes of every repeat, this one first; their entries and points line up
     #: index by index with this one's (same plan, same judge). Filled in by :func:`run`.
@@ -425,7 +427,7 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
     the judge's extra figures + timelines), every sweep point, and the claims as checks.
     Claims the engine could not show (None) are ``undecided``, each with its reason, never checks (never passed)."""
     checks = {c: bool(v) for c, v in outcome.claims.items() if v is not None}
-    undecided = {c: UNDECIDED_REASON for c, v in outcome.claims.items() if v is None}
+    undecided = {c: outcome.undecided_reasons.get(c, UNDECIDED_REASON) for c, v in outcome.claims.items() if v is None}
     params = {**outcome.parameters}
     runs = outcome.repeats or [outcome]
     clock = {"clock": "wall" if outcome.step_seconds is None else "step", "step_seconds": outcome.step_seconds,

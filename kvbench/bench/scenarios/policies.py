@@ -180,12 +180,18 @@ class PreemptionPolicies(Scenario):
         mixed = bool(swap_a) and bool(rec_a)
         out.claims.update(auto_vs_fixed_claims(
             *(count(f"mixed/{mode}", "output_throughput") if cost_clock else None for mode in MIXED_MODES), mixed))
+        auto_claims = [c for c in out.claims if c.startswith("auto's output throughput")]
         if not cost_clock:
             out.notes.append("auto vs the fixed modes' throughput: decided on the simulator's cost clock only "
                              "(deterministic, and preemption costs are in its times); here see the table")
+            out.undecided_reasons.update(dict.fromkeys(auto_claims, (
+                "decided on the simulator's cost clock only: one wall-clock run's times spread more than the 2% "
+                "margin on a shared machine")))
         elif not mixed:
             out.notes.append("auto priced every victim of the mixed workload one way: 'beat both' undecided "
                              "(kvbench simulate --workload mixed_victims shows the mix at Llama-3-8B/H200 scale)")
+            out.undecided_reasons.update(dict.fromkeys(auto_claims, (
+                "auto priced every victim of the mixed workload one way: nothing for it to beat both modes with")))
         for surge in self.size(scale).surges:
             static, gated = count(f"{surge}/static", "preemptions"), count(f"{surge}/watermark", "preemptions")
             out.claims[f"admission control preempted fewer times than static on {surge}"] = (
