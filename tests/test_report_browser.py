@@ -3,8 +3,13 @@ of chart text overlap, no table cell clips its text, and screenshots are taken t
 
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
+
 import pytest
 
+from kvbench.bench.results import Results
 from kvbench.report.render import render_report
 from tests.chromium import INSTALL_HINT, find_chromium, load_page, png_size
 from tests.trace_factory import synthetic_results
@@ -89,3 +94,27 @@ def test_the_overlap_check_catches_overlapping_text(tmp_path):
     assert page.evaluated["overlaps"] == ["c: label one / label two"]
     assert page.evaluated["legends"] == ["ab: #3b6fd4|solid"]
     assert page.evaluated["clipped"] and page.evaluated["overflow"] > 0
+
+
+#: a real main job's results (the README's main-job command on the 2-core development machine, 2026-12-02:
+#: 25 benchmarks on reference, reference:preemption_mode=swap and hf-cb), kept to hold the report to its budget
+MAIN_JOB_RESULTS = Path(__file__).parent / "data" / "main_job_results.json.gz"
+#: the main job's page at 1400 px: at most half the 28,398 px it measured before the report's second pass
+HEIGHT_BUDGET_1400 = 28_398 // 2
+
+
+def test_the_main_jobs_report_keeps_its_height_and_size_budget(tmp_path):
+    """Today's renderer on a real main job: at most 1 MB, at most half its former height at 1400 px, and no
+    sideways scroll or clipped text at 800, 1400 and 1920 px."""
+    results = Results.from_dict(json.loads(gzip.decompress(MAIN_JOB_RESULTS.read_bytes())))
+    page_file = tmp_path / "report.html"
+    page_file.write_text(render_report(results), encoding="utf-8")
+    assert page_file.stat().st_size <= 1_000_000, page_file.stat().st_size
+    for width in (800, 1400, 1920):
+        page = load_page(CHROMIUM, page_file.as_uri(), width=width, height=1100,
+                         expressions={"height": "document.documentElement.scrollHeight", "overflow": OVERFLOW,
+                                      "clipped": CLIPPED})
+        assert page.console_errors == [] and page.exceptions == []
+        assert page.evaluated["overflow"] <= 0 and page.evaluated["clipped"] == [], (width, page.evaluated)
+        if width == 1400:
+            assert page.evaluated["height"] <= HEIGHT_BUDGET_1400, page.evaluated["height"]

@@ -20,6 +20,7 @@ import itertools
 import math
 import os
 import urllib.parse
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +266,10 @@ def machine_label(results: Results) -> str:
 # charts
 
 
+#: height (px) of a timeline or distribution chart: three fit across at 1400 px; 210 keeps five y ticks legible
+TIMELINE_HEIGHT = 210
+
+
 class _Charts:
     """Chart builders for one report; hands out unique clip-path ids."""
 
@@ -307,8 +312,12 @@ class _Charts:
          lambda v: f"{v * 100:g}", 1.0, False),
     )
 
-    def timelines(self, sc: dict[str, Any]) -> list[Markup]:
-        """One chart per metric with every result of the scenario overlaid, on one y scale per metric.
+    #: the timelines drawn open in a scenario's card; the others wait behind "more charts" (page height)
+    FIRST_TIMELINES = ("gap_max", "kv_usage")
+
+    def timelines(self, sc: dict[str, Any], keys: Collection[str] | None = None) -> list[Markup]:
+        """One chart per metric (those of ``keys``, every one by default) with every result of the scenario
+        overlaid, on one y scale per metric.
 
         Results on different clocks (open-loop arrivals released by engine step for one, by the wall
         clock for another) are never overlaid: each clock gets its own chart, on the same y scale, and
@@ -325,6 +334,8 @@ class _Charts:
         event = _scenario_event(sc)
         out = []
         for x_key, y_key, title, unit, fmt, y_max, integer in self.TIMELINES:
+            if keys is not None and y_key not in keys:
+                continue
             ys_all = [v for r in with_series for v in r["series"].get(y_key, []) if v is not None]
             if not ys_all:
                 continue
@@ -359,13 +370,15 @@ class _Charts:
                         "" if vlines else " (not on this axis)")
                 chart = rc.Chart(title + (f" ({clock} clock)" if split else "") + f" — {sc['name']}", "time (s)",
                                  unit, lines=lines, markers=marks, marker_legend=legend, vlines=vlines,
-                                 y_format=fmt, y_max=top, y_integer=integer, subtitle=sub, width=440, height=240)
+                                 y_format=fmt, y_max=top, y_integer=integer, subtitle=sub, width=440,
+                                 height=TIMELINE_HEIGHT)
                 out.append(self.render(chart))
         return out
 
     # -- one scenario -----------------------------------------------------------------------
 
-    def cdfs(self, sc: dict[str, Any]) -> list[Markup]:
+    def cdfs(self, sc: dict[str, Any], keys: Collection[str] = ("ttft", "tbt")) -> list[Markup]:
+        """The TTFT (``ttft``) and inter-token gap (``tbt``) distributions of ``keys``, engines overlaid."""
         out = []
         modes = list(dict.fromkeys(r.get("mode") for r in sc["results"]))
         split = bool(facts.clocks_differ(sc, *sc["results"]))  # never overlay two clocks' distributions
@@ -373,7 +386,8 @@ class _Charts:
         for r in sc["results"]:
             groups.setdefault(facts.clock_of(r) if split else "", []).append(r)
         for (key, title), (clock, members) in itertools.product(
-                (("ttft", "TTFT distribution"), ("tbt", "Inter-token gap distribution")), groups.items()):
+                [(k, t) for k, t in (("ttft", "TTFT distribution"), ("tbt", "Inter-token gap distribution"))
+                 if k in keys], groups.items()):
             lines = []
             for r in members:
                 s = r.get("series", {})
@@ -390,7 +404,7 @@ class _Charts:
                     "share of " + ("requests" if key == "ttft" else "gaps") + " (%)", lines=lines, log_x=log,
                     subtitle=f"{clock} clock only: not comparable with the other clock's chart" if clock else "",
                     x_format=lambda v: f"{v * 1000:g}", y_format=lambda v: f"{v * 100:g}", y_max=1.0,
-                    width=440, height=240)))
+                    width=440, height=TIMELINE_HEIGHT)))
         return out
 
     def sweep(self, sc: dict[str, Any], sw: dict[str, Any]) -> list[Markup]:
@@ -537,7 +551,11 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
                       # a fact recorded at run time (from one repeat) is shown where the report computes it
                       "parameters": {k: v for k, v in sc.get("parameters", {}).items()
                                      if k not in facts.DERIVED_KEYS},
-                      "dists": charts.cdfs(sc), "timelines": charts.timelines(sc), "claims": claims_matrix(sc),
+                      "has_server_metrics": any("server_t" in r.get("series", {}) for r in sc["results"]),
+                      "dists": charts.cdfs(sc, ("ttft",)), "timelines": charts.timelines(sc, charts.FIRST_TIMELINES),
+                      "more_charts": [*charts.timelines(sc, [t[1] for t in charts.TIMELINES
+                                                             if t[1] not in charts.FIRST_TIMELINES]),
+                                      *charts.cdfs(sc, ("tbt",))], "claims": claims_matrix(sc),
                       "sweeps": sweeps, "results": res_views})
     return views
 
