@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from reference_engine.block_pool import BlockHash, BlockPool, HostBlockPool, KVBlock
-from reference_engine.counters import EngineCounters
+from reference_engine.engine_counters import EngineCounters
 from reference_engine.request import Request
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from reference_engine.counters import EngineCounters
+from reference_engine.engine_counters import EngineCounters
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 from reference_engine.admission import make_admission
 from reference_engine.block_manager import BlockManager
 from reference_engine.config import EngineConfig, GiB
-from reference_engine.counters import EngineCounters
+from reference_engine.engine_counters import EngineCounters
 from reference_engine.events import EventLog, EventSink
 from reference_engine.kv_cache import KVCache
 from reference_engine.model import load_model

@@ -28,7 +28,7 @@ as before.
 What a step decides lives in that step: ``schedule()`` builds a :class:`_StepBuilder` (budget
 left, chunks, swaps, preemptions), hands it to its helpers, and returns it frozen as a
 :class:`SchedulerOutput` that says everything the engine and the runner need. Only the queues,
-the requests and the cumulative :class:`~reference_engine.counters.EngineCounters` outlive a step.
+the requests and the cumulative :class:`~reference_engine.engine_counters.EngineCounters` outlive a step.
 
 Constructible from plain numbers: no model, no tensors.
 """

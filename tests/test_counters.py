@@ -185,7 +185,7 @@ def _pressured_engine(ckpt_dir: str, **knobs):
 
 def test_reference_counters_are_the_engine_record_copied_by_name(ckpt_dir: str):
     from kvbench.engines.inprocess.reference import ReferenceAdapter, counters_of
-    from reference_engine.counters import EngineCounters
+    from reference_engine.engine_counters import EngineCounters
 
     engine = _pressured_engine(ckpt_dir)
     c, record, stats = counters_of(engine), engine.counters(), engine.stats()
@@ -201,7 +201,7 @@ def test_reference_counters_are_the_engine_record_copied_by_name(ckpt_dir: str):
 
 
 def test_engine_stats_are_gauges_only(ckpt_dir: str):
-    from reference_engine.counters import EngineCounters
+    from reference_engine.engine_counters import EngineCounters
 
     stats = _pressured_engine(ckpt_dir).stats()
     assert set(stats) == {"num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks",
@@ -212,7 +212,7 @@ def test_engine_stats_are_gauges_only(ckpt_dir: str):
 
 def test_reference_counters_copy_every_contract_field_of_the_record():
     from kvbench.engines.inprocess.reference import counters_of
-    from reference_engine.counters import EngineCounters
+    from reference_engine.engine_counters import EngineCounters
 
     stats = {"num_gpu_blocks": 8, "num_free_gpu_blocks": 8, "num_cpu_blocks": 0, "num_free_cpu_blocks": 0}
     record = EngineCounters(preemptions_recompute=5, aborts=2, steps=40)  # steps: not a contract counter
@@ -255,7 +255,7 @@ def test_every_engine_counter_is_on_the_servers_metrics_under_its_own_name(ckpt_
     pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from reference_engine.counters import EngineCounters, field_docs
+    from reference_engine.engine_counters import EngineCounters, field_docs
 
     engine = _pressured_engine(ckpt_dir, **EVERY_COUNTER_MOVES)
     record = engine.counters()

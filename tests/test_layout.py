@@ -35,9 +35,6 @@ ENGINES_SHARED = {"kvbench.engines.base", "kvbench.engines.registry"}
 #: server, the simulator's side, the built-in checkpoints, the demo)
 REFERENCE_ENGINE_USERS = ("kvbench.engines.inprocess.", "kvbench.engines.http.patched_server", "kvbench.sim.",
                           "kvbench.checkpoints", "kvbench.demo")
-#: file names kvbench and reference_engine still share, each being renamed by a change in flight (issue 20).
-#: This list must shrink to empty: remove a name when its collision is gone, and never add one.
-SHARED_NAMES_BEING_RENAMED = {"cli.py", "counters.py"}
 
 
 def _imports(path: Path) -> list[str]:
@@ -121,14 +118,8 @@ def _shared_file_names() -> dict[str, list[str]]:
 
 def test_every_module_is_named_once() -> None:
     """No two modules of kvbench and reference_engine share a file name: a name finds one file."""
-    shared = {name: paths for name, paths in _shared_file_names().items() if name not in SHARED_NAMES_BEING_RENAMED}
+    shared = _shared_file_names()
     assert not shared, f"file names used twice (rename one of each): {shared}"
-
-
-def test_names_being_renamed_are_still_shared() -> None:
-    """An entry of :data:`SHARED_NAMES_BEING_RENAMED` whose collision is gone is removed from it."""
-    stale = SHARED_NAMES_BEING_RENAMED - set(_shared_file_names())
-    assert not stale, f"no longer shared, remove from SHARED_NAMES_BEING_RENAMED: {sorted(stale)}"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "reference_engine").rglob("*.py")), ids=lambda p: _module(p))

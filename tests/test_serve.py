@@ -28,7 +28,7 @@ from starlette.testclient import TestClient
 
 from reference_engine import EngineConfig, LLMEngine, SamplingParams
 from reference_engine.serve.app import build_app
-from reference_engine.serve.cli import READY_PREFIX
+from reference_engine.serve.command_line import READY_PREFIX
 from reference_engine.tokenizer import TOKENIZER_FILE
 
 API_KEY = "test-key"

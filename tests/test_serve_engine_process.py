@@ -25,7 +25,7 @@ import pytest
 
 from reference_engine import EngineConfig, LLMEngine, SamplingParams
 from reference_engine.engine import RequestRejected
-from reference_engine.serve.cli import READY_PREFIX
+from reference_engine.serve.command_line import READY_PREFIX
 from reference_engine.serve.engine_loop import EngineFailure
 from reference_engine.serve.engine_process import EngineInfo, EngineProcess, EngineStartError, _EngineCore
 

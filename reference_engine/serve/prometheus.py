@@ -32,7 +32,7 @@ This engine's own names (no vLLM equivalent, or vLLM's beside them):
 
 =========================================  =========  ================================================
 reference_engine:<name>_total              counter    every field of
-                                                      :class:`~reference_engine.counters.EngineCounters`
+                                                      :class:`~reference_engine.engine_counters.EngineCounters`
                                                       under its own name (the contract's), its help
                                                       text the field's docstring: preemptions_recompute,
                                                       preemptions_swap, swap_outs, swap_ins,
@@ -64,7 +64,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from reference_engine.config import EngineConfig
-from reference_engine.counters import EngineCounters, field_docs
+from reference_engine.engine_counters import EngineCounters, field_docs
 
 # vLLM v1's buckets for TTFT and inter-token latency.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -24,8 +24,8 @@ from reference_engine.config import ConfigError, EngineConfig, GiB
 from reference_engine.costs.cost_model import CostModel, StepShape
 from reference_engine.costs.model_shapes import ModelShape
 from reference_engine.costs.profiles import HardwareProfile
-from reference_engine.counters import EngineCounters
 from reference_engine.engine import EngineParts, LLMEngine
+from reference_engine.engine_counters import EngineCounters
 from reference_engine.events import EventSink
 from reference_engine.outputs import RequestOutput, StepRecord, StepResult
 from reference_engine.preemption_policy import ModelCosts

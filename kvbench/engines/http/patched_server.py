@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     from reference_engine.engine import LLMEngine
-    from reference_engine.serve.cli import main as serve
+    from reference_engine.serve.command_line import main as serve
 
     build = LLMEngine.__init__
 
