@@ -4,7 +4,8 @@ Names follow vLLM's engine arguments so its users feel at home. On CPU there is 
 memory to profile, so the device KV pool is sized by ``num_gpu_blocks_override`` or, failing
 that, by ``kv_cache_space`` GiB (vLLM's CPU backend uses ``VLLM_CPU_KVCACHE_SPACE`` the same way).
 On CUDA, without an override, the pool takes ``gpu_memory_utilization`` of the device's total
-memory minus what the weights and a profiled forward pass use.
+memory minus what is already in use once the weights are loaded (no forward pass is profiled, so
+leave room for activations with a lower ``gpu_memory_utilization``).
 """
 
 from __future__ import annotations

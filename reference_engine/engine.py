@@ -90,6 +90,21 @@ class EngineParts:
     attention_backend: str = "torch"
 
 
+def block_manager_for(config: EngineConfig, num_gpu_blocks: int, block_bytes: int) -> BlockManager:
+    """The block manager of ``num_gpu_blocks`` device blocks and the host pool ``config`` asks for
+    (``num_cpu_blocks_override``, else ``swap_space`` GiB of ``block_bytes`` blocks where the mode may swap,
+    else none: recompute never swaps, so it reserves no host memory), with a fresh counter record that the
+    pool, block manager, scheduler and engine each count their own facts in."""
+    if config.num_cpu_blocks_override is not None:
+        num_cpu_blocks = config.num_cpu_blocks_override
+    elif config.preemption_mode in ("swap", "auto"):  # auto may swap: it needs the host pool too
+        num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
+    else:
+        num_cpu_blocks = 0
+    return BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size, config.enable_prefix_caching,
+                        EngineCounters())
+
+
 def load_parts(config: EngineConfig) -> EngineParts:
     """The engine's parts for ``config``: the model loaded on ``config.device``, KV pools sized by
     ``num_gpu_blocks_override`` or the device's memory (``gpu_memory_utilization`` on CUDA,
@@ -103,17 +118,8 @@ def load_parts(config: EngineConfig) -> EngineParts:
     config = config.resolve(mc.max_position_embeddings)
     block_bytes = mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
     num_gpu_blocks = config.num_gpu_blocks_override or _device_pool_blocks(config, device, block_bytes)
-    if config.num_cpu_blocks_override is not None:
-        num_cpu_blocks = config.num_cpu_blocks_override
-    elif config.preemption_mode in ("swap", "auto"):
-        num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
-    else:
-        num_cpu_blocks = 0  # recompute never swaps: reserve no host memory
-    # One record for the whole engine: the pool, block manager, scheduler and engine each count
-    # their own facts in it.
-    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size, config.enable_prefix_caching,
-                                 EngineCounters())
-    kv_cache = KVCache(num_gpu_blocks, num_cpu_blocks, mc.num_layers, config.block_size, mc.num_kv_heads,
+    block_manager = block_manager_for(config, num_gpu_blocks, block_bytes)
+    kv_cache = KVCache(num_gpu_blocks, block_manager.num_cpu_blocks, mc.num_layers, config.block_size, mc.num_kv_heads,
                        mc.head_dim, dtype, device)
     attention_backend = _attention_backend(config.attention_backend, device)
     runner = ModelRunner(model, kv_cache, block_manager, device, config.seed, attention_backend)

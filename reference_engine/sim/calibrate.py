@@ -1,6 +1,6 @@
 """Calibration maths: the designed batch shapes, and least-squares fits of the step cost model.
 
-``kvbench calibrate`` (:mod:`kvbench.bench.calibrate`, which owns the serving loop: this package
+``kvbench calibrate`` (:mod:`kvbench.sim.calibration`, which owns the serving loop: this package
 never imports kvbench) serves the reference engine over :class:`Design`'s batch shapes on the step
 clock, records every step's shape and the *interval* from one step's end to the next (the engine
 step plus the driver's per-step work and the releases before it: what a served run's times are made

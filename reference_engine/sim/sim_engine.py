@@ -19,13 +19,11 @@ than a real engine's), unless ``num_gpu_blocks_override`` says otherwise.
 
 from __future__ import annotations
 
-from reference_engine.block_manager import BlockManager
 from reference_engine.config import ConfigError, EngineConfig, GiB
 from reference_engine.costs.cost_model import CostModel, StepShape
 from reference_engine.costs.model_shapes import ModelShape
 from reference_engine.costs.profiles import HardwareProfile
-from reference_engine.engine import EngineParts, LLMEngine
-from reference_engine.engine_counters import EngineCounters
+from reference_engine.engine import EngineParts, LLMEngine, block_manager_for
 from reference_engine.events import EventSink
 from reference_engine.outputs import RequestOutput, StepRecord, StepResult
 from reference_engine.preemption_policy import ModelCosts
@@ -64,14 +62,7 @@ def priced_parts(config: EngineConfig, model: ModelShape, profile: HardwareProfi
     config = config.resolve(model.max_position_embeddings)
     block_bytes = config.block_size * cost.kv_bytes_per_token
     num_gpu_blocks = config.num_gpu_blocks_override or device_pool_blocks(model, profile, config, block_bytes)
-    if config.num_cpu_blocks_override is not None:
-        num_cpu_blocks = config.num_cpu_blocks_override
-    elif config.preemption_mode in ("swap", "auto"):  # auto may swap: it needs the host pool too
-        num_cpu_blocks = int(config.swap_space * GiB) // block_bytes
-    else:
-        num_cpu_blocks = 0
-    block_manager = BlockManager(num_gpu_blocks, num_cpu_blocks, config.block_size, config.enable_prefix_caching,
-                                 EngineCounters())
+    block_manager = block_manager_for(config, num_gpu_blocks, block_bytes)
     return EngineParts(
         config, _NoWeights(model), block_manager, SimKVCache(block_bytes, cost, clock),
         SimRunner(cost, clock, placeholder_token(model.eos_token_ids)),
@@ -214,6 +205,8 @@ class SimEngine(LLMEngine):
         finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
         spans, self.lazy.closed = self.lazy.closed, []
         return FastStep(tokens, finished, spans, record)
+
+
 class FastStep:
     """What one :meth:`SimEngine.step_fast` did for the driver: ``tokens``: requests that got one
     token at the end of this step; ``spans``: lazy requests' tokens, one at the end of every step of

@@ -8,7 +8,8 @@ above that line. (An empty batch takes any request: a gate that refused the only
 The engine's own ``admitted`` events say how full the pool was right after each admission and how many
 requests it joined. The same requests are run twice on the same pressured pool: with admission off, to
 show that this workload does cross the line (else nothing is decided and the check skips saying so), and
-with the watermark, where no admission into a running batch may cross it.
+with the watermark, where every request must be admitted (an event each), some into a running batch (a gate
+that runs everything alone keeps no headroom, it wastes the pool), and none of those may cross the line.
 """
 
 from __future__ import annotations
@@ -47,13 +48,19 @@ def test_watermark_admission_keeps_its_headroom(engine, requests_greedy):
                         "(not exposed)")
         unfinished = [o.request_id for o in result.outputs if o.finish_reason not in ("length", "stop")]
         assert not unfinished, f"admission_policy={policy}: requests did not finish: {unfinished[:10]}"
+        unseen = {r.request_id for r in requests_greedy} - {e.request_id for e in events}
+        assert not unseen, f"admission_policy={policy}: served requests without an admitted event: {sorted(unseen)}"
         return events
 
     ungated = admissions_over(admissions("none"), line)
     if not ungated:
         pytest.skip(f"with admission off no admission into a running batch filled the pool past {line:.0%}: "
                     "this workload cannot tell a gate that keeps its headroom from one that does not (undecided)")
-    crossed = admissions_over(admissions("watermark"), line)
+    gated = admissions("watermark")
+    assert any(e.data["num_running"] > 0 for e in gated), (
+        "admission_policy=watermark admitted no request into a running batch: it ran every request alone, "
+        "not up to the headroom its knobs set")
+    crossed = admissions_over(gated, line)
     assert not crossed, (f"admission_policy=watermark, admission_headroom={HEADROOM}: {len(crossed)} admissions "
                          f"into a running batch filled the pool past {line:.0%} (the headroom it must keep): "
                          + "; ".join(crossed[:8]))

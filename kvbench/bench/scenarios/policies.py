@@ -19,7 +19,7 @@ Two parts, each served in every mode so the modes' ratios never mix moments:
   the tail gap). Issue 11's goal for admission control (at least 5x fewer preemptions and 2x lower
   p99 TBT than static at >= 95% of its throughput) is judged for every point in a table and a note,
   not claimed: on the tiny model the p99 TBT is set by the prefill steps of new prompts, which no
-  admission rule removes (README, "Preemption-aware policies").
+  admission rule removes (docs/simulator.md, "Preemption-aware policies").
 
 Claims are counts (deterministic on the step clock), never times: auto preempted (which modes it
 chose depends on the prices measured on the machine, so that is a note) and fell back no more often
@@ -32,7 +32,7 @@ times, decided only on the simulator's cost clock (deterministic, every preempti
 times; undecided elsewhere): auto's output throughput on the mixed workload is no worse than the
 better fixed mode's within 2%, and beat both by more than 2% when its victims mixed (auto chose
 each mode at least once). At this scenario's sizes auto priced every victim one way; the mix at
-Llama-3-8B/H200 scale is ``kvbench simulate --workload mixed_victims`` (README).
+Llama-3-8B/H200 scale is ``kvbench simulate --workload mixed_victims`` (docs/simulator.md).
 """
 
 from __future__ import annotations
