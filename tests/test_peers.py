@@ -83,3 +83,10 @@ def test_an_engine_that_cannot_be_had_is_one_usage_error(engine: str, no_vllm: P
     text = "\n".join(result.errlines + result.outlines)
     assert ("peers.sh vllm" in text) or ("nothing answers" in text)
     assert "Traceback" not in text and "passed" not in text
+
+
+def test_default_peers_dir_is_beside_the_project(monkeypatch):
+    """scripts/peers.sh makes <project>/.peers: the default must point there, not into the package."""
+    monkeypatch.delenv("KVBENCH_PEERS_DIR", raising=False)
+    assert (peers.PROJECT_ROOT / "pyproject.toml").is_file()
+    assert peers.peers_dir() == peers.PROJECT_ROOT / ".peers"
