@@ -184,6 +184,11 @@ class ServerAdapter(EngineAdapter):
         self._knobs = wanted
         return self._remote
 
+    @property
+    def process(self) -> ServerProcess | None:
+        """The server running now (its process group, for whoever inspects it), None when none is."""
+        return self._server
+
     def stop_server(self) -> None:
         if self._server is not None:
             self._server.stop()
