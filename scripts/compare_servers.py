@@ -24,15 +24,17 @@ affinity, ``OMP_NUM_THREADS`` in their environment) and, for vLLM, its "OpenMP t
 
 * ``default``: each side as it starts by itself: vLLM binds its worker's OpenMP threads to all cores but
   the ones it reserves for its front end (``VLLM_CPU_OMP_THREADS_BIND=auto``: on 2 cores, 1 thread on
-  core 1); the reference server's engine process runs torch's default (one thread per core), and so does
-  the in-process engine.
+  core 0, core 1 reserved); the reference server's engine process runs ``--engine-threads``' default (every
+  core but one since this script was written; torch's default, one thread per core, before:
+  ``--variant torch-default='--engine-threads 2'`` measures that), the in-process engine torch's default.
 * ``matched``: the reference engine (server and in process) runs as many torch threads as vLLM's worker
   has OpenMP threads (``nproc - 1``, at least 1), vLLM unchanged.
 
     PYTHONPATH=$PWD python scripts/compare_servers.py --quick
     PYTHONPATH=$PWD python scripts/compare_servers.py [--models small,tiny-hd32] [--dtypes float32,bfloat16]
         [--concurrency 16,64] [--rounds 2] [--requests 128] [--prompt 128] [--output 64]
-        [--engines inproc,ref-server,vllm] [--threads default|matched] [--json OUT.json]
+        [--engines inproc,ref-server,vllm] [--variant NAME=FLAGS ...] [--threads default|matched]
+        [--json OUT.json]
 
 ``--quick``: tiny-hd32, float32, concurrency 64, 2 rounds (a few minutes, most of it vLLM's start-up).
 """
@@ -106,18 +108,24 @@ def model_dir(name: str) -> Path:
 
 
 def make_engines(names: Sequence[str], ckpt: Path, dtype: str, ref_threads: int | None,
-                 log_dir: Path) -> dict[str, EngineAdapter]:
+                 log_dir: Path, variants: dict[str, str] | None = None) -> dict[str, EngineAdapter]:
     """The adapters for ``names``; ``ref_threads``: torch threads of the reference server's engine
-    process (None: what this process runs, as the server adapter passes on)."""
+    process (None: the server's own default); ``variants``: more
+    reference servers, name -> the flags they are started with on top."""
     engines: dict[str, EngineAdapter] = {}
+    for name, flags in (variants or {}).items():
+        adapter = ServerAdapter(str(ckpt), {"preset": "reference", "args": f"--dtype {dtype} {flags}",
+                                            "log_dir": str(log_dir)}, name=name)
+        adapter.env_overrides["OMP_NUM_THREADS"] = None if ref_threads is None else str(ref_threads)
+        engines[name] = adapter
     for name in names:
         if name == "inproc":
             engines[name] = ReferenceAdapter(str(ckpt), {"dtype": dtype}, name=name)
         elif name == "ref-server":
             adapter = ServerAdapter(str(ckpt), {"preset": "reference", "args": f"--dtype {dtype}",
                                                 "log_dir": str(log_dir)}, name=name)
-            if ref_threads is not None:
-                adapter.env_overrides["OMP_NUM_THREADS"] = str(ref_threads)
+            # matched: the threads asked; default: the server's own choice, not this process's count
+            adapter.env_overrides["OMP_NUM_THREADS"] = None if ref_threads is None else str(ref_threads)
             engines[name] = adapter
         elif name == "vllm":
             engines[name] = ServerAdapter(str(ckpt), {"preset": "vllm", "args": f"--dtype {dtype}",
@@ -209,7 +217,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=blocks, max_num_seqs=args.max_num_seqs,
                       max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens)
         for dtype in args.dtypes:
-            engines = make_engines(args.engines, ckpt, dtype, ref_threads, log_dir)
+            engines = make_engines(args.engines, ckpt, dtype, ref_threads, log_dir, args.variant)
             try:
                 print(f"\n== {model_name} ({ckpt.name}), {dtype}: {args.requests} requests x {args.prompt} prompt + "
                       f"{args.output} output, knobs {knobs.as_dict()}", flush=True)
@@ -244,7 +252,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     cells = [Cell(**c) for c in result["cells"]]
-    lines = [f"\n# compare_servers: {result['started']} UTC, commit {result['commit']}, threads={result['threads_mode']}",
+    lines = [f"\n# compare_servers: {result['started']}, commit {result['commit']}, threads={result['threads_mode']}",
              f"# {result['command']}", "",
              "| model | dtype | conc. | engine | output tok/s | TTFT p50 s | tok/s vs vLLM | TTFT vs vLLM |",
              "|---|---|---|---|---|---|---|---|"]
@@ -291,10 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="the same prefill budget on every engine (default 2048)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="one more reference server, started with FLAGS on top (e.g. sliced='--attention-backend "
+                             "sliced'); repeatable: a change measured side by side with what it changes")
     parser.add_argument("--threads", choices=("default", "matched"), default="default")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None, help="write the figures and thread settings here")
     args = parser.parse_args(argv)
+    try:
+        args.variant = dict(v.split("=", 1) for v in args.variant)
+    except ValueError:
+        parser.error(f"--variant: expected NAME=FLAGS, got {args.variant}")
     if args.quick:
         args.models, args.dtypes, args.concurrency, args.rounds = ["tiny-hd32"], ["float32"], [64], 2
     result = measure(args)
