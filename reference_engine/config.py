@@ -58,7 +58,7 @@ class EngineConfig:
     dtype: str = "float32"
     check_invariants: bool = False  # run the block manager's self-check after every step (slow)
     # decode attention: "torch" (the oracle), "sliced" (attention.sliced_decode_attention: fewer memory passes
-    # on CPU), "triton", or "auto" = triton on CUDA if importable, torch otherwise
+    # on CPU), "triton", or "auto" = triton on CUDA if importable, torch on CUDA without it, sliced on CPU
     attention_backend: str = "auto"
     # Events retained in LLMEngine.events (oldest dropped first; 0 keeps none). A sink sees them all.
     max_events: int = DEFAULT_MAX_EVENTS
