@@ -247,7 +247,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     adapter.close()
     return {"started": started.isoformat(timespec="seconds"), "command": " ".join(sys.argv),
             "commit": _commit(), "threads_mode": args.threads, "client_torch_threads": torch.get_num_threads(),
-            "cells": [c.__dict__ for c in cells], "threads": threads_seen, "cores": os.cpu_count()}
+            "cells": [c.__dict__ for c in cells], "threads": threads_seen, "cores": os.cpu_count(),
+            "variants": dict(args.variant)}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -266,6 +267,11 @@ def report(result: dict[str, Any]) -> str:
         if "inproc" in c.tok_s and "ref-server" in c.tok_s:
             lines.append(f"| {c.model} | {c.dtype} | {c.concurrency} | ref-server / inproc | "
                          f"{ratio(c.tok_s['ref-server'], c.tok_s['inproc'])} | | | |")
+        for variant in result.get("variants", {}):  # what the flags of a variant change, side by side
+            if variant in c.tok_s and "ref-server" in c.tok_s:
+                lines.append(f"| {c.model} | {c.dtype} | {c.concurrency} | ref-server / {variant} | "
+                             f"{ratio(c.tok_s['ref-server'], c.tok_s[variant])} | "
+                             f"{ratio(c.ttft_p50['ref-server'], c.ttft_p50[variant])} | | |")
     lines += ["", "ratios: within each round, median [min-max] over the rounds; TTFT vs vLLM below 1 means the "
               "reference engine answered first. Thread settings seen:"]
     for name, info in result["threads"].items():
@@ -305,11 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", choices=("default", "matched"), default="default")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None, help="write the figures and thread settings here")
+    parser.add_argument("--report", default=None, metavar="JSON", help="only print the table of an earlier --json")
     args = parser.parse_args(argv)
     try:
         args.variant = dict(v.split("=", 1) for v in args.variant)
     except ValueError:
         parser.error(f"--variant: expected NAME=FLAGS, got {args.variant}")
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())))
+        return 0
     if args.quick:
         args.models, args.dtypes, args.concurrency, args.rounds = ["tiny-hd32"], ["float32"], [64], 2
     result = measure(args)
