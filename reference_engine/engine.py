@@ -322,12 +322,13 @@ def _tokens_in_range(prompt: Sequence[int], vocab: int) -> bool:
 
 
 def _attention_backend(choice: str, device: torch.device) -> str:
-    """"torch", "sliced" or "triton" for this device ("auto": torch off CUDA). Triton is imported only
+    """"torch", "sliced" or "triton" for this device ("auto": sliced off CUDA, the torch path's math in
+    cache-sized slices, tested against it; see docs/results.md for what it bought). Triton is imported only
     when it could be used, so CPU engines (and every ``import reference_engine``) do not pay for it."""
     if choice in ("torch", "sliced"):
         return choice
     if choice == "auto" and device.type != "cuda":
-        return "torch"
+        return "sliced"
     from reference_engine.triton_attention import resolve_attention_backend
 
     return resolve_attention_backend(choice, device)

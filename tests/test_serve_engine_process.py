@@ -27,7 +27,13 @@ from reference_engine import EngineConfig, LLMEngine, SamplingParams
 from reference_engine.engine import RequestRejected
 from reference_engine.serve.command_line import READY_PREFIX
 from reference_engine.serve.engine_loop import EngineFailure
-from reference_engine.serve.engine_process import EngineInfo, EngineProcess, EngineStartError, _EngineCore
+from reference_engine.serve.engine_process import (
+    EngineInfo,
+    EngineProcess,
+    EngineStartError,
+    _EngineCore,
+    default_engine_threads,
+)
 
 START_TIMEOUT_S = 60
 GREEDY_LONG = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)  # 3-token prompts: 1,003 of 1,024
@@ -365,3 +371,28 @@ def test_the_cli_exits_2_naming_a_field_the_model_refuses_or_the_model_it_cannot
     missing = serve("--model", str(tmp_path / "nowhere"))
     assert missing.returncode == 2, missing.stderr[-2000:]
     assert "could not be loaded" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_engine_threads_leave_a_core_to_the_http_process_unless_pinned() -> None:
+    assert default_engine_threads({}, cores=2) == 1
+    assert default_engine_threads({}, cores=16) == 15
+    assert default_engine_threads({}, cores=1) == 1
+    assert default_engine_threads({"OMP_NUM_THREADS": "3"}, cores=2) == 3  # a launcher's pin wins
+    assert default_engine_threads({"OMP_NUM_THREADS": ""}, cores=8) == 7  # empty or junk: not a pin
+
+
+def test_the_engine_process_steps_on_the_threads_asked(tiny_ckpt: str) -> None:
+    engine = EngineProcess.spawn(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=64), threads=1)
+    try:
+        assert engine.info.torch_threads == 1
+    finally:
+        engine.stop()
+
+
+def test_engine_threads_below_one_is_refused_naming_the_flag(tiny_ckpt: str, capsys) -> None:
+    from reference_engine.serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", tiny_ckpt, "--engine-threads", "0"])
+    assert exit_.value.code == 2
+    assert "--engine-threads=0 is invalid" in capsys.readouterr().err

@@ -8,7 +8,9 @@ checked by ``EngineConfig`` itself, and a bad one exits with status 2 and its ``
 which names the field. Server flags: ``--host`` (default 127.0.0.1: binding
 every interface is a choice to make explicitly), ``--port`` (0 = a free port, printed), ``--api-key``,
 ``--served-model-name``, ``--max-body-bytes``, ``--access-log``, ``--engine-process`` (default on: the
-engine steps in its own process; ``--no-engine-process`` keeps it on a thread of the server).
+engine steps in its own process; ``--no-engine-process`` keeps it on a thread of the server),
+``--engine-threads`` (the engine process's torch threads; default ``$OMP_NUM_THREADS`` where set, else every
+core but one, which the HTTP process keeps: :func:`~reference_engine.serve.engine_process.default_engine_threads`).
 
 Once the engine is loaded and the socket listens, one line is printed to stdout::
 
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the engine in its own process, so HTTP work and engine steps do not share "
                              "one GIL (default: on; --no-engine-process steps it on a thread of the server)")
+    server.add_argument("--engine-threads", type=int, default=None, metavar="N",
+                        help="torch threads of the engine process (default: $OMP_NUM_THREADS if set, else every "
+                             "core but one, left to the HTTP process)")
     return parser
 
 
@@ -92,17 +97,17 @@ class _CannotStart(Exception):
     """The engine could not be built; the message is the CLI's error line."""
 
 
-def _start_engine(config: EngineConfig, *, in_own_process: bool):
+def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | None = None):
     """An ``EngineProcess`` or an ``LLMEngine`` for ``config``; raises :class:`_CannotStart` with the
     engine's ``ConfigError`` message (which names the field) or why the model could not be loaded."""
     def load_error(detail: str) -> _CannotStart:
         return _CannotStart(f"--model {config.model!r} could not be loaded: {detail}")
 
     if in_own_process:
-        from reference_engine.serve.engine_process import EngineProcess, EngineStartError
+        from reference_engine.serve.engine_process import EngineProcess, EngineStartError, default_engine_threads
 
         try:
-            return EngineProcess.spawn(config)
+            return EngineProcess.spawn(config, threads=threads or default_engine_threads())
         except EngineStartError as e:
             raise (_CannotStart(str(e)) if e.kind == "config" else load_error(str(e))) from None
     from reference_engine.engine import LLMEngine
@@ -120,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port={args.port} is invalid: expected 0..65535")
+    if args.engine_threads is not None and args.engine_threads < 1:
+        parser.error(f"--engine-threads={args.engine_threads} is invalid: expected an integer >= 1")
     if args.max_body_bytes < 1:
         parser.error(f"--max-body-bytes={args.max_body_bytes} is invalid: expected an integer >= 1")
     try:
@@ -132,9 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     from reference_engine.serve.app import build_app
 
     try:
-        engine = _start_engine(config, in_own_process=args.engine_process)
+        engine = _start_engine(config, in_own_process=args.engine_process, threads=args.engine_threads)
     except _CannotStart as e:
         parser.error(str(e))
+    info = getattr(engine, "info", None)
+    if info is not None:  # an engine process: say what it steps on (a thread count decides its speed)
+        print(f"reference_engine.serve: engine process steps on {info.torch_threads} torch threads", file=sys.stderr,
+              flush=True)
 
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

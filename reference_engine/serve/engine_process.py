@@ -42,6 +42,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
 import signal
 import threading
@@ -84,11 +85,32 @@ class EngineInfo:
     num_gpu_blocks: int
     num_cpu_blocks: int
     vocab_size: int
+    torch_threads: int = 0  # intra-op threads the engine steps on
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
+        import torch
+
         return cls(engine.config, engine.block_manager.num_gpu_blocks, engine.block_manager.num_cpu_blocks,
-                   engine.model.config.vocab_size)
+                   engine.model.config.vocab_size, torch.get_num_threads())
+
+
+def default_engine_threads(env: dict[str, str] | None = None, cores: int | None = None) -> int:
+    """The engine process's torch threads when ``--engine-threads`` is not given: ``OMP_NUM_THREADS`` where
+    it is set (a launcher pinning threads wins), else every core but one, at least one.
+
+    Why one core is left: the HTTP process streams every token and shares the machine with the engine.
+    At torch's default (a thread per core) the engine's OpenMP threads spin on the core the HTTP process
+    needs: on 2 cores the tiny model served 182-194 tok/s against 1,155-1,343 with one engine thread
+    (scripts/compare_servers.py --quick, docs/results.md). vLLM's CPU build does the same: its
+    ``VLLM_CPU_OMP_THREADS_BIND=auto`` binds the worker's threads to all cores but one it reserves."""
+    env = os.environ if env is None else env
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    cores = cores if cores is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 # ---------------------------------------------------------------------------------------- engine process
@@ -97,10 +119,15 @@ class EngineInfo:
 _Delta = tuple[str, list[int], bool, "str | None", int, int, int, "list[TokenLogprobs] | None"]
 
 
-def _engine_main(config: EngineConfig, conn: multiprocessing.connection.Connection) -> None:
-    """The engine process: build the engine, say so (or why not), then serve commands until told to stop."""
+def _engine_main(config: EngineConfig, conn: multiprocessing.connection.Connection, threads: int | None = None) -> None:
+    """The engine process: build the engine, say so (or why not), then serve commands until told to stop.
+    ``threads``: torch's intra-op threads here (None: torch's default)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     from reference_engine.engine import LLMEngine
 
     try:
@@ -228,12 +255,14 @@ class EngineProcess:
         self._stopping = False
 
     @classmethod
-    def spawn(cls, config: EngineConfig, start_timeout: float = START_TIMEOUT_S) -> EngineProcess:
+    def spawn(cls, config: EngineConfig, start_timeout: float = START_TIMEOUT_S,
+              threads: int | None = None) -> EngineProcess:
         """Start the engine process for ``config`` and wait until its engine is built; raises
-        :class:`EngineStartError` with the engine's own message if it cannot be."""
+        :class:`EngineStartError` with the engine's own message if it cannot be. ``threads``: the engine
+        process's torch threads (None: torch's default there)."""
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads or torch
         conn, child_conn = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=_engine_main, args=(config, child_conn), name="reference_engine-core",
+        process = ctx.Process(target=_engine_main, args=(config, child_conn, threads), name="reference_engine-core",
                               daemon=True)
         process.start()
         child_conn.close()  # ours is closed in the child: its death reads as EOF here

@@ -106,7 +106,8 @@ class ServerAdapter(EngineAdapter):
         self.preset: Preset = PRESETS[preset_name] if preset_name else CUSTOM
         self.command = tuple(shlex.split(cmd)) if cmd else None
         self.extra = shlex.split(self.options.get("args", ""))
-        self.env_overrides: dict[str, str] = {}  # on top of _server_env(), taken at each launch
+        # on top of _server_env(), taken at each launch; None unsets a variable (the server's own default)
+        self.env_overrides: dict[str, str | None] = {}
         self.vllm: VllmInstall | None = None
         self.kv_layout = self.preset.kv_layout
         if self.preset.name == "vllm" and not cmd:
@@ -166,7 +167,8 @@ class ServerAdapter(EngineAdapter):
         port = free_port()
         argv = self.argv(knobs, port)
         log = self.log_dir / f"{self.preset.name}-{len(self.logs) + 1:03d}-port{port}.log"
-        server = ServerProcess(argv, log, env={**_server_env(), **self.env_overrides})
+        env = {**_server_env(), **self.env_overrides}
+        server = ServerProcess(argv, log, env={k: v for k, v in env.items() if v is not None})
         self.logs.append(str(log))
         server.start()
         self._server = server
@@ -183,6 +185,11 @@ class ServerAdapter(EngineAdapter):
         self._remote.configure_run(liveness=self.liveness)  # the session's limits: the HTTP watchdog runs under them
         self._knobs = wanted
         return self._remote
+
+    @property
+    def process(self) -> ServerProcess | None:
+        """The server running now (its process group, for whoever inspects it), None when none is."""
+        return self._server
 
     def stop_server(self) -> None:
         if self._server is not None:
