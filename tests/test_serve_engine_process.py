@@ -390,7 +390,7 @@ def test_the_engine_process_steps_on_the_threads_asked(tiny_ckpt: str) -> None:
 
 
 def test_engine_threads_below_one_is_refused_naming_the_flag(tiny_ckpt: str, capsys) -> None:
-    from reference_engine.serve.cli import main
+    from reference_engine.serve.command_line import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--model", tiny_ckpt, "--engine-threads", "0"])
