@@ -40,7 +40,8 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_tokens] long: offset inside that block
     groups: list[AttentionGroup]
     # "triton": the decode group runs triton_attention.paged_decode_attention;
-    # "sliced": it runs sliced_decode_attention (below)
+    # "cpp": cpu_attention.paged_decode_attention (the compiled CPU kernel);
+    # "sliced": sliced_decode_attention (below)
     backend: str = "torch"
 
 
@@ -73,6 +74,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
             out[g.flat_rows] = triton_attention.paged_decode_attention(q[g.flat_rows], kv_cache, layer,
                                                                        g.block_tables, g.seq_lens)
+            continue
+        if meta.backend == "cpp" and g.token_index.shape[1] == 1:
+            from reference_engine import cpu_attention  # builds the C++ kernel on first use
+
+            out[g.flat_rows] = cpu_attention.paged_decode_attention(q[g.flat_rows], kv_cache, layer,
+                                                                    g.block_tables, g.seq_lens)
             continue
         if meta.backend == "sliced" and g.token_index.shape[1] == 1:
             out[g.flat_rows] = sliced_decode_attention(q[g.flat_rows], kv_cache, layer, g.block_tables,

@@ -32,7 +32,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (r
 ADMISSION_POLICIES = ("none", "watermark", "aimd")  # see reference_engine.admission
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch", "sliced", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "sliced", "cpp", "triton")
 GiB = 1 << 30
 
 
@@ -148,8 +148,9 @@ FIELD_DOCS: dict[str, str] = {
     "dtype": "weights and KV dtype: float32, float16 or bfloat16",
     "check_invariants": "run the block manager's self-check after every step (slow; for debugging)",
     "attention_backend": "decode attention: torch (the readable oracle), sliced (fewer memory passes on CPU), "
-                         "triton (CUDA, or TRITON_INTERPRET=1), or auto (triton on CUDA if importable, torch on "
-                         "CUDA without it, sliced on CPU)",
+                         "cpp (a C++ kernel reading the blocks in place on CPU, built on first use), triton "
+                         "(CUDA, or TRITON_INTERPRET=1), or auto (triton on CUDA if importable, torch on CUDA "
+                         "without it; on CPU cpp, or sliced where cpp cannot be built)",
     "max_events": "engine events retained in LLMEngine.events, oldest dropped first (0 keeps none; a sink sees "
                   "them all); an integer >= 0",
     "cost_profile": "how preemption_mode=auto prices swap against recompute: a hardware profile JSON file from "

@@ -322,13 +322,23 @@ def _tokens_in_range(prompt: Sequence[int], vocab: int) -> bool:
 
 
 def _attention_backend(choice: str, device: torch.device) -> str:
-    """"torch", "sliced" or "triton" for this device ("auto": sliced off CUDA, the torch path's math in
-    cache-sized slices, tested against it; see docs/results.md for what it bought). Triton is imported only
-    when it could be used, so CPU engines (and every ``import reference_engine``) do not pay for it."""
+    """"torch", "sliced", "cpp" or "triton" for this device. "auto" off CUDA is the compiled CPU kernel
+    (:mod:`reference_engine.cpu_attention`, built on first use) and, where it cannot be built, the sliced
+    torch path; both are tested against the torch path, and docs/results.md says what each bought. Triton is
+    imported only when it could be used, so CPU engines (and every ``import reference_engine``) do not pay
+    for it."""
     if choice in ("torch", "sliced"):
         return choice
-    if choice == "auto" and device.type != "cuda":
+    if choice in ("auto", "cpp") and device.type != "cuda":
+        from reference_engine.cpu_attention import cpu_kernel_available, why_unavailable
+
+        if cpu_kernel_available():
+            return "cpp"
+        if choice == "cpp":
+            raise ValueError(f"attention_backend='cpp' cannot run: {why_unavailable()}; use 'sliced' or 'auto'")
         return "sliced"
+    if choice == "cpp":
+        raise ValueError(f"attention_backend='cpp' runs on the CPU, not on {device}; use 'triton' or 'auto'")
     from reference_engine.triton_attention import resolve_attention_backend
 
     return resolve_attention_backend(choice, device)

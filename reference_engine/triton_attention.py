@@ -48,7 +48,7 @@ except ImportError:  # triton is a Linux x86_64 dependency only; the torch path 
     triton = None
     tl = None
 
-ATTENTION_BACKENDS = ("auto", "torch", "sliced", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "sliced", "cpp", "triton")
 DEFAULT_BLOCK_N = 32  # keys per loop iteration; any power of two >= 16
 
 

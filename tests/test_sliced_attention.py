@@ -111,4 +111,5 @@ def test_engine_greedy_outputs_are_token_equal_and_sliced_really_ran(monkeypatch
         assert (len(calls) > runs) == (backend == "sliced")
         assert engine.counters().preemptions > 0  # the comparison covers recomputed sequences
     assert outputs["sliced"] == outputs["torch"]
-    assert LLMEngine(EngineConfig(model=model, num_gpu_blocks_override=8)).attention_backend == "sliced"  # auto, CPU
+    auto = LLMEngine(EngineConfig(model=model, num_gpu_blocks_override=8)).attention_backend
+    assert auto in ("cpp", "sliced")  # auto on CPU: the compiled kernel, or sliced where it cannot be built

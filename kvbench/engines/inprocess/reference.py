@@ -108,7 +108,8 @@ class ReferenceAdapter(EngineAdapter):
         "dtype": "float32, float16 or bfloat16",
         "check_invariants": "run the block manager self-check after every step (slow)",
         "max_events": "events the engine keeps in its bounded log (default 10000; kvbench reads them through a sink)",
-        "attention_backend": "decode attention: auto (triton on CUDA, sliced on CPU), torch, sliced or triton",
+        "attention_backend": "decode attention: auto (triton on CUDA; on CPU cpp, or sliced where it cannot be "
+                             "built), torch, sliced, cpp or triton",
         STEP_DELAY_OPTION: "testing aid, not an engine setting: sleep this many milliseconds after every engine step "
                            "(a deliberate, known slowdown for checking that the regression gate catches one)",
     }
