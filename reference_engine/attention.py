@@ -38,7 +38,7 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [num_tokens] long: block that receives each new token's K/V
     slot_offsets: torch.Tensor  # [num_tokens] long: offset inside that block
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]  # their flat_rows partition the T rows; one group holds them all, in order
     # "triton": the decode group runs triton_attention.paged_decode_attention;
     # "cpp": cpu_attention.paged_decode_attention (the compiled CPU kernel);
     # "sliced": sliced_decode_attention (below)
@@ -78,8 +78,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         if meta.backend == "cpp" and g.token_index.shape[1] == 1:
             from reference_engine import cpu_attention  # builds the C++ kernel on first use
 
-            out[g.flat_rows] = cpu_attention.paged_decode_attention(q[g.flat_rows], kv_cache, layer,
-                                                                    g.block_tables, g.seq_lens)
+            alone = len(meta.groups) == 1  # an all-decode step: the group holds every row, in order
+            result = cpu_attention.paged_decode_attention(q if alone else q[g.flat_rows], kv_cache, layer,
+                                                          g.block_tables, g.seq_lens)
+            if alone:
+                return result
+            out[g.flat_rows] = result
             continue
         if meta.backend == "sliced" and g.token_index.shape[1] == 1:
             out[g.flat_rows] = sliced_decode_attention(q[g.flat_rows], kv_cache, layer, g.block_tables,

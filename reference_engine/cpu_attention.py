@@ -19,6 +19,7 @@ one warning naming the reason.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from pathlib import Path
@@ -28,6 +29,9 @@ import torch
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+# -ffast-math lets the compiler vectorise the dot products' sums and exp; it is a compile flag only (not
+# passed to the link, which could set flush-to-zero for the whole process: a test checks it does not).
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _lock = threading.Lock()
 _module: Any = None
 _error: str | None = None
@@ -45,9 +49,11 @@ def _load() -> Any:
         try:
             from torch.utils.cpp_extension import load
 
-            _module = load(name="reference_engine_paged_decode", sources=[str(_SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           verbose=False)
+            # Named by a digest of the source and flags: two checkouts of one version share a build, and
+            # checkouts of different versions do not rebuild over each other's.
+            digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+            _module = load(name=f"reference_engine_paged_decode_{digest}", sources=[str(_SOURCE)],
+                           extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # no compiler, no ninja, a build error: the torch paths still work
             _error = f"the CPU attention kernel could not be built ({type(exc).__name__}: {str(exc)[:300]})"
             raise RuntimeError(_error) from exc
