@@ -53,14 +53,37 @@ def free_port() -> int:
 
 
 def group_alive(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` still exists."""
+    """Whether any process of group ``pgid`` still runs. A zombie does not count: it has exited and holds
+    nothing but its exit status, waiting for its parent to collect it. The reference server's group ends
+    that way (multiprocessing's resource tracker outlives the server that started it by a moment, and is
+    left to PID 1, which here collected it 1-3 s later): counting it made every stop wait that long."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else (cannot be ours)
         return True
-    return True
+    members = _group_states(pgid)
+    return members is None or any(state != "Z" for state in members)
+
+
+def _group_states(pgid: int) -> list[str] | None:
+    """The states (``R``, ``S``, ``Z``...) of group ``pgid``'s processes from /proc, or None without /proc."""
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return None
+    states = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and fields[2] == str(pgid):
+            states.append(fields[0])
+    return states
 
 
 class ServerProcess:
