@@ -35,16 +35,12 @@ from reference_engine.kv_cache import KVCache
 from reference_engine.model import load_model
 from reference_engine.outputs import RequestOutput, StepRecord, StepResult
 from reference_engine.preemption_policy import PreemptionCosts, auto_costs
-from reference_engine.request import Request, RequestStatus
+from reference_engine.request import Request, RequestRejected, RequestStatus
 from reference_engine.runner import ModelRunner
 from reference_engine.sampling_params import SamplingParams
 from reference_engine.scheduler import Scheduler, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class RequestRejected(ValueError):
-    """``add_request`` refused a request; the engine and every other request are untouched."""
 
 
 class StepRunner(Protocol):

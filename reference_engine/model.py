@@ -254,6 +254,10 @@ def _fused_linear(*parts: nn.Linear) -> nn.Linear:
     return fused
 
 
+#: checkpoints larger than this are built on the meta device (see load_model)
+BUILD_ON_META_ABOVE_BYTES = 256 << 20
+
+
 def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Build the model from ``config.json`` and load ``*.safetensors`` (sharded or not) strictly."""
     from safetensors.torch import load_file
@@ -268,9 +272,14 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = 
         state.update(load_file(str(f), device="cpu"))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    with torch.device("meta"):
+    # A large model is built on the meta device (no memory, no initialisation of weights about to be
+    # overwritten); a small one straight on the CPU, where initialising costs milliseconds: meta tensors
+    # run torch's Python decompositions, whose first use imports torch._dynamo, 1.2 s of every server start.
+    large = sum(f.stat().st_size for f in files) > BUILD_ON_META_ABOVE_BYTES
+    with torch.device("meta" if large else "cpu"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu")
+    if large:
+        model = model.to_empty(device="cpu")
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     missing = sorted(expected - state.keys())
     unexpected = sorted(k for k in state.keys() - expected if "rotary_emb" not in k)

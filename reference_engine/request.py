@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from reference_engine.sampling_params import SamplingParams, TokenLogprobs
 
 
+class RequestRejected(ValueError):
+    """``add_request`` refused a request; the engine and every other request are untouched. (Here, not in
+    ``engine``, so the HTTP server can catch it without importing torch.)"""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

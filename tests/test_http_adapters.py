@@ -331,24 +331,96 @@ def test_transformers_preset_flags_exist_in_transformers_serve_help():
 
 
 def test_server_adapter_launches_per_knob_set_and_passes_knobs_as_flags(model_dir, tmp_path):
-    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path)})
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path),
+                                        "keep_servers": "2"})
+    request = [GenRequest("r", [3, 4], 2)]
+    small, large, larger = (Knobs(block_size=16, num_gpu_blocks=n) for n in (24, 48, 96))
     try:
-        a = adapter.generate([GenRequest("r", [3, 4], 2)], Knobs(block_size=16, num_gpu_blocks=24))
+        a = adapter.generate(request, small)
         assert a.counters["num_gpu_blocks"] == 24, "the stub publishes the flags it got: the knob reached it"
-        first = adapter._server
-        adapter.generate([GenRequest("r", [3, 4], 2)], Knobs(block_size=16, num_gpu_blocks=24))
-        assert adapter._server is first, "same knobs: same server"
-        b = adapter.generate([GenRequest("r", [3, 4], 2)], Knobs(block_size=16, num_gpu_blocks=48))
-        assert b.counters["num_gpu_blocks"] == 48 and adapter._server is not first
-        assert not group_alive(first.pgid), "the server for the old knobs was stopped with its group"
+        first = adapter.process
+        adapter.generate(request, small)
+        assert adapter.process is first, "same knobs: same server"
+        b = adapter.generate(request, large)
+        assert b.counters["num_gpu_blocks"] == 48 and adapter.process is not first
+        second = adapter.process
+        assert group_alive(first.pgid), "the server of the other knobs is kept for reuse"
+        c = adapter.generate(request, small)
+        assert c.counters["num_gpu_blocks"] == 24 and adapter.process is first, "back to the first knobs: reused"
         assert len(adapter.logs) == 2 and all(Path(p).is_file() for p in adapter.logs)
-        assert any(line.startswith("server log: ") for line in b.evidence)
-        second = adapter._server
+        assert f"server log: {first.log_path}" in c.evidence, "the evidence names the log of the server it ran on"
+        adapter.generate(request, larger)
+        third = adapter.process
+        assert not group_alive(second.pgid), "keep_servers=2: the least recently used one stopped with its group"
+        assert adapter.running_servers() == [first, third]
     finally:
         adapter.close()
-    assert not group_alive(second.pgid), "close() stopped the running server with its group"
+    assert not any(group_alive(s.pgid) for s in (first, third)), "close() stopped every server with its group"
+    assert adapter.running_servers() == []
     with pytest.raises(httpx.HTTPError):
         httpx.get(a.evidence[0].removeprefix("server: ") + "/health", timeout=2)
+
+
+def test_servers_that_carry_state_are_not_kept_for_other_checks(model_dir, tmp_path):
+    """A server with prefix caching on would give a later check hits from an earlier one's prompts; a server
+    whose check failed may hold what the failure left. Neither serves another knob set or another check."""
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path)})
+    request = [GenRequest("r", [3, 4], 2)]
+    cached = Knobs(block_size=16, num_gpu_blocks=24, enable_prefix_caching=True)
+    plain = Knobs(block_size=16, num_gpu_blocks=48)
+    try:
+        adapter.generate(request, cached)
+        caching = adapter.process
+        adapter.generate(request, cached)
+        assert adapter.process is caching, "the next run with the same knobs (within a check) reuses it"
+        adapter.generate(request, plain)
+        assert not group_alive(caching.pgid), "other knobs asked for: the caching server is stopped, not kept"
+        plain_server = adapter.process
+        adapter.generate(request, cached)
+        assert adapter.process is not caching and group_alive(plain_server.pgid)
+        adapter.check_failed()
+        assert adapter.running_servers() == [] and not group_alive(plain_server.pgid)
+        adapter.generate(request, plain)
+        assert adapter.process is not plain_server, "after a failed check: a fresh server"
+    finally:
+        adapter.close()
+
+
+def test_a_failed_check_stops_its_engines_servers_and_a_skip_does_not(pytester: pytest.Pytester, tmp_path):
+    pytester.makeconftest(f"""
+        import pytest
+        from kvbench.engines.http.server import ServerAdapter
+
+        @pytest.fixture(scope="session")
+        def engine():
+            adapter = ServerAdapter("/m", {{"cmd": {STUB!r}, "log_dir": {str(tmp_path)!r}}})
+            yield adapter
+            adapter.close()
+        """)
+    pytester.makepyfile(test_checks="""
+        import pytest
+        from kvbench.engines.base import GenRequest
+        from kvbench.engines.http.process import group_alive
+
+        PGIDS = []
+
+        def test_1_skips(engine):
+            engine.generate([GenRequest("r", [3], 1)])
+            PGIDS.append(engine.process.pgid)
+            pytest.skip("a skip leaves the server to the next check")
+
+        def test_2_reuses_then_fails(engine):
+            engine.generate([GenRequest("r", [3], 1)])
+            assert engine.process.pgid == PGIDS[0]
+            assert False, "this check fails with its server running"
+
+        def test_3_gets_a_fresh_server(engine):
+            assert engine.running_servers() == [] and not group_alive(PGIDS[0])
+            engine.generate([GenRequest("r", [3], 1)])
+            assert engine.process.pgid != PGIDS[0]
+        """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
 
 
 def test_server_that_refuses_to_start_says_why_and_leaves_nothing(model_dir, tmp_path):
@@ -356,7 +428,7 @@ def test_server_that_refuses_to_start_says_why_and_leaves_nothing(model_dir, tmp
     adapter = ServerAdapter(model_dir, {"cmd": cmd, "log_dir": str(tmp_path), "startup_timeout": "60"})
     with pytest.raises(ServerStartError, match="block_size=3_is_not_a_power_of_two"):
         adapter.generate([GenRequest("r", [3], 1)])
-    assert not group_alive(adapter._server.pgid)
+    assert not group_alive(adapter.process.pgid)
     adapter.close()
 
 
@@ -371,7 +443,7 @@ from kvbench.engines.base import GenRequest
 from kvbench.engines.http.server import ServerAdapter
 adapter = ServerAdapter("/m", {{"cmd": {cmd!r}, "log_dir": {log_dir!r}}})
 adapter.generate([GenRequest("r", [3], 1)])
-open({pgid_file!r}, "w").write(str(adapter._server.pgid))
+open({pgid_file!r}, "w").write(str(adapter.process.pgid))
 if sys.argv[1] == "raise":
     raise RuntimeError("a failing run")
 if sys.argv[1] == "terminate":
@@ -405,7 +477,7 @@ def test_no_orphan_after_a_failing_pytest_test(pytester: pytest.Pytester, tmp_pa
         def test_fails():
             adapter = ServerAdapter("/m", {{"cmd": {STUB!r}, "log_dir": {str(tmp_path)!r}}})
             adapter.generate([GenRequest("r", [3], 1)])
-            open({str(pgid_file)!r}, "w").write(str(adapter._server.pgid))
+            open({str(pgid_file)!r}, "w").write(str(adapter.process.pgid))
             assert False, "this test fails with its server running"
         """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:kvbench")
@@ -509,7 +581,7 @@ def test_reference_server_invalid_configuration_is_named_by_the_server(model_dir
         adapter.generate([GenRequest("r", [3], 1)], Knobs(block_size=3))
     # kvbench's own words spell the flag (--block-size); only the server's log names the field
     assert "block_size" in str(info.value).split("last lines:")[1]
-    assert not group_alive(adapter._server.pgid)
+    assert not group_alive(adapter.process.pgid)
     adapter.close()
 
 
@@ -530,8 +602,25 @@ def test_process_group_is_signalled_not_just_the_leader(tmp_path):
         time.sleep(0.01)
     server.stop(term_timeout=2.0, kill_timeout=5.0)
     assert not group_alive(server.pgid)
-    with pytest.raises(ProcessLookupError):
-        os.killpg(server.pgid, signal.SIGTERM)
+    # read independently of group_alive: at most zombies are left (the child, until PID 1 collects it)
+    left = subprocess.run(["ps", "-o", "stat=", "-g", str(server.pgid)], capture_output=True, text=True).stdout
+    assert all(state.startswith("Z") for state in left.split()), left
+
+
+def test_a_group_left_with_only_zombies_counts_as_stopped():
+    """A process that has exited but not been collected (a zombie: the reference server's resource tracker,
+    left to PID 1 when the server exits) runs nothing: stop() must not wait for PID 1 to collect it."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)  # a zombie until waited for
+    try:
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.01)
+        os.killpg(child.pid, 0)  # the zombie is still there: a signal to the group finds it
+        assert not group_alive(child.pid)
+    finally:
+        child.wait()
+    assert not group_alive(child.pid)
 
 
 def test_sse_protocol_reassembles_events_split_anywhere():

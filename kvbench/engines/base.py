@@ -271,6 +271,10 @@ class EngineAdapter(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, servers, device memory)."""
 
+    def check_failed(self) -> None:  # noqa: B027 - optional hook
+        """A test using this adapter failed (or errored): drop whatever a later test could inherit from it.
+        The plugin calls it; the ``server`` adapter stops the servers it keeps for reuse."""
+
 
 #: the adapter methods a check or benchmark drives with knobs -> where ``knobs`` sits among their positional
 #: arguments after ``self``: generate(requests, knobs), swap_round_trip(requests, knobs), serve(workload,

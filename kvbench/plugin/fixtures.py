@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvbench.engines.base import EngineAdapter
 from kvbench.engines.registry import EngineSpec, adapter_class, make_adapter
 from kvbench.plugin.conformance_records import CHECK_PROPERTY, ENGINE_PROPERTY, check_id
 from kvbench.plugin.session import KvbenchSession, engine_spec_of, is_simulator, session_of
@@ -48,6 +49,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if spec is not None and item.get_closest_marker("conformance"):
             # identity first, so every phase's report (and --junitxml) says which engine and check it is
             item.user_properties += [(ENGINE_PROPERTY, spec.name), (CHECK_PROPERTY, check_id(item))]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test that raised (failed, errored, or failed as expected; a skip is not a failure) tells its engine,
+    so that nothing it left behind (a server kept for reuse, with requests or blocks still in it) serves the
+    next test: :meth:`kvbench.engines.base.EngineAdapter.check_failed`."""
+    report = yield
+    if call.when != "teardown" and call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
+        engine = getattr(item, "funcargs", {}).get("engine")
+        if isinstance(engine, EngineAdapter):
+            engine.check_failed()
+    return report
 
 
 # ---------------------------------------------------------------------------------------- fixtures

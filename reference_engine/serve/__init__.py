@@ -16,8 +16,23 @@ One module per concept:
 
 from __future__ import annotations
 
-from reference_engine.serve.app import build_app
-from reference_engine.serve.engine_loop import EngineLoop
-from reference_engine.serve.engine_process import EngineProcess
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from reference_engine.serve.app import build_app
+    from reference_engine.serve.engine_loop import EngineLoop
+    from reference_engine.serve.engine_process import EngineProcess
 
 __all__ = ["EngineLoop", "EngineProcess", "build_app"]
+
+#: imported on first use: the engine process (spawned, it imports ``engine_process`` through this package)
+#: then loads neither FastAPI nor uvicorn, and the server's process loads no torch
+_WHERE = {"build_app": "app", "EngineLoop": "engine_loop", "EngineProcess": "engine_process"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"reference_engine.serve.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'reference_engine.serve' has no attribute {name!r}")

@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,8 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from reference_engine.engine import LLMEngine, RequestRejected
 from reference_engine.outputs import RequestOutput
+from reference_engine.request import RequestRejected
 from reference_engine.sampling_params import SamplingParams, TokenLogprobs
 from reference_engine.serve.detokenize import TextCodec, load_codec
 from reference_engine.serve.disconnect import AbortOnDisconnectStream, ClientGone, race_disconnect
@@ -33,6 +33,7 @@ from reference_engine.serve.engine_loop import EngineFailure, EngineLoop
 from reference_engine.serve.engine_process import EngineInfo, EngineProcess
 from reference_engine.serve.prometheus import ServerMetrics
 from reference_engine.serve.protocol import (
+    DEFAULT_MAX_BODY_BYTES,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -44,7 +45,9 @@ from reference_engine.serve.protocol import (
     refuse_unsupported,
 )
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~100k token ids as JSON, far above max_model_len of these models
+if TYPE_CHECKING:  # the HTTP process never imports the engine (nor torch): its engine runs in its own process
+    from reference_engine.engine import LLMEngine
+
 _CHOICE_ORDER = tuple(CompletionChoice.model_fields)  # the order model_dump writes a choice's fields in
 
 

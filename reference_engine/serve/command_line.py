@@ -24,10 +24,11 @@ import dataclasses
 import logging
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from reference_engine.config import FIELD_DOCS, ConfigError, EngineConfig
-from reference_engine.serve.app import DEFAULT_MAX_BODY_BYTES
+from reference_engine.serve.protocol import DEFAULT_MAX_BODY_BYTES
 
 READY_PREFIX = "reference_engine.serve: listening on "
 _SCALARS = {"int": int, "float": float, "str": str}
@@ -97,9 +98,11 @@ class _CannotStart(Exception):
     """The engine could not be built; the message is the CLI's error line."""
 
 
-def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | None = None):
+def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | None = None,
+                  while_loading: Callable[[], Any] | None = None):
     """An ``EngineProcess`` or an ``LLMEngine`` for ``config``; raises :class:`_CannotStart` with the
-    engine's ``ConfigError`` message (which names the field) or why the model could not be loaded."""
+    engine's ``ConfigError`` message (which names the field) or why the model could not be loaded.
+    ``while_loading()`` runs while the engine process imports torch and loads the model."""
     def load_error(detail: str) -> _CannotStart:
         return _CannotStart(f"--model {config.model!r} could not be loaded: {detail}")
 
@@ -107,7 +110,8 @@ def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | 
         from reference_engine.serve.engine_process import EngineProcess, EngineStartError, default_engine_threads
 
         try:
-            return EngineProcess.spawn(config, threads=threads or default_engine_threads())
+            return EngineProcess.spawn(config, threads=threads or default_engine_threads(),
+                                       while_loading=while_loading)
         except EngineStartError as e:
             raise (_CannotStart(str(e)) if e.kind == "config" else load_error(str(e))) from None
     from reference_engine.engine import LLMEngine
@@ -134,14 +138,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
 
-    import uvicorn  # only a running server needs it
+    def import_http_stack() -> None:  # only a running server needs it; imported while the engine loads
+        import uvicorn  # noqa: F401
 
-    from reference_engine.serve.app import build_app
+        import reference_engine.serve.app  # noqa: F401
 
     try:
-        engine = _start_engine(config, in_own_process=args.engine_process, threads=args.engine_threads)
+        engine = _start_engine(config, in_own_process=args.engine_process, threads=args.engine_threads,
+                               while_loading=import_http_stack)
     except _CannotStart as e:
         parser.error(str(e))
+    import_http_stack()  # imported already unless the engine runs on a thread of this process
+    import uvicorn
+
+    from reference_engine.serve.app import build_app
     info = getattr(engine, "info", None)
     if info is not None:  # an engine process: say what it steps on (a thread count decides its speed)
         print(f"reference_engine.serve: engine process steps on {info.torch_threads} torch threads", file=sys.stderr,

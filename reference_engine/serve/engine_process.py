@@ -47,12 +47,13 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from reference_engine.config import ConfigError, EngineConfig
-from reference_engine.engine import RequestRejected
 from reference_engine.outputs import RequestOutput
+from reference_engine.request import RequestRejected
 from reference_engine.sampling_params import SamplingParams, TokenLogprobs
 from reference_engine.serve.engine_loop import (
     IDLE_WAIT_S,
@@ -256,16 +257,24 @@ class EngineProcess:
 
     @classmethod
     def spawn(cls, config: EngineConfig, start_timeout: float = START_TIMEOUT_S,
-              threads: int | None = None) -> EngineProcess:
+              threads: int | None = None, while_loading: Callable[[], Any] | None = None) -> EngineProcess:
         """Start the engine process for ``config`` and wait until its engine is built; raises
         :class:`EngineStartError` with the engine's own message if it cannot be. ``threads``: the engine
-        process's torch threads (None: torch's default there)."""
+        process's torch threads (None: torch's default there). ``while_loading()`` runs here once the
+        process has started, before waiting for it (the server imports its HTTP stack meanwhile: the two
+        start-ups overlap instead of adding up); if it raises, the engine process is killed."""
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads or torch
         conn, child_conn = ctx.Pipe(duplex=True)
         process = ctx.Process(target=_engine_main, args=(config, child_conn, threads), name="reference_engine-core",
                               daemon=True)
         process.start()
         child_conn.close()  # ours is closed in the child: its death reads as EOF here
+        if while_loading is not None:
+            try:
+                while_loading()
+            except BaseException:
+                _kill(process)
+                raise
         return cls(conn, _await_ready(conn, process, start_timeout), process)
 
     # ------------------------------------------------------------------ the EngineLoop interface

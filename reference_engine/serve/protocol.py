@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+#: 1 MiB: ~100k token ids as JSON, far above max_model_len of these models
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 

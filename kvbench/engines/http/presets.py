@@ -81,7 +81,7 @@ class Preset:
                 refused[name] = self.unsupported.get(name, f"preset {self.name} has no flag for {name}")
         return out, refused
 
-    def argv(self, model: str, port: int, knobs: dict[str, Any], extra: list[str] | None = None,
+    def argv(self, model: str, port: int | str, knobs: dict[str, Any], extra: list[str] | None = None,
              command: tuple[str, ...] | None = None) -> list[str]:
         """The full command line. Raises ValueError naming the knobs this preset cannot set."""
         flags, refused = self.flags(knobs)

@@ -7,11 +7,17 @@ anything else (then no knob can be set: a check needing one is skipped), or both
 preset's command and keeps its knob flags. ``args=...`` appends flags (space-separated) to every launch.
 
 For each ``generate``/``serve`` call: the knobs become flags; a knob the preset cannot set to the asked
-value skips the check, naming it; if the running server was started with other knobs it is stopped and
-a new one started on a free port of 127.0.0.1; kvbench waits for ``/health`` (``startup_timeout``), runs,
-and keeps the server for the next call with the same knobs. ``close()`` (and interpreter exit, whatever
-the cause) stops it with its whole process group (:mod:`kvbench.engines.http.process`). Each server's
-log is kept (``log_dir``, default a fresh temporary directory); its path is in the run's evidence.
+value skips the check, naming it; a server already running with exactly that launch command (port aside)
+is reused, else one is started on a free port of 127.0.0.1 and kvbench waits for ``/health``
+(``startup_timeout``). Servers stay up for later calls with the same command, across checks: up to
+``keep_servers`` of them (default 8; least recently used stopped first), since starting one (an HTTP
+process and an engine process that imports torch) costs more than most checks' runs. Two kinds are not
+kept once a call asks for other knobs, because they carry state from one run into the next that a fresh
+server would not have: a server with prefix caching on (its cached blocks would give the next check hits
+it did not cause) and a server whose check failed (:meth:`ServerAdapter.check_failed`, called by the
+plugin). ``close()`` (and interpreter exit, whatever the cause) stops every one with its whole process
+group (:mod:`kvbench.engines.http.process`), all at once. Each server's log is kept (``log_dir``, default a
+fresh temporary directory); its path is in the run's evidence.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import os
 import shlex
 import sys
 import tempfile
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +45,27 @@ from kvbench.engines.base import (
 from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter, check_client_options
 from kvbench.engines.http.peers import PeerMissing, VllmInstall, find_vllm
 from kvbench.engines.http.presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
-from kvbench.engines.http.process import ServerProcess, free_port
+from kvbench.engines.http.process import ServerProcess, free_port, stop_servers
+
+#: servers of other knob sets kept running for reuse, by default
+DEFAULT_KEEP_SERVERS = 8
 
 _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect")
+
+
+@dataclass
+class _Launched:
+    """One server this adapter started and may reuse: the process, the client adapter speaking to it, and
+    the knobs it was started with."""
+
+    server: ServerProcess
+    remote: OpenAIAdapter
+    knobs: dict[str, Any]
+
+    @property
+    def carries_state(self) -> bool:
+        """Whether a run leaves state here that changes the next run (prefix caching keeps cached blocks)."""
+        return bool(self.knobs.get("enable_prefix_caching"))
 
 
 class ServerAdapter(EngineAdapter):
@@ -53,6 +79,8 @@ class ServerAdapter(EngineAdapter):
         "cmd": "command template ({python} {model} {port} are filled in; the server must bind 127.0.0.1:{port})",
         "args": "extra flags appended to every launch, space-separated (e.g. args=--dtype float32)",
         "startup_timeout": "seconds to wait for /health (default 300)",
+        "keep_servers": f"servers of other knob sets kept running for reuse (default {DEFAULT_KEEP_SERVERS}; "
+                        "1: only the latest one)",
         "log_dir": "directory for the servers' logs (default: a new temporary directory)",
         "api_key": "bearer token, if the command makes the server demand one",
         "model": "model name to put in requests (default: the first of /v1/models)",
@@ -76,6 +104,9 @@ class ServerAdapter(EngineAdapter):
         if cmd and "{port}" not in cmd:
             raise ValueError(f"engine {cls.kind!r}: cmd must contain {{port}} (kvbench picks a free port)")
         check_client_options(cls.kind, options, ("startup_timeout", "timeout", "settle_timeout"))
+        keep = options.get("keep_servers", str(DEFAULT_KEEP_SERVERS))
+        if not (keep.isdigit() and int(keep) >= 1):
+            raise ValueError(f"engine {cls.kind!r}: option keep_servers must be an integer >= 1, got {keep!r}")
         if "vllm" in options and preset_name != "vllm":
             raise ValueError(f"engine {cls.kind!r}: option vllm is for preset=vllm")
 
@@ -119,9 +150,10 @@ class ServerAdapter(EngineAdapter):
         self.startup_timeout = float(self.options.get("startup_timeout", 300))
         self.log_dir = Path(self.options.get("log_dir") or tempfile.mkdtemp(prefix="kvbench-servers-"))
         self.logs: list[str] = []
-        self._server: ServerProcess | None = None
-        self._remote: OpenAIAdapter | None = None
-        self._knobs: dict[str, Any] | None = None
+        self.keep_servers = int(self.options.get("keep_servers", DEFAULT_KEEP_SERVERS))
+        #: launch command (port left out) -> the running server started with it, least recently used first
+        self._launched: OrderedDict[tuple[str, ...], _Launched] = OrderedDict()
+        self._server: ServerProcess | None = None  # the latest one started or reused
 
     def _locate_vllm(self) -> None:
         """The vLLM to launch, how to launch it, and what its platform's build accepts."""
@@ -151,19 +183,31 @@ class ServerAdapter(EngineAdapter):
                                  "found": self.vllm.source}
         return described
 
-    def argv(self, knobs: Knobs, port: int) -> list[str]:
-        """The launch command for ``knobs``; :class:`KnobsNotSettable` names any knob the preset cannot set."""
+    def argv(self, knobs: Knobs, port: int | str) -> list[str]:
+        """The launch command for ``knobs`` (``port`` may be a placeholder); :class:`KnobsNotSettable` names any
+        knob the preset cannot set."""
         try:
             return self.preset.argv(self.model_dir, port, knobs.as_dict(), self.extra, self.command)
         except ValueError as e:
             raise KnobsNotSettable(f"{self.name} cannot set knobs: {e}") from None
 
+    def launch_key(self, knobs: Knobs) -> tuple[str, ...]:
+        """What makes two launches the same server: the command line with the port left out, and the
+        environment kvbench adds."""
+        return (*self.argv(knobs, "{port}"), *(f"{k}={v}" for k, v in sorted(self.env_overrides.items())))
+
     def server_for(self, knobs: Knobs) -> OpenAIAdapter:
-        """A healthy server started with exactly ``knobs`` (reused when the last one was)."""
+        """A healthy server started with exactly ``knobs``: one already running with the same launch
+        command, else a new one (see the module docstring for which are kept)."""
+        key = self.launch_key(knobs)
+        launched = self._launched.get(key)
+        if launched is not None and launched.server.running():
+            self._launched.move_to_end(key)
+            self._server = launched.server
+            return launched.remote
+        # what is not reused for another knob set goes now; a dead server of this key goes too
+        self._stop([k for k, v in self._launched.items() if k == key or v.carries_state])
         wanted = knobs.as_dict()
-        if self._remote is not None and self._knobs == wanted and self._server is not None and self._server.running():
-            return self._remote
-        self.stop_server()
         port = free_port()
         argv = self.argv(knobs, port)
         log = self.log_dir / f"{self.preset.name}-{len(self.logs) + 1:03d}-port{port}.log"
@@ -181,27 +225,41 @@ class ServerAdapter(EngineAdapter):
         # a published label that disagrees (the server adjusted the value) wins and skips the check
         options.update({k: str(v) for k, v in wanted.items()})
         options["url"] = f"http://127.0.0.1:{port}"
-        self._remote = OpenAIAdapter(self.model_dir, options, name=self.name)
-        self._remote.configure_run(liveness=self.liveness)  # the session's limits: the HTTP watchdog runs under them
-        self._knobs = wanted
-        return self._remote
+        remote = OpenAIAdapter(self.model_dir, options, name=self.name)
+        remote.configure_run(liveness=self.liveness)  # the session's limits: the HTTP watchdog runs under them
+        self._launched[key] = _Launched(server, remote, wanted)
+        self._stop(list(self._launched)[:-self.keep_servers])  # least recently used first
+        return remote
 
     @property
     def process(self) -> ServerProcess | None:
-        """The server running now (its process group, for whoever inspects it), None when none is."""
+        """The server used last (its process group, for whoever inspects it), None before any."""
         return self._server
 
+    def running_servers(self) -> list[ServerProcess]:
+        """The servers kept running for reuse, least recently used first."""
+        return [launched.server for launched in self._launched.values()]
+
+    def _stop(self, keys: list[tuple[str, ...]]) -> None:
+        stop_servers([self._launched.pop(k).server for k in keys])
+
     def stop_server(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-        self._server, self._remote, self._knobs = None, None, None
+        """Stop every server this adapter runs (each with its process group, all at once)."""
+        self._stop(list(self._launched))
+
+    def check_failed(self) -> None:
+        """A check failed on this engine: its servers may hold what the failure left (requests, blocks), so
+        none of them serves another check."""
+        self.stop_server()
 
     def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
         remote = self.server_for(knobs)
+        server = self._server
+        assert server is not None
         result = remote.generate(requests, knobs)
-        result.evidence.append(f"server log: {self.logs[-1]}")
-        if self._server is not None and not self._server.running():
-            result.evidence.append(f"the server died during the run; log tail:\n{self._server.log_tail(10)}")
+        result.evidence.append(f"server log: {server.log_path}")
+        if not server.running():
+            result.evidence.append(f"the server died during the run; log tail:\n{server.log_tail(10)}")
         return result
 
     def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:
