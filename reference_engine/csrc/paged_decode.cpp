@@ -35,10 +35,13 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-template <typename scalar_t>
+// kHeadDim > 0: the head size known at compile time (the common sizes, dispatched below), so the
+// per-key dot products unroll into a few vector instructions with no remainder loop; 0: any size.
+template <typename scalar_t, int64_t kHeadDim>
 void decode_kernel(const scalar_t* q, const scalar_t* cache, const int64_t* block_tables, const int64_t* seq_lens,
-                   scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim,
                    int64_t num_layers, int64_t layer, int64_t block_size, int64_t max_blocks) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;            // one slot of one block
   const int64_t kv_stride = block_size * token_stride;             // K -> V of one block and layer
@@ -138,9 +141,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, int64_t laye
   TORCH_CHECK(tables.size(0) == num_seqs && lens.size(0) == num_seqs, "one block table and length per sequence");
   auto out = torch::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(qc.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
-                            lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads,
-                            head_dim, num_layers, layer, block_size, tables.size(1));
+    auto run = [&](auto kernel) {
+      kernel(qc.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+             lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads, head_dim,
+             num_layers, layer, block_size, tables.size(1));
+    };
+    switch (head_dim) {
+      case 16: run(decode_kernel<scalar_t, 16>); break;
+      case 32: run(decode_kernel<scalar_t, 32>); break;
+      case 64: run(decode_kernel<scalar_t, 64>); break;
+      case 128: run(decode_kernel<scalar_t, 128>); break;
+      default: run(decode_kernel<scalar_t, 0>);
+    }
   });
   return out;
 }
