@@ -66,7 +66,7 @@ from reference_engine.costs import load_model_shape
 from reference_engine.sim.calibrate import Design
 
 KNOBS = Knobs(block_size=32, num_gpu_blocks=64, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024,
-              enable_chunked_prefill=True, preemption_mode="recompute")
+              enable_chunked_prefill=True, enable_prefix_caching=False, preemption_mode="recompute")
 #: blocks vLLM's pool gives requests: V1's BlockPool takes one as its null block
 VLLM_USABLE_BLOCKS = KNOBS.num_gpu_blocks - 1
 FIGURES = ("output_throughput", "preemptions", "ttft_p50", "ttft_p99", "tbt_p99", "requests_finished")

@@ -46,7 +46,7 @@ class ClientDesign:
 
     decode_cells: tuple[tuple[int, int], ...] = ((32, 1), (32, 4), (32, 8), (32, 16), (160, 1), (160, 4),
                                                  (160, 8), (416, 1), (416, 4))
-    decode_tokens: int = 24
+    decode_tokens: int = 48
     prefills: tuple[int, ...] = (32, 128, 320, 512, 800)
     prefill_repeats: int = 2
     rounds: int = 3
