@@ -12,8 +12,9 @@ the tiny model with head size 32 (the smallest vLLM's CPU attention takes) and t
 2. **Predict.** ``sim:hardware=PROFILE,clock=cost`` (arrivals on the simulated clock: the workload's
    real arrival times, closed loops released as requests finish) serves the preemption storm's sweep
    and the evening surge (quick sizes) configured like the engine: its pool in blocks (vLLM keeps one
-   block of its pool as the null block, so 63 usable), block size, ``max_num_seqs``,
-   ``max_num_batched_tokens``, chunked prefill, recompute preemption.
+   block of its pool as the null block, so 63 usable; it admits a request only when its whole sequence
+   fits the free blocks, ``scheduler_reserve_full_isl``: ``admission_policy=full_prompt``), block size,
+   ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill, recompute preemption.
 3. **Measure.** The same jobs on the real engine, ``--rounds`` rounds, engines interleaved (the order
    rotates every round); the vLLM server is started once and reused for everything.
 4. **Compare.** Per engine: the storm's preemptions and throughput at every sweep point and its knee,
@@ -26,7 +27,10 @@ vLLM V1's scheduler and the reference engine's agree on what decides counts here
 0.32.0's ``v1/core/sched/scheduler.py``): running requests first, a block shortage preempts the latest
 running request (``self.running[-1]``; the reference engine: the latest admitted) by recompute and puts
 it back at the head of the waiting queue, a step that preempted admits nobody, no watermark
-(``scheduler_config.watermark`` 0.0), no long-prefill threshold. They differ in the order running
+(``scheduler_config.watermark`` 0.0), no long-prefill threshold. One admission rule differs and decides the
+surge's counts: vLLM 0.32 admits a new request only if its whole sequence fits the free blocks
+(``scheduler_reserve_full_isl``, default True), where the reference engine admits on the first chunk; the
+sim mimics it with the reference scheduler's ``admission_policy=full_prompt``. They differ in the order running
 requests are scheduled within a step (vLLM: the running list's order, partial prefills in place; the
 reference engine: decodes first, then partial prefills), so the same step can leave a partial prefill a
 different share of the budget.
@@ -171,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in profiles:
             sim = make_adapter(parse_engine_spec(f"sim:hardware={profiles[name]},clock=cost,dtype=float32"), str(ckpt))
             blocks = VLLM_USABLE_BLOCKS if name.startswith("vllm") else KNOBS.num_gpu_blocks
-            sim_plan = {k: [dataclasses.replace(j, knobs=dataclasses.replace(KNOBS, num_gpu_blocks=blocks))
+            # vLLM 0.32 admits a request only when its whole sequence fits (scheduler_reserve_full_isl)
+            admission = "full_prompt" if name.startswith("vllm") else "none"
+            sim_knobs = dataclasses.replace(KNOBS, num_gpu_blocks=blocks, admission_policy=admission)
+            sim_plan = {k: [dataclasses.replace(j, knobs=sim_knobs)
                             for j in js] for k, js in plan.items()}
             predicted[name] = run_all(sim, sim_plan, f"sim({name})")
 

@@ -128,3 +128,18 @@ def test_prediction_rows_error_spread_and_verdicts():
     assert e == pytest.approx(0.08) and s == pytest.approx(0.3)
     assert pr.knee_row("x", 8.0, [8.0, 12.0], 8.0)[-1] == "same"
     assert np.isfinite(e)
+
+
+def test_full_prompt_admission_waits_until_the_whole_sequence_fits():
+    """vLLM V1's scheduler_reserve_full_isl, as the reference scheduler's admission policy full_prompt."""
+    from types import SimpleNamespace
+
+    from reference_engine.admission import FullPrompt, make_admission
+
+    bm = SimpleNamespace(num_free_gpu_blocks=10, blocks_needed=lambda n: -(-n // 32))
+    policy = make_admission("full_prompt", max_num_seqs=8, horizon=1, headroom=0.0, budget=1.0, max_model_len=1024)
+    assert isinstance(policy, FullPrompt)
+    running = [SimpleNamespace()]
+    assert policy.admits(SimpleNamespace(num_tokens=320), running, bm)  # 10 blocks: fits
+    assert not policy.admits(SimpleNamespace(num_tokens=321), running, bm)  # 11: waits
+    assert policy.admits(SimpleNamespace(num_tokens=5000), [], bm)  # an empty batch always admits
