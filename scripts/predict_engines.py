@@ -4,9 +4,11 @@ For each engine (``reference`` in process, ``vllm``: vLLM V1's CPU server, ``ser
 the tiny model with head size 32 (the smallest vLLM's CPU attention takes) and the same knobs
 (:data:`KNOBS`: block size 32, a 64-block pool, chunked prefill with a 512-token budget, 32 sequences):
 
-1. **Calibrate.** The reference engine: ``kvbench calibrate``'s own fit to its served step intervals
-   (:func:`kvbench.sim.calibration.calibrate`). vLLM, whose steps are not visible: client-side spans
-   (:mod:`kvbench.sim.client_calibration`: steady decode windows of batches of 1-16 at contexts
+1. **Calibrate**, one pass per engine in every measured round (so the profile sees the load the
+   measurements see; fitted on all the passes at the end). The reference engine: ``kvbench calibrate``'s
+   own fit to its served step intervals (:func:`kvbench.sim.calibration.calibrate`), and the client-side
+   fit below as a cross-check. vLLM, whose steps are not visible: client-side spans
+   (:mod:`kvbench.sim.client_calibration`: steady decode windows of batches of 1-12 at contexts
    32-416, lone prompts' TTFT) fitted to the same cost model, with its ``/metrics`` telling how much of
    a lone TTFT the engine spent.
 2. **Predict.** ``sim:hardware=PROFILE,clock=cost`` (arrivals on the simulated clock: the workload's
@@ -16,7 +18,8 @@ the tiny model with head size 32 (the smallest vLLM's CPU attention takes) and t
    fits the free blocks, ``scheduler_reserve_full_isl``: ``admission_policy=full_prompt``), block size,
    ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill, recompute preemption.
 3. **Measure.** The same jobs on the real engine, ``--rounds`` rounds, engines interleaved (the order
-   rotates every round); the vLLM server is started once and reused for everything.
+   rotates every round), each engine's calibration pass right before its jobs; the vLLM server is started
+   once and reused for everything.
 4. **Compare.** Per engine: the storm's preemptions and throughput at every sweep point and its knee,
    the surge's preemptions, TTFT p50/p99 and p99 inter-token gap: predicted, the median of the rounds
    [min-max], the error against that median and the rounds' spread ((max - min) / median) beside it.
@@ -51,6 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvbench.bench import metrics
@@ -65,9 +69,9 @@ from kvbench.engines.inprocess.reference import ReferenceAdapter
 from kvbench.engines.registry import make_adapter, parse_engine_spec
 from kvbench.sim import prediction as pr
 from kvbench.sim.calibration import base_profile, calibrate
-from kvbench.sim.client_calibration import ClientDesign, calibrate_client
-from reference_engine.costs import load_model_shape
-from reference_engine.sim.calibrate import Design
+from kvbench.sim.client_calibration import ClientDesign, client_spans, fit_client
+from reference_engine.costs import CostModel, load_model_shape
+from reference_engine.sim.calibrate import Design, fit_error, fit_intervals
 
 KNOBS = Knobs(block_size=32, num_gpu_blocks=64, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024,
               enable_chunked_prefill=True, enable_prefix_caching=False, preemption_mode="recompute")
@@ -115,14 +119,15 @@ def run_all(adapter, plan: dict[str, list[Job]], tag: str) -> dict[str, list[dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="measured rounds; each also holds one calibration pass")
     ap.add_argument("--engines", default="reference,vllm")
-    ap.add_argument("--cal-rounds", type=int, default=3, help="rounds of each calibration design")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--no-client-fit-reference", dest="client_fit_reference", action="store_false",
                     help="skip the cross-check: the reference engine also calibrated client-side, as vLLM is")
     ap.add_argument("--log-dir")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     engines = [e for e in args.engines.split(",") if e]
     torch.set_num_threads(1)  # vLLM's worker runs one OpenMP thread here (the other core is its API server's)
     started = datetime.datetime.now(datetime.UTC)
@@ -133,10 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     plan = jobs(model)
     folder = Path(tempfile.mkdtemp(prefix="predict-engines-"))
     adapters: dict[str, Any] = {}
-    profiles: dict[str, Path] = {}
-    calib: dict[str, str] = {}
+    design = ClientDesign()
+    design.check_fits(VLLM_USABLE_BLOCKS, KNOBS.block_size, KNOBS.max_model_len)
+    rng = np.random.default_rng(0)
+    # calibration material, one pass per round per engine: client spans (+ /metrics sums), served intervals
+    spans: dict[str, list] = {"vllm": [], "reference/client-fit": []}
+    totals: dict[str, list] = {"vllm": [], "reference/client-fit": []}
+    intervals: list = []
+    base: dict[str, Any] = {}
+    measured: dict[str, list[dict[str, list[dict[str, float | None]]]]] = {n: [] for n in engines}
     try:
-        # -- 1. calibrate
         if "vllm" in engines:
             vllm = ServerAdapter(str(ckpt), {"preset": "vllm", "args": "--dtype float32",
                                              "log_dir": args.log_dir or str(folder)}, name="vllm")
@@ -144,58 +155,81 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             serve(vllm, dataclasses.replace(plan[SURGE][0], workload=_head(plan[SURGE][0].workload, 4)), "warmup")
             say(f"vllm: started and warmed up in {time.perf_counter() - t0:.0f} s ({load()})")
-            design = ClientDesign(rounds=args.cal_rounds)
-            design.check_fits(VLLM_USABLE_BLOCKS, KNOBS.block_size, KNOBS.max_model_len)
-            t0 = time.perf_counter()
-            base = base_profile(str(ckpt), Design(), "vllm-client-fit")
-            cal = calibrate_client(lambda w: serve(vllm, Job(w, KNOBS), "calibrate"),
-                                   lambda: vllm.server_for(KNOBS).scrape(), shape, base,
-                                   KNOBS.max_num_batched_tokens, design, name="vllm-client-fit", say=say)
-            profiles["vllm"] = cal.profile.save(folder / "vllm.json")
-            calib["vllm"] = cal.summary()
-            say(f"vllm calibrated in {time.perf_counter() - t0:.0f} s ({load()}):\n{calib['vllm']}")
         if "reference" in engines:
             adapters["reference"] = ReferenceAdapter(str(ckpt), {"dtype": "float32"}, name="reference")
-            t0 = time.perf_counter()
-            cal_ref = calibrate(str(ckpt), "reference-served-fit", Design(rounds=args.cal_rounds), torch_threads=1)
-            profiles["reference"] = cal_ref.profile.save(folder / "reference.json")
-            calib["reference"] = cal_ref.summary()
-            say(f"reference calibrated in {time.perf_counter() - t0:.0f} s ({load()}):\n{calib['reference']}")
-            if args.client_fit_reference:  # the method vLLM gets, on the reference engine: a cross-check
-                ref = adapters["reference"]
-                cal = calibrate_client(lambda w: serve(ref, Job(w, KNOBS), "calibrate"), None, shape,
-                                       cal_ref.profile, KNOBS.max_num_batched_tokens,
-                                       ClientDesign(rounds=args.cal_rounds), name="reference-client-fit", say=say)
-                profiles["reference/client-fit"] = cal.profile.save(folder / "reference-client.json")
-                calib["reference/client-fit"] = cal.summary()
-                say(f"reference client-side fit:\n{calib['reference/client-fit']}")
 
-        # -- 2. predict
-        predicted: dict[str, dict[str, list[dict[str, float | None]]]] = {}
-        for name in profiles:
-            sim = make_adapter(parse_engine_spec(f"sim:hardware={profiles[name]},clock=cost,dtype=float32"), str(ckpt))
-            blocks = VLLM_USABLE_BLOCKS if name.startswith("vllm") else KNOBS.num_gpu_blocks
-            # vLLM 0.32 admits a request only when its whole sequence fits (scheduler_reserve_full_isl)
-            admission = "full_prompt" if name.startswith("vllm") else "none"
-            sim_knobs = dataclasses.replace(KNOBS, num_gpu_blocks=blocks, admission_policy=admission)
-            sim_plan = {k: [dataclasses.replace(j, knobs=sim_knobs)
-                            for j in js] for k, js in plan.items()}
-            predicted[name] = run_all(sim, sim_plan, f"sim({name})")
-
-        # -- 3. measure, rounds interleaved
-        measured: dict[str, list[dict[str, list[dict[str, float | None]]]]] = {n: [] for n in engines}
+        # -- 1 + 3. calibrate and measure, interleaved: every round holds one calibration pass per engine,
+        # so the profile sees the load the measurements see
         for r in range(args.rounds):
             order = engines[r % len(engines):] + engines[:r % len(engines)]
             for name in order:
+                t0 = time.perf_counter()
+                if name == "vllm":
+                    got, t = client_spans(lambda w: serve(vllm, Job(w, KNOBS), "calibrate"),
+                                          lambda: vllm.server_for(KNOBS).scrape(), shape.vocab_size,
+                                          KNOBS.max_num_batched_tokens, design, rng, say)
+                    spans["vllm"] += got
+                    totals["vllm"].append(t)
+                else:
+                    cal = calibrate(str(ckpt), "reference-served-fit", Design(rounds=1), seed=r, torch_threads=1)
+                    base.setdefault("reference", cal.profile)
+                    intervals.extend(cal.train + cal.heldout)
+                    if args.client_fit_reference:  # the method vLLM gets, on the reference engine: a cross-check
+                        ref = adapters["reference"]
+                        got, t = client_spans(lambda w, ref=ref: serve(ref, Job(w, KNOBS), "calibrate"), None,
+                                              shape.vocab_size, KNOBS.max_num_batched_tokens, design, rng, say)
+                        spans["reference/client-fit"] += got
+                        totals["reference/client-fit"].append(t)
+                say(f"   round {r + 1} {name} calibration pass: {time.perf_counter() - t0:.1f} s ({load()})")
                 measured[name].append(run_all(adapters[name], plan, f"round {r + 1} {name}"))
     finally:
         for a in adapters.values():
             a.close()
 
+    # -- fit on every round's pass
+    profiles: dict[str, Path] = {}
+    calib: dict[str, str] = {}
+    if "reference" in engines:
+        ref_base = base["reference"]
+        cost = CostModel(shape, ref_base)
+        profile = ref_base.with_coefficients(fit_intervals(cost, intervals))
+        err = fit_error(CostModel(shape, profile), intervals)
+        c = profile.coefficients
+        calib["reference"] = (f"served-interval fit ({err['intervals']} intervals, {args.rounds} passes): fixed "
+                              f"{c.fixed_s * 1e3:.2f} ms, per seq {c.per_seq_s * 1e6:.0f} us, per request "
+                              f"{c.per_request_s * 1e6:.0f} us, dense x{c.dense:.2f}, attention x{c.attention:.2f}, "
+                              f"memory x{c.memory:.2f}; median interval error {err['median_rel_error']:.0%}, R² "
+                              f"{err['r2']:.2f}, sum {err['total_rel_error']:.1%} off")
+        profiles["reference"] = profile.save(folder / "reference.json")
+        if args.client_fit_reference:
+            cal = fit_client(profile, shape, spans["reference/client-fit"], totals["reference/client-fit"],
+                             "reference-client-fit")
+            profiles["reference/client-fit"] = cal.profile.save(folder / "reference-client.json")
+            calib["reference/client-fit"] = cal.summary()
+    if "vllm" in engines:
+        vbase = base.get("reference") or base_profile(str(ckpt), Design(), "vllm-client-fit")
+        cal = fit_client(vbase, shape, spans["vllm"], totals["vllm"], "vllm-client-fit")
+        profiles["vllm"] = cal.profile.save(folder / "vllm.json")
+        calib["vllm"] = cal.summary()
+    for name, text in calib.items():
+        say(f"{name}: {text}")
+
+    # -- 2. predict
+    predicted: dict[str, dict[str, list[dict[str, float | None]]]] = {}
+    for name in profiles:
+        sim = make_adapter(parse_engine_spec(f"sim:hardware={profiles[name]},clock=cost,dtype=float32"), str(ckpt))
+        blocks = VLLM_USABLE_BLOCKS if name.startswith("vllm") else KNOBS.num_gpu_blocks
+        # vLLM 0.32 admits a request only when its whole sequence fits (scheduler_reserve_full_isl)
+        admission = "full_prompt" if name.startswith("vllm") else "none"
+        sim_knobs = dataclasses.replace(KNOBS, num_gpu_blocks=blocks, admission_policy=admission)
+        sim_plan = {k: [dataclasses.replace(j, knobs=sim_knobs) for j in js] for k, js in plan.items()}
+        predicted[name] = run_all(sim, sim_plan, f"sim({name})")
+
     # -- 4. compare
     result = {"started": started.isoformat(timespec="seconds"), "uptime": uptime, "command": " ".join(sys.argv),
               "commit": _commit(), "knobs": KNOBS.as_dict(), "calibration": calib, "predicted": predicted,
-              "measured": measured, "xs": [j.x for j in plan[STORM]], "end_load": os.getloadavg()[0]}
+              "measured": measured, "xs": [j.x for j in plan[STORM]], "end_load": os.getloadavg()[0],
+              "profiles": {k: json.loads(Path(v).read_text()) for k, v in profiles.items()}}
     say(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

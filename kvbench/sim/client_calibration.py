@@ -44,9 +44,11 @@ PREFILL_METRICS = ("vllm:request_prefill_time_seconds_sum", "vllm:time_to_first_
 class ClientDesign:
     """Decode cells ``(context, batch)`` and prefill sizes; ``rounds`` interleaved passes over all."""
 
-    decode_cells: tuple[tuple[int, int], ...] = ((32, 1), (32, 4), (32, 8), (32, 16), (160, 1), (160, 4),
-                                                 (160, 8), (416, 1), (416, 4))
-    decode_tokens: int = 48
+    decode_cells: tuple[tuple[int, int], ...] = ((32, 1), (32, 4), (32, 8), (32, 12), (160, 1), (160, 4),
+                                                 (160, 6), (416, 1), (416, 3))
+    #: long enough that every request of a cell decodes beside all the others for a while, though a
+    #: loaded API server takes the requests in one after another (with 24 some cells of 16 never overlapped)
+    decode_tokens: int = 96
     prefills: tuple[int, ...] = (32, 128, 320, 512, 800)
     prefill_repeats: int = 2
     rounds: int = 3
@@ -149,43 +151,61 @@ def _s(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f} s"
 
 
+def client_spans(serve: Callable[[Workload], Trace], scrape: Callable[[], Any] | None, vocab_size: int,
+                 budget: int, design: ClientDesign, rng: np.random.Generator,
+                 say: Callable[[str], None] = print) -> tuple[list[SpanSample], dict[str, float]]:
+    """One pass over ``design``'s cells (its ``rounds`` ignored): the spans, and the ``/metrics`` sums
+    over its prefill cells (:data:`PREFILL_METRICS`, plus ``client_ttft_s``). ``scrape``: a
+    ``/metrics`` snapshot (``.value(name)``), or None; ``budget``: the server's ``max_num_batched_tokens``."""
+    spans: list[SpanSample] = []
+    for context, batch in design.decode_cells:
+        trace = serve(decode_workload(context, batch, design.decode_tokens, vocab_size, rng))
+        span = decode_span([q.token_times for q in trace.requests.values()], context, f"decode c{context} b{batch}")
+        if span is None:
+            say(f"  decode cell (context {context}, batch {batch}): no steady window (the requests' first and last "
+                "tokens did not overlap)")
+            continue
+        spans.append(span)
+    before = _read(scrape)
+    prompts = [p for p in design.prefills for _ in range(design.prefill_repeats)]
+    got = ttft_spans(serve(prefill_workload(prompts, vocab_size, rng)), budget)
+    after = _read(scrape)
+    totals = {"client_ttft_s": sum(s.seconds for s in got)}
+    for k in PREFILL_METRICS:
+        if before.get(k) is not None and after.get(k) is not None:
+            totals[k] = after[k] - before[k]
+    return spans + got, totals
+
+
+def fit_client(base: HardwareProfile, model_shape, spans: list[SpanSample], totals: list[dict[str, float]],
+               name: str = "client-fit") -> ClientCalibration:
+    """``base``'s coefficients fitted to ``spans`` (of one or more passes; ``totals``: their /metrics sums)."""
+    profile = base.with_coefficients(fit_spans(CostModel(model_shape, base), spans), name=name,
+                                     source="kvbench.sim.client_calibration: client-side spans")
+
+    def total(key: str) -> float | None:
+        values = [t[key] for t in totals if key in t]
+        return sum(values) if values else None
+
+    metrics = {"client_ttft_s": total("client_ttft_s"), "server_prefill_s": total(PREFILL_METRICS[0]),
+               "server_ttft_s": total(PREFILL_METRICS[1]), "preemptions": total(PREFILL_METRICS[2])}
+    return ClientCalibration(profile, spans, model_shape, metrics)
+
+
 def calibrate_client(serve: Callable[[Workload], Trace], scrape: Callable[[], Any] | None, model_shape,
                      base: HardwareProfile, budget: int, design: ClientDesign | None = None, seed: int = 0,
                      name: str = "client-fit", say: Callable[[str], None] = print) -> ClientCalibration:
-    """Serve ``design``'s cells through ``serve`` (workload -> trace, client-side times), rounds
-    interleaved, and fit ``base``'s coefficients to the spans. ``scrape``: a ``/metrics`` snapshot
-    (``.value(name)``), or None; ``budget``: the server's ``max_num_batched_tokens``."""
+    """``design.rounds`` passes of :func:`client_spans`, then :func:`fit_client`."""
     design = design or ClientDesign()
     rng = np.random.default_rng(seed)
     spans: list[SpanSample] = []
-    totals: dict[str, float] = {}
-    client_ttft = 0.0
+    totals = []
     for r in range(design.rounds):
-        for context, batch in design.decode_cells:
-            trace = serve(decode_workload(context, batch, design.decode_tokens, model_shape.vocab_size, rng))
-            span = decode_span([q.token_times for q in trace.requests.values()], context,
-                               f"decode c{context} b{batch}")
-            if span is None:
-                say(f"  round {r + 1}: decode cell (context {context}, batch {batch}): no steady window")
-                continue
-            spans.append(span)
-        before = _read(scrape)
-        prompts = [p for p in design.prefills for _ in range(design.prefill_repeats)]
-        trace = serve(prefill_workload(prompts, model_shape.vocab_size, rng))
-        after = _read(scrape)
-        got = ttft_spans(trace, budget)
+        got, t = client_spans(serve, scrape, model_shape.vocab_size, budget, design, rng, say)
         spans += got
-        client_ttft += sum(s.seconds for s in got)
-        for k in PREFILL_METRICS:
-            if before.get(k) is not None and after.get(k) is not None:
-                totals[k] = totals.get(k, 0.0) + after[k] - before[k]
+        totals.append(t)
         say(f"  calibration round {r + 1}/{design.rounds}: {len(spans)} spans so far")
-    cost = CostModel(model_shape, base)
-    profile = base.with_coefficients(fit_spans(cost, spans), name=name,
-                                     source="kvbench.sim.client_calibration: client-side spans")
-    metrics = {"client_ttft_s": client_ttft, "server_prefill_s": totals.get(PREFILL_METRICS[0]),
-               "server_ttft_s": totals.get(PREFILL_METRICS[1]), "preemptions": totals.get(PREFILL_METRICS[2])}
-    return ClientCalibration(profile, spans, model_shape, metrics)
+    return fit_client(base, model_shape, spans, totals, name)
 
 
 def _read(scrape: Callable[[], Any] | None) -> dict[str, float | None]:
