@@ -77,7 +77,9 @@ KNOBS = Knobs(block_size=32, num_gpu_blocks=64, max_num_seqs=32, max_num_batched
               enable_chunked_prefill=True, enable_prefix_caching=False, preemption_mode="recompute")
 #: blocks vLLM's pool gives requests: V1's BlockPool takes one as its null block
 VLLM_USABLE_BLOCKS = KNOBS.num_gpu_blocks - 1
-FIGURES = ("output_throughput", "preemptions", "ttft_p50", "ttft_p99", "tbt_p99", "requests_finished")
+FIGURES = ("output_throughput", "preemptions", "ttft_p50", "ttft_p99", "ttft_mean", "tbt_p99", "requests_finished")
+#: vLLM's own TTFT (its front end's clock at the first token's output, before the stream delivers it)
+SERVER_TTFT = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
 STORM, SURGE = "preemption_storm", "evening_surge"
 
 
@@ -103,14 +105,33 @@ def jobs(model: Model) -> dict[str, list[Job]]:
 
 def figures(trace) -> dict[str, float | None]:
     m = metrics.summarize(trace)
-    return {k: m.get(k) for k in FIGURES}
+    out = {k: m.get(k) for k in FIGURES}
+    # tokens per stream chunk as the client saw them (1: every token on its own; more: the server merged)
+    tokens = sum(len(r.token_times) for r in trace.requests.values())
+    chunks = sum(len(set(r.token_times)) for r in trace.requests.values())
+    out["tokens_per_chunk"] = tokens / chunks if chunks else None
+    return out
+
+
+def serve_scraped(adapter, job: Job, name: str) -> dict[str, float | None]:
+    """:func:`figures` of one job, with vLLM's own mean TTFT over it from ``/metrics`` where published."""
+    scrape = getattr(adapter, "server_for", None)
+    before = scrape(job.knobs).scrape() if scrape else None
+    out = figures(serve(adapter, job, name))
+    after = scrape(job.knobs).scrape() if scrape else None
+    out["ttft_mean_server"] = None
+    if before is not None and after is not None:
+        (s0, n0), (s1, n1) = ([snap.value(k) for k in SERVER_TTFT] for snap in (before, after))
+        if None not in (s0, n0, s1, n1) and n1 > n0:
+            out["ttft_mean_server"] = (s1 - s0) / (n1 - n0)
+    return out
 
 
 def run_all(adapter, plan: dict[str, list[Job]], tag: str) -> dict[str, list[dict[str, float | None]]]:
     out: dict[str, list[dict[str, float | None]]] = {}
     for name, js in plan.items():
         t0 = time.perf_counter()
-        out[name] = [figures(serve(adapter, job, name)) for job in js]
+        out[name] = [serve_scraped(adapter, job, name) for job in js]
         pre = [int(f["preemptions"] or 0) for f in out[name]]
         say(f"   {tag} {name}: {time.perf_counter() - t0:.1f} s, preemptions {pre}, tok/s "
             f"{[round(f['output_throughput'] or 0) for f in out[name]]} ({load()})")
@@ -246,9 +267,13 @@ def rows_and_knees(result: dict[str, Any]) -> tuple[list[pr.Row], list[list[str]
                 rows.append(pr.Row(name, f"storm c={x:g}", metric, kind, pred[STORM][i][metric],
                                    tuple(rd[STORM][i][metric] for rd in rounds)))
         for metric, kind in (("preemptions", "count"), ("ttft_p50", "time"), ("ttft_p99", "time"),
-                             ("tbt_p99", "time"), ("output_throughput", "time")):
+                             ("tbt_p99", "time"), ("output_throughput", "time"), ("ttft_mean", "time")):
             rows.append(pr.Row(name, "evening surge", metric, kind, pred[SURGE][0][metric],
                                tuple(rd[SURGE][0][metric] for rd in rounds)))
+        if any(rd[SURGE][0].get("ttft_mean_server") is not None for rd in rounds):
+            rows.append(pr.Row(name, "evening surge", "ttft_mean (server /metrics)", "time",
+                               pred[SURGE][0]["ttft_mean"],
+                               tuple(rd[SURGE][0].get("ttft_mean_server") for rd in rounds)))
         medians = [statistics.median(rd[STORM][i]["output_throughput"] or 0 for rd in rounds) for i in range(len(xs))]
         knees.append(pr.knee_row(
             name, knee_within(xs, [p["output_throughput"] for p in pred[STORM]]),
@@ -268,6 +293,13 @@ def report(result: dict[str, Any]) -> str:
              f"{result['end_load']:.1f}", "", pr.table(rows), "",
              "| engine | knee predicted | knee of the rounds' medians | each round's knee | verdict |",
              "|---|---|---|---|---|", *("| " + " | ".join(k) + " |" for k in knees), ""]
+    for name, rounds in result["measured"].items():
+        per_chunk = [rd[k][i].get("tokens_per_chunk") for rd in rounds for k in (STORM, SURGE)
+                     for i in range(len(rd[k]))]
+        per_chunk = [v for v in per_chunk if v is not None]
+        if per_chunk:
+            lines.append(f"{name}: tokens per stream chunk as the client saw them: median "
+                         f"{statistics.median(per_chunk):.2f}, max {max(per_chunk):.2f} (1 = every token on its own)")
     for name in result["predicted"]:
         mine = [r for r in rows if r.engine == name]
         for kind in ("count", "time"):

@@ -143,3 +143,14 @@ def test_full_prompt_admission_waits_until_the_whole_sequence_fits():
     assert policy.admits(SimpleNamespace(num_tokens=320), running, bm)  # 10 blocks: fits
     assert not policy.admits(SimpleNamespace(num_tokens=321), running, bm)  # 11: waits
     assert policy.admits(SimpleNamespace(num_tokens=5000), [], bm)  # an empty batch always admits
+
+
+def test_engine_decode_span_reads_the_engines_own_decode_time():
+    from kvbench.sim.client_calibration import DECODE_METRICS, engine_decode_span
+
+    s, n = DECODE_METRICS
+    span = engine_decode_span({s: 1.0, n: 10}, {s: 1.8, n: 14}, batch=4, context=32, tokens=5)
+    assert span is not None and span.seconds == pytest.approx(0.2)
+    assert span.shapes == tuple(StepShape.decode_batch(4, 32 + j - 1) for j in range(1, 5))
+    assert engine_decode_span({s: 1.0, n: 10}, {s: 1.8, n: 13}, 4, 32, 5) is None  # a request missing
+    assert engine_decode_span({}, {}, 4, 32, 5) is None  # no /metrics

@@ -4,10 +4,13 @@
 token times and its ``/metrics``. Two kinds of designed cells make those times say what a step costs:
 
 * **decode cells** (context ``C`` x batch ``B``): ``B`` requests of ``C``-token prompts sent at
-  once, ``decode_tokens`` tokens each. Once every one of them has its first token and before any
-  finishes, each step is ``B`` decodes, so a request's tokens in that window time a run of known
-  decode steps (:func:`decode_span`); how the server batches stream chunks does not matter, only
-  the window's two ends.
+  once, ``decode_tokens`` tokens each. Where the server publishes its own per-request decode time
+  (vLLM's ``vllm:request_decode_time_seconds``, engine-core timestamps), each request's is
+  ``decode_tokens - 1`` steps of ``B`` decodes (:func:`engine_decode_span`). Otherwise the client's
+  times: once every request has its first token and before any finishes, each step is ``B`` decodes,
+  so a request's tokens in that window time a run of known decode steps (:func:`decode_span`).
+  On this machine vLLM's front end often delivered a request's 96 tokens as one chunk at its end
+  (its output collector merges what the stream has not taken yet), leaving no such window.
 * **prefill cells** (``P`` tokens): one request alone, ``max_tokens=1``: its TTFT is the steps of a
   chunked prefill of ``P`` tokens (:func:`~reference_engine.sim.calibrate.prefill_steps`) plus the
   request's way in and out (the fitted ``per_request_s``).
@@ -38,6 +41,8 @@ from reference_engine.sim.calibrate import SpanSample, fit_spans, prefill_steps,
 #: /metrics sums read around the prefill cells (vLLM's names; a server without them gives None)
 PREFILL_METRICS = ("vllm:request_prefill_time_seconds_sum", "vllm:time_to_first_token_seconds_sum",
                    "vllm:num_preemptions_total")
+#: the engine's own decode time per request (first token to last, engine-core timestamps), summed
+DECODE_METRICS = ("vllm:request_decode_time_seconds_sum", "vllm:request_decode_time_seconds_count")
 
 
 @dataclass(frozen=True)
@@ -159,8 +164,13 @@ def client_spans(serve: Callable[[Workload], Trace], scrape: Callable[[], Any] |
     ``/metrics`` snapshot (``.value(name)``), or None; ``budget``: the server's ``max_num_batched_tokens``."""
     spans: list[SpanSample] = []
     for context, batch in design.decode_cells:
+        before = _read(scrape, DECODE_METRICS)
         trace = serve(decode_workload(context, batch, design.decode_tokens, vocab_size, rng))
-        span = decode_span([q.token_times for q in trace.requests.values()], context, f"decode c{context} b{batch}")
+        after = _read(scrape, DECODE_METRICS)
+        span = engine_decode_span(before, after, batch, context, design.decode_tokens, f"decode c{context} b{batch}")
+        if span is None:  # no /metrics: the client's own window
+            span = decode_span([q.token_times for q in trace.requests.values()], context,
+                               f"decode c{context} b{batch}")
         if span is None:
             say(f"  decode cell (context {context}, batch {batch}): no steady window (the requests' first and last "
                 "tokens did not overlap)")
@@ -208,8 +218,24 @@ def calibrate_client(serve: Callable[[Workload], Trace], scrape: Callable[[], An
     return fit_client(base, model_shape, spans, totals, name)
 
 
-def _read(scrape: Callable[[], Any] | None) -> dict[str, float | None]:
+def engine_decode_span(before: dict[str, float | None], after: dict[str, float | None], batch: int, context: int,
+                       tokens: int, group: str = "") -> SpanSample | None:
+    """A decode cell timed by the engine itself: ``vllm:request_decode_time_seconds`` (first token to
+    last, engine-core timestamps) summed over the cell's ``batch`` requests, per request: ``tokens - 1``
+    decode steps of ``batch`` sequences. What a client sees of a stream on a loaded machine can be one
+    chunk of every token at the end (vLLM's front end merges a request's outputs when it falls
+    behind), which times nothing; the engine's timestamps do not depend on delivery. None unless the
+    counter moved by exactly ``batch`` requests."""
+    s0, s1 = before.get(DECODE_METRICS[0]), after.get(DECODE_METRICS[0])
+    n0, n1 = before.get(DECODE_METRICS[1]), after.get(DECODE_METRICS[1])
+    if None in (s0, s1, n0, n1) or round(n1 - n0) != batch or tokens < 2:  # type: ignore[operator]
+        return None
+    shapes = tuple(StepShape.decode_batch(batch, context + j - 1) for j in range(1, tokens))
+    return SpanSample(shapes, 0, (s1 - s0) / batch, group)  # type: ignore[operator]
+
+
+def _read(scrape: Callable[[], Any] | None, names: Sequence[str] = PREFILL_METRICS) -> dict[str, float | None]:
     snap = scrape() if scrape is not None else None
     if snap is None:
         return {}
-    return {k: snap.value(k) for k in PREFILL_METRICS}
+    return {k: snap.value(k) for k in names}
