@@ -17,7 +17,12 @@ requests: halved (at least 1) on a step that preempted when the preemptions of t
 exceed ``preemption_budget``; raised by one after every 100 steps without a preemption. Admission
 is refused while ``len(running) >= cap``.
 
-Both always admit into an empty running batch: a gate that could refuse the only request would stall
+``full_prompt`` (vLLM V1's ``scheduler_reserve_full_isl``, on by default in vLLM 0.32). With chunked
+prefill the first chunk's blocks are all ``none`` asks for; this admits a request only if the blocks of
+its whole sequence so far (prompt, plus the output of a preempted one) fit the free blocks now, so a
+long prompt waits at the head of the queue instead of being admitted, preempted and readmitted.
+
+All three always admit into an empty running batch: a gate that could refuse the only request would stall
 the engine. Both gate only new admissions and readmissions after a recompute; swapped requests resume
 as before. The scheduler calls :meth:`AdmissionPolicy.admits` before admitting, and
 :meth:`AdmissionPolicy.after_step` once per scheduled step with the step's preemption count.
@@ -133,6 +138,21 @@ class AIMD(AdmissionPolicy):
         return {"admission_cap": self.cap}
 
 
+class FullPrompt(AdmissionPolicy):
+    """Admit only if the request's whole sequence fits the free blocks now (vLLM's reserve-full-ISL gate)."""
+
+    name = "full_prompt"
+
+    def __init__(self, max_model_len: int | None = None):
+        self.max_model_len = max_model_len
+
+    def admits(self, request: Request, running: Sequence[Request], bm: BlockManager) -> bool:
+        if not running:
+            return True
+        tokens = request.num_tokens if self.max_model_len is None else min(request.num_tokens, self.max_model_len)
+        return bm.blocks_needed(tokens) <= bm.num_free_gpu_blocks
+
+
 def make_admission(policy: str, *, max_num_seqs: int, horizon: int, headroom: float, budget: float,
                    max_model_len: int | None = None) -> AdmissionPolicy:
     """The policy ``EngineConfig.admission_policy`` names, from its fields."""
@@ -140,6 +160,8 @@ def make_admission(policy: str, *, max_num_seqs: int, horizon: int, headroom: fl
         return Watermark(horizon, headroom, max_model_len)
     if policy == "aimd":
         return AIMD(max_num_seqs, budget)
+    if policy == "full_prompt":
+        return FullPrompt(max_model_len)
     if policy == "none":
         return AdmissionPolicy()
-    raise ValueError(f"admission_policy={policy!r} is invalid: expected 'none', 'watermark' or 'aimd'")
+    raise ValueError(f"admission_policy={policy!r} is invalid: expected 'none', 'watermark', 'aimd' or 'full_prompt'")

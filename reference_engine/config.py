@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (reference_engine.preemption_policy)
-ADMISSION_POLICIES = ("none", "watermark", "aimd")  # see reference_engine.admission
+ADMISSION_POLICIES = ("none", "watermark", "aimd", "full_prompt")  # see reference_engine.admission
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "sliced", "cpp", "triton")
@@ -158,7 +158,8 @@ FIELD_DOCS: dict[str, str] = {
     "admission_policy": "none (admit whatever fits now, vLLM's rule), watermark (admit only if the projected KV "
                         "use over the next admission_horizon steps stays under 1 - admission_headroom of the "
                         "pool) or aimd (cap running requests: halved when preemptions exceed preemption_budget "
-                        "per 100 steps, raised by one per quiet window)",
+                        "per 100 steps, raised by one per quiet window) or full_prompt (admit only if the whole "
+                        "sequence fits the free blocks: vLLM V1's scheduler_reserve_full_isl)",
     "admission_headroom": "watermark admission: share of the pool kept free; a number in [0, 1)",
     "admission_horizon": "watermark admission: steps of growth projected for running requests; an integer >= 0",
     "preemption_budget": "aimd admission: preemptions per 100 steps tolerated before the cap is halved; a number "

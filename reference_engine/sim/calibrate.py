@@ -244,3 +244,72 @@ def fit_error(cost: CostModel, samples: list[IntervalSample]) -> dict[str, float
     return {"intervals": len(rows), "median_rel_error": float(np.median(rel)),
             "p90_rel_error": float(np.percentile(rel, 90)), "r2": r2,
             "total_rel_error": float(abs(predicted.sum() - measured.sum()) / measured.sum())}
+
+
+# ------------------------------------------------------------------------ client-side spans
+@dataclass(frozen=True)
+class SpanSample:
+    """A stretch of time a *client* measured on a server whose steps it cannot see, and the steps
+    the server must have run in it: e.g. a lone prompt's TTFT (its prefill chunks, one request taken
+    in) or a request's tokens in a steady decode batch (one decode step per token). ``seconds`` is
+    predicted as ``sum(step_seconds(shape) for shape in shapes) + arrivals x per_request_s``."""
+
+    shapes: tuple[StepShape, ...]
+    arrivals: int
+    seconds: float
+    group: str = ""
+
+
+def prefill_steps(prompt: int, budget: int, start: int = 0) -> tuple[StepShape, ...]:
+    """The steps a lone prompt of ``prompt`` tokens takes with chunked prefill and a token budget of
+    ``budget``: chunks of ``budget`` tokens, the last one sampling the first token."""
+    if prompt < 1 or budget < 1:
+        raise ValueError(f"prefill_steps: prompt={prompt} and budget={budget} must be >= 1")
+    shapes, done = [], 0
+    while done < prompt:
+        n = min(budget, prompt - done)
+        shapes.append(StepShape.of_chunks([(start + done, n, done + n == prompt)]))
+        done += n
+    return tuple(shapes)
+
+
+def span_features(cost: CostModel, sample: SpanSample) -> list[float]:
+    """The regressors of :data:`FEATURES` summed over the span's steps, then its arrivals (``combine
+    == "sum"``: a step's time is linear in the coefficients, so a span's is too)."""
+    total = np.zeros(len(FEATURES))
+    for shape in sample.shapes:
+        total += np.asarray(cost.features(shape))
+    return [*total.tolist(), float(sample.arrivals)]
+
+
+def span_seconds(cost: CostModel, sample: SpanSample) -> float:
+    """What ``cost`` (its profile's coefficients) predicts for ``sample``."""
+    return (sum(cost.step_seconds(s) for s in sample.shapes)
+            + cost.profile.coefficients.per_request_s * sample.arrivals)
+
+
+def fit_spans(cost: CostModel, samples: list[SpanSample], relative: bool = True) -> Coefficients:
+    """Coefficients of :data:`FEATURES` plus ``per_request_s`` fitted (non-negative least squares) to
+    client-measured spans; swap terms are left at ``cost``'s profile (a server's swaps are not seen
+    from outside). ``relative=True`` (the default) weighs every span alike (spans run from a few ms
+    to a second: in seconds the longest would decide alone); ``False`` minimises seconds."""
+    if cost.profile.combine != "sum":
+        raise ValueError(f"fit_spans: profile {cost.profile.name!r} combines by {cost.profile.combine!r}; "
+                         "a linear fit needs combine='sum'")
+    rows = [s for s in samples if s.seconds > 0 and any(sh.num_seqs for sh in s.shapes)]
+    if len(rows) < len(FEATURES) + 1:
+        raise ValueError(f"fit_spans: {len(rows)} spans are too few to fit {len(FEATURES) + 1} terms")
+    a = np.array([span_features(cost, s) for s in rows])
+    y = np.array([s.seconds for s in rows])
+    if relative:
+        a, y = a / y[:, None], np.ones_like(y)
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns of ~1: a well-conditioned active set
+    x = nnls(a / scale, y) / scale
+    c = cost.profile.coefficients
+    return Coefficients(**dict(zip(FEATURES, (float(v) for v in x[:-1]), strict=True)), link=c.link,
+                        per_copy_s=c.per_copy_s, per_request_s=float(x[-1]))
+
+
+def span_errors(cost: CostModel, samples: list[SpanSample]) -> list[float]:
+    """Relative error of each span's prediction."""
+    return [abs(span_seconds(cost, s) - s.seconds) / s.seconds for s in samples if s.seconds > 0]

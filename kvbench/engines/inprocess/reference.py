@@ -96,7 +96,8 @@ class ReferenceAdapter(EngineAdapter):
         "enable_prefix_caching": "true/false",
         "preemption_mode": "recompute, swap or auto (per victim, by cost)",
         "cost_profile": "hardware profile (JSON file or built-in name) auto prices victims with; default: measured",
-        "admission_policy": "none, watermark (projected KV use) or aimd (concurrency cap driven by preemptions)",
+        "admission_policy": "none, watermark (projected KV use), aimd (concurrency cap driven by preemptions) or "
+                        "full_prompt (the whole sequence must fit: vLLM V1's admission)",
         "admission_headroom": "watermark: share of the pool kept free of projected use (default 0.05)",
         "admission_horizon": "watermark: steps of output growth projected (default 64)",
         "preemption_budget": "aimd: preemptions allowed per 100 steps before the cap halves (default 1)",

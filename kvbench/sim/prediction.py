@@ -1,0 +1,125 @@
+"""Predicted vs measured: one row per figure, judged against the median of interleaved rounds.
+
+A simulator's error means something only beside the noise of what it is compared with, so every
+row carries the measured rounds themselves: their median (what the prediction is judged against),
+and their spread, ``(max - min) / median`` (how far one measured round is from another). An error
+well inside the spread cannot be told from noise; one far outside it is the model's.
+
+Bars (issue 21): counts within :data:`COUNT_BAR` (20%), timings within :data:`TIME_BAR` (10%) median
+error, the knee at the same sweep point.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+COUNT_BAR = 0.20
+TIME_BAR = 0.10
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """``|predicted - measured| / measured``; 0 when both are 0; None when undefined."""
+    if predicted is None or measured is None:
+        return None
+    if measured == 0:
+        return 0.0 if predicted == 0 else None
+    return abs(predicted - measured) / abs(measured)
+
+
+def spread(rounds: Sequence[float | None]) -> float | None:
+    """``(max - min) / median`` of the rounds (None with fewer than two, or a median of 0)."""
+    values = [v for v in rounds if v is not None]
+    if len(values) < 2:
+        return None
+    m = statistics.median(values)
+    if m == 0:
+        return 0.0 if max(values) == min(values) else None
+    return (max(values) - min(values)) / abs(m)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure of one engine: ``kind`` is "count" or "time" (which bar applies)."""
+
+    engine: str
+    scenario: str
+    metric: str
+    kind: str
+    predicted: float | None
+    rounds: tuple[float | None, ...]
+
+    @property
+    def measured(self) -> float | None:
+        values = [v for v in self.rounds if v is not None]
+        return statistics.median(values) if values else None
+
+    @property
+    def error(self) -> float | None:
+        return relative_error(self.predicted, self.measured)
+
+    @property
+    def spread(self) -> float | None:
+        return spread(self.rounds)
+
+    @property
+    def bar(self) -> float:
+        return COUNT_BAR if self.kind == "count" else TIME_BAR
+
+    @property
+    def within(self) -> bool | None:
+        e = self.error
+        return None if e is None else e <= self.bar
+
+    @property
+    def noise_dominated(self) -> bool | None:
+        """The error is no larger than the rounds' own spread: noise cannot be ruled out."""
+        e, s = self.error, self.spread
+        return None if e is None or s is None else e <= s
+
+
+def knee_row(engine: str, predicted: float | None, measured_rounds: Sequence[float | None],
+             measured_of_medians: float | None) -> list[str]:
+    """Cells for the knee: predicted, the knee of the rounds' median throughputs, each round's knee,
+    and whether the first two agree."""
+    return [engine, _knee(predicted), _knee(measured_of_medians), " ".join(_knee(k) for k in measured_rounds),
+            "same" if predicted == measured_of_medians else "DIFFERENT"]
+
+
+def _knee(k: float | None) -> str:
+    return "none" if k is None else f"{k:g}"
+
+
+def _fmt(v: float | None, kind: str) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if kind == "count" else f"{v:.4g}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def table(rows: Sequence[Row]) -> str:
+    """A markdown table: predicted, median of rounds [min-max], error, the rounds' spread, verdict."""
+    out = ["| engine | scenario | metric | predicted | measured median [min-max] | error | rounds' spread | "
+           "bar | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vals = [v for v in r.rounds if v is not None]
+        rng = f"[{_fmt(min(vals), r.kind)}-{_fmt(max(vals), r.kind)}]" if vals else ""
+        verdict = {True: "within", False: "MISS", None: "-"}[r.within]
+        if r.within is False and r.noise_dominated:
+            verdict += " (within noise)"
+        out.append(f"| {r.engine} | {r.scenario} | {r.metric} | {_fmt(r.predicted, r.kind)} | "
+                   f"{_fmt(r.measured, r.kind)} {rng} | {_pct(r.error)} | {_pct(r.spread)} | {r.bar:.0%} | {verdict} |")
+    return "\n".join(out)
+
+
+def median_error(rows: Sequence[Row], kind: str) -> tuple[float | None, float | None]:
+    """(median error, median spread) over the rows of ``kind`` that have both."""
+    pairs = [(r.error, r.spread) for r in rows if r.kind == kind and r.error is not None]
+    if not pairs:
+        return None, None
+    spreads = [s for _, s in pairs if s is not None]
+    return statistics.median(e for e, _ in pairs), (statistics.median(spreads) if spreads else None)
