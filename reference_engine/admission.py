@@ -1,7 +1,7 @@
 """Admission control to a preemption budget: admit a waiting request only if it is not likely to
 force a preemption soon.
 
-Preemptions happen because admission looks only at *now*: vLLM's rule (``admission_policy="none"``)
+Preemptions happen because admission looks only at *now* (``admission_policy="none"``, or vLLM's ``full_prompt``)
 admits whatever fits the free blocks this step, although every running request will need more blocks
 as it decodes. Two policies look ahead:
 

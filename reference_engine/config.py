@@ -155,7 +155,7 @@ FIELD_DOCS: dict[str, str] = {
                   "them all); an integer >= 0",
     "cost_profile": "how preemption_mode=auto prices swap against recompute: a hardware profile JSON file from "
                     "kvbench calibrate, or a built-in name such as h200; unset: costs measured at engine start",
-    "admission_policy": "none (admit whatever fits now, vLLM's rule), watermark (admit only if the projected KV "
+    "admission_policy": "none (admit whatever fits now: the first chunk), watermark (admit only if the projected KV "
                         "use over the next admission_horizon steps stays under 1 - admission_headroom of the "
                         "pool) or aimd (cap running requests: halved when preemptions exceed preemption_budget "
                         "per 100 steps, raised by one per quiet window) or full_prompt (admit only if the whole "
