@@ -1,8 +1,9 @@
 """Admission control to a preemption budget: admit a waiting request only if it is not likely to
 force a preemption soon.
 
-Preemptions happen because admission looks only at *now* (``admission_policy="none"``, or vLLM's ``full_prompt``)
-admits whatever fits the free blocks this step, although every running request will need more blocks
+Preemptions happen because admission looks only at *now*: ``admission_policy="none"`` (and vLLM's rule,
+``full_prompt``, which asks the same of the whole prompt) admits whatever fits the free blocks this step,
+although every running request will need more blocks
 as it decodes. Two policies look ahead:
 
 ``watermark`` (projected KV use). Prompt lengths are known and output growth is bounded by
