@@ -35,7 +35,17 @@ attention, batch of 1 vs a packed batch) is about 1e-5 to 1e-4 in the logits (se
 ``reference_engine.checkpoint.measure_margins``'s ``float32_noise``). 1e-3 leaves an order of
 magnitude of headroom above that, while the checkpoints are built so that greedy margins are O(1):
 a KV-cache bug shows up as a divergence at a position with a large margin and is never excused.
-Use a larger tolerance for float16/bfloat16 engines.
+
+Reduced precision (:data:`TOLERANCES`, :func:`tolerance_for`). An engine that runs bfloat16 or float16
+is compared with a ground truth in the same dtype (transformers' ``generate`` loaded in it): rounding
+the float32 weights to bfloat16 makes another model, whose logits sit up to ~2.6 away from float32's
+on the built-in checkpoints, more than their median margin (~1.7), so against float32 no tolerance
+would both excuse the noise and catch a bug. Within bfloat16 the noise between correct computations
+(the compiled decode kernel vs the prefill path's SDPA, vs transformers' dense forward) reached a
+top-1 gain of 0.72 (tiny) and 0.53 (small), p99 0.5; the bfloat16 tolerance, 1.0, is about 1.4x the
+largest seen (docs/checks.md has the figures and ``python -m reference_engine.checkpoint
+--measure-margins DIR --dtype bfloat16``, :mod:`reference_engine.logit_noise`, measures them). float16
+keeps 3 more mantissa bits: its tolerance is bfloat16's over 4 (not measured beyond that argument).
 """
 
 from __future__ import annotations
@@ -43,8 +53,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: Default near-tie tolerance on the top-1 minus top-2 logit margin (see the module docstring).
-DEFAULT_TOLERANCE = 1e-3
+#: Near-tie tolerance on the top-1 minus top-2 logit margin, per dtype the engine computes in (see the
+#: module docstring for how each was chosen).
+TOLERANCES: dict[str, float] = {"float32": 1e-3, "bfloat16": 1.0, "float16": 0.25}
+#: The tolerance of a float32 engine, and of one whose dtype is unknown.
+DEFAULT_TOLERANCE = TOLERANCES["float32"]
+
+
+def tolerance_for(dtype: str | None) -> float:
+    """The near-tie tolerance of an engine computing in ``dtype`` (``None``: unknown, taken as float32)."""
+    if dtype is None:
+        return DEFAULT_TOLERANCE
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no near-tie tolerance for dtype {dtype!r}: expected one of {sorted(TOLERANCES)}")
+    return TOLERANCES[dtype]
 
 STATUSES = ("exact", "near_tie", "mismatch")
 

@@ -21,33 +21,35 @@ from kvbench.plugin import require
 pytestmark = pytest.mark.conformance
 
 
-def _conforms(engine, result, truth, requests, truth_engine, near_ties, label):
-    comparison = compare_outputs(engine, result, truth, requests, truth_engine.top2_margins, f"{engine.name} {label}")
+def _conforms(engine, result, truth, requests, truth_engine, near_ties, label, tolerance):
+    comparison = compare_outputs(engine, result, truth, requests, truth_engine.top2_margins, f"{engine.name} {label}",
+                                 tolerance)
     assert_conforms(comparison, near_ties)
 
 
-def test_unpressured_matches_ground_truth(engine, unpressured, truth, requests_greedy, truth_engine, near_ties):
+def test_unpressured_matches_ground_truth(engine, unpressured, truth, requests_greedy, truth_engine, near_ties,
+                                          tolerance):
     """The baseline of every other check: no pressure, same tokens as transformers."""
-    _conforms(engine, unpressured, truth, requests_greedy, truth_engine, near_ties, "unpressured")
+    _conforms(engine, unpressured, truth, requests_greedy, truth_engine, near_ties, "unpressured", tolerance)
 
 
-def test_recompute_preemption_equivalence(engine, truth, requests_greedy, truth_engine, near_ties):
+def test_recompute_preemption_equivalence(engine, truth, requests_greedy, truth_engine, near_ties, tolerance):
     """1. Forced recompute preemption: same tokens; preemptions by recompute > 0."""
     require(engine, "recompute")
     knobs = pressured_knobs(engine, requests_greedy, preemption_mode="recompute")
     result = engine.generate(requests_greedy, knobs)
     prove(result, engine, "preemptions_recompute", "recompute preemption")
-    _conforms(engine, result, truth, requests_greedy, truth_engine, near_ties, "recompute")
+    _conforms(engine, result, truth, requests_greedy, truth_engine, near_ties, "recompute", tolerance)
 
 
-def test_swap_preemption_equivalence(engine, truth, requests_greedy, truth_engine, near_ties):
+def test_swap_preemption_equivalence(engine, truth, requests_greedy, truth_engine, near_ties, tolerance):
     """2. Forced swap preemption: same tokens; swap-outs and swap-ins > 0."""
     require(engine, "swap")
     knobs = pressured_knobs(engine, requests_greedy, num_cpu_blocks=512, preemption_mode="swap")
     result = engine.generate(requests_greedy, knobs)
     prove(result, engine, "preemptions_swap", "swap preemption")
     prove(result, engine, "swap_ins", "swap-in")
-    _conforms(engine, result, truth, requests_greedy, truth_engine, near_ties, "swap")
+    _conforms(engine, result, truth, requests_greedy, truth_engine, near_ties, "swap", tolerance)
 
 
 def test_swapped_blocks_survive_the_round_trip_byte_for_byte(engine, requests_greedy):
@@ -61,7 +63,7 @@ def test_swapped_blocks_survive_the_round_trip_byte_for_byte(engine, requests_gr
     assert not mismatches, mismatches[:5]
 
 
-def test_prefix_caching_equivalence_and_hits(engine, model_dir, truth_engine, near_ties):
+def test_prefix_caching_equivalence_and_hits(engine, model_dir, truth_engine, near_ties, tolerance):
     """3. Prefix caching on == off, with hits > 0, on requests that share a system prompt. Off counts no hit;
     on counts at least the reuse the shared prefixes guarantee at this concurrency
     (:func:`~kvbench.conformance.metrics_truth.prefix_hit_floor`), in its counter and in the responses'
@@ -80,11 +82,12 @@ def test_prefix_caching_equivalence_and_hits(engine, model_dir, truth_engine, ne
     floor = prefix_hit_floor(requests, base.block_size or engine.kv_layout.block_size(), base.max_num_seqs or 4)
     problems = told_twice_disagreements(on, floor)
     assert not problems, f"{engine.name}'s prefix-cache counts disagree:\n" + "\n".join(problems)
-    _conforms(engine, off, truth, requests, truth_engine, near_ties, "prefix caching off")
-    _conforms(engine, on, truth, requests, truth_engine, near_ties, "prefix caching on")
+    _conforms(engine, off, truth, requests, truth_engine, near_ties, "prefix caching off", tolerance)
+    _conforms(engine, on, truth, requests, truth_engine, near_ties, "prefix caching on", tolerance)
 
 
-def test_recompute_after_preemption_reuses_cached_blocks(engine, requests_greedy, truth, truth_engine, near_ties):
+def test_recompute_after_preemption_reuses_cached_blocks(engine, requests_greedy, truth, truth_engine, near_ties,
+                                                         tolerance):
     """3b. Under recompute pressure with caching, preempted requests re-hit their own blocks, so
     fewer tokens are computed than without caching."""
     require(engine, "prefix_caching", "recompute")
@@ -95,17 +98,19 @@ def test_recompute_after_preemption_reuses_cached_blocks(engine, requests_greedy
     prove(with_cache, engine, "prefix_cache_hits", "a prefix-cache hit on resume")
     computed = prove(without, engine, "computed_tokens", "computation")
     assert with_cache.counters["computed_tokens"] < computed
-    _conforms(engine, with_cache, truth, requests_greedy, truth_engine, near_ties, "recompute + prefix caching")
+    _conforms(engine, with_cache, truth, requests_greedy, truth_engine, near_ties, "recompute + prefix caching",
+              tolerance)
 
 
 @pytest.mark.parametrize("budget", [16, 64])
-def test_chunked_prefill_equivalence(budget, engine, truth, requests_greedy, truth_engine, near_ties):
+def test_chunked_prefill_equivalence(budget, engine, truth, requests_greedy, truth_engine, near_ties, tolerance):
     """4. Chunked prefill at budgets smaller than the prompts: same tokens; chunks > 1."""
     require(engine, "chunked_prefill")
     knobs = roomy_knobs(engine, requests_greedy, enable_chunked_prefill=True, max_num_batched_tokens=budget)
     result = engine.generate(requests_greedy, knobs)
     prove(result, engine, "prefill_chunks", "a chunked prefill", minimum=2)
-    _conforms(engine, result, truth, requests_greedy, truth_engine, near_ties, f"chunked prefill, budget {budget}")
+    _conforms(engine, result, truth, requests_greedy, truth_engine, near_ties, f"chunked prefill, budget {budget}",
+              tolerance)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

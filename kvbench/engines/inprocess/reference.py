@@ -128,6 +128,10 @@ class ReferenceAdapter(EngineAdapter):
         EngineConfig(model="<model checked when the engine is built>",
                      **{k: coerce_option(k, v) for k, v in options.items() if k != STEP_DELAY_OPTION})
 
+    def compute_dtype(self) -> str:
+        """``EngineConfig.dtype``: the ``dtype`` option, float32 by default."""
+        return self.options.get("dtype", "float32")
+
     @staticmethod
     def _step_delay_of(options: dict[str, str]) -> float:
         """``step_delay_ms`` in seconds (0 when absent); ValueError naming the option for a bad value."""
