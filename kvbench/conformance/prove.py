@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kvbench.conformance.equivalence import Verdict, compare, tolerance_for
+from kvbench.conformance.equivalence import Verdict, compare, confirm_near_tie, tolerance_for
 from kvbench.core.evidence import record_evidence
 from kvbench.core.kv_budget import pressured, request_tokens, roomy
 from kvbench.engines.base import EngineAdapter, GenRequest, GenResult, Knobs
@@ -149,11 +149,13 @@ def exact_only(engine: EngineAdapter) -> bool:
 
 def compare_outputs(engine: EngineAdapter, result: GenResult, truth: GenResult, requests: Sequence[GenRequest],
                     margins_of: Any, label: str, tolerance: float | None = None,
-                    aborted: Collection[str] = ()) -> Comparison:
+                    aborted: Collection[str] = (), gap_of: Any = None) -> Comparison:
     """Verdicts for every request. ``margins_of(prompt, tokens)`` gives the ground truth's top-2
     margins (only asked for where tokens diverge). The reference engine in float32 gets no near-tie
     excuse (:func:`exact_only`). ``tolerance``: default :func:`near_tie_tolerance` of ``engine``.
-    ``aborted``: the ids of the requests the check itself aborted; any other abort is a mismatch."""
+    ``aborted``: the ids of the requests the check itself aborted; any other abort is a mismatch.
+    ``gap_of(prompt, tokens, position, token)``, if given (``HFAdapter.logit_gap``), confirms each near-tie:
+    the engine's token must be within the tolerance of the ground truth's best (:func:`confirm_near_tie`)."""
     comparison = Comparison(label)
     exact = exact_only(engine)
     tolerance = near_tie_tolerance(engine) if tolerance is None else tolerance
@@ -164,6 +166,9 @@ def compare_outputs(engine: EngineAdapter, result: GenResult, truth: GenResult, 
         verdict = compare(want.token_ids, got.token_ids, margins, tolerance=tolerance,
                           expected_finish_reason=want.finish_reason, actual_finish_reason=got.finish_reason,
                           abort_requested=req.request_id in aborted)
+        if verdict.status == "near_tie" and gap_of is not None:
+            verdict = confirm_near_tie(verdict, gap_of(req.prompt_token_ids, want.token_ids, verdict.position,
+                                                       verdict.actual_token))
         comparison.verdicts.append((req.request_id, verdict))
     return comparison
 

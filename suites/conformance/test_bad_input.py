@@ -40,7 +40,8 @@ def _served_the_others(engine, result, truth, bad_id: str, requests, truth_engin
             served.append((req, got, want))
     got, want = type(result)([g for _, g, _ in served]), type(truth)([w for _, _, w in served])
     comparison = compare_outputs(engine, got, want, [r for r, _, _ in served], truth_engine.top2_margins,
-                                 f"{engine.name} beside {bad_id}", tolerance)
+                                 f"{engine.name} beside {bad_id}", tolerance,
+                                 gap_of=truth_engine.logit_gap)
     near_ties.extend(f"{comparison.label}: {rid}: {v.explain()}" for rid, v in comparison.near_ties)
     problems += [f"{rid} got other tokens beside a bad request: {v.explain()}" for rid, v in comparison.mismatches]
     return problems
@@ -130,7 +131,8 @@ def test_exhausted_swap_space_falls_back_to_recompute(engine, requests_greedy, t
     unfinished = [(o.request_id, o.finish_reason) for o in result.outputs if o.finish_reason not in ("length", "stop")]
     assert not unfinished, f"requests did not finish once swap space ran out (no fallback to recompute): {unfinished}"
     comparison = compare_outputs(engine, result, type(truth)([t for _, t in pairs]), requests,
-                                 truth_engine.top2_margins, f"{engine.name} after the fallback to recompute", tolerance)
+                                 truth_engine.top2_margins, f"{engine.name} after the fallback to recompute", tolerance,
+                                 gap_of=truth_engine.logit_gap)
     near_ties.extend(f"{comparison.label}: {rid}: {v.explain()}" for rid, v in comparison.near_ties)
     wrong = [rid for rid, _ in comparison.mismatches]
     assert not wrong, f"outputs after the fallback to recompute differ from the ground truth: {wrong}"

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.conformance
 
 def _conforms(engine, result, truth, requests, truth_engine, near_ties, label, tolerance):
     comparison = compare_outputs(engine, result, truth, requests, truth_engine.top2_margins, f"{engine.name} {label}",
-                                 tolerance)
+                                 tolerance, gap_of=truth_engine.logit_gap)
     assert_conforms(comparison, near_ties)
 
 

@@ -70,4 +70,4 @@ def test_stop_condition_holds_under_pressure(condition, engine, requests_greedy,
     margins = truth_engine.top2_margins
     for label, result in (("unpressured", calm), ("pressured", stormy)):
         assert_conforms(compare_outputs(engine, result, want, requests, margins, f"{engine.name} {condition} {label}",
-                                        tolerance), near_ties)
+                                        tolerance, gap_of=truth_engine.logit_gap), near_ties)
