@@ -158,10 +158,10 @@ def test_chunked_prefill_check_fails_when_the_budget_is_ignored(model_dir, truth
                  truth_engine=truth_engine, near_ties=[])
 
 
-def test_seeded_sampling_check_fails_when_seeds_are_ignored(model_dir):
+def test_seeded_sampling_check_fails_when_seeds_are_ignored(model_dir, truth_engine):
     assert_fails(test_equivalence.test_seeded_sampling_is_reproducible_across_preemption,
                  r"seeded sampling changed|another seed gave the same tokens", mode="recompute",
-                 engine=faulty("ignores_seed", model_dir), model_dir=model_dir)
+                 engine=faulty("ignores_seed", model_dir), model_dir=model_dir, truth_engine=truth_engine, near_ties=[])
 
 
 def test_bad_input_check_fails_when_a_refusal_does_not_say_why(model_dir, requests_greedy, truth, truth_engine):

@@ -139,3 +139,29 @@ def test_the_near_tie_tolerance_option(pytester):
     bad = pytester.runpytest_subprocess("--kvbench-near-tie-tolerance", "-1")
     assert bad.ret != 0
     bad.stderr.fnmatch_lines(["*--kvbench-near-tie-tolerance*-1*"])
+
+
+def test_sampling_scores_reproduce_the_engines_seeded_picks():
+    """A seeded pick is the argmax of ReferenceAdapter.sampling_scores over the logits that predicted it
+    (float32: the ground truth's logits are the engine's within 1e-4), and another seed's scores pick
+    otherwise somewhere."""
+    from dataclasses import replace
+
+    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.engines.hf.generate import HFAdapter
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
+
+    model = str(builtin_checkpoint("tiny"))
+    engine, truth = ReferenceAdapter(model), HFAdapter(model)
+    requests = [GenRequest(f"s{i}", [5 + i, 9, 30 + i, 7], 12, temperature=1.0, seed=40 + i) for i in range(3)]
+    outputs = engine.generate(requests).outputs
+    mismatched = 0
+    for request, out in zip(requests, outputs, strict=True):
+        for position, token in enumerate(out.token_ids):
+            logits = truth.next_logits(request.prompt_token_ids, out.token_ids, position)
+            assert int(engine.sampling_scores(request, position, logits).argmax()) == token
+            reseeded = engine.sampling_scores(replace(request, seed=request.seed + 1), position, logits)
+            mismatched += int(reseeded.argmax()) != token
+    assert mismatched > 0
+    assert engine.sampling_scores(replace(requests[0], temperature=0.0), 0, logits) is None
+    assert engine.sampling_scores(replace(requests[0], top_k=5), 0, logits) is None

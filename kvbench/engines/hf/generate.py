@@ -222,20 +222,25 @@ class HFAdapter(EngineAdapter):
         top2 = logits.float().topk(2, dim=-1).values  # [len(generated), 2]
         return (top2[:, 0] - top2[:, 1]).tolist()
 
-    def logit_gap(self, prompt_token_ids: Sequence[int], generated_token_ids: Sequence[int], position: int,
-                  token: int) -> float:
-        """Teacher-forced: the top-1 logit minus ``token``'s logit of the distribution that predicted
-        ``generated_token_ids[position]`` (0 when ``token`` is the top-1). How far below the best another
-        engine's pick at a divergence was (:func:`kvbench.conformance.equivalence.confirm_near_tie`)."""
+    def next_logits(self, prompt_token_ids: Sequence[int], generated_token_ids: Sequence[int], position: int) -> Any:
+        """Teacher-forced: the float32 copy of the logits (``[vocab]``) that predicted
+        ``generated_token_ids[position]``, from one forward pass over the prompt and the tokens before it."""
         import torch
 
         if not prompt_token_ids:
-            raise ValueError("logit_gap needs a non-empty prompt")
+            raise ValueError("next_logits needs a non-empty prompt")
         if not 0 <= position < len(generated_token_ids):
             raise ValueError(f"position {position} is outside the {len(generated_token_ids)} generated tokens")
         model = self.model
         sequence = list(prompt_token_ids) + list(generated_token_ids)[:position]
         input_ids = torch.tensor([sequence], dtype=torch.long, device=model.device)
         with torch.inference_mode():
-            logits = model(input_ids).logits[0, -1].float()  # [vocab]
+            return model(input_ids).logits[0, -1].float()  # [vocab]
+
+    def logit_gap(self, prompt_token_ids: Sequence[int], generated_token_ids: Sequence[int], position: int,
+                  token: int) -> float:
+        """Teacher-forced: the top-1 logit minus ``token``'s logit of the distribution that predicted
+        ``generated_token_ids[position]`` (0 when ``token`` is the top-1). How far below the best another
+        engine's pick at a divergence was (:func:`kvbench.conformance.equivalence.confirm_near_tie`)."""
+        logits = self.next_logits(prompt_token_ids, generated_token_ids, position)
         return float(logits.max() - logits[token])
