@@ -1,7 +1,8 @@
 """Figures for the engine issues, each measured side by side in one run (not asserted anywhere):
 
-1. a batch-64 decode step of the ``small`` preset: paged attention on the torch path (the oracle) and on
-   the sliced path (``attention_backend=sliced``), vs the same model with a dense
+1. a batch-64 decode step of the ``small`` preset: paged attention on the torch path (the oracle), on
+   the sliced path (``attention_backend=sliced``) and in the compiled CPU kernel (``cpp``), vs the same
+   model with a dense
    (contiguous, non-paged) KV cache; rounds interleaved, ratios taken round by round;
 2. swap-out + swap-in of 1,000 blocks vs a plain torch copy of the same bytes;
 3. recomputed tokens with and without prefix caching on the same overloaded workload;
@@ -57,6 +58,13 @@ def interleaved_seconds(fns: dict[str, Callable[[], object]], rounds: int) -> di
     return times
 
 
+def backends() -> list[str]:
+    """The decode attention paths to compare: torch (the oracle, first), sliced, and cpp where it builds."""
+    from reference_engine.cpu_attention import cpu_kernel_available
+
+    return ["torch", "sliced"] + (["cpp"] if cpu_kernel_available() else [])
+
+
 def ratio_text(a: list[float], b: list[float]) -> str:
     """Median [min-max] of the round-by-round ratios a/b."""
     ratios = sorted(x / y for x, y in zip(a, b, strict=True))
@@ -65,8 +73,8 @@ def ratio_text(a: list[float], b: list[float]) -> str:
 
 @torch.inference_mode()
 def paged_vs_dense(context: int, repeats: int, batch: int = 64) -> dict[str, list[float]]:
-    """Seconds per round of one batch-``batch`` decode step at ``context`` tokens: ``paged torch``,
-    ``paged sliced`` (the same step, input preparation included) and ``dense``."""
+    """Seconds per round of one batch-``batch`` decode step at ``context`` tokens: ``paged BACKEND`` for each
+    of :func:`backends` (the same step, input preparation included) and ``dense``."""
     ckpt = builtin_checkpoint("small")
     engine = LLMEngine(EngineConfig(model=str(ckpt), num_gpu_blocks_override=batch * (context // 16 + 2),
                                     max_num_seqs=batch))
@@ -115,19 +123,20 @@ def paged_vs_dense(context: int, repeats: int, batch: int = 64) -> dict[str, lis
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         model.compute_logits(model.model.norm(x))
 
-    torch_logits, sliced_logits = paged("torch")(), paged("sliced")()
-    diff = (torch_logits - sliced_logits).abs().max().item()
-    same = bool((torch_logits.argmax(-1) == sliced_logits.argmax(-1)).all())
-    print(f"   sliced vs torch logits: max |diff| {diff:.1e}, greedy tokens {'equal' if same else 'DIFFER'}")
-    return interleaved_seconds({"paged torch": paged("torch"), "paged sliced": paged("sliced"),
-                                "dense": dense}, repeats)
+    torch_logits = paged("torch")()
+    for backend in backends()[1:]:
+        logits = paged(backend)()
+        diff = (torch_logits - logits).abs().max().item()
+        same = bool((torch_logits.argmax(-1) == logits.argmax(-1)).all())
+        print(f"   {backend} vs torch logits: max |diff| {diff:.1e}, greedy tokens {'equal' if same else 'DIFFER'}")
+    return interleaved_seconds({**{f"paged {b}": paged(b) for b in backends()}, "dense": dense}, repeats)
 
 
 def reference_vs_hf(model_name: str, batch: int, prompt: int, output: int, rounds: int) -> dict[str, list[float]]:
     """Seconds per round to generate ``output`` tokens for ``batch`` prompts of ``prompt`` tokens, greedy,
     EOS ignored: the reference engine in process (its pool holds the whole batch, ``max_num_seqs`` =
-    batch), with the torch and the sliced decode attention, vs transformers' ``generate`` on the same
-    batch as one tensor. Prints whether their outputs agree."""
+    batch), with each of :func:`backends` for its decode attention, vs transformers' ``generate`` on the
+    same batch as one tensor. Prints whether their outputs agree."""
     from transformers import LlamaForCausalLM
 
     ckpt = str(builtin_checkpoint(model_name))
@@ -137,7 +146,7 @@ def reference_vs_hf(model_name: str, batch: int, prompt: int, output: int, round
     engines = {backend: LLMEngine(EngineConfig(model=ckpt, num_gpu_blocks_override=blocks, max_num_seqs=batch,
                                                max_num_batched_tokens=max(batch * prompt, 2048),
                                                attention_backend=backend))
-               for backend in ("torch", "sliced")}
+               for backend in backends()}
     hf = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, use_safetensors=True).eval()
     params = SamplingParams(max_tokens=output, ignore_eos=True)
     outputs: dict[str, list[list[int]]] = {}
@@ -153,9 +162,9 @@ def reference_vs_hf(model_name: str, batch: int, prompt: int, output: int, round
                            min_new_tokens=output, do_sample=False, eos_token_id=None, pad_token_id=0)
         outputs["hf"] = seqs[:, prompt:].tolist()
 
-    times = interleaved_seconds({"reference torch": reference("torch"), "reference sliced": reference("sliced"),
+    times = interleaved_seconds({**{f"reference {b}": reference(b) for b in backends()},
                                  "hf generate": transformers_generate}, rounds)
-    for backend in ("torch", "sliced"):
+    for backend in backends():
         agree = sum(a == b for a, b in zip(outputs[backend], outputs["hf"], strict=True))
         print(f"   reference ({backend}) outputs token-equal to hf for {agree}/{batch} prompts")
     return times
@@ -214,11 +223,10 @@ def main() -> None:
     if 1 in only:
         t = paged_vs_dense(args.context, args.repeats)
         med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+        dense = t["dense"]
         print(f"1. batch-64 decode step, small preset, context {args.context}, {args.repeats} rounds (median ms): "
-              f"paged torch {med['paged torch']:.1f}, paged sliced {med['paged sliced']:.1f}, "
-              f"dense {med['dense']:.1f}; per round: torch/dense {ratio_text(t['paged torch'], t['dense'])}, "
-              f"sliced/dense {ratio_text(t['paged sliced'], t['dense'])}, "
-              f"sliced/torch {ratio_text(t['paged sliced'], t['paged torch'])}")
+              + ", ".join(f"{k} {v:.1f}" for k, v in med.items()) + "; per round: "
+              + ", ".join(f"{b}/dense {ratio_text(t[f'paged {b}'], dense)}" for b in backends()))
     if 2 in only:
         swap, plain, nbytes = swap_vs_copy(args.repeats)
         print(f"2. 1,000 blocks ({nbytes / 2**20:.0f} MiB) out and back: swap {2 * nbytes / swap / 2**30:.2f} GiB/s, "
@@ -233,12 +241,11 @@ def main() -> None:
         t = reference_vs_hf(args.hf_model, args.hf_batch, args.hf_prompt, args.hf_output, args.hf_rounds)
         tokens = args.hf_batch * args.hf_output
         tps = {k: tokens / statistics.median(v) for k, v in t.items()}
+        hf = t["hf generate"]
         print(f"4. {args.hf_model}, {args.hf_batch} x {args.hf_prompt} prompt + {args.hf_output} output, "
-              f"{args.hf_rounds} rounds (median tok/s): reference torch {tps['reference torch']:,.0f}, reference "
-              f"sliced {tps['reference sliced']:,.0f}, hf generate {tps['hf generate']:,.0f}; throughput ratio per "
-              f"round: reference torch/hf {ratio_text(t['hf generate'], t['reference torch'])}, reference "
-              f"sliced/hf {ratio_text(t['hf generate'], t['reference sliced'])}, sliced/torch "
-              f"{ratio_text(t['reference torch'], t['reference sliced'])}")
+              f"{args.hf_rounds} rounds (median tok/s): " + ", ".join(f"{k} {v:,.0f}" for k, v in tps.items())
+              + "; throughput ratio per round: "
+              + ", ".join(f"reference {b}/hf {ratio_text(hf, t[f'reference {b}'])}" for b in backends()))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 //     ((((b * num_layers + l) * 2 + 0) * block_size + t) * num_kv_heads + h) * head_dim
 // and the value is the same with 1 for 0.
 //
-// One task is one sequence, all its query heads (query head hq reads kv head hq / (Hq / Hkv)):
+// One task is one sequence, all its query heads (query heads h * G .. h * G + G - 1 read kv head h,
+// G = Hq / Hkv; no integer division in the loops, which cost as much as the arithmetic):
 //   pass 1  scores[hq][j] = q_hq . K[j] / sqrt(D) for every key j < seq_len   (K read once, in order)
 //   softmax each row in place (max subtracted, float32)
 //   pass 2  out[hq] = sum_j scores[hq][j] * V[j]                              (V read once, in order)
@@ -24,6 +25,16 @@
 
 namespace {
 
+// Blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every block (and
+// page) boundary; fetching the row a few slots ahead hides that latency (measured: the kernel was
+// latency-bound, reading at a third of the bandwidth a plain sequential read gets).
+constexpr int64_t kPrefetchSlots = 4;
+
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 template <typename scalar_t>
 void decode_kernel(const scalar_t* q, const scalar_t* cache, const int64_t* block_tables, const int64_t* seq_lens,
                    scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -34,6 +45,7 @@ void decode_kernel(const scalar_t* q, const scalar_t* cache, const int64_t* bloc
   const int64_t block_stride = num_layers * 2 * kv_stride;         // block b -> block b + 1
   const int64_t layer_offset = layer * 2 * kv_stride;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
 
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores;
@@ -42,6 +54,11 @@ void decode_kernel(const scalar_t* q, const scalar_t* cache, const int64_t* bloc
       const int64_t* table = block_tables + seq * max_blocks;
       const scalar_t* qs = q + seq * num_heads * head_dim;
       const scalar_t* block = nullptr;  // the current block's K (pass 1) or V (pass 2) of this layer
+      // slot j's K (kv = 0) or V (kv = 1) row, for the prefetches a few slots ahead
+      auto slot_row = [&](int64_t j, int64_t kv) {
+        return cache + table[j / block_size] * block_stride + layer_offset + kv * kv_stride +
+               (j % block_size) * token_stride;
+      };
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * scale;
       scores.resize(num_heads * len);  // scores[head * len + j]
       // pass 1: scores. A slot's K for every kv head is one contiguous row, and a block's slots are
@@ -49,13 +66,16 @@ void decode_kernel(const scalar_t* q, const scalar_t* cache, const int64_t* bloc
       for (int64_t j = 0; j < len; ++j) {
         if (j % block_size == 0) block = cache + table[j / block_size] * block_stride + layer_offset;
         const scalar_t* row = block + (j % block_size) * token_stride;
-        for (int64_t hq = 0; hq < num_heads; ++hq) {
-          const scalar_t* k = row + (hq / group) * head_dim;
-          const float* qh = qf.data() + hq * head_dim;
-          float s = 0.0f;
+        if (j + kPrefetchSlots < len) prefetch_row(slot_row(j + kPrefetchSlots, 0), row_bytes);
+        for (int64_t h = 0, hq = 0; h < num_kv_heads; ++h) {
+          const scalar_t* k = row + h * head_dim;
+          for (int64_t g = 0; g < group; ++g, ++hq) {
+            const float* qh = qf.data() + hq * head_dim;
+            float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(k[d]);
-          scores[hq * len + j] = s;
+            for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(k[d]);
+            scores[hq * len + j] = s;
+          }
         }
       }
       // softmax per query head, in float32
@@ -77,12 +97,15 @@ void decode_kernel(const scalar_t* q, const scalar_t* cache, const int64_t* bloc
       for (int64_t j = 0; j < len; ++j) {
         if (j % block_size == 0) block = cache + table[j / block_size] * block_stride + layer_offset + kv_stride;
         const scalar_t* row = block + (j % block_size) * token_stride;
-        for (int64_t hq = 0; hq < num_heads; ++hq) {
-          const scalar_t* v = row + (hq / group) * head_dim;
-          const float p = scores[hq * len + j];
-          float* a = acc.data() + hq * head_dim;
+        if (j + kPrefetchSlots < len) prefetch_row(slot_row(j + kPrefetchSlots, 1), row_bytes);
+        for (int64_t h = 0, hq = 0; h < num_kv_heads; ++h) {
+          const scalar_t* v = row + h * head_dim;
+          for (int64_t g = 0; g < group; ++g, ++hq) {
+            const float p = scores[hq * len + j];
+            float* a = acc.data() + hq * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+          }
         }
       }
       scalar_t* os = out + seq * num_heads * head_dim;
