@@ -34,7 +34,7 @@ roughly one position in 10^4..10^5 within noise of a tie.
 Command line::
 
     python -m reference_engine.checkpoint OUT_DIR --preset tiny|small [--seed N] [--tie-word-embeddings]
-    python -m reference_engine.checkpoint --measure-margins DIR [--num-prompts 16 ...]
+    python -m reference_engine.checkpoint --measure-margins DIR [--num-prompts 16 ...] [--dtype bfloat16]
 
 This module imports torch and safetensors only; ``measure_margins`` imports transformers lazily.
 """
@@ -351,7 +351,8 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def measure_margins(
-    ckpt_dir: str | pathlib.Path, num_prompts: int = 16, prompt_len: int = 64, new_tokens: int = 64, seed: int = 0
+    ckpt_dir: str | pathlib.Path, num_prompts: int = 16, prompt_len: int = 64, new_tokens: int = 64, seed: int = 0,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """Greedy top-1 minus top-2 logit margins of a checkpoint under transformers' ``generate``.
 
@@ -365,7 +366,10 @@ def measure_margins(
       with ``min``; ``argmax_flips``: generated positions where float64 would have picked another token;
     * ``distinct_tokens``: distinct generated tokens over all prompts, ``distinct_per_prompt_min`` and
       ``distinct_per_prompt_median``, and ``longest_repeat`` (longest run of one token repeated),
-      to show greedy output has not collapsed into a single token.
+      to show greedy output has not collapsed into a single token;
+    * ``engine_noise``, only with ``dtype``: the reference engine's logits in that dtype over the same
+      sequences, in the situations the conformance checks compare, against each other, float32 and float64
+      (:func:`reference_engine.logit_noise.measure_engine_noise`).
     """
     from transformers import LlamaForCausalLM  # lazy: the checkpoint writer must not need it
 
@@ -396,6 +400,11 @@ def measure_margins(
     top2 = logits32.topk(2, dim=-1).values
     margins = sorted((top2[..., 0] - top2[..., 1]).flatten().tolist())
     tokens = generated.tolist()
+    engine_noise = None
+    if dtype is not None:
+        from reference_engine.logit_noise import measure_engine_noise
+
+        engine_noise = measure_engine_noise(str(ckpt_dir), out.sequences, prompt_len, dtype)
     longest_repeat = max(len(list(run)) for row in tokens for _, run in itertools.groupby(row))
     distinct_per_prompt = [len(set(row)) for row in tokens]
     return {
@@ -410,6 +419,7 @@ def measure_margins(
         "distinct_per_prompt_min": min(distinct_per_prompt),
         "distinct_per_prompt_median": statistics.median(distinct_per_prompt),
         "longest_repeat": longest_repeat,
+        **({"engine_noise": engine_noise} if engine_noise is not None else {}),
     }
 
 
@@ -431,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="measure greedy top-1/top-2 margins of the checkpoint in DIR (needs transformers)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        help="with --measure-margins: also measure the reference engine's logit noise in this dtype "
+        "(reference_engine.logit_noise)",
+    )
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -445,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_len=args.prompt_len,
             new_tokens=args.new_tokens,
             seed=args.seed,
+            dtype=args.dtype,
         )
         print(json.dumps(result, indent=2))
         return 0

@@ -17,7 +17,7 @@ import pytest
 from _pytest.outcomes import Failed, Skipped
 
 from kvbench.checkpoints import builtin_checkpoint
-from kvbench.conformance.prove import conformance_requests
+from kvbench.conformance.prove import conformance_requests, near_tie_tolerance
 from kvbench.core.liveness import DriverWatchdog, Liveness, LivenessError, Watchdog
 from kvbench.engines.registry import make_adapter, parse_engine_spec
 from suites.conformance import (
@@ -73,7 +73,12 @@ def faulty(fault: str, model_dir: str, **options: str):
 
 
 def assert_fails(check: Callable[..., Any], match: str, **kwargs: Any) -> str:
-    """Run ``check``; it must fail (assertion, pytest.fail, LivenessError) with ``match`` in its message."""
+    """Run ``check``; it must fail (assertion, pytest.fail, LivenessError) with ``match`` in its message.
+    A check that takes the suite's ``tolerance`` fixture gets the engine's, as the suite would give it."""
+    import inspect
+
+    if "tolerance" in inspect.signature(check).parameters and "tolerance" not in kwargs:
+        kwargs["tolerance"] = near_tie_tolerance(kwargs["engine"])
     try:
         check(**kwargs)
     except (AssertionError, Failed, LivenessError) as e:
@@ -109,10 +114,11 @@ def test_prefix_caching_on_equals_off_fails_when_a_hit_serves_stale_kv(model_dir
                  near_ties=[])
 
 
-def test_over_long_prompt_check_fails_when_the_engine_truncates(model_dir, requests_greedy, truth):
+def test_over_long_prompt_check_fails_when_the_engine_truncates(model_dir, requests_greedy, truth, truth_engine):
     assert_fails(test_bad_input.test_over_long_prompt_is_refused_and_others_are_served,
                  r"the bad request was not refused", engine=faulty("truncates_over_long_prompts", model_dir),
-                 model_dir=model_dir, requests_greedy=requests_greedy, truth=truth)
+                 model_dir=model_dir, requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine,
+                 near_ties=[])
 
 
 def test_invalid_configuration_check_fails_when_the_error_names_no_field(model_dir, requests_greedy):
@@ -152,22 +158,23 @@ def test_chunked_prefill_check_fails_when_the_budget_is_ignored(model_dir, truth
                  truth_engine=truth_engine, near_ties=[])
 
 
-def test_seeded_sampling_check_fails_when_seeds_are_ignored(model_dir):
+def test_seeded_sampling_check_fails_when_seeds_are_ignored(model_dir, truth_engine):
     assert_fails(test_equivalence.test_seeded_sampling_is_reproducible_across_preemption,
                  r"seeded sampling changed|another seed gave the same tokens", mode="recompute",
-                 engine=faulty("ignores_seed", model_dir), model_dir=model_dir)
+                 engine=faulty("ignores_seed", model_dir), model_dir=model_dir, truth_engine=truth_engine, near_ties=[])
 
 
-def test_bad_input_check_fails_when_a_refusal_does_not_say_why(model_dir, requests_greedy, truth):
+def test_bad_input_check_fails_when_a_refusal_does_not_say_why(model_dir, requests_greedy, truth, truth_engine):
     assert_fails(test_bad_input.test_request_larger_than_the_pool_is_refused_and_others_are_served,
                  r"does not mention 'blocks'", engine=faulty("vague_rejection", model_dir),
-                 requests_greedy=requests_greedy, truth=truth)
+                 requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine, near_ties=[])
 
 
-def test_swap_exhaustion_check_fails_when_unswappable_victims_are_dropped(model_dir, requests_greedy, truth):
+def test_swap_exhaustion_check_fails_when_unswappable_victims_are_dropped(model_dir, requests_greedy, truth,
+                                                                         truth_engine):
     assert_fails(test_bad_input.test_exhausted_swap_space_falls_back_to_recompute,
                  r"did not finish once swap space ran out", engine=faulty("drops_unswappable_victims", model_dir),
-                 requests_greedy=requests_greedy, truth=truth)
+                 requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine, near_ties=[])
 
 
 @pytest.mark.parametrize("mode", ["swap", "auto"])
@@ -197,6 +204,50 @@ def test_nothing_lost_fails(fault, match, model_dir):
 def test_victim_check_fails_on_the_wrong_victim(policy, fault, match, model_dir, requests_greedy):
     assert_fails(test_victim.test_preemption_victim_follows_the_policy, match, policy=policy,
                  engine=faulty(fault, model_dir), requests_greedy=requests_greedy)
+
+
+# ----------------------------------------------------------------------------------- the same in bfloat16
+@pytest.fixture(scope="module")
+def truth_engine_bf16(model_dir):
+    """The ground truth a bfloat16 engine is held to: transformers in bfloat16 (suites/conformance/conftest.py)."""
+    adapter = make_adapter(parse_engine_spec("hf:dtype=bfloat16"), model_dir)
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture(scope="module")
+def truth_bf16(truth_engine_bf16, requests_greedy):
+    return truth_engine_bf16.generate(requests_greedy)
+
+
+@pytest.mark.parametrize(("check", "fault"), [
+    (test_equivalence.test_recompute_preemption_equivalence, "corrupts_recomputed_output"),
+    (test_equivalence.test_swap_preemption_equivalence, "scrambles_swap_in"),
+    (test_equivalence.test_unpressured_matches_ground_truth, "miscomputes_one_position"),
+], ids=["recompute", "swap", "unpressured"])
+def test_kv_faults_still_fail_in_bfloat16(check, fault, model_dir, requests_greedy, truth_bf16, truth_engine_bf16):
+    """The near-tie rule of bfloat16 (tolerance 2.0 logits, above the top-2 margin at about 60% of positions)
+    still catches KV-cache bugs: a near-tie must also have the engine's token within the tolerance of the
+    ground truth's best (``confirm_near_tie``), which a corrupted KV rarely gives."""
+    import inspect
+
+    from kvbench.conformance.prove import roomy_knobs
+
+    engine = faulty(fault, model_dir, dtype="bfloat16")
+    assert near_tie_tolerance(engine) == 2.0
+    available = {"engine": engine, "truth": truth_bf16, "requests_greedy": requests_greedy,
+                 "truth_engine": truth_engine_bf16, "near_ties": []}
+    if "unpressured" in inspect.signature(check).parameters:
+        available["unpressured"] = engine.generate(requests_greedy, roomy_knobs(engine, requests_greedy))
+    message = assert_fails(check, r"differ from the ground truth",
+                           **{k: available[k] for k in inspect.signature(check).parameters if k in available})
+    assert "tolerance 2" in message or "not a near tie" in message or "noise does not pick" in message, message
+
+
+def test_prefix_caching_serving_stale_kv_still_fails_in_bfloat16(model_dir, truth_engine_bf16):
+    assert_fails(test_equivalence.test_prefix_caching_equivalence_and_hits, r"differ from the ground truth",
+                 engine=faulty("serves_stale_cached_blocks", model_dir, dtype="bfloat16"), model_dir=model_dir,
+                 truth_engine=truth_engine_bf16, near_ties=[])
 
 
 # ----------------------------------------------------------------------------------- stop conditions
@@ -358,12 +409,13 @@ def test_recompute_equivalence_fails_over_http_on_a_server_that_corrupts_recompu
         engine.close()
 
 
-def test_over_long_prompt_check_fails_over_http_on_a_server_that_truncates(model_dir, requests_greedy, truth, tmp_path):
+def test_over_long_prompt_check_fails_over_http_on_a_server_that_truncates(model_dir, requests_greedy, truth,
+                                                                           truth_engine, tmp_path):
     engine = faulty_server("truncates_over_long_prompts", model_dir, tmp_path)
     try:
         assert_fails(test_bad_input.test_over_long_prompt_is_refused_and_others_are_served,
                      r"the bad request was not refused", engine=engine, model_dir=model_dir,
-                     requests_greedy=requests_greedy, truth=truth)
+                     requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine, near_ties=[])
     finally:
         engine.close()
 
@@ -414,7 +466,7 @@ def test_black_box_checks_fail_over_http_on_a_faulty_server(check, fault, match,
 
     engine = faulty_server(fault, model_dir, tmp_path)
     available = {"engine": engine, "model_dir": model_dir, "truth": truth, "requests_greedy": requests_greedy,
-                 "truth_engine": truth_engine, "near_ties": [], **params}
+                 "truth_engine": truth_engine, "near_ties": [], "tolerance": near_tie_tolerance(engine), **params}
     try:
         if "unpressured" in inspect.signature(check).parameters:  # the suite's fixture, made the same way
             available["unpressured"] = engine.generate(requests_greedy, roomy_knobs(engine, requests_greedy))

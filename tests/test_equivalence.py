@@ -100,7 +100,7 @@ def test_compare_outputs_excuses_only_the_requests_the_check_aborted():
     requests = [GenRequest("a", [1], 3), GenRequest("b", [1], 3)]
     truth = GenResult([GenOutput("a", [1, 2, 3], "length"), GenOutput("b", [4, 5, 6], "length")])
     got = GenResult([GenOutput("a", [1], "abort"), GenOutput("b", [4], "abort")])
-    engine = SimpleNamespace(kind="reference")
+    engine = SimpleNamespace(kind="reference", compute_dtype=lambda: "float32")
     comparison = compare_outputs(engine, got, truth, requests, None, "run", aborted={"a"})
     assert [(rid, v.status, v.cause) for rid, v in comparison.verdicts] == [
         ("a", "exact", ""), ("b", "mismatch", "unrequested_abort")]

@@ -244,6 +244,13 @@ class EngineAdapter(abc.ABC):
         picks a checkpoint whose head size every engine takes). Default: the class's ``kv_layout``."""
         return cls.kv_layout
 
+    def compute_dtype(self) -> str | None:
+        """The dtype the engine computes in (``"float32"``, ``"bfloat16"``, ``"float16"``), or None when
+        kvbench cannot know it (taken as float32). It picks the near-tie tolerance of the conformance
+        checks and the dtype of their ground truth (:func:`kvbench.conformance.equivalence.tolerance_for`).
+        Default: None."""
+        return None
+
     def family(self) -> str:
         """The engine this adapter drives, as an expectations entry's ``engine`` may name it: the kind by
         default; an adapter for a server says which engine serves (``"vllm"`` behind ``openai``)."""

@@ -81,7 +81,7 @@ def _check_engines_available(specs: list[EngineSpec]) -> None:
 
 
 def configure_conformance(config: pytest.Config, ks: KvbenchSession) -> None:
-    """Liveness limits and expectations files, checked before anything runs."""
+    """Liveness limits, the near-tie tolerance and expectations files, checked before anything runs."""
     from kvbench.conformance.expectations import ExpectationsError, load_expectations
     from kvbench.core.liveness import Liveness
 
@@ -91,6 +91,10 @@ def configure_conformance(config: pytest.Config, ks: KvbenchSession) -> None:
                                deadline=config.getoption("kvbench_deadline") or None)
     except ValueError as e:
         raise pytest.UsageError(f"--kvbench-deadline/--kvbench-stall-steps/--kvbench-stall-seconds: {e}") from None
+    tolerance = config.getoption("kvbench_near_tie_tolerance")
+    if tolerance is not None and not (tolerance >= 0 and tolerance != float("inf")):
+        raise pytest.UsageError(f"--kvbench-near-tie-tolerance: {tolerance} is not a finite number >= 0 (logits)")
+    ks.near_tie_tolerance = tolerance
     for path in config.getoption("kvbench_expectations") or []:
         try:
             ks.expectations.extend(load_expectations(path))

@@ -51,6 +51,10 @@ def add_conformance_options(group: Any) -> None:
                     help="fail an engine run after N steps with no token and no request state change (default 200)")
     group.addoption("--kvbench-stall-seconds", type=float, default=60.0, metavar="SECONDS",
                     help="fail an engine run after this long with no token and no state change (default 60)")
+    group.addoption("--kvbench-near-tie-tolerance", type=float, default=None, metavar="LOGITS",
+                    help="excuse a divergence from the ground truth where its top-1/top-2 logit margin is below "
+                         "this (default: per the dtype the engine computes in: 1e-3 float32, 2.0 bfloat16, "
+                         "0.25 float16; kvbench/conformance/equivalence.py)")
     group.addoption("--kvbench-expectations", action="append", default=None, metavar="FILE",
                     help="TOML file of checks expected to fail per engine kind, each pinned to its failure "
                          "message; they run as strict xfails "

@@ -38,6 +38,7 @@ class KvbenchSession:
     gate_noise_k: float = 3.0
     verdict: Any = None  # kvbench.bench.gate.Verdict when --baseline was given
     near_ties: list[str] = field(default_factory=list)  # conformance divergences excused as near-ties
+    near_tie_tolerance: float | None = None  # --kvbench-near-tie-tolerance; None: the engine's dtype decides
     conformance: dict[str, dict[str, Any]] = field(default_factory=dict)  # nodeid -> record, in run order
     results_path: Path | None = None  # where results.json was written (with or without a report)
     liveness: Any = None  # kvbench.core.liveness.Liveness every engine runs under

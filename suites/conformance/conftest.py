@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.conformance.prove import fitted_requests, roomy_knobs
+from kvbench.conformance.prove import fitted_requests, near_tie_tolerance, roomy_knobs
 from kvbench.engines.base import GenRequest, GenResult
 from kvbench.engines.registry import EngineSpec, make_adapter
 
@@ -27,11 +27,24 @@ def requests_greedy(engine, model_dir: str) -> list[GenRequest]:
 
 
 @pytest.fixture(scope="session")
-def truth_engine(model_dir: str):
-    """transformers' plain ``generate``: the ground truth for greedy outputs."""
-    adapter = make_adapter(EngineSpec("hf"), model_dir)
-    yield adapter
-    adapter.close()
+def _truth_engines():
+    """transformers' plain ``generate`` per dtype, loaded once each and shared by every engine of the run."""
+    adapters: dict[str, object] = {}
+    yield adapters
+    for adapter in adapters.values():
+        adapter.close()
+
+
+@pytest.fixture(scope="session")
+def truth_engine(engine, model_dir: str, _truth_engines):
+    """transformers' plain ``generate``: the ground truth for greedy outputs, in the dtype ``engine`` computes
+    in (float32 when it does not say): a bfloat16 model is another model than its float32 original, so a
+    bfloat16 engine is held to bfloat16's ground truth (:mod:`kvbench.conformance.equivalence`)."""
+    dtype = engine.compute_dtype() or "float32"
+    if dtype not in _truth_engines:
+        _truth_engines[dtype] = make_adapter(EngineSpec("hf", {"dtype": dtype} if dtype != "float32" else {}),
+                                             model_dir)
+    return _truth_engines[dtype]
 
 
 _TRUTHS: dict[tuple, GenResult] = {}
@@ -39,8 +52,9 @@ _TRUTHS: dict[tuple, GenResult] = {}
 
 @pytest.fixture(scope="session")
 def truth(truth_engine, requests_greedy) -> GenResult:
-    """The ground truth of the request set, computed once per distinct set (engines share it)."""
-    key = tuple((r.request_id, tuple(r.prompt_token_ids), r.max_tokens) for r in requests_greedy)
+    """The ground truth of the request set, computed once per distinct set and dtype (engines share it)."""
+    key = (truth_engine.compute_dtype(),
+           tuple((r.request_id, tuple(r.prompt_token_ids), r.max_tokens) for r in requests_greedy))
     if key not in _TRUTHS:
         _TRUTHS[key] = truth_engine.generate(requests_greedy)
     return _TRUTHS[key]
@@ -55,3 +69,9 @@ def unpressured(engine, requests_greedy) -> GenResult:
 @pytest.fixture
 def near_ties(kvbench_session) -> list[str]:
     return kvbench_session.near_ties
+
+
+@pytest.fixture(scope="session")
+def tolerance(engine, kvbench_session) -> float:
+    """The near-tie tolerance ``engine`` is judged with (:func:`kvbench.conformance.prove.near_tie_tolerance`)."""
+    return near_tie_tolerance(engine, kvbench_session.near_tie_tolerance)

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from kvbench.conformance.prove import (
+    compare_outputs,
     kv_needs,
     model_vocab,
     pressured_knobs,
@@ -24,15 +25,25 @@ from kvbench.plugin import require
 pytestmark = pytest.mark.conformance
 
 
-def _served_the_others(result, truth, bad_id: str) -> list[str]:
+def _served_the_others(engine, result, truth, bad_id: str, requests, truth_engine, near_ties,
+                       tolerance) -> list[str]:
+    """Problems with the requests beside the bad one: not served, or tokens that differ from the ground truth
+    other than at a near-tie (recorded in ``near_ties``)."""
     problems = []
-    for got, want in zip(result.outputs, truth.outputs, strict=True):
+    served = []
+    for req, got, want in zip(requests, result.outputs, truth.outputs, strict=True):
         if got.request_id == bad_id:
             continue
         if got.finish_reason not in ("length", "stop"):
             problems.append(f"{got.request_id} was not served: {got.finish_reason} ({got.error})")
-        elif got.token_ids != want.token_ids:
-            problems.append(f"{got.request_id} got other tokens beside a bad request")
+        else:
+            served.append((req, got, want))
+    got, want = type(result)([g for _, g, _ in served]), type(truth)([w for _, _, w in served])
+    comparison = compare_outputs(engine, got, want, [r for r, _, _ in served], truth_engine.top2_margins,
+                                 f"{engine.name} beside {bad_id}", tolerance,
+                                 gap_of=truth_engine.logit_gap)
+    near_ties.extend(f"{comparison.label}: {rid}: {v.explain()}" for rid, v in comparison.near_ties)
+    problems += [f"{rid} got other tokens beside a bad request: {v.explain()}" for rid, v in comparison.mismatches]
     return problems
 
 
@@ -57,7 +68,8 @@ def _report(problems: list[str]) -> None:
         pytest.fail("\n".join(problems), pytrace=False)
 
 
-def test_over_long_prompt_is_refused_and_others_are_served(engine, model_dir, requests_greedy, truth):
+def test_over_long_prompt_is_refused_and_others_are_served(engine, model_dir, requests_greedy, truth, truth_engine,
+                                                           near_ties, tolerance):
     """A prompt past the model's positions is refused naming max_model_len; the others are served. An engine
     with no length limit at all (``EngineAdapter.no_length_limit``) lacks the prerequisite: a skip, not a pass."""
     lacking = getattr(engine, "no_length_limit", None)
@@ -70,8 +82,9 @@ def test_over_long_prompt_is_refused_and_others_are_served(engine, model_dir, re
     problems = _clear_rejection(result, "too-long", "max_model_len")
     truth_outputs = [*truth.outputs[:6], None, *truth.outputs[6:12]]
     truth_by_id = type(truth)([o for o in truth_outputs if o is not None])
-    problems += _served_the_others(type(result)([o for o in result.outputs if o.request_id != "too-long"]),
-                                   truth_by_id, "too-long")
+    others = [r for r in requests if r.request_id != "too-long"]
+    problems += _served_the_others(engine, type(result)([o for o in result.outputs if o.request_id != "too-long"]),
+                                   truth_by_id, "too-long", others, truth_engine, near_ties, tolerance)
     _report(problems)
 
 
@@ -80,7 +93,8 @@ def test_over_long_prompt_is_refused_and_others_are_served(engine, model_dir, re
 POOL_TOKENS, SMALL, TOO_BIG = 96, 64, 136
 
 
-def test_request_larger_than_the_pool_is_refused_and_others_are_served(engine, requests_greedy, truth):
+def test_request_larger_than_the_pool_is_refused_and_others_are_served(engine, requests_greedy, truth, truth_engine,
+                                                                        near_ties, tolerance):
     require_knobs(engine, "num_gpu_blocks", "block_size")
     if engine.kv_layout.pool_holds_max_model_len:
         pytest.skip(f"{engine.name} refuses to start with a pool smaller than max_model_len, so no request it "
@@ -95,12 +109,13 @@ def test_request_larger_than_the_pool_is_refused_and_others_are_served(engine, r
     problems = _clear_rejection(result, "too-big", "blocks")
     wanted = {r.request_id for r in small}
     truth_small = type(truth)([o for o in truth.outputs if o.request_id in wanted])
-    problems += _served_the_others(type(result)([o for o in result.outputs if o.request_id in wanted]), truth_small,
-                                   "too-big")
+    problems += _served_the_others(engine, type(result)([o for o in result.outputs if o.request_id in wanted]),
+                                   truth_small, "too-big", small, truth_engine, near_ties, tolerance)
     _report(problems)
 
 
-def test_exhausted_swap_space_falls_back_to_recompute(engine, requests_greedy, truth):
+def test_exhausted_swap_space_falls_back_to_recompute(engine, requests_greedy, truth, truth_engine, near_ties,
+                                                     tolerance):
     """Documented fallback: a victim the host pool cannot take is recomputed instead; all complete.
 
     The host pool holds one block and every request spans at least two, so every swap falls back,
@@ -115,7 +130,11 @@ def test_exhausted_swap_space_falls_back_to_recompute(engine, requests_greedy, t
     prove(result, engine, "swap_fallbacks", "a fallback from swap to recompute")
     unfinished = [(o.request_id, o.finish_reason) for o in result.outputs if o.finish_reason not in ("length", "stop")]
     assert not unfinished, f"requests did not finish once swap space ran out (no fallback to recompute): {unfinished}"
-    wrong = [o.request_id for o, (_, t) in zip(result.outputs, pairs, strict=True) if o.token_ids != t.token_ids]
+    comparison = compare_outputs(engine, result, type(truth)([t for _, t in pairs]), requests,
+                                 truth_engine.top2_margins, f"{engine.name} after the fallback to recompute", tolerance,
+                                 gap_of=truth_engine.logit_gap)
+    near_ties.extend(f"{comparison.label}: {rid}: {v.explain()}" for rid, v in comparison.near_ties)
+    wrong = [rid for rid, _ in comparison.mismatches]
     assert not wrong, f"outputs after the fallback to recompute differ from the ground truth: {wrong}"
 
 

@@ -48,7 +48,8 @@ def _same_finish(label, got, want) -> list[str]:
 
 
 @pytest.mark.parametrize("condition", CONDITIONS)
-def test_stop_condition_holds_under_pressure(condition, engine, requests_greedy, truth, truth_engine, near_ties):
+def test_stop_condition_holds_under_pressure(condition, engine, requests_greedy, truth, truth_engine, near_ties,
+                                            tolerance):
     require(engine, "recompute", *(("stop_token_ids",) if condition == "stop_token_ids" else ()))
     requests = _requests_for(condition, requests_greedy, truth, truth_engine)
     want = truth_engine.generate(requests)
@@ -68,5 +69,5 @@ def test_stop_condition_holds_under_pressure(condition, engine, requests_greedy,
     assert not problems, f"{condition}: finish reasons differ:\n" + "\n".join(problems[:10])
     margins = truth_engine.top2_margins
     for label, result in (("unpressured", calm), ("pressured", stormy)):
-        assert_conforms(compare_outputs(engine, result, want, requests, margins, f"{engine.name} {condition} {label}"),
-                        near_ties)
+        assert_conforms(compare_outputs(engine, result, want, requests, margins, f"{engine.name} {condition} {label}",
+                                        tolerance, gap_of=truth_engine.logit_gap), near_ties)

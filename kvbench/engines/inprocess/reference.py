@@ -129,6 +129,30 @@ class ReferenceAdapter(EngineAdapter):
         EngineConfig(model="<model checked when the engine is built>",
                      **{k: coerce_option(k, v) for k, v in options.items() if k != STEP_DELAY_OPTION})
 
+    def compute_dtype(self) -> str:
+        """``EngineConfig.dtype``: the ``dtype`` option, float32 by default."""
+        return self.options.get("dtype", "float32")
+
+    def sampling_scores(self, request: GenRequest, index: int, logits: Any) -> Any:
+        """The scores whose argmax the engine's sampler picks as ``request``'s ``index``-th output token, given
+        the logits (``[vocab]``) that predicted it: ``log_softmax(logits / T) - log(q)``, ``q`` the token's seeded
+        exponential draws (torch's one-sample multinomial is that race, ``argmax(p / q)``; tested against the
+        engine). A temperature-sampled pick is then a greedy pick over these scores, and two runs' picks can
+        differ only where they are nearly tied, as for greedy decoding, in logits / T. None for a greedy
+        request or where top-k/top-p shape the distribution (not modelled)."""
+        import torch
+
+        from reference_engine.request import Request
+        from reference_engine.sampler import request_seed, token_generator
+
+        if request.temperature <= 0 or request.top_k > 0 or request.top_p < 1.0:
+            return None
+        req = Request(request.request_id, list(request.prompt_token_ids), sampling_params_of(request), 0.0)
+        generator = token_generator(request_seed(req, self.engine_config().seed), index, logits.device)
+        draws = torch.empty_like(logits, dtype=torch.float32).exponential_(1, generator=generator)
+        scaled = (logits.float() - logits.float().max()) / request.temperature
+        return torch.log_softmax(scaled, dim=-1) - draws.log()
+
     @staticmethod
     def _step_delay_of(options: dict[str, str]) -> float:
         """``step_delay_ms`` in seconds (0 when absent); ValueError naming the option for a bad value."""
