@@ -50,13 +50,61 @@ def _pydantic_events(body: CompletionRequest, items: list[RequestOutput], codec)
     return b"".join(out)
 
 
-async def _streamed(body: CompletionRequest, items: list[RequestOutput], codec) -> bytes:
+async def _streamed(body: CompletionRequest, items: list, codec, coalesce: bool = False) -> bytes:
+    """The stream of ``items`` all queued before it starts (a stream that fell behind by all of them)."""
     queue: asyncio.Queue = asyncio.Queue()
     for item in items:
         queue.put_nowait(item)
     chunks = [c async for c in app._sse(queue, app._Renderer(body, PROMPT, codec), REPLY, body,
-                                        app._once(lambda: None))]
+                                        app._once(lambda: None), coalesce)]
     return b"".join(chunks)
+
+
+async def _kept_up(body: CompletionRequest, items: list, codec) -> bytes:
+    """The stream of ``items`` each queued only after the previous one was written (a stream that keeps up)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    stream = app._sse(queue, app._Renderer(body, PROMPT, codec), REPLY, body, app._once(lambda: None), True)
+    chunks = []
+    for item in items:
+        queue.put_nowait(item)
+        chunks.append(await stream.__anext__())
+    chunks += [c async for c in stream]
+    return b"".join(chunks)
+
+
+def _events(stream: bytes) -> list:
+    return [json.loads(e.removeprefix(b"data: ")) for e in stream.split(b"\n\n") if e and e != b"data: [DONE]"]
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_a_stream_that_fell_behind_sends_the_queued_tokens_in_one_chunk(tiny_ckpt: str, logprobs) -> None:
+    codec = load_codec(tiny_ckpt)
+    body = CompletionRequest(prompt=PROMPT, max_tokens=8, stream=True, return_token_ids=True, logprobs=logprobs)
+    items = _outputs([1, 3, 0, 2], logprobs)
+    per_step, coalesced = (_events(asyncio.run(_streamed(body, items, codec, c))) for c in (False, True))
+    assert len(per_step) == 3 and len(coalesced) == 1  # steps 1, 2 and 4 had tokens; one chunk when behind
+    assert coalesced[0]["choices"][0]["token_ids"] == items[-1].token_ids
+    assert coalesced[0]["choices"][0]["text"] == "".join(e["choices"][0]["text"] for e in per_step)
+    assert coalesced[0]["choices"][0]["finish_reason"] == "length"
+    if logprobs is not None:
+        assert len(coalesced[0]["choices"][0]["logprobs"]["tokens"]) == 6
+
+
+def test_a_stream_that_keeps_up_sends_a_chunk_per_step(tiny_ckpt: str) -> None:
+    body = CompletionRequest(prompt=PROMPT, max_tokens=8, stream=True, return_token_ids=True)
+    items = _outputs([1, 3, 2], None)  # every step makes tokens, so every step is written before the next
+    kept_up = _events(asyncio.run(asyncio.wait_for(_kept_up(body, items, load_codec(tiny_ckpt)), 30)))
+    assert [len(e["choices"][0]["token_ids"]) for e in kept_up] == [1, 3, 2]
+
+
+def test_a_failure_queued_behind_tokens_comes_after_them(tiny_ckpt: str) -> None:
+    from reference_engine.serve.engine_loop import EngineFailure
+
+    body = CompletionRequest(prompt=PROMPT, max_tokens=8, stream=True, return_token_ids=True)
+    items = _outputs([1, 3, 0, 2], None)
+    events = _events(asyncio.run(_streamed(body, [*items[:2], EngineFailure("engine died")], None, True)))
+    assert events[0]["choices"][0]["token_ids"] == items[1].token_ids  # the tokens made before the failure
+    assert "engine died" in json.dumps(events[1])
 
 
 @pytest.mark.parametrize("return_token_ids", [False, True])

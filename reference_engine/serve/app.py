@@ -116,14 +116,17 @@ class _BodyTooLarge(Exception):
 
 
 def build_app(engine: LLMEngine | EngineProcess, *, served_model_name: str | None = None,
-              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None) -> ServeApp:
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None,
+              coalesce_stream: bool = True) -> ServeApp:
     """The ASGI application serving ``engine``: an ``LLMEngine`` that nothing else may touch from now on
     (stepped on a thread of this process), or an :class:`EngineProcess` (the engine in its own process).
 
     Its engine loop starts and stops with the app's lifespan (run it under uvicorn, or under
     ``starlette.testclient.TestClient`` as a context manager). ``on_ready()`` is called once the
     engine loop runs (the CLI prints its "listening" line there). Text prompts use the
-    ``tokenizer.json`` of the model directory, if it has one.
+    ``tokenizer.json`` of the model directory, if it has one. ``coalesce_stream``: a stream sends the
+    tokens that queued up while it was writing in one event (see :func:`_sse`); False: one event per
+    engine step, however far behind the stream is.
     """
     if isinstance(engine, EngineProcess):
         engine_loop: EngineLoop | EngineProcess = engine
@@ -207,7 +210,7 @@ def build_app(engine: LLMEngine | EngineProcess, *, served_model_name: str | Non
         render = _Renderer(body, prompt_ids, codec)
         reply = dict(id=request_id, created=int(time.time()), model=served_model_name)
         if body.stream:
-            return AbortOnDisconnectStream(_sse(outputs, render, reply, body, abort), on_close=abort,
+            return AbortOnDisconnectStream(_sse(outputs, render, reply, body, abort, coalesce_stream), on_close=abort,
                                            media_type="text/event-stream")
         try:
             final = await race_disconnect(request, _until_finished(outputs), abort)
@@ -257,8 +260,20 @@ async def _until_finished(outputs: asyncio.Queue) -> RequestOutput:
             return item
 
 
+def _latest(outputs: asyncio.Queue, item: RequestOutput | EngineFailure) -> tuple[RequestOutput | EngineFailure,
+                                                                                 EngineFailure | None]:
+    """``item`` advanced to the newest output already queued behind it (outputs are cumulative, so the
+    newest says everything the skipped ones did), and a failure queued after it, if any."""
+    while isinstance(item, RequestOutput) and not item.finished and not outputs.empty():
+        following = outputs.get_nowait()
+        if isinstance(following, EngineFailure):
+            return item, following
+        item = following
+    return item, None
+
+
 async def _sse(outputs: asyncio.Queue, render: _Renderer, reply: dict[str, Any], body: CompletionRequest,
-               abort: _once) -> AsyncIterator[bytes]:
+               abort: _once, coalesce: bool = True) -> AsyncIterator[bytes]:
     """Server-sent events: a chunk per step that produced tokens, the finish reason on the last one,
     then usage (if ``stream_options.include_usage``) and ``[DONE]``. ``abort`` is disarmed once the
     request is over, so closing the stream afterwards aborts nothing.
@@ -266,11 +281,20 @@ async def _sse(outputs: asyncio.Queue, render: _Renderer, reply: dict[str, Any],
     Each chunk is what ``CompletionResponse(**reply, choices=[choice]).model_dump(exclude_none=True)``
     would serialise to, byte for byte, but written as bytes around a pre-encoded head: a chunk is sent
     for every token of every request, and pydantic per chunk cost as much CPU as the engine's step
-    (the event loop shares the GIL with the engine thread, so that CPU comes out of the steps)."""
+    (the event loop shares the GIL with the engine thread, so that CPU comes out of the steps).
+
+    ``coalesce``: the tokens of several steps that queued up while this stream was writing go out in one
+    chunk, as vLLM's front end sends them. A stream that keeps up still sends a chunk per step; one that
+    falls behind (many streams on few cores) does one chunk's work for several tokens instead of falling
+    further behind, at the price of the client seeing those tokens arrive together."""
     head, tail = _chunk_frame(reply)
     sent = 0
+    failure: EngineFailure | None = None
     while True:
-        item = await outputs.get()
+        item = failure or await outputs.get()
+        failure = None
+        if coalesce:
+            item, failure = _latest(outputs, item)
         if isinstance(item, EngineFailure):
             abort.disarm()  # the engine loop has aborted it already
             yield _event(error_body(str(item), None, 500, "InternalServerError"))

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"largest request body accepted (default: {DEFAULT_MAX_BODY_BYTES})")
     server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                         help="log every request (default: off)")
+    server.add_argument("--coalesce-stream", action=argparse.BooleanOptionalAction, default=True,
+                        help="a stream that fell behind sends the tokens queued for it in one event (default); "
+                             "--no-coalesce-stream: one event per engine step")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the engine in its own process, so HTTP work and engine steps do not share "
                              "one GIL (default: on; --no-engine-process steps it on a thread of the server)")
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{READY_PREFIX}http://{shown_host}:{port}", flush=True)
 
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                    max_body_bytes=args.max_body_bytes, on_ready=ready)
+                    max_body_bytes=args.max_body_bytes, on_ready=ready, coalesce_stream=args.coalesce_stream)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # loop/http "auto": uvloop and httptools (dependencies) when importable, else asyncio and h11. Every
     # streamed token is an event-loop send, and the loop shares the GIL with the engine thread, so the
