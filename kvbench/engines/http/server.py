@@ -15,7 +15,16 @@ process and an engine process that imports torch) costs more than most checks' r
 kept once a call asks for other knobs, because they carry state from one run into the next that a fresh
 server would not have: a server with prefix caching on (its cached blocks would give the next check hits
 it did not cause) and a server whose check failed (:meth:`ServerAdapter.check_failed`, called by the
-plugin). ``close()`` (and interpreter exit, whatever the cause) stops every one with its whole process
+plugin).
+
+The reference preset (its own command, not ``cmd=``) launches with ``--allow-reconfigure``: a call whose
+knobs no kept server runs first gives the most recently used server the new launch command's flags
+(``POST /kvbench/reconfigure``): the server builds a new engine in its running engine process (tens of ms
+against a ~2 s start), with counters at zero and an empty pool and prefix cache, as a fresh server would
+have, and checks that the model and its server flags stay as they are. Whatever it refuses falls back to a
+fresh start. A peer (vLLM...) and ``cmd=`` are always started from their own command.
+
+``close()`` (and interpreter exit, whatever the cause) stops every one with its whole process
 group (:mod:`kvbench.engines.http.process`), all at once. Each server's log is kept (``log_dir``, default a
 fresh temporary directory); its path is in the run's evidence.
 """
