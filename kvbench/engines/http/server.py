@@ -35,7 +35,7 @@ import os
 import shlex
 import sys
 import tempfile
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,7 +166,8 @@ class ServerAdapter(EngineAdapter):
         self._launched: OrderedDict[tuple[str, ...], _Launched] = OrderedDict()
         self._server: ServerProcess | None = None  # the latest one started or reused
         self.reconfigures = 0  # knob sets given to a running server in place of a new one
-        self.reconfigure_refusals: list[str] = []  # why a reconfigure was refused (a fresh start followed)
+        #: why the latest reconfigures were refused (a fresh start followed each)
+        self.reconfigure_refusals: deque[str] = deque(maxlen=20)
 
     def _locate_vllm(self) -> None:
         """The vLLM to launch, how to launch it, and what its platform's build accepts."""
