@@ -353,6 +353,7 @@ def test_server_adapter_launches_per_knob_set_and_passes_knobs_as_flags(model_di
         third = adapter.process
         assert not group_alive(second.pgid), "keep_servers=2: the least recently used one stopped with its group"
         assert adapter.running_servers() == [first, third]
+        assert adapter.reconfigures == 0, "cmd=: a server kvbench knows nothing of is never reconfigured"
     finally:
         adapter.close()
     assert not any(group_alive(s.pgid) for s in (first, third)), "close() stopped every server with its group"
@@ -583,6 +584,72 @@ def test_reference_server_invalid_configuration_is_named_by_the_server(model_dir
     assert "block_size" in str(info.value).split("last lines:")[1]
     assert not group_alive(adapter.process.pgid)
     adapter.close()
+
+
+def test_reference_preset_gives_other_knobs_to_one_running_server(model_dir, tmp_path):
+    """The reference preset reconfigures its running server instead of starting one per knob set: one
+    process for every knob set, each run's counters its own engine's (recompute, then swap, never both), its
+    outputs the engine's alone, and no prefix cache carried over (what a fresh server would hold). Knobs the
+    engine refuses fall back to a fresh start, whose failure says why, and the kept server serves on."""
+    from kvbench.engines.inprocess.reference import ReferenceAdapter
+
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "log_dir": str(tmp_path)})
+    in_process = ReferenceAdapter(model_dir)
+    requests = pressing_requests()
+    swap = PRESSURE.merged(Knobs(preemption_mode="swap", num_cpu_blocks=256))
+    cached = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=64, enable_prefix_caching=True)
+    distinct = [GenRequest(f"c{i}", list(range(100 + 40 * i, 140 + 40 * i)), 4) for i in range(3)]
+    try:
+        recompute_run = adapter.generate(requests, PRESSURE)
+        first = adapter.process
+        swap_run = adapter.generate(requests, swap)
+        assert adapter.process is first and len(adapter.logs) == 1 and adapter.reconfigures == 1
+        assert any("in place" in e for e in swap_run.evidence)
+        for run, knobs, mode, other in ((recompute_run, PRESSURE, "recompute", "swap"), (swap_run, swap, "swap",
+                                                                                         "recompute")):
+            c = run.counters
+            assert c[f"preemptions_{mode}"] > 0 and c[f"preemptions_{other}"] == 0, (mode, c)
+            assert c["num_gpu_blocks"] == POOL and c["leaked_blocks"] == 0
+            assert [o.token_ids for o in run.outputs] == \
+                [o.token_ids for o in in_process.generate(requests, knobs).outputs]
+        assert adapter.generate(distinct, cached).counters["prefix_cache_hits"] == 0
+        assert adapter.generate(distinct, cached).counters["prefix_cache_hits"] > 0, "same knobs: the same engine"
+        adapter.generate(distinct, PRESSURE)
+        assert adapter.generate(distinct, cached).counters["prefix_cache_hits"] == 0, "a fresh cache, as a new server"
+        adapter.generate(distinct, PRESSURE)
+        assert adapter.process is first and len(adapter.logs) == 1 and adapter.reconfigures == 5
+
+        with pytest.raises(ServerStartError, match="block_size"):
+            adapter.generate([GenRequest("r", [3], 1)], Knobs(block_size=3))
+        assert "--block-size" in adapter.reconfigure_refusals[-1] and len(adapter.logs) == 2
+        assert adapter.running_servers() == [first], "the refused knobs left the kept server as it was"
+        assert adapter.generate(distinct, PRESSURE).counters["leaked_blocks"] == 0
+        assert adapter.process is first and adapter.reconfigures == 5, "reused as it was, by its launch command"
+    finally:
+        adapter.close()
+    assert not group_alive(first.pgid)
+
+
+def test_a_peers_server_is_never_reconfigured(model_dir, tmp_path, monkeypatch):
+    """vLLM is always started from its own command, one server per knob set, even where the server would
+    take a reconfigure (the stub does: it counts them)."""
+    import kvbench.engines.http.server as server_module
+    from kvbench.engines.http.peers import VllmInstall
+
+    stub = VllmInstall((sys.executable, "-m", "kvbench.engines.http.stub_server", "--model"), "0.0-stub", False, "test")
+    monkeypatch.setattr(server_module, "find_vllm", lambda _=None: stub)
+    adapter = ServerAdapter(model_dir, {"preset": "vllm", "log_dir": str(tmp_path)})
+    assert not adapter.reconfigurable
+    try:
+        for n in (24, 48):
+            adapter.generate([GenRequest("r", [3, 4], 2)], Knobs(block_size=16, num_gpu_blocks=n))
+        assert len(adapter.logs) == 2 and adapter.reconfigures == 0
+        for server in adapter.running_servers():
+            url = next(a for a in server.argv if a.isdigit() and int(a) > 1024)
+            text = httpx.get(f"http://127.0.0.1:{url}/metrics", timeout=10).text
+            assert 'kvbench_stub:reconfigures_total{model_name="stub"} 0' in text
+    finally:
+        adapter.close()
 
 
 def test_process_group_is_signalled_not_just_the_leader(tmp_path):

@@ -396,3 +396,28 @@ def test_engine_threads_below_one_is_refused_naming_the_flag(tiny_ckpt: str, cap
         main(["--model", tiny_ckpt, "--engine-threads", "0"])
     assert exit_.value.code == 2
     assert "--engine-threads=0 is invalid" in capsys.readouterr().err
+
+
+def test_a_reconfigure_whose_caller_is_gone_still_leaves_the_front_end_on_the_new_engine(tiny_ckpt: str) -> None:
+    """The engine process swaps once the command is sent, whatever happens to its caller: the front end's
+    info and stats must follow it, or /metrics would describe an engine that no longer runs."""
+    engine = EngineProcess.spawn(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=64))
+
+    async def scenario(e: EngineProcess):
+        task = asyncio.ensure_future(e.reconfigure(EngineConfig(model=tiny_ckpt, block_size=32,
+                                                                num_gpu_blocks_override=8)))
+        await asyncio.sleep(0)  # the command is in the outbox
+        task.cancel()
+        deadline = time.monotonic() + 30
+        while e.info.config.block_size != 32:
+            assert time.monotonic() < deadline, "the front end never heard of the new engine"
+            await asyncio.sleep(0.01)
+        outputs = await e.add("after", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        return e.info, e.stats(), await _final(outputs)
+
+    try:
+        info, stats, final = _run(engine, scenario)
+    finally:
+        engine.stop()
+    assert info.num_gpu_blocks == 8 and stats.gauges.num_gpu_blocks == 8
+    assert len(final.token_ids) == 4

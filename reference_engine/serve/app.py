@@ -1,4 +1,5 @@
-"""The FastAPI application: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+"""The FastAPI application: ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``, and
+``POST /kvbench/reconfigure`` where the server allows it (``--allow-reconfigure``).
 
 Errors follow OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``. Bad input is a 400
 whose ``param`` and message name the field (malformed JSON: ``body``; unknown field: that field; an
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -30,15 +32,17 @@ from reference_engine.sampling_params import SamplingParams, TokenLogprobs
 from reference_engine.serve.detokenize import TextCodec, load_codec
 from reference_engine.serve.disconnect import AbortOnDisconnectStream, ClientGone, race_disconnect
 from reference_engine.serve.engine_loop import EngineFailure, EngineLoop
-from reference_engine.serve.engine_process import EngineInfo, EngineProcess
+from reference_engine.serve.engine_process import EngineBusy, EngineInfo, EngineProcess, EngineStartError
 from reference_engine.serve.prometheus import ServerMetrics
 from reference_engine.serve.protocol import (
     DEFAULT_MAX_BODY_BYTES,
+    BadEngineArgs,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
+    ReconfigureRequest,
     UnsupportedField,
     Usage,
     error_body,
@@ -46,6 +50,9 @@ from reference_engine.serve.protocol import (
 )
 
 if TYPE_CHECKING:  # the HTTP process never imports the engine (nor torch): its engine runs in its own process
+    from collections.abc import Callable
+
+    from reference_engine.config import EngineConfig
     from reference_engine.engine import LLMEngine
 
 _CHOICE_ORDER = tuple(CompletionChoice.model_fields)  # the order model_dump writes a choice's fields in
@@ -117,6 +124,7 @@ class _BodyTooLarge(Exception):
 
 def build_app(engine: LLMEngine | EngineProcess, *, served_model_name: str | None = None,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None,
+              reconfigure: Callable[[list[str]], EngineConfig] | None = None,
               coalesce_stream: bool = True) -> ServeApp:
     """The ASGI application serving ``engine``: an ``LLMEngine`` that nothing else may touch from now on
     (stepped on a thread of this process), or an :class:`EngineProcess` (the engine in its own process).
@@ -127,7 +135,16 @@ def build_app(engine: LLMEngine | EngineProcess, *, served_model_name: str | Non
     ``tokenizer.json`` of the model directory, if it has one. ``coalesce_stream``: a stream sends the
     tokens that queued up while it was writing in one event (see :func:`_sse`); False: one event per
     engine step, however far behind the stream is.
+
+    ``reconfigure(args)`` (an :class:`EngineProcess` only; the CLI's ``--allow-reconfigure`` passes
+    :func:`~reference_engine.serve.command_line.reconfigure_args`) turns a reconfigure's engine flags into
+    an ``EngineConfig`` or raises :class:`BadEngineArgs`; with it, ``POST /kvbench/reconfigure`` answers
+    200 with the new engine's config and pools, 400 naming a flag the parser or the engine refuses (the
+    old engine serves on), 409 while requests are in flight, 503 when the engine is not serving.
+    Without it the path does not exist (404).
     """
+    if reconfigure is not None and not isinstance(engine, EngineProcess):
+        raise TypeError("reconfigure needs the engine in its own process (an EngineProcess)")
     if isinstance(engine, EngineProcess):
         engine_loop: EngineLoop | EngineProcess = engine
         info = engine.info
@@ -136,10 +153,13 @@ def build_app(engine: LLMEngine | EngineProcess, *, served_model_name: str | Non
     model_dir = info.config.model
     served_model_name = served_model_name or model_dir
     codec = load_codec(model_dir)
-    metrics = engine_loop.metrics = ServerMetrics(served_model_name, info.config, info.num_gpu_blocks,
-                                                  info.num_cpu_blocks, snapshot=engine_loop.stats)
-    vocab_size = info.vocab_size
-    max_model_len = info.config.max_model_len
+    engine_loop.metrics = ServerMetrics(served_model_name, info.config, info.num_gpu_blocks, info.num_cpu_blocks,
+                                        snapshot=engine_loop.stats)
+    vocab_size = info.vocab_size  # the model's: a reconfigure keeps the model
+
+    def current() -> EngineInfo:  # a reconfigure replaces the engine process's info
+        return engine_loop.info if isinstance(engine_loop, EngineProcess) else info
+
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -179,11 +199,35 @@ def build_app(engine: LLMEngine | EngineProcess, *, served_model_name: str | Non
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": created, "owned_by": "reference_engine",
-            "root": model_dir, "parent": None, "max_model_len": max_model_len}]}
+            "root": model_dir, "parent": None, "max_model_len": current().config.max_model_len}]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(engine_loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if reconfigure is not None:
+        assert isinstance(engine_loop, EngineProcess)
+
+        @app.post("/kvbench/reconfigure")
+        async def reconfigure_engine(body: ReconfigureRequest) -> JSONResponse:
+            try:
+                config = reconfigure(body.args)
+            except BadEngineArgs as e:
+                raise BadRequest(e.flag, str(e)) from None
+            started = time.perf_counter()
+            try:
+                new = await engine_loop.reconfigure(config)
+            except EngineBusy as e:
+                raise BadRequest(None, f"cannot reconfigure now: {e}", 409, "ConflictError") from None
+            except EngineStartError as e:
+                flag = "--" + e.field.replace("_", "-") if e.field else None
+                raise BadRequest(flag, f"the engine refused the new configuration ({e}); the old one serves on") \
+                    from None
+            except EngineFailure as e:
+                raise BadRequest(None, str(e), 503, "ServiceUnavailableError") from None
+            return JSONResponse({"config": dataclasses.asdict(new.config), "num_gpu_blocks": new.num_gpu_blocks,
+                                 "num_cpu_blocks": new.num_cpu_blocks,
+                                 "seconds": round(time.perf_counter() - started, 4)})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -223,14 +267,19 @@ def build_app(engine: LLMEngine | EngineProcess, *, served_model_name: str | Non
         response = CompletionResponse(**reply, choices=[choice], usage=render.usage(final))
         return JSONResponse(response.model_dump(exclude_none=True))
 
-    return ServeApp(_Guard(app, api_key, max_body_bytes), engine_loop, metrics)
+    return ServeApp(_Guard(app, api_key, max_body_bytes), engine_loop)
 
 
 class ServeApp:
     """The ASGI app plus the parts tests and the CLI look at."""
 
-    def __init__(self, asgi: ASGIApp, engine_loop: EngineLoop | EngineProcess, metrics: ServerMetrics):
-        self.asgi, self.engine_loop, self.metrics = asgi, engine_loop, metrics
+    def __init__(self, asgi: ASGIApp, engine_loop: EngineLoop | EngineProcess):
+        self.asgi, self.engine_loop = asgi, engine_loop
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        """The current engine's metrics (a reconfigure starts fresh ones)."""
+        return self.engine_loop.metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.asgi(scope, receive, send)

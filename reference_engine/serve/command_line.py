@@ -10,7 +10,10 @@ every interface is a choice to make explicitly), ``--port`` (0 = a free port, pr
 ``--served-model-name``, ``--max-body-bytes``, ``--access-log``, ``--engine-process`` (default on: the
 engine steps in its own process; ``--no-engine-process`` keeps it on a thread of the server),
 ``--engine-threads`` (the engine process's torch threads; default ``$OMP_NUM_THREADS`` where set, else every
-core but one, which the HTTP process keeps: :func:`~reference_engine.serve.engine_process.default_engine_threads`).
+core but one, which the HTTP process keeps: :func:`~reference_engine.serve.engine_process.default_engine_threads`),
+``--allow-reconfigure`` (off by default; a testing and benchmarking aid: ``POST /kvbench/reconfigure`` with
+``{"args": [engine flags]}`` replaces the idle engine with one built from those flags in the same engine
+process, checked by this same parser: :func:`reconfigure_args`).
 
 Once the engine is loaded and the socket listens, one line is printed to stdout::
 
@@ -22,13 +25,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import socket
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from reference_engine.config import FIELD_DOCS, ConfigError, EngineConfig
-from reference_engine.serve.protocol import DEFAULT_MAX_BODY_BYTES
+from reference_engine.serve.protocol import DEFAULT_MAX_BODY_BYTES, BadEngineArgs
 
 READY_PREFIX = "reference_engine.serve: listening on "
 _SCALARS = {"int": int, "float": float, "str": str}
@@ -89,7 +93,59 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--engine-threads", type=int, default=None, metavar="N",
                         help="torch threads of the engine process (default: $OMP_NUM_THREADS if set, else every "
                              "core but one, left to the HTTP process)")
+    server.add_argument("--allow-reconfigure", action="store_true", default=False,
+                        help="a testing and benchmarking aid: POST /kvbench/reconfigure {\"args\": [engine flags]} "
+                             "replaces the idle engine with one built from those flags, in the same engine process "
+                             "(409 while requests are in flight; 400 naming a bad flag, the old engine serving on). "
+                             "Needs --engine-process (default: off)")
     return parser
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+_ARGPARSE_FLAG = re.compile(r"argument (--[\w-]+)|arguments: (--[\w-]+)")
+
+
+def reconfigure_args(launched: argparse.Namespace) -> Callable[[list[str]], EngineConfig]:
+    """``parse(args)``: the ``EngineConfig`` that engine flags ``args`` describe, for a server started with
+    ``launched`` (its port the one it listens on). Flags not given take their defaults, ``--model`` the
+    server's own; a server flag given must have the value the server runs with. Raises
+    :class:`BadEngineArgs` naming the flag: argparse's own message for a bad value or an unknown flag,
+    the ``ConfigError`` for a value ``EngineConfig`` refuses."""
+    def parse(args: list[str]) -> EngineConfig:
+        parser = build_parser()
+        parser.exit_on_error = False
+        server_dests = [a.dest for a in parser._actions if a.dest not in _ENGINE_FIELDS and a.dest != "help"]
+        parser.set_defaults(**{dest: getattr(launched, dest) for dest in server_dests})
+
+        def refuse(message: str) -> None:
+            named = _ARGPARSE_FLAG.search(message)
+            raise BadEngineArgs(next(g for g in named.groups() if g) if named else "args", message)
+
+        parser.error = refuse  # type: ignore[method-assign]
+        if any(a in ("-h", "--help") for a in args):
+            raise BadEngineArgs("--help", "--help is not an engine flag")
+        try:
+            given = parser.parse_args(["--model", launched.model, *args])
+        except argparse.ArgumentError as e:
+            raise BadEngineArgs(e.argument_name or "args", f"argument {e.argument_name}: {e.message}") from None
+        if given.model != launched.model:
+            raise BadEngineArgs("--model", f"--model {given.model!r}: this server serves {launched.model!r}, and a "
+                                           "running server cannot change its model (start another server)")
+        for dest in server_dests:
+            asked, running = getattr(given, dest), getattr(launched, dest)
+            if asked != running:
+                raise BadEngineArgs(_flag(dest), f"{_flag(dest)}={asked!r} is a server flag: this server runs with "
+                                                 f"{running!r}, and only a new server can change it")
+        try:
+            return engine_config(given)
+        except ConfigError as e:
+            raise BadEngineArgs(_flag(e.field), f"{_flag(e.field)}: {e}") from None
+
+    return parse
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -136,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--engine-threads={args.engine_threads} is invalid: expected an integer >= 1")
     if args.max_body_bytes < 1:
         parser.error(f"--max-body-bytes={args.max_body_bytes} is invalid: expected an integer >= 1")
+    if args.allow_reconfigure and not args.engine_process:
+        parser.error("--allow-reconfigure needs the engine in its own process (drop --no-engine-process)")
     try:
         config = engine_config(args)
     except ConfigError as e:
@@ -173,8 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     def ready() -> None:
         print(f"{READY_PREFIX}http://{shown_host}:{port}", flush=True)
 
+    args.port = port  # what a reconfigure's --port is compared with (--port 0 picked this one)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                    max_body_bytes=args.max_body_bytes, on_ready=ready, coalesce_stream=args.coalesce_stream)
+                    max_body_bytes=args.max_body_bytes, on_ready=ready,
+                    reconfigure=reconfigure_args(args) if args.allow_reconfigure else None,
+                    coalesce_stream=args.coalesce_stream)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # loop/http "auto": uvloop and httptools (dependencies) when importable, else asyncio and h11. Every
     # streamed token is an event-loop send, and the loop shares the GIL with the engine thread, so the

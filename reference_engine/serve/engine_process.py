@@ -9,6 +9,8 @@
     reader thread, one hop to the loop      <--- one batch -- per iteration: add replies, failures,
        -> RequestOutput per request, metrics observed            stats snapshot, new tokens per request
     proc.abort(rid)                   -- ("abort", rid) --->
+    await proc.reconfigure(config)    -- ("reconfigure", ..) >  idle only: a new LLMEngine for config
+                                      <--- its EngineInfo ---    (torch and the checkpoint are loaded)
     proc.stop()                       -- ("stop",) -------->  fails what is in flight, exits
 
 It is a drop-in for :class:`~reference_engine.serve.engine_loop.EngineLoop` (same ``start``, ``add``,
@@ -28,6 +30,11 @@ Contracts beyond ``EngineLoop``'s:
 * The pipe is read and written by two threads of the server, never by the event loop: the loop cannot
   block on a full pipe while the engine blocks writing outputs to it (a deadlock with blocking writes
   on both ends), and each batch of outputs costs the loop one hop, as ``EngineLoop``'s do.
+* :meth:`EngineProcess.reconfigure` (the server's ``--allow-reconfigure``) replaces the engine with one
+  built from another ``EngineConfig`` in the same process: only when nothing is in flight (else
+  :class:`EngineBusy`, and the engine process checks again on its side, so a request added meanwhile
+  wins); a config the engine refuses raises :class:`EngineStartError` and the old engine serves on. The
+  new engine's counters start at zero, and the batch that says it is ready carries them.
 * If the engine process dies, every request in flight gets an ``EngineFailure`` and later ``add`` calls
   raise it; the server keeps answering ``/metrics`` and errors, and ``/health`` answers 503. The engine
   process ignores SIGINT (the server's own shutdown stops it) and exits when the server's end of the
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -71,11 +79,16 @@ START_TIMEOUT_S = 600.0  # loading a checkpoint from a slow disk; the child's de
 
 class EngineStartError(RuntimeError):
     """The engine process could not build its engine. ``kind`` is ``"config"`` (a ``ConfigError``: the
-    message names the field) or ``"load"`` (the model could not be loaded) or ``"process"``."""
+    message names the field, ``field`` holds it where known) or ``"load"`` (the model could not be
+    loaded) or ``"process"``."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, field: str | None = None):
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.field = kind, field
+
+
+class EngineBusy(RuntimeError):
+    """A reconfigure asked for while requests are in flight (or another reconfigure is under way)."""
 
 
 @dataclass(frozen=True)
@@ -141,37 +154,52 @@ def _engine_main(config: EngineConfig, conn: multiprocessing.connection.Connecti
         return
     conn.send(("ready", EngineInfo.of(engine)))
     with contextlib.suppress(EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
-        _EngineCore(engine, conn).run()
+        _EngineCore(engine, conn, rebuild=LLMEngine).run()
+
+
+def _build_engine(build: Callable[[EngineConfig], Any], config: EngineConfig) -> tuple[Any, tuple | None]:
+    """(engine, None), or (None, ("config" | "load", message, field or None)) when ``build`` refuses."""
+    try:
+        return build(config), None
+    except ConfigError as e:
+        return None, ("config", str(e), e.field)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        return None, ("load", f"{type(e).__name__}: {e}", None)
 
 
 class _EngineCore:
     """The engine process's loop: the engine-thread half of ``EngineLoop``, speaking over a pipe."""
 
-    def __init__(self, engine, conn: multiprocessing.connection.Connection):
-        self.engine, self.conn = engine, conn
+    def __init__(self, engine, conn: multiprocessing.connection.Connection,
+                 rebuild: Callable[[EngineConfig], Any] | None = None):
+        """``rebuild(config)``: a new engine for a ``("reconfigure", ...)`` command (None: refused)."""
+        self.engine, self.conn, self.rebuild = engine, conn, rebuild
         self.sent: dict[str, int] = {}  # request id -> tokens already sent, for requests in flight
         self.broken: str | None = None
         self.stopping = False
         self.replies: list[tuple[str, tuple[str, str] | None]] = []
         self.failed: list[tuple[str, str]] = []
+        self.reconfigured: list[tuple[int, tuple]] = []  # (token, ("ok", EngineInfo) | ("busy" | "error", ...))
 
     def run(self) -> None:
-        engine = self.engine
         stats_sent = None
         while not self.stopping:
-            busy = self.broken is None and engine.has_unfinished_requests()
+            busy = self.broken is None and self.engine.has_unfinished_requests()
             if self.conn.poll(0 if busy else IDLE_WAIT_S):
                 while self.conn.poll(0):
                     self._command(self.conn.recv())
             deltas: list[_Delta] = []
-            if self.broken is None and engine.has_unfinished_requests() and not self.stopping:
+            if self.broken is None and self.engine.has_unfinished_requests() and not self.stopping:
                 deltas = self._step()
-            if self.replies or self.failed or deltas or stats_sent is None:
-                stats_sent = read_engine_stats(engine)
-                self.conn.send((self.replies, self.failed, time.monotonic(), stats_sent, deltas, self.broken))
-                self.replies, self.failed = [], []
+            if self.replies or self.failed or deltas or self.reconfigured or stats_sent is None:
+                stats_sent = read_engine_stats(self.engine)  # after a reconfigure: the new engine's zeros
+                self._send_batch(stats_sent, deltas)
         self._fail_all("the server is shutting down")
-        self.conn.send((self.replies, self.failed, time.monotonic(), read_engine_stats(engine), [], self.broken))
+        self._send_batch(read_engine_stats(self.engine), [])
+
+    def _send_batch(self, stats: EngineStats, deltas: list[_Delta]) -> None:
+        self.conn.send((self.replies, self.failed, time.monotonic(), stats, deltas, self.broken, self.reconfigured))
+        self.replies, self.failed, self.reconfigured = [], [], []
 
     def _command(self, command: tuple) -> None:
         kind = command[0]
@@ -196,8 +224,27 @@ class _EngineCore:
                     self.engine.abort_request(command[1])
                 except Exception:
                     log.exception("abort of %s failed", command[1])
+        elif kind == "reconfigure":
+            _, token, config = command
+            self.reconfigured.append((token, self._reconfigure(config)))
         elif kind == "stop":
             self.stopping = True
+
+    def _reconfigure(self, config: EngineConfig) -> tuple:
+        """A new engine for ``config`` in place of this one, if nothing is in flight; the answer to send."""
+        if self.rebuild is None:
+            return ("error", "config", "this engine core cannot be reconfigured", None)
+        if self.broken is not None:
+            return ("busy", f"the engine is not serving: {self.broken}")
+        if self.sent or self.engine.has_unfinished_requests():
+            return ("busy", f"{len(self.sent)} request(s) in flight: reconfigure only an idle engine")
+        started = time.perf_counter()
+        engine, refusal = _build_engine(self.rebuild, config)
+        if refusal is not None:
+            return ("error", *refusal)
+        self.engine = engine
+        log.info("engine reconfigured in %.0f ms: %s", (time.perf_counter() - started) * 1e3, engine.config)
+        return ("ok", EngineInfo.of(engine))
 
     def _step(self) -> list[_Delta]:
         try:
@@ -254,6 +301,8 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self._broken: str | None = None
         self._stopping = False
+        self._tokens = itertools.count(1)
+        self._reconfiguring: tuple[int, asyncio.Future] | None = None  # touched only on the event loop
 
     @classmethod
     def spawn(cls, config: EngineConfig, start_timeout: float = START_TIMEOUT_S,
@@ -307,6 +356,28 @@ class EngineProcess:
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` if it is still in flight (does not wait); its queue gets the aborted output."""
         self._outbox.put(("abort", request_id))
+
+    async def reconfigure(self, config: EngineConfig) -> EngineInfo:
+        """Replace the engine with one built from ``config`` in the engine process (torch and the model are
+        loaded there already); return its info. From then on ``info``, ``stats()`` and ``metrics`` describe
+        the new engine alone (``metrics`` is a fresh :class:`ServerMetrics`: counters and histograms at zero).
+        Raises :class:`EngineBusy` while requests are in flight (here or in the engine process),
+        :class:`EngineStartError` when the engine refuses ``config`` (the old engine serves on), or
+        :class:`EngineFailure` when the engine is not serving."""
+        if self._broken is not None or self._stopping:
+            raise EngineFailure(f"the engine is not serving: {self._broken or 'server stopping'}")
+        if self._reconfiguring is not None:
+            raise EngineBusy("another reconfigure is under way")
+        if self._requests:
+            raise EngineBusy(f"{len(self._requests)} request(s) in flight: reconfigure only an idle engine")
+        token = next(self._tokens)
+        answer = asyncio.get_running_loop().create_future()
+        self._reconfiguring = (token, answer)
+        try:
+            self._outbox.put(("reconfigure", token, config))
+            return await answer
+        finally:
+            self._reconfiguring = None
 
     @property
     def broken(self) -> str | None:
@@ -397,7 +468,9 @@ class EngineProcess:
             self._fail(request, EngineFailure(message))
 
     def _detach(self, reason: str) -> None:
-        """Fail every request still waiting: the engine process is gone."""
+        """Fail every request still waiting, and a reconfigure: the engine process is gone."""
+        if self._reconfiguring is not None and not self._reconfiguring[1].done():
+            self._reconfiguring[1].set_exception(EngineFailure(reason))
         requests, self._requests = self._requests, {}
         for request in requests.values():
             self._fail(request, EngineFailure(reason))
@@ -409,9 +482,11 @@ class EngineProcess:
         else:
             request.flight.outputs.put_nowait(error)
 
-    def _handle(self, batch: tuple[list, list, float, EngineStats, list[_Delta], str | None]) -> None:
-        replies, failed, now, stats, deltas, broken = batch
+    def _handle(self, batch: tuple[list, list, float, EngineStats, list[_Delta], str | None, list]) -> None:
+        replies, failed, now, stats, deltas, broken, reconfigured = batch
         self._stats = stats
+        for token, answer in reconfigured:
+            self._reconfigured(token, answer)
         if broken is not None and self._broken is None:  # even aborting failed requests failed there
             self._broken = f"engine step failed and its requests could not be aborted: {broken}"
         for request_id, refusal in replies:
@@ -432,6 +507,26 @@ class EngineProcess:
                 self._fail(request, EngineFailure(message))
         for delta in deltas:
             self._deliver(delta, now)
+
+    def _reconfigured(self, token: int, answer: tuple) -> None:
+        """The engine process's answer to reconfigure ``token``. On success the new engine's info and fresh
+        metrics are in place before the caller hears of it (and before any output of the new engine), even
+        when the caller is gone: the engine process has swapped all the same."""
+        if answer[0] == "ok":
+            self.info = answer[1]
+            if self.metrics is not None:
+                self.metrics = self.metrics.renewed(self.info.config, self.info.num_gpu_blocks,
+                                                    self.info.num_cpu_blocks)
+        if self._reconfiguring is None or self._reconfiguring[0] != token or self._reconfiguring[1].done():
+            return  # its caller was cancelled
+        future = self._reconfiguring[1]
+        if answer[0] == "ok":
+            future.set_result(self.info)
+        elif answer[0] == "busy":
+            future.set_exception(EngineBusy(answer[1]))
+        else:
+            _, kind, message, field_name = answer
+            future.set_exception(EngineStartError(kind, message, field_name))
 
     def _deliver(self, delta: _Delta, now: float) -> None:
         request_id, new_ids, finished, reason, preemptions, recomputed, cached, new_logprobs = delta

@@ -158,7 +158,7 @@ class ServerMetrics:
     def __init__(self, model_name: str, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int,
                  snapshot):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.model_name = model_name
+        self.model_name, self._snapshot = model_name, snapshot
         self.registry.register(_EngineCollector(model_name, snapshot))
         labels = ["model_name"]
         r = self.registry
@@ -188,6 +188,11 @@ class ServerMetrics:
         }
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
               registry=r).labels(**info).set(1)
+
+    def renewed(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> ServerMetrics:
+        """Metrics for another engine of the same server (a reconfigure): the same model name and snapshot
+        source, the new knobs, every request metric (histograms, finish reasons, prompt tokens) at zero."""
+        return ServerMetrics(self.model_name, config, num_gpu_blocks, num_cpu_blocks, self._snapshot)
 
     def observe_finished(self, finish_reason: str) -> None:
         self._success.labels(self.model_name, finish_reason).inc()

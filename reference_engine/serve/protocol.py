@@ -74,6 +74,26 @@ def refuse_unsupported(req: CompletionRequest) -> None:
                                              "(its SamplingParams has no min_tokens): expected 0")
 
 
+class ReconfigureRequest(BaseModel):
+    """``POST /kvbench/reconfigure`` (``--allow-reconfigure``): the engine flags of a command line, as
+    ``python -m reference_engine.serve`` takes them (``["--block-size", "32", "--enable-prefix-caching"]``).
+    The new engine is the one a server started with these flags would have: a flag not given takes its
+    default, ``--model`` this server's. Server flags may be given only at the values this server runs
+    with (so a launcher can send its whole command line)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    args: list[str]
+
+
+class BadEngineArgs(ValueError):
+    """A reconfigure's arguments refused; ``flag`` names the flag (``--block-size``), or ``args``."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(message)
+        self.flag = flag
+
+
 class CompletionLogprobs(BaseModel):
     """OpenAI's completions ``logprobs`` object: one entry per output token."""
 

@@ -15,7 +15,16 @@ process and an engine process that imports torch) costs more than most checks' r
 kept once a call asks for other knobs, because they carry state from one run into the next that a fresh
 server would not have: a server with prefix caching on (its cached blocks would give the next check hits
 it did not cause) and a server whose check failed (:meth:`ServerAdapter.check_failed`, called by the
-plugin). ``close()`` (and interpreter exit, whatever the cause) stops every one with its whole process
+plugin).
+
+The reference preset (its own command, not ``cmd=``) launches with ``--allow-reconfigure``: a call whose
+knobs no kept server runs first gives the most recently used server the new launch command's flags
+(``POST /kvbench/reconfigure``): the server builds a new engine in its running engine process (tens of ms
+against a ~2 s start), with counters at zero and an empty pool and prefix cache, as a fresh server would
+have, and checks that the model and its server flags stay as they are. Whatever it refuses falls back to a
+fresh start. A peer (vLLM...) and ``cmd=`` are always started from their own command.
+
+``close()`` (and interpreter exit, whatever the cause) stops every one with its whole process
 group (:mod:`kvbench.engines.http.process`), all at once. Each server's log is kept (``log_dir``, default a
 fresh temporary directory); its path is in the run's evidence.
 """
@@ -26,7 +35,7 @@ import os
 import shlex
 import sys
 import tempfile
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +70,8 @@ class _Launched:
     server: ServerProcess
     remote: OpenAIAdapter
     knobs: dict[str, Any]
+    port: int
+    reconfigured: bool = False  # running knobs given in place, not at its start
 
     @property
     def carries_state(self) -> bool:
@@ -154,6 +165,9 @@ class ServerAdapter(EngineAdapter):
         #: launch command (port left out) -> the running server started with it, least recently used first
         self._launched: OrderedDict[tuple[str, ...], _Launched] = OrderedDict()
         self._server: ServerProcess | None = None  # the latest one started or reused
+        self.reconfigures = 0  # knob sets given to a running server in place of a new one
+        #: why the latest reconfigures were refused (a fresh start followed each)
+        self.reconfigure_refusals: deque[str] = deque(maxlen=20)
 
     def _locate_vllm(self) -> None:
         """The vLLM to launch, how to launch it, and what its platform's build accepts."""
@@ -201,15 +215,30 @@ class ServerAdapter(EngineAdapter):
         environment kvbench adds."""
         return (*self.argv(knobs, "{port}"), *(f"{k}={v}" for k, v in sorted(self.env_overrides.items())))
 
+    @property
+    def reconfigurable(self) -> bool:
+        """Whether a kept server can take another knob set in place (the reference preset's own command; never
+        ``cmd=``, whose server kvbench knows nothing of, nor a peer such as vLLM, always started as its users
+        start it)."""
+        return self.preset.reconfigure_path is not None and self.command is None
+
     def server_for(self, knobs: Knobs) -> OpenAIAdapter:
-        """A healthy server started with exactly ``knobs``: one already running with the same launch
-        command, else a new one (see the module docstring for which are kept)."""
+        """A healthy server running exactly ``knobs``: one already running with the same launch command, else
+        a kept one given ``knobs`` in place (:meth:`_reconfigure`), else a new one (see the module docstring
+        for which are kept)."""
         key = self.launch_key(knobs)
         launched = self._launched.get(key)
         if launched is not None and launched.server.running():
             self._launched.move_to_end(key)
             self._server = launched.server
             return launched.remote
+        if self.reconfigurable:
+            self._stop([k for k, v in self._launched.items() if not v.server.running()])
+            if self._launched:  # the most recently used one; if it refuses (knobs the engine refuses, say), a
+                # fresh start follows and says why, as it would without reconfigure
+                remote = self._reconfigure(next(reversed(self._launched)), key, knobs)
+                if remote is not None:
+                    return remote
         # what is not reused for another knob set goes now; a dead server of this key goes too
         self._stop([k for k, v in self._launched.items() if k == key or v.carries_state])
         wanted = knobs.as_dict()
@@ -222,6 +251,13 @@ class ServerAdapter(EngineAdapter):
         server.start()
         self._server = server
         server.wait_healthy(f"http://127.0.0.1:{port}", self.startup_timeout)
+        remote = self._remote(port, wanted)
+        self._launched[key] = _Launched(server, remote, wanted, port)
+        self._stop(list(self._launched)[:-self.keep_servers])  # least recently used first
+        return remote
+
+    def _remote(self, port: int, wanted: dict[str, Any]) -> OpenAIAdapter:
+        """The client adapter for the server on ``port`` running the knobs ``wanted``."""
         options = {k: v for k, v in self.options.items() if k in _PASSED_ON}
         if self.preset.preemptions_are and "preemptions_are" not in options:
             options["preemptions_are"] = self.preset.preemptions_are
@@ -232,9 +268,37 @@ class ServerAdapter(EngineAdapter):
         options["url"] = f"http://127.0.0.1:{port}"
         remote = OpenAIAdapter(self.model_dir, options, name=self.name)
         remote.configure_run(liveness=self.liveness)  # the session's limits: the HTTP watchdog runs under them
-        self._launched[key] = _Launched(server, remote, wanted)
-        self._stop(list(self._launched)[:-self.keep_servers])  # least recently used first
         return remote
+
+    def _reconfigure(self, old_key: tuple[str, ...], key: tuple[str, ...], knobs: Knobs) -> OpenAIAdapter | None:
+        """Give the kept server of ``old_key`` the knobs ``knobs`` in place: the server builds a new engine in
+        its engine process (counters and /metrics at zero, an empty pool and prefix cache: what a fresh server
+        would hold) and the server is kept under ``key``. None when the server refuses (it checks that its
+        model and server flags stay as they are, and the engine that it can build the new one; it keeps its
+        old engine then) or does not answer."""
+        import httpx
+
+        launched = self._launched[old_key]
+        argv = self.argv(knobs, launched.port)
+        url = f"http://127.0.0.1:{launched.port}{self.preset.reconfigure_path}"
+        headers = {"Authorization": f"Bearer {self.options['api_key']}"} if self.options.get("api_key") else {}
+        try:
+            answer = httpx.post(url, json={"args": self.preset.server_args(argv)}, headers=headers,
+                                timeout=self.startup_timeout)
+        except httpx.HTTPError as e:
+            self.reconfigure_refusals.append(f"{url}: {type(e).__name__}: {e}")
+            return None
+        if answer.status_code != 200:
+            self.reconfigure_refusals.append(f"{url}: {answer.status_code} {answer.text[:300]}")
+            return None
+        wanted = knobs.as_dict()
+        del self._launched[old_key]
+        launched.remote, launched.knobs = self._remote(launched.port, wanted), wanted
+        launched.reconfigured = True
+        self._launched[key] = launched
+        self._server = launched.server
+        self.reconfigures += 1
+        return launched.remote
 
     @property
     def process(self) -> ServerProcess | None:
@@ -263,6 +327,9 @@ class ServerAdapter(EngineAdapter):
         assert server is not None
         result = remote.generate(requests, knobs)
         result.evidence.append(f"server log: {server.log_path}")
+        if self._launched and self._launched[next(reversed(self._launched))].reconfigured:
+            result.evidence.append("the server was given these knobs in place (POST "
+                                   f"{self.preset.reconfigure_path}): a new engine in its running engine process")
         if not server.running():
             result.evidence.append(f"the server died during the run; log tail:\n{server.log_tail(10)}")
         return result

@@ -13,6 +13,9 @@ serves on 127.0.0.1 only:
   from non-zero totals so a reader must subtract a before-scrape; ``vllm:cache_config_info`` echoes the
   engine flags it was started with (vLLM's names, as the reference server takes them).
 * ``GET /health``, ``GET /v1/models``.
+* ``POST /kvbench/reconfigure`` with ``{"args": [flags]}`` (as the reference server's ``--allow-reconfigure``
+  takes it, always on here): the engine flags it echoes become those, and
+  ``kvbench_stub:reconfigures_total`` counts the calls, so a test sees whether a launcher reconfigured it.
 * ``--drop-if-prompt-has ID`` (a fault, for the HTTP liveness watchdog's tests): a completion whose prompt
   holds token ``ID`` is counted finished and forgotten without ever ending its response: a streamed
   one gets its head and its first :data:`DROPPED_AFTER` tokens, then nothing (the connection stays
@@ -61,6 +64,7 @@ class StubState:
     max_model_len: int = 2048
     drop_token: int | None = None  # a prompt holding this id is dropped (the fault above)
     config: dict[str, str] = field(default_factory=dict)
+    reconfigures: int = 0
     running: int = 0
     queries: int = BASE_TOTAL
     hits: int = BASE_TOTAL // 2
@@ -93,6 +97,7 @@ class StubState:
             f"reference_engine:preemptions_recompute_total{{{m}}} {self.preemptions}",
             "# TYPE reference_engine:preemptions_swap counter", f"reference_engine:preemptions_swap_total{{{m}}} 0",
             "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{labels}{',' if labels else ''}{m}}} 1",
+            "# TYPE kvbench_stub:reconfigures counter", f"kvbench_stub:reconfigures_total{{{m}}} {self.reconfigures}",
         ]
         return "\n".join(lines) + "\n"
 
@@ -204,6 +209,15 @@ class StubProtocol(asyncio.Protocol):
             self._answer(200, self.state.metrics().encode(), close, "text/plain; version=0.0.4")
         elif path == "/v1/completions" and method == "POST":
             self._completions(body, close)
+        elif path == "/kvbench/reconfigure" and method == "POST":
+            try:
+                args = parse_args(["--port", "0", *json.loads(body)["args"]])
+            except (ValueError, KeyError, TypeError, SystemExit) as e:
+                self._answer(400, _error(f"bad reconfigure: {e!r}", "args"), close)
+                return
+            self.state.config = engine_config_of(args)
+            self.state.reconfigures += 1
+            self._answer(200, json.dumps({"config": self.state.config}).encode(), close)
         else:
             self._answer(404, _error(f"no route {method} {path}", None), close)
 
@@ -340,6 +354,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def engine_config_of(args: argparse.Namespace) -> dict[str, str]:
+    """The engine flags given, as ``vllm:cache_config_info``'s labels."""
+    config = {label: getattr(args, flag[2:].replace("-", "_")) for flag, label in {**ENGINE_FLAGS, **SWITCHES}.items()}
+    config = {k: str(v) for k, v in config.items() if v is not None}
+    config["max_model_len"] = str(args.max_model_len)
+    return config
+
+
 async def serve(state: StubState, host: str, port: int) -> None:
     """Serve until SIGTERM or SIGINT."""
     loop = asyncio.get_running_loop()
@@ -358,12 +380,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(3)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    config = {label: getattr(args, flag[2:].replace("-", "_")) for flag, label in {**ENGINE_FLAGS, **SWITCHES}.items()}
-    config = {k: str(v) for k, v in config.items() if v is not None}
-    config["max_model_len"] = str(args.max_model_len)
     state = StubState(token_delay=args.token_delay, per_token_writes=args.per_token_writes,
                       return_ids=not args.no_token_ids, max_model_len=args.max_model_len,
-                      drop_token=args.drop_if_prompt_has, config=config)
+                      drop_token=args.drop_if_prompt_has, config=engine_config_of(args))
     try:
         import uvloop
     except ImportError:
