@@ -218,7 +218,8 @@ def test_an_engine_with_no_length_limit_skips_the_over_long_check_saying_why(kin
     engine = make_adapter(parse_engine_spec(kind), model_dir)
     try:
         with pytest.raises(Skipped, match=f"{kind} has no per-request length limit to enforce: .*no"):
-            check(engine=engine, model_dir=model_dir, requests_greedy=[], truth=None)
+            check(engine=engine, model_dir=model_dir, requests_greedy=[], truth=None, truth_engine=None,
+                  near_ties=[], tolerance=1e-3)
         _, max_len = model_vocab(model_dir)
         knobs = Knobs() if kind == "hf" else Knobs(block_size=16, num_gpu_blocks=128)
         [out] = engine.generate([GenRequest("too-long", [5] * (max_len + 10), 2)], knobs).outputs
@@ -229,6 +230,8 @@ def test_an_engine_with_no_length_limit_skips_the_over_long_check_saying_why(kin
 
 def test_an_engine_with_a_length_limit_is_held_to_it():
     """The skip is not a blanket: an engine that declares no missing limit and runs the over-long prompt fails."""
+    from types import SimpleNamespace
+
     from kvbench.core.requests import GenOutput, GenResult
     from suites.conformance.test_bad_input import test_over_long_prompt_is_refused_and_others_are_served as check
 
@@ -246,7 +249,8 @@ def test_an_engine_with_a_length_limit_is_held_to_it():
     from kvbench.checkpoints import builtin_checkpoint
 
     with pytest.raises(pytest.fail.Exception, match="the bad request was not refused"):
-        check(engine=Accepts(), model_dir=str(builtin_checkpoint("tiny")), requests_greedy=[], truth=GenResult([]))
+        check(engine=Accepts(), model_dir=str(builtin_checkpoint("tiny")), requests_greedy=[], truth=GenResult([]),
+              truth_engine=SimpleNamespace(top2_margins=None, logit_gap=None), near_ties=[], tolerance=1e-3)
 
 
 def test_a_variant_is_named_by_its_exact_id():
