@@ -84,4 +84,5 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     seq_lens: [B] int64, keys each sequence attends to (>= 1). Returns [B, Hq, D] in q's dtype: what the
     torch path's decode group returns, within float32 rounding (tested).
     """
-    return _load().paged_decode(q.to(kv_cache.dtype), kv_cache, layer, block_tables, seq_lens).to(q.dtype)
+    module = _module or _load()  # built once; no lock per call on the decode path (every layer, every step)
+    return module.paged_decode(q.to(kv_cache.dtype), kv_cache, layer, block_tables, seq_lens).to(q.dtype)

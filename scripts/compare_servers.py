@@ -47,7 +47,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,6 +58,7 @@ from typing import Any
 import torch
 
 from kvbench.bench import metrics
+from kvbench.bench.results import commit_info
 from kvbench.bench.scenarios.common import Job, Model, build_workload, serve
 from kvbench.bench.workloads import ClosedLoop, Fixed, WorkloadSpec
 from kvbench.checkpoints import builtin_checkpoint, checkpoint_for
@@ -280,11 +280,8 @@ def report(result: dict[str, Any]) -> str:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "?"
-    except OSError:
-        return "?"
+    """The checkout's commit, short (kvbench's own results record it the same way)."""
+    return (commit_info(Path(__file__).parent)["id"] or "?")[:7]
 
 
 def _list(kind):

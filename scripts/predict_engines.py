@@ -59,6 +59,7 @@ import torch
 
 from kvbench.bench import metrics
 from kvbench.bench import scenarios as sc
+from kvbench.bench.results import commit_info
 from kvbench.bench.scenarios.common import Job, Model, serve
 from kvbench.bench.scenarios.storms import knee_within
 from kvbench.checkpoints import checkpoint_for
@@ -318,11 +319,8 @@ def _head(workload, n: int):
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "?"
-    except OSError:
-        return "?"
+    """The checkout's commit, short (kvbench's own results record it the same way)."""
+    return (commit_info(Path(__file__).parent)["id"] or "?")[:7]
 
 
 if __name__ == "__main__":
