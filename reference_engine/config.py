@@ -33,6 +33,7 @@ ADMISSION_POLICIES = ("none", "watermark", "aimd", "full_prompt")  # see referen
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "sliced", "cpp", "triton")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
 GiB = 1 << 30
 
 
@@ -60,6 +61,7 @@ class EngineConfig:
     dtype: str = "float32"
     check_invariants: bool = False
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     max_events: int = DEFAULT_MAX_EVENTS
     cost_profile: str | None = None
     admission_policy: str = "none"
@@ -90,6 +92,7 @@ class EngineConfig:
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "True or False")
@@ -151,6 +154,9 @@ FIELD_DOCS: dict[str, str] = {
                          "cpp (a C++ kernel reading the blocks in place on CPU, built on first use), triton "
                          "(CUDA, or TRITON_INTERPRET=1), or auto (triton on CUDA if importable, torch on CUDA "
                          "without it; on CPU cpp, or sliced where cpp cannot be built)",
+    "linear_backend": "matmuls: torch (torch.nn.functional.linear), onednn (CPU: weights packed once into "
+                      "oneDNN's layout, one more copy of them in memory) or auto (onednn on CPU where it runs, "
+                      "torch elsewhere)",
     "max_events": "engine events retained in LLMEngine.events, oldest dropped first (0 keeps none; a sink sees "
                   "them all); an integer >= 0",
     "cost_profile": "how preemption_mode=auto prices swap against recompute: a hardware profile JSON file from "

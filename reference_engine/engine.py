@@ -19,6 +19,7 @@ runner prices steps on a virtual clock: ``LLMEngine(config, build_parts=...)``.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ class EngineParts:
     output_of: Callable[[Request], RequestOutput] = RequestOutput.of  # what step() reports of a request
     device: torch.device | None = None
     attention_backend: str = "torch"
+    linear_backend: str = "torch"
 
 
 def block_manager_for(config: EngineConfig, num_gpu_blocks: int, block_bytes: int) -> BlockManager:
@@ -110,6 +112,11 @@ def load_parts(config: EngineConfig) -> EngineParts:
         raise RuntimeError("EngineConfig.device is 'cuda' but torch.cuda.is_available() is False")
     dtype = _DTYPES[config.dtype]
     model = load_model(config.model, device=str(device), dtype=dtype)
+    linear_backend = _linear_backend(config.linear_backend, device, dtype)
+    if linear_backend == "onednn":
+        from reference_engine.cpu_linear import pack_linears
+
+        pack_linears(model)
     mc = model.config
     config = config.resolve(mc.max_position_embeddings)
     block_bytes = mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
@@ -123,7 +130,7 @@ def load_parts(config: EngineConfig) -> EngineParts:
     if config.preemption_mode == "auto":
         costs = auto_costs(config, mc, kv_cache, runner, block_manager.num_free_gpu_blocks)
     return EngineParts(config, model, block_manager, kv_cache, runner, preemption_costs=costs, device=device,
-                       attention_backend=attention_backend)
+                       attention_backend=attention_backend, linear_backend=linear_backend)
 
 
 def _device_pool_blocks(config: EngineConfig, device: torch.device, block_bytes: int) -> int:
@@ -143,6 +150,7 @@ class LLMEngine:
         parts = build_parts(config)
         self.config = config = parts.config
         self.device, self.model, self.attention_backend = parts.device, parts.model, parts.attention_backend
+        self.linear_backend = parts.linear_backend
         self.block_manager, self.kv_cache, self.runner = parts.block_manager, parts.kv_cache, parts.runner
         self._counters = parts.block_manager.counters
         self.scheduler = Scheduler(
@@ -338,6 +346,27 @@ def _attention_backend(choice: str, device: torch.device) -> str:
     from reference_engine.triton_attention import resolve_attention_backend
 
     return resolve_attention_backend(choice, device)
+
+
+def _linear_backend(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"torch" or "onednn" for this device and dtype. "auto" is onednn on the CPU where its probe passes
+    (:func:`reference_engine.cpu_linear.why_unavailable`), torch elsewhere; asking for onednn where it
+    cannot run is an error naming why."""
+    if choice == "torch":
+        return "torch"
+    if device.type != "cpu":
+        if choice == "onednn":
+            raise ValueError(f"linear_backend='onednn' runs on the CPU, not on {device}; use 'torch' or 'auto'")
+        return "torch"
+    from reference_engine.cpu_linear import why_unavailable
+
+    why = why_unavailable(dtype)
+    if not why:
+        return "onednn"
+    if choice == "onednn":
+        raise ValueError(f"linear_backend='onednn' cannot run in {dtype}: {why}; use 'torch' or 'auto'")
+    logging.getLogger(__name__).warning("linear_backend=auto: %s; matmuls use torch's plain path", why)
+    return "torch"
 
 
 __all__ = ["LLMEngine", "RequestRejected", "RequestStatus"]

@@ -111,6 +111,8 @@ class ReferenceAdapter(EngineAdapter):
         "max_events": "events the engine keeps in its bounded log (default 10000; kvbench reads them through a sink)",
         "attention_backend": "decode attention: auto (triton on CUDA; on CPU cpp, or sliced where it cannot be "
                              "built), torch, sliced, cpp or triton",
+        "linear_backend": "matmuls: auto (onednn on CPU where it runs), torch, or onednn (weights packed once into "
+                          "oneDNN's layout)",
         STEP_DELAY_OPTION: "testing aid, not an engine setting: sleep this many milliseconds after every engine step "
                            "(a deliberate, known slowdown for checking that the regression gate catches one)",
     }

@@ -1,0 +1,115 @@
+"""Matmuls with prepacked weights on the CPU (``linear_backend="onednn"``).
+
+Why it exists: on CPU the linear layers are most of a decode step (profiled on ``small`` at batch 64:
+70% of the step's torch time in bfloat16, 86% in float32), and ``torch.nn.functional.linear`` hands
+oneDNN a plain row-major weight on every call, which it re-lays out into its blocked format each time.
+At the small row counts of a decode step that re-layout costs as much as the multiply. oneDNN's own
+``linear`` with a weight packed once at load time (the op torch's inductor uses for frozen CPU models,
+``torch.ops.mkldnn._linear_pointwise``) skips it: see docs/results.md for what it bought, per dtype.
+
+The contract: :class:`PackedLinear` computes ``x @ W.T + b`` like the :class:`torch.nn.Linear` it wraps,
+bit for bit in bfloat16 and float16 (the same oneDNN kernel, the weight only laid out ahead of time)
+and within float32 rounding in float32 (the blocked kernel sums in another order); the tests hold it to
+``F.linear``. The wrapped layer's parameters stay where they were (state-dict names unchanged, a tied
+``lm_head`` still the embedding), and the packed copy is an extra buffer: packing costs one more copy of
+each packed weight's memory, which ``linear_backend="torch"`` avoids.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+_log = logging.getLogger(__name__)
+_why_not: dict[torch.dtype, str] = {}
+
+
+def _ops_present() -> str:
+    """"" when torch has the oneDNN linear ops, else why not."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN (mkldnn)"
+    ops = torch.ops.mkldnn
+    for name in ("_reorder_linear_weight", "_linear_pointwise"):
+        if not hasattr(ops, name):
+            return f"torch {torch.__version__} has no torch.ops.mkldnn.{name}"
+    return ""
+
+
+def why_unavailable(dtype: torch.dtype) -> str:
+    """Why packed matmuls cannot run in ``dtype`` on this machine ("" when they can).
+
+    Probed once per dtype: a small packed matmul must run and agree with ``F.linear``; bfloat16 and
+    float16 also need oneDNN's support for them on this CPU."""
+    if dtype in _why_not:
+        return _why_not[dtype]
+    why = _ops_present()
+    if not why and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        why = "oneDNN has no bfloat16 kernels for this CPU"
+    if not why and dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        why = "oneDNN has no float16 kernels for this CPU"
+    if not why:
+        try:
+            g = torch.Generator().manual_seed(0)
+            weight = torch.randn(48, 32, generator=g).to(dtype)
+            x = torch.randn(5, 32, generator=g).to(dtype)
+            got = _packed_matmul(x, torch.ops.mkldnn._reorder_linear_weight(weight), None)
+            want = nn.functional.linear(x, weight)
+            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                why = "oneDNN's packed matmul disagreed with torch's on a probe"
+        except RuntimeError as exc:
+            why = f"oneDNN's packed matmul failed on a probe ({str(exc)[:200]})"
+    _why_not[dtype] = why
+    return why
+
+
+def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """``linear``, with its weight also held in oneDNN's blocked layout, computed by oneDNN's linear.
+
+    ``weight`` and ``bias`` are the wrapped layer's own parameters (shared, not copied); ``packed`` is a
+    non-persistent buffer, so state dicts are those of the unwrapped model."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        with torch.no_grad():
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()),
+                                 persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # oneDNN reads the rows as one dense matrix: a strided view (a slice of a fused product) is copied
+        return _packed_matmul(x if x.is_contiguous() else x.contiguous(), self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every :class:`torch.nn.Linear` under ``model`` that a forward pass calls with a
+    :class:`PackedLinear` of it, in place; returns how many were packed.
+
+    Linears that forward passes do not call are left alone: a layer's unfused ``q_proj``/``gate_proj``
+    etc. (views of the fused weight, kept for the state dict) when :meth:`fuse_projections` has run."""
+    skip: set[int] = set()
+    for module in model.modules():  # the parts a fused projection replaced
+        if getattr(module, "qkv", None) is not None:
+            skip.update(id(getattr(module, n)) for n in ("q_proj", "k_proj", "v_proj"))
+        if getattr(module, "gate_up", None) is not None:
+            skip.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj"))
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and id(child) not in skip:
+                setattr(parent, name, PackedLinear(child))
+                count += 1
+    return count
+
+
+__all__ = ["PackedLinear", "pack_linears", "why_unavailable"]
