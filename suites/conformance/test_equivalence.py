@@ -118,7 +118,9 @@ def test_chunked_prefill_equivalence(budget, engine, truth, requests_greedy, tru
 def test_seeded_sampling_is_reproducible_across_preemption(mode, engine, model_dir, truth_engine, near_ties, tolerance):
     """7. Seeded temperature sampling gives the same tokens with and without preemption."""
     require(engine, "sampling", mode)
-    requests = fitted_requests(engine, model_dir, seed=31, n=12, temperature=1.0)
+    # The suite's own request set (the one checks 1-3 pressure), sampled: its own 12 requests (seed 31) preempted
+    # once in process and sometimes not at all over HTTP, where arrivals spread out, so the check could not run.
+    requests = fitted_requests(engine, model_dir, temperature=1.0)
     calm = engine.generate(requests, roomy_knobs(engine, requests))
     swap_space = {"num_cpu_blocks": 512} if mode == "swap" else {}  # a recompute engine needs no host pool
     stormy = engine.generate(requests, pressured_knobs(engine, requests, preemption_mode=mode, **swap_space))
