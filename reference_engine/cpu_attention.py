@@ -12,15 +12,18 @@ stay on the torch path; the torch path stays the oracle, and the tests hold the 
 
 The build needs a C++ compiler and ninja (both on the machines this project runs on); it takes tens of
 seconds once, then torch caches it (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``)
-and later processes load it in well under a second. :func:`cpu_kernel_available` says whether it built;
-``attention_backend="auto"`` uses it on CPU when it did and the sliced torch path when it did not, after
-one warning naming the reason.
+and later processes load it in well under a second (the build folder and the copy of the source it is
+built from are named by a digest of the source, flags, torch and Python: :func:`_build_source`).
+:func:`cpu_kernel_available` says whether it built; ``attention_backend="auto"`` uses it on CPU when it
+did and the sliced torch path when it did not, after one warning naming the reason.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -49,15 +52,39 @@ def _load() -> Any:
         try:
             from torch.utils.cpp_extension import load
 
-            # Named by a digest of the source and flags: two checkouts of one version share a build, and
-            # checkouts of different versions do not rebuild over each other's.
-            digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
-            _module = load(name=f"reference_engine_paged_decode_{digest}", sources=[str(_SOURCE)],
+            name, source = _build_source()
+            _module = load(name=name, sources=[str(source)], build_directory=str(source.parent),
                            extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # no compiler, no ninja, a build error: the torch paths still work
             _error = f"the CPU attention kernel could not be built ({type(exc).__name__}: {str(exc)[:300]})"
             raise RuntimeError(_error) from exc
         return _module
+
+
+def _build_source() -> tuple[str, Path]:
+    """The extension's name and the copy of its source it is built from, in a build folder named by a
+    digest of the source and flags.
+
+    Built from that copy, not from the checkout's file: the build command names the source's path, so
+    two checkouts of one version building from their own paths changed ninja's command each time and
+    rebuilt over each other's build (seen: six rebuilds of ~35 s in half an hour, a server waiting on
+    each). Content-addressed, the copy is written once and never changes, so every checkout of one
+    version shares one build and checkouts of different versions keep theirs."""
+    data = _SOURCE.read_bytes()
+    # the torch and Python it links against are part of what is built (torch's own default folder is per
+    # Python and build); a peer's environment with another torch gets a build of its own
+    built_for = f"{' '.join(_CFLAGS)} torch {torch.__version__} python {sys.version_info[:2]}"
+    digest = hashlib.sha256(data + built_for.encode()).hexdigest()[:12]
+    name = f"reference_engine_paged_decode_{digest}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / _SOURCE.name
+    if not source.is_file() or source.read_bytes() != data:  # rewritten only when absent or torn
+        partial = folder / f".{_SOURCE.name}.{os.getpid()}"
+        partial.write_bytes(data)
+        os.replace(partial, source)  # atomic: a concurrent build sees the whole file or none
+    return name, source
 
 
 def cpu_kernel_available() -> bool:

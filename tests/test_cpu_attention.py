@@ -101,3 +101,25 @@ def test_without_a_compiler_auto_falls_back_to_sliced_and_cpp_says_why(monkeypat
     assert _attention_backend("auto", torch.device("cpu")) == "sliced"
     with pytest.raises(ValueError, match=r"attention_backend='cpp' cannot run: .*no g\+\+"):
         _attention_backend("cpp", torch.device("cpu"))
+
+
+def test_two_checkouts_of_one_version_build_from_one_unchanging_copy(tmp_path, monkeypatch) -> None:
+    """The build command names its source's path, so each checkout building from its own file made ninja
+    rebuild over the other's; the source is copied to a folder named by its digest, written once."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    original = cpu_attention._SOURCE
+    sources = []
+    for checkout in ("a", "b"):
+        copy = tmp_path / checkout / "csrc" / original.name
+        copy.parent.mkdir(parents=True)
+        copy.write_bytes(original.read_bytes())
+        monkeypatch.setattr(cpu_attention, "_SOURCE", copy)
+        sources.append(cpu_attention._build_source())
+    (name_a, built_a), (name_b, built_b) = sources
+    assert (name_a, built_a) == (name_b, built_b) and built_a.parent == tmp_path / "ext" / name_a
+    before = built_a.stat().st_mtime_ns
+    cpu_attention._build_source()
+    assert built_a.stat().st_mtime_ns == before  # not rewritten: ninja sees nothing changed
+    copy.write_bytes(original.read_bytes() + b"\n// another version\n")
+    name_c, built_c = cpu_attention._build_source()
+    assert name_c != name_a and built_c.read_bytes().endswith(b"another version\n")
