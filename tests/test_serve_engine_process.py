@@ -33,6 +33,7 @@ from reference_engine.serve.engine_process import (
     EngineStartError,
     _EngineCore,
     default_engine_threads,
+    split_cpus,
 )
 
 START_TIMEOUT_S = 60
@@ -421,3 +422,31 @@ def test_a_reconfigure_whose_caller_is_gone_still_leaves_the_front_end_on_the_ne
         engine.stop()
     assert info.num_gpu_blocks == 8 and stats.gauges.num_gpu_blocks == 8
     assert len(final.token_ids) == 4
+
+
+def test_split_cpus_gives_the_engine_its_threads_cores_and_the_http_process_the_rest() -> None:
+    assert split_cpus(1, [0, 1]) == ([0], [1])
+    assert split_cpus(3, [2, 4, 6, 8]) == ([2, 4, 6], [8])
+    assert split_cpus(2, [0, 1]) is None  # no core left over: nothing is bound
+    assert split_cpus(4, [0, 1]) is None
+
+
+def _affinity(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs a core to spare")
+def test_the_server_binds_its_engine_and_http_processes_to_their_own_cores(server: tuple[str, int]) -> None:
+    """One engine thread (OMP_NUM_THREADS=1, the fixture's): the engine process alone on the first core, the
+    HTTP process on the others, as vLLM binds its worker away from its front end."""
+    _url, pid = server
+    cores = sorted(os.sched_getaffinity(0))
+    assert _affinity(_engine_pid(pid)) == {cores[0]}
+    assert _affinity(pid) == set(cores[1:])
+
+
+@pytest.mark.parametrize("server", [["--no-bind-cpus"]], indirect=True)
+def test_no_bind_cpus_leaves_both_processes_where_the_os_puts_them(server: tuple[str, int]) -> None:
+    _url, pid = server
+    everywhere = os.sched_getaffinity(0)
+    assert _affinity(_engine_pid(pid)) == everywhere and _affinity(pid) == everywhere

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--engine-threads", type=int, default=None, metavar="N",
                         help="torch threads of the engine process (default: $OMP_NUM_THREADS if set, else every "
                              "core but one, left to the HTTP process)")
+    server.add_argument("--bind-cpus", action=argparse.BooleanOptionalAction, default=True,
+                        help="bind the engine process to as many cores as it has threads and the HTTP process to "
+                             "the others, as vLLM's CPU build binds its worker (default: on, where a core is left "
+                             "over; --no-bind-cpus lets the OS place both)")
     server.add_argument("--allow-reconfigure", action="store_true", default=False,
                         help="a testing and benchmarking aid: POST /kvbench/reconfigure {\"args\": [engine flags]} "
                              "replaces the idle engine with one built from those flags, in the same engine process "
@@ -158,7 +162,7 @@ class _CannotStart(Exception):
 
 
 def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | None = None,
-                  while_loading: Callable[[], Any] | None = None):
+                  while_loading: Callable[[], Any] | None = None, bind_cpus: bool = False):
     """An ``EngineProcess`` or an ``LLMEngine`` for ``config``; raises :class:`_CannotStart` with the
     engine's ``ConfigError`` message (which names the field) or why the model could not be loaded.
     ``while_loading()`` runs while the engine process imports torch and loads the model."""
@@ -170,7 +174,7 @@ def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | 
 
         try:
             return EngineProcess.spawn(config, threads=threads or default_engine_threads(),
-                                       while_loading=while_loading)
+                                       while_loading=while_loading, bind_cpus=bind_cpus)
         except EngineStartError as e:
             raise (_CannotStart(str(e)) if e.kind == "config" else load_error(str(e))) from None
     from reference_engine.engine import LLMEngine
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = _start_engine(config, in_own_process=args.engine_process, threads=args.engine_threads,
-                               while_loading=import_http_stack)
+                               while_loading=import_http_stack, bind_cpus=args.bind_cpus)
     except _CannotStart as e:
         parser.error(str(e))
     import_http_stack()  # imported already unless the engine runs on a thread of this process

@@ -127,17 +127,39 @@ def default_engine_threads(env: dict[str, str] | None = None, cores: int | None 
     return max(1, cores - 1)
 
 
+def split_cpus(threads: int, cpus: Sequence[int] | None = None) -> tuple[list[int], list[int]] | None:
+    """(the engine process's cores, the HTTP process's cores) for an engine of ``threads`` torch threads on
+    ``cpus`` (default: the cores this process may run on), or None when there is no core to spare.
+
+    The engine takes the first ``threads`` cores, the HTTP process the rest, as vLLM's CPU build binds its
+    worker's threads to all cores but the ones it reserves for its front end (``VLLM_CPU_OMP_THREADS_BIND``
+    auto). Unbound, the OS moved the HTTP process and a client on the same machine onto the engine's core
+    and the engine's step waited for them (docs/results.md, the reference server's overhead)."""
+    if cpus is None:
+        if not hasattr(os, "sched_getaffinity"):
+            return None
+        cpus = sorted(os.sched_getaffinity(0))
+    cpus = list(cpus)
+    if threads < 1 or len(cpus) <= threads:
+        return None
+    return cpus[:threads], cpus[threads:]
+
+
 # ---------------------------------------------------------------------------------------- engine process
 # One step's news for one request: (request_id, new token ids, finished, finish_reason, num_preemptions,
 # num_recomputed_tokens, num_cached_tokens, new logprobs or None).
 _Delta = tuple[str, list[int], bool, "str | None", int, int, int, "list[TokenLogprobs] | None"]
 
 
-def _engine_main(config: EngineConfig, conn: multiprocessing.connection.Connection, threads: int | None = None) -> None:
+def _engine_main(config: EngineConfig, conn: multiprocessing.connection.Connection, threads: int | None = None,
+                 cpus: Sequence[int] | None = None) -> None:
     """The engine process: build the engine, say so (or why not), then serve commands until told to stop.
-    ``threads``: torch's intra-op threads here (None: torch's default)."""
+    ``threads``: torch's intra-op threads here (None: torch's default); ``cpus``: the cores this process is
+    bound to, before torch starts a thread (None: not bound)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     if threads is not None:
         import torch
 
@@ -306,17 +328,25 @@ class EngineProcess:
 
     @classmethod
     def spawn(cls, config: EngineConfig, start_timeout: float = START_TIMEOUT_S,
-              threads: int | None = None, while_loading: Callable[[], Any] | None = None) -> EngineProcess:
+              threads: int | None = None, while_loading: Callable[[], Any] | None = None,
+              bind_cpus: bool = False) -> EngineProcess:
         """Start the engine process for ``config`` and wait until its engine is built; raises
         :class:`EngineStartError` with the engine's own message if it cannot be. ``threads``: the engine
-        process's torch threads (None: torch's default there). ``while_loading()`` runs here once the
-        process has started, before waiting for it (the server imports its HTTP stack meanwhile: the two
-        start-ups overlap instead of adding up); if it raises, the engine process is killed."""
+        process's torch threads (None: torch's default there). ``bind_cpus``: bind the engine process to
+        ``threads`` cores and this process to the others (:func:`split_cpus`; nothing is bound where no core
+        is left over). ``while_loading()`` runs here once the process has started, before waiting for it
+        (the server imports its HTTP stack meanwhile: the two start-ups overlap instead of adding up); if
+        it raises, the engine process is killed."""
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads or torch
         conn, child_conn = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=_engine_main, args=(config, child_conn, threads), name="reference_engine-core",
-                              daemon=True)
+        split = split_cpus(threads) if bind_cpus and threads is not None else None
+        engine_cpus, own_cpus = split if split is not None else (None, None)
+        process = ctx.Process(target=_engine_main, args=(config, child_conn, threads, engine_cpus),
+                              name="reference_engine-core", daemon=True)
         process.start()
+        if own_cpus is not None:
+            os.sched_setaffinity(0, own_cpus)
+            log.info("engine process bound to cores %s, HTTP process to %s", engine_cpus, own_cpus)
         child_conn.close()  # ours is closed in the child: its death reads as EOF here
         if while_loading is not None:
             try:
