@@ -1,0 +1,281 @@
+"""A serving front end's delivery, simulated: what a client of a served engine sees of its steps.
+
+A served engine's client does not see its steps. In vLLM V1 the engine core (its own process) sends
+each step's outputs to the API server, one asyncio loop that (``v1/engine/async_llm.py``):
+
+* takes requests in: HTTP, tokenization, hand-off to the engine core (``add_request``);
+* absorbs each step's outputs (``output_handler``: ``engine_core.get_output_async()``, then
+  ``OutputProcessor.process_outputs``: detokenize per request, ``RequestOutputCollector.put``);
+* runs each request's stream task (``generate()``: ``q.get_nowait() or await q.get()``, then the
+  OpenAI layer formats an SSE chunk and writes it).
+
+``RequestOutputCollector.put`` *merges* a request's delta into the output its stream has not taken
+yet, so when the loop is busy (more outputs per second than it can write) the tokens of several steps
+leave as one chunk, and a request's finish reaches the client only with its last chunk. A closed-loop
+client sends its next request when it sees the finish.
+
+:class:`FrontEnd` is that loop as one server doing one action at a time, first ready first served:
+``intake`` (``per_request_s``; the request reaches the engine when it is done), ``absorb`` one
+step's outputs (``per_step_s + per_output_s`` per request in the step; a request whose collector was
+empty gets a ``deliver`` queued), ``deliver`` one request's pending tokens as one chunk
+(``per_chunk_s``; the chunk holds what was pending when the action started). Costs are a profile's
+:class:`~reference_engine.costs.FrontEndCosts`. All zero: every step's tokens reach the client at the
+step's end, one chunk per step, as without a front end.
+
+:func:`serve_through_front_end` runs a simulated engine and a front end side by side on the virtual
+clock; :func:`fit_front_end` calibrates the costs from what a client observes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from reference_engine.costs import FrontEndCosts
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """The front end handed ``request`` to the engine at ``t``."""
+
+    t: float
+    request: Any
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The client received ``tokens`` tokens of ``request_id`` at ``t`` (and its finish, if ``reason`` is set:
+    ``finished`` True)."""
+
+    t: float
+    request_id: str
+    tokens: int
+    finished: bool = False
+    reason: str | None = None
+
+
+class FrontEnd:
+    """One server, one action at a time, in the order the actions became ready (see the module docstring).
+
+    Causality contract: :meth:`run_until` ``(t)`` carries out every action that *starts* at or before
+    ``t``, so every input ready at or before ``t`` (engine outputs, requests) must have been given first.
+    Its events may lie after ``t`` (an action started before ``t`` ends when it ends)."""
+
+    def __init__(self, costs: FrontEndCosts):
+        self.costs = costs
+        self.free_at = 0.0  # when the action in progress ends
+        self._ready: list[tuple[float, int, str, Any]] = []  # (ready at, order, kind, payload)
+        self._order = itertools.count()
+        self._pending: dict[str, list] = {}  # request id -> [tokens, finished, reason] not yet delivered
+        self.actions = 0
+
+    def take_in(self, t: float, request: Any) -> None:
+        """A client sent ``request`` at ``t``."""
+        heapq.heappush(self._ready, (t, next(self._order), "intake", request))
+
+    def engine_output(self, t: float, new_tokens: dict[str, int], finished: dict[str, str | None]) -> None:
+        """An engine step ended at ``t`` with these tokens and finishes."""
+        if new_tokens or finished:
+            heapq.heappush(self._ready, (t, next(self._order), "absorb", (dict(new_tokens), dict(finished))))
+
+    def next_start(self) -> float | None:
+        """When the next action would start; None when nothing is queued."""
+        return max(self.free_at, self._ready[0][0]) if self._ready else None
+
+    def idle(self) -> bool:
+        return not self._ready and not self._pending
+
+    def run_until(self, t: float) -> list[Submitted | Chunk]:
+        """Carry out every action that starts at or before ``t``; their effects, in order."""
+        out: list[Submitted | Chunk] = []
+        c = self.costs
+        while self._ready and max(self.free_at, self._ready[0][0]) <= t:
+            ready, _, kind, payload = heapq.heappop(self._ready)
+            start = max(self.free_at, ready)
+            self.actions += 1
+            if kind == "intake":
+                self.free_at = start + c.per_request_s
+                out.append(Submitted(self.free_at, payload))
+            elif kind == "absorb":
+                tokens, finished = payload
+                ids = tokens.keys() | finished.keys()
+                self.free_at = start + c.per_step_s + c.per_output_s * len(ids)
+                for rid in sorted(ids):
+                    pending = self._pending.get(rid)
+                    if pending is None:  # the stream task wakes: its delivery joins the queue
+                        pending = self._pending[rid] = [0, False, None]
+                        heapq.heappush(self._ready, (self.free_at, next(self._order), "deliver", rid))
+                    pending[0] += tokens.get(rid, 0)
+                    if rid in finished:
+                        pending[1], pending[2] = True, finished[rid]
+            else:  # deliver: what is pending now leaves as one chunk
+                n, done, reason = self._pending.pop(payload)
+                self.free_at = start + c.per_chunk_s
+                out.append(Chunk(self.free_at, payload, n, done, reason))
+        return out
+
+
+def serve_through_front_end(engine: Any, clock: Any, requests: Sequence[Any], recorder: Any, costs: FrontEndCosts,
+                            concurrency: int | None = None, progress: Any = None) -> None:
+    """Serve ``requests`` on a simulated ``engine`` (the driver's SteppableEngine protocol, stepped on the
+    plain path) behind a :class:`FrontEnd` of ``costs``, on the virtual ``clock``.
+
+    The client's view goes into ``recorder``: a request arrives when the client sends it (its workload
+    arrival; in a closed loop of ``concurrency``, when the client sees a predecessor's finish), its tokens
+    and finish when a chunk delivers them; engine events (admissions, preemptions, resumes, steps) at
+    the end of the engine step they happened in. The engine takes a request in before its first step
+    that starts after the front end handed it over. Aborts (``abort_at``, seconds after the client
+    sent the request) reach the engine before the first step that starts after they are due. Raises
+    RuntimeError naming the requests that can never finish (no engine work, nothing queued)."""
+    front = FrontEnd(costs)
+    pending = sorted(requests, key=lambda r: r.arrival_time)
+    released = 0
+    to_engine: list[tuple[float, int, Any]] = []
+    aborts: list[tuple[float, int, str]] = []
+    order = itertools.count()
+    open_ids: set[str] = set()  # sent, finish not yet seen by the client
+
+    def send(t: float) -> None:
+        nonlocal released
+        req = pending[released]
+        released += 1
+        recorder.arrived(req.request_id, t, len(req.prompt_token_ids), req.max_tokens, req.priority)
+        open_ids.add(req.request_id)
+        front.take_in(t, req)
+        if req.abort_at is not None:
+            heapq.heappush(aborts, (t + req.abort_at, next(order), req.request_id))
+
+    recorder.use_clock(clock.now)
+    recorder.restart_clock()
+    t0 = clock.now()
+    if concurrency is not None:
+        while released < min(concurrency, len(pending)):
+            send(0.0)
+    while released < len(pending) or open_ids:
+        now = clock.now() - t0
+        if concurrency is None:  # open loop: every request the client has sent by now
+            while released < len(pending) and pending[released].arrival_time <= now:
+                send(pending[released].arrival_time)
+        while True:  # front-end actions that start by now (a delivered finish may send a request)
+            events = front.run_until(now)
+            if not events:
+                break
+            for ev in events:
+                if isinstance(ev, Submitted):
+                    heapq.heappush(to_engine, (ev.t, next(order), ev.request))
+                    continue
+                if ev.tokens:
+                    recorder.tokens(ev.request_id, ev.t, ev.tokens)
+                if ev.finished:
+                    recorder.finished(ev.request_id, ev.t, ev.reason)
+                    open_ids.discard(ev.request_id)
+                    if progress is not None:
+                        progress(1)
+                    if concurrency is not None and released < len(pending):
+                        send(ev.t)
+        while to_engine and to_engine[0][0] <= now:
+            engine.submit(heapq.heappop(to_engine)[2])
+        while aborts and aborts[0][0] <= now:
+            rid = heapq.heappop(aborts)[2]
+            if rid in open_ids:
+                engine.abort(rid)
+        if engine.has_work():
+            started = clock.now() - t0
+            report = engine.step()
+            t = clock.now() - t0
+            for rid in report.admitted:
+                recorder.admitted(rid, t)
+            for rid, mode in report.preempted:
+                recorder.preempted(rid, t, mode)
+            for rid in report.resumed:
+                recorder.resumed(rid, t)
+            report.record.t, report.record.duration = t, t - started
+            recorder.step(report.record)
+            front.engine_output(t, report.new_tokens, report.finished)
+            continue
+        # the engine is idle: done, or on to the next thing that happens
+        if released == len(pending) and not open_ids:
+            break
+        times = [x for x in (front.next_start(), to_engine[0][0] if to_engine else None,
+                             aborts[0][0] if aborts else None,
+                             pending[released].arrival_time if concurrency is None and released < len(pending)
+                             else None) if x is not None and x > now]
+        if not times:
+            stuck = sorted(open_ids)[:5]
+            raise RuntimeError(f"serve_through_front_end: {len(open_ids)} requests can never finish (engine and "
+                               f"front end idle, nothing due): {stuck}")
+        clock.advance_to(t0 + min(times))
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+@dataclass(frozen=True)
+class DeliveryCell:
+    """What a client saw of one calibration cell: ``batch`` requests decoding together, one token each per
+    engine step of ``step_s`` seconds (the engine's own clock, e.g. ``vllm:request_decode_time_seconds``),
+    ``tokens`` tokens each; ``tokens_per_chunk``: the client's tokens over distinct arrival times, over the
+    cell's requests."""
+
+    batch: int
+    tokens: int
+    step_s: float
+    tokens_per_chunk: float
+
+
+def simulate_cell(costs: FrontEndCosts, batch: int, tokens: int, step_s: float) -> float:
+    """Tokens per chunk a front end of ``costs`` delivers for ``batch`` requests whose tokens leave the
+    engine together, one per request every ``step_s`` (the last step finishes them all)."""
+    front = FrontEnd(costs)
+    ids = [f"r{i}" for i in range(batch)]
+    chunks = 0
+    for j in range(1, tokens + 1):
+        t = j * step_s
+        front.engine_output(t, dict.fromkeys(ids, 1), dict.fromkeys(ids, "length") if j == tokens else {})
+        chunks += sum(isinstance(e, Chunk) for e in front.run_until(t))
+    chunks += sum(isinstance(e, Chunk) for e in front.run_until(math.inf))
+    return batch * tokens / chunks
+
+
+#: the per-output and per-chunk costs :func:`fit_front_end` tries (seconds; 0 and 10 us to 100 ms, log-spaced)
+FIT_GRID = (0.0, *(10 ** (k / 4) * 1e-5 for k in range(17)))
+
+
+def fit_front_end(cells: Sequence[DeliveryCell], lone_overhead_s: float | None,
+                  grid: Sequence[float] = FIT_GRID) -> tuple[FrontEndCosts, float]:
+    """Front-end costs that reproduce the tokens per chunk the client saw in ``cells``, and the fit's
+    median relative error on them.
+
+    ``per_output_s`` and ``per_chunk_s`` are searched on ``grid`` (``per_step_s`` is left 0: with one
+    request per cell size it cannot be told from ``per_output_s``), minimizing the squared log error of
+    :func:`simulate_cell` against each cell's ``tokens_per_chunk``; ties (a client that saw one token per
+    chunk everywhere is matched by any small costs) go to the cheapest pair. ``per_request_s`` is what is
+    left of ``lone_overhead_s`` (a lone request's client TTFT less the engine's time for it) after one
+    absorb and one delivery, at least 0. Raises ValueError without a cell."""
+    if not cells:
+        raise ValueError("fit_front_end: no delivery cell to fit (a server without /metrics decode times gives none)")
+    best: tuple[float, float, FrontEndCosts] | None = None
+    for o in grid:
+        for c in grid:
+            costs = FrontEndCosts(per_output_s=o, per_chunk_s=c)
+            loss = sum((math.log(simulate_cell(costs, x.batch, x.tokens, x.step_s)) - math.log(x.tokens_per_chunk)) ** 2
+                       for x in cells)
+            key = (round(loss, 9), o + c)
+            if best is None or key < best[:2]:
+                best = (*key, costs)
+    assert best is not None
+    costs = best[2]
+    intake = max(0.0, (lone_overhead_s or 0.0) - costs.per_output_s - costs.per_chunk_s)
+    costs = FrontEndCosts(per_request_s=intake, per_output_s=costs.per_output_s, per_chunk_s=costs.per_chunk_s)
+    errors = [abs(simulate_cell(costs, x.batch, x.tokens, x.step_s) / x.tokens_per_chunk - 1) for x in cells]
+    return costs, statistics.median(errors)
+
+
+def tokens_per_chunk(token_times: Sequence[Sequence[float]]) -> float | None:
+    """Tokens over distinct arrival times, over requests (1: every token on its own); None without tokens."""
+    tokens = sum(len(t) for t in token_times)
+    chunks = sum(len(set(t)) for t in token_times)
+    return tokens / chunks if chunks else None
