@@ -21,6 +21,10 @@ with. ``/metrics`` (vLLM's ``vllm:request_prefill_time_seconds`` and
 ``vllm:time_to_first_token_seconds``, summed over the prefill cells) tells how much of a lone
 TTFT the engine itself spent: the rest is the HTTP path, which the simulator charges as
 ``per_request_s``.
+
+Where the engine timed a decode cell itself, the cell also says how the server's front end delivered
+it: a :class:`~kvbench.sim.front_end.DeliveryCell` (the engine's step time, the tokens per chunk the
+client saw), in ``totals["delivery"]``, for :func:`~kvbench.sim.front_end.fit_front_end`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 from kvbench.bench.workloads import Workload
 from kvbench.core.requests import WorkloadRequest
 from kvbench.core.trace import Trace
+from kvbench.sim.front_end import DeliveryCell, tokens_per_chunk
 from reference_engine.costs import CostModel, HardwareProfile, StepShape
 from reference_engine.sim.calibrate import SpanSample, fit_spans, prefill_steps, span_errors
 
@@ -158,16 +163,22 @@ def _s(v: float | None) -> str:
 
 def client_spans(serve: Callable[[Workload], Trace], scrape: Callable[[], Any] | None, vocab_size: int,
                  budget: int, design: ClientDesign, rng: np.random.Generator,
-                 say: Callable[[str], None] = print) -> tuple[list[SpanSample], dict[str, float]]:
+                 say: Callable[[str], None] = print) -> tuple[list[SpanSample], dict[str, Any]]:
     """One pass over ``design``'s cells (its ``rounds`` ignored): the spans, and the ``/metrics`` sums
-    over its prefill cells (:data:`PREFILL_METRICS`, plus ``client_ttft_s``). ``scrape``: a
+    over its prefill cells (:data:`PREFILL_METRICS`, plus ``client_ttft_s``) with ``delivery``: a
+    :class:`~kvbench.sim.front_end.DeliveryCell` per decode cell the engine timed itself. ``scrape``: a
     ``/metrics`` snapshot (``.value(name)``), or None; ``budget``: the server's ``max_num_batched_tokens``."""
     spans: list[SpanSample] = []
+    delivery: list[DeliveryCell] = []
     for context, batch in design.decode_cells:
         before = _read(scrape, DECODE_METRICS)
         trace = serve(decode_workload(context, batch, design.decode_tokens, vocab_size, rng))
         after = _read(scrape, DECODE_METRICS)
         span = engine_decode_span(before, after, batch, context, design.decode_tokens, f"decode c{context} b{batch}")
+        per_chunk = tokens_per_chunk([q.token_times for q in trace.requests.values()])
+        if span is not None and per_chunk is not None:
+            step_s = span.seconds / len(span.shapes)
+            delivery.append(DeliveryCell(batch, design.decode_tokens, step_s, per_chunk))
         if span is None:  # no /metrics: the client's own window
             span = decode_span([q.token_times for q in trace.requests.values()], context,
                                f"decode c{context} b{batch}")
@@ -180,14 +191,14 @@ def client_spans(serve: Callable[[Workload], Trace], scrape: Callable[[], Any] |
     prompts = [p for p in design.prefills for _ in range(design.prefill_repeats)]
     got = ttft_spans(serve(prefill_workload(prompts, vocab_size, rng)), budget)
     after = _read(scrape)
-    totals = {"client_ttft_s": sum(s.seconds for s in got)}
+    totals: dict[str, Any] = {"client_ttft_s": sum(s.seconds for s in got), "delivery": delivery}
     for k in PREFILL_METRICS:
         if before.get(k) is not None and after.get(k) is not None:
             totals[k] = after[k] - before[k]
     return spans + got, totals
 
 
-def fit_client(base: HardwareProfile, model_shape, spans: list[SpanSample], totals: list[dict[str, float]],
+def fit_client(base: HardwareProfile, model_shape, spans: list[SpanSample], totals: list[dict[str, Any]],
                name: str = "client-fit") -> ClientCalibration:
     """``base``'s coefficients fitted to ``spans`` (of one or more passes; ``totals``: their /metrics sums)."""
     profile = base.with_coefficients(fit_spans(CostModel(model_shape, base), spans), name=name,
