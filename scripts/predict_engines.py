@@ -76,7 +76,7 @@ from kvbench.engines.registry import make_adapter, parse_engine_spec
 from kvbench.sim import prediction as pr
 from kvbench.sim.calibration import base_profile, calibrate
 from kvbench.sim.client_calibration import ClientDesign, client_spans, fit_client
-from kvbench.sim.front_end import fit_front_end, simulate_cell
+from kvbench.sim.front_end import cell_figures, fit_front_end
 from reference_engine.costs import CostModel, load_model_shape
 from reference_engine.sim.calibrate import Design, fit_error, fit_intervals
 
@@ -243,18 +243,23 @@ def main(argv: list[str] | None = None) -> int:
         vprofile = cal.profile
         cells = [c for t in totals["vllm"] for c in t.get("delivery", [])]
         if args.front_end and cells:
+            # the engine alone, as predicted before the front end was modelled: the model's effect, side by side
+            profiles["vllm/engine-only"] = vprofile.save(folder / "vllm-engine-only.json")
             # a lone request's way in and out (the fitted per_request_s) is the front end's: its intake,
             # an absorb and a delivery; the engine's clock keeps none of it
             c = vprofile.coefficients
             costs, err = fit_front_end(cells, c.per_request_s)
             vprofile = dataclasses.replace(vprofile.with_coefficients(dataclasses.replace(c, per_request_s=0.0)),
                                            front_end=costs)
-            sims = {(x.batch, round(x.step_s * 1e3, 1)): (x.tokens_per_chunk, simulate_cell(costs, x.batch, x.tokens,
-                                                                                            x.step_s)) for x in cells}
-            calib["vllm"] += (f"\n  front end ({len(cells)} decode cells): intake {costs.per_request_s * 1e3:.2f} ms, "
-                              f"per output {costs.per_output_s * 1e6:.0f} us, per chunk {costs.per_chunk_s * 1e6:.0f} "
-                              f"us; tokens per chunk median error {err:.0%}; (batch, step ms): (seen, fitted) "
-                              + ", ".join(f"{k}: ({a:.2f}, {b:.2f})" for k, (a, b) in sorted(sims.items())))
+            seen = ", ".join(f"b{x.batch} {x.step_s * 1e3:.1f} ms: {x.tokens_per_chunk:.1f}/{f[0]:.1f}, "
+                             f"{_ms(x.lag_s)}/{_ms(f[1])}"
+                             for x in sorted(cells, key=lambda x: (x.batch, x.step_s))
+                             for f in [cell_figures(costs, x.batch, x.tokens, x.step_s)])
+            calib["vllm"] += (
+                f"\n  front end ({len(cells)} decode cells): intake {costs.per_request_s * 1e3:.2f} ms, per step "
+                f"{costs.per_step_s * 1e6:.0f} us, per output {costs.per_output_s * 1e6:.0f} us, per chunk "
+                f"{costs.per_chunk_s * 1e6:.0f} us; tokens per chunk median error {err:.0%}"
+                f"\n  per cell (batch, engine step): tokens per chunk seen/fitted, lag seen/fitted: {seen}")
         profiles["vllm"] = vprofile.save(folder / "vllm.json")
     for name, text in calib.items():
         say(f"{name}: {text}")
@@ -343,6 +348,10 @@ def report(result: dict[str, Any]) -> str:
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f} ms"
 
 
 def _head(workload, n: int):

@@ -17,6 +17,7 @@ from kvbench.sim.front_end import (
     DeliveryCell,
     FrontEnd,
     Submitted,
+    cell_figures,
     fit_front_end,
     simulate_cell,
     tokens_per_chunk,
@@ -39,6 +40,21 @@ def test_a_busy_front_end_merges_a_requests_outputs_into_chunks():
     assert simulate_cell(FrontEndCosts(per_chunk_s=8e-3), batch=4, tokens=40, step_s=0.01) > merged
     # the same front end keeps up with a slower engine
     assert simulate_cell(FrontEndCosts(per_chunk_s=4e-3), batch=4, tokens=40, step_s=0.02) == 1.0
+
+
+def test_engine_outputs_go_first_so_a_saturated_handler_starves_the_streams():
+    # absorbing a step takes a little longer than the engine takes to make one: the handler never finds its queue
+    # empty, and each request's tokens all leave in one chunk once the engine stops (vLLM's greedy
+    # output_handler); a little less, and the streams get the gaps
+    assert simulate_cell(FrontEndCosts(per_step_s=0.0101), batch=4, tokens=40, step_s=0.01) == 40.0
+    assert simulate_cell(FrontEndCosts(per_step_s=0.006, per_chunk_s=1e-3), batch=4, tokens=40, step_s=0.01) == 1.0
+    # a new request waits behind the outputs too
+    front = FrontEnd(FrontEndCosts(per_request_s=1.0, per_step_s=1.0))
+    front.engine_output(0.0, {"a": 1}, {})
+    front.take_in(0.0, "req")
+    front.engine_output(0.5, {"a": 1}, {})
+    events = front.run_until(10.0)
+    assert events[0] == Submitted(3.0, "req") and events[1] == Chunk(3.0, "a", 2)
 
 
 def test_queue_order_intake_then_absorb_then_delivery():
@@ -139,13 +155,42 @@ def test_fit_front_end_reproduces_the_chunks_a_known_front_end_made():
     for c in cells:
         assert simulate_cell(costs, c.batch, c.tokens, c.step_s) == pytest.approx(c.tokens_per_chunk, rel=0.15)
     # the lone request's overhead less one absorb and one delivery is the intake
-    assert costs.per_request_s == pytest.approx(0.01 - costs.per_output_s - costs.per_chunk_s)
+    assert costs.per_request_s == pytest.approx(0.01 - costs.per_step_s - costs.per_output_s - costs.per_chunk_s)
 
 
 def test_fit_front_end_without_merging_assumes_the_cheapest_front_end():
     cells = [DeliveryCell(b, 48, 0.01, 1.0) for b in (1, 4, 8)]
     costs, error = fit_front_end(cells, lone_overhead_s=0.005)
-    assert (costs.per_output_s, costs.per_chunk_s, error) == (0.0, 0.0, 0.0)
+    assert (costs.per_step_s, costs.per_output_s, costs.per_chunk_s, error) == (0.0, 0.0, 0.0, 0.0)
     assert costs.per_request_s == pytest.approx(0.005)
     with pytest.raises(ValueError, match="no delivery cell"):
         fit_front_end([], 0.0)
+
+
+@pytest.mark.parametrize("truth", [FrontEndCosts(per_output_s=1.5e-3), FrontEndCosts(per_step_s=2.2e-3)],
+                         ids=["cannot-keep-up", "starves-the-streams"])
+def test_the_lag_tells_a_front_end_that_cannot_keep_up_from_one_that_starves_its_streams(truth):
+    shapes = [(2, 0.0015), (4, 0.002), (8, 0.002)]
+    cells = [DeliveryCell(b, 48, s, *cell_figures(truth, b, 48, s)) for b, s in shapes]
+    assert all(c.tokens_per_chunk == 48 for c in cells)  # whole requests in one chunk, both ways
+    costs, _ = fit_front_end(cells, lone_overhead_s=None)
+    for c in cells:
+        per_chunk, lag = cell_figures(costs, c.batch, c.tokens, c.step_s)
+        assert per_chunk == pytest.approx(c.tokens_per_chunk, rel=0.2)
+        assert 0.5 < lag / c.lag_s < 2  # the edge of keeping up is sharp: the lag grows with the backlog
+    # without the lags, tokens per chunk alone cannot tell how far behind the front end is
+    blind, _ = fit_front_end([dataclasses.replace(c, lag_s=None) for c in cells], None)
+    lags = [cell_figures(blind, c.batch, c.tokens, c.step_s)[1] / c.lag_s for c in cells]
+    assert any(not 0.5 < r < 2 for r in lags)
+
+
+def test_delivery_lag_is_the_clients_time_less_the_engines():
+    from kvbench.core.trace import RequestTrace, Trace
+    from kvbench.sim.client_calibration import ENGINE_TIME_METRICS, delivery_lag
+
+    trace = Trace("e", "s", {f"r{i}": RequestTrace(f"r{i}", 0.0, 8, 4, finished=1.0 + i) for i in range(2)})
+    before = dict.fromkeys(ENGINE_TIME_METRICS, 10.0)
+    after = {ENGINE_TIME_METRICS[0]: 10.2, ENGINE_TIME_METRICS[1]: 12.0}  # 0.1 s queued, 1 s inference each
+    assert delivery_lag(trace, before, after, 2) == pytest.approx(1.5 - 1.1)
+    assert delivery_lag(trace, {}, after, 2) is None  # no /metrics: unknown
+    assert delivery_lag(trace, before, after, 3) is None  # a request missing

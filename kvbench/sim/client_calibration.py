@@ -48,6 +48,8 @@ PREFILL_METRICS = ("vllm:request_prefill_time_seconds_sum", "vllm:time_to_first_
                    "vllm:num_preemptions_total")
 #: the engine's own decode time per request (first token to last, engine-core timestamps), summed
 DECODE_METRICS = ("vllm:request_decode_time_seconds_sum", "vllm:request_decode_time_seconds_count")
+#: the engine's own time per request (queued, and first scheduled to last token; engine-core timestamps), summed
+ENGINE_TIME_METRICS = ("vllm:request_queue_time_seconds_sum", "vllm:request_inference_time_seconds_sum")
 
 
 @dataclass(frozen=True)
@@ -171,14 +173,15 @@ def client_spans(serve: Callable[[Workload], Trace], scrape: Callable[[], Any] |
     spans: list[SpanSample] = []
     delivery: list[DeliveryCell] = []
     for context, batch in design.decode_cells:
-        before = _read(scrape, DECODE_METRICS)
+        before = _read(scrape, DECODE_METRICS + ENGINE_TIME_METRICS)
         trace = serve(decode_workload(context, batch, design.decode_tokens, vocab_size, rng))
-        after = _read(scrape, DECODE_METRICS)
+        after = _read(scrape, DECODE_METRICS + ENGINE_TIME_METRICS)
         span = engine_decode_span(before, after, batch, context, design.decode_tokens, f"decode c{context} b{batch}")
         per_chunk = tokens_per_chunk([q.token_times for q in trace.requests.values()])
         if span is not None and per_chunk is not None:
             step_s = span.seconds / len(span.shapes)
-            delivery.append(DeliveryCell(batch, design.decode_tokens, step_s, per_chunk))
+            delivery.append(DeliveryCell(batch, design.decode_tokens, step_s, per_chunk,
+                                         delivery_lag(trace, before, after, batch)))
         if span is None:  # no /metrics: the client's own window
             span = decode_span([q.token_times for q in trace.requests.values()], context,
                                f"decode c{context} b{batch}")
@@ -243,6 +246,19 @@ def engine_decode_span(before: dict[str, float | None], after: dict[str, float |
         return None
     shapes = tuple(StepShape.decode_batch(batch, context + j - 1) for j in range(1, tokens))
     return SpanSample(shapes, 0, (s1 - s0) / batch, group)  # type: ignore[operator]
+
+
+def delivery_lag(trace: Trace, before: dict[str, float | None], after: dict[str, float | None],
+                 batch: int) -> float | None:
+    """The mean over a cell's requests of the client's send-to-finish time less the engine's own time
+    for them (:data:`ENGINE_TIME_METRICS`, moved by the cell); None unless every request finished and the
+    server published both sums."""
+    done = [r.finished - r.arrival for r in trace.requests.values() if r.finished is not None]
+    engine = [after.get(k) - before.get(k) for k in ENGINE_TIME_METRICS  # type: ignore[operator]
+              if after.get(k) is not None and before.get(k) is not None]
+    if len(done) != batch or len(engine) != len(ENGINE_TIME_METRICS) or batch == 0:
+        return None
+    return sum(done) / batch - sum(engine) / batch
 
 
 def _read(scrape: Callable[[], Any] | None, names: Sequence[str] = PREFILL_METRICS) -> dict[str, float | None]:

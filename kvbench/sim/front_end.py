@@ -10,17 +10,26 @@ each step's outputs to the API server, one asyncio loop that (``v1/engine/async_
   OpenAI layer formats an SSE chunk and writes it).
 
 ``RequestOutputCollector.put`` *merges* a request's delta into the output its stream has not taken
-yet, so when the loop is busy (more outputs per second than it can write) the tokens of several steps
-leave as one chunk, and a request's finish reaches the client only with its last chunk. A closed-loop
-client sends its next request when it sees the finish.
+yet, so when the stream tasks do not get the loop, the tokens of several steps leave as one chunk,
+and a request's finish reaches the client only with its last chunk. A closed-loop client sends its
+next request when it sees the finish. The output handler is *greedy*: ``await
+engine_core.get_output_async()`` on a non-empty queue returns without yielding, and
+``process_outputs`` is synchronous (it yields only between slices of
+``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` outputs), so while engine outputs keep arriving faster than it
+absorbs them nothing else on the loop runs: streams and new requests wait until the engine pauses.
+(What vLLM 0.32 showed on this loaded machine is consistent with that: a request's 96 tokens often in
+one chunk at its end while the engine stepped every 2 ms, and vLLM's own mean TTFT, taken when the output
+is absorbed, 77 ms against the client's 596 ms. The client shares the API server's core; the model
+lumps its reading into the delivery costs.)
 
-:class:`FrontEnd` is that loop as one server doing one action at a time, first ready first served:
-``intake`` (``per_request_s``; the request reaches the engine when it is done), ``absorb`` one
-step's outputs (``per_step_s + per_output_s`` per request in the step; a request whose collector was
-empty gets a ``deliver`` queued), ``deliver`` one request's pending tokens as one chunk
-(``per_chunk_s``; the chunk holds what was pending when the action started). Costs are a profile's
-:class:`~reference_engine.costs.FrontEndCosts`. All zero: every step's tokens reach the client at the
-step's end, one chunk per step, as without a front end.
+:class:`FrontEnd` is that loop as one server doing one action at a time: ``absorb`` one step's
+outputs (``per_step_s + per_output_s`` per request in the step; a request whose collector was empty
+gets a ``deliver`` queued) whenever an engine output is waiting, else the other actions first ready
+first served: ``intake`` (``per_request_s``; the request reaches the engine when it is done) and
+``deliver`` one request's pending tokens as one chunk (``per_chunk_s``; the chunk holds what was
+pending when the action started). Costs are a profile's :class:`~reference_engine.costs.FrontEndCosts`.
+All zero: every step's tokens reach the client at the step's end, one chunk per step, as without a
+front end.
 
 :func:`serve_through_front_end` runs a simulated engine and a front end side by side on the virtual
 clock; :func:`fit_front_end` calibrates the costs from what a client observes.
@@ -60,7 +69,8 @@ class Chunk:
 
 
 class FrontEnd:
-    """One server, one action at a time, in the order the actions became ready (see the module docstring).
+    """One server, one action at a time: a waiting engine output first, else the first ready (see the
+    module docstring).
 
     Causality contract: :meth:`run_until` ``(t)`` carries out every action that *starts* at or before
     ``t``, so every input ready at or before ``t`` (engine outputs, requests) must have been given first.
@@ -69,7 +79,9 @@ class FrontEnd:
     def __init__(self, costs: FrontEndCosts):
         self.costs = costs
         self.free_at = 0.0  # when the action in progress ends
-        self._ready: list[tuple[float, int, str, Any]] = []  # (ready at, order, kind, payload)
+        # (ready at, order, kind, payload): engine outputs to absorb, and the rest (intakes, deliveries)
+        self._absorbs: list[tuple[float, int, str, Any]] = []
+        self._ready: list[tuple[float, int, str, Any]] = []
         self._order = itertools.count()
         self._pending: dict[str, list] = {}  # request id -> [tokens, finished, reason] not yet delivered
         self.actions = 0
@@ -81,21 +93,30 @@ class FrontEnd:
     def engine_output(self, t: float, new_tokens: dict[str, int], finished: dict[str, str | None]) -> None:
         """An engine step ended at ``t`` with these tokens and finishes."""
         if new_tokens or finished:
-            heapq.heappush(self._ready, (t, next(self._order), "absorb", (dict(new_tokens), dict(finished))))
+            heapq.heappush(self._absorbs, (t, next(self._order), "absorb", (dict(new_tokens), dict(finished))))
+
+    def _next(self) -> list[tuple[float, int, str, Any]] | None:
+        """The queue the next action comes from: an engine output waiting when the server is free goes
+        first (the greedy output handler), else the earliest ready action (an output on a tie)."""
+        a, r = self._absorbs, self._ready
+        if a and (a[0][0] <= self.free_at or not r or a[0][0] <= max(self.free_at, r[0][0])):
+            return a
+        return r or None
 
     def next_start(self) -> float | None:
         """When the next action would start; None when nothing is queued."""
-        return max(self.free_at, self._ready[0][0]) if self._ready else None
+        q = self._next()
+        return None if q is None else max(self.free_at, q[0][0])
 
     def idle(self) -> bool:
-        return not self._ready and not self._pending
+        return not self._ready and not self._absorbs and not self._pending
 
     def run_until(self, t: float) -> list[Submitted | Chunk]:
         """Carry out every action that starts at or before ``t``; their effects, in order."""
         out: list[Submitted | Chunk] = []
         c = self.costs
-        while self._ready and max(self.free_at, self._ready[0][0]) <= t:
-            ready, _, kind, payload = heapq.heappop(self._ready)
+        while (q := self._next()) is not None and max(self.free_at, q[0][0]) <= t:
+            ready, _, kind, payload = heapq.heappop(q)
             start = max(self.free_at, ready)
             self.actions += 1
             if kind == "intake":
@@ -218,30 +239,46 @@ class DeliveryCell:
     """What a client saw of one calibration cell: ``batch`` requests decoding together, one token each per
     engine step of ``step_s`` seconds (the engine's own clock, e.g. ``vllm:request_decode_time_seconds``),
     ``tokens`` tokens each; ``tokens_per_chunk``: the client's tokens over distinct arrival times, over the
-    cell's requests."""
+    cell's requests; ``lag_s`` (None: not known): the mean over them of the client's time from sending to
+    the finish less the engine's own time for the request (queued + inference, engine timestamps), i.e.
+    the way in and the delivery after the engine's last token."""
 
     batch: int
     tokens: int
     step_s: float
     tokens_per_chunk: float
+    lag_s: float | None = None
 
 
 def simulate_cell(costs: FrontEndCosts, batch: int, tokens: int, step_s: float) -> float:
     """Tokens per chunk a front end of ``costs`` delivers for ``batch`` requests whose tokens leave the
     engine together, one per request every ``step_s`` (the last step finishes them all)."""
+    return cell_figures(costs, batch, tokens, step_s)[0]
+
+
+def cell_figures(costs: FrontEndCosts, batch: int, tokens: int, step_s: float) -> tuple[float, float]:
+    """(tokens per chunk, lag) of :func:`simulate_cell`'s cell; the lag as :class:`DeliveryCell`'s: the
+    intake plus the mean time from the engine's last step to the client's last chunk."""
     front = FrontEnd(costs)
     ids = [f"r{i}" for i in range(batch)]
-    chunks = 0
-    for j in range(1, tokens + 1):
+    chunks, finished = 0, []
+    for j in range(1, tokens + 2):
         t = j * step_s
-        front.engine_output(t, dict.fromkeys(ids, 1), dict.fromkeys(ids, "length") if j == tokens else {})
-        chunks += sum(isinstance(e, Chunk) for e in front.run_until(t))
-    chunks += sum(isinstance(e, Chunk) for e in front.run_until(math.inf))
-    return batch * tokens / chunks
+        if j <= tokens:
+            front.engine_output(t, dict.fromkeys(ids, 1), dict.fromkeys(ids, "length") if j == tokens else {})
+        for e in front.run_until(t if j <= tokens else math.inf):
+            if isinstance(e, Chunk):
+                chunks += 1
+                if e.finished:
+                    finished.append(e.t)
+    lag = costs.per_request_s + statistics.fmean(finished) - tokens * step_s
+    return batch * tokens / chunks, lag
 
 
-#: the per-output and per-chunk costs :func:`fit_front_end` tries (seconds; 0 and 10 us to 100 ms, log-spaced)
+#: the costs :func:`fit_front_end` tries (seconds; 0 and 10 us to 100 ms, four per decade)
 FIT_GRID = (0.0, *(10 ** (k / 4) * 1e-5 for k in range(17)))
+#: lags below this (seconds) count as equal in the fit (a client's own timing noise)
+LAG_FLOOR_S = 1e-3
 
 
 def fit_front_end(cells: Sequence[DeliveryCell], lone_overhead_s: float | None,
@@ -249,27 +286,55 @@ def fit_front_end(cells: Sequence[DeliveryCell], lone_overhead_s: float | None,
     """Front-end costs that reproduce the tokens per chunk the client saw in ``cells``, and the fit's
     median relative error on them.
 
-    ``per_output_s`` and ``per_chunk_s`` are searched on ``grid`` (``per_step_s`` is left 0: with one
-    request per cell size it cannot be told from ``per_output_s``), minimizing the squared log error of
-    :func:`simulate_cell` against each cell's ``tokens_per_chunk``; ties (a client that saw one token per
-    chunk everywhere is matched by any small costs) go to the cheapest pair. ``per_request_s`` is what is
-    left of ``lone_overhead_s`` (a lone request's client TTFT less the engine's time for it) after one
-    absorb and one delivery, at least 0. Raises ValueError without a cell."""
+    ``per_step_s``, ``per_output_s`` and ``per_chunk_s`` are searched on ``grid``, minimizing the summed
+    squared log error of :func:`cell_figures` against each cell's ``tokens_per_chunk`` and ``lag_s`` (where
+    known; lags under :data:`LAG_FLOOR_S` count as equal; the lag says whether the front end keeps up
+    with the engine, which tokens per chunk alone leaves open when every chunk is a whole request): every
+    point of every other grid value in all three, then from the best four a coordinate pass on the grid
+    and finer ones (16, then 64 steps per decade: the edge of keeping up is sharp). A lone request's way in
+    and out holds one absorb and one delivery, so with
+    ``lone_overhead_s`` (its client TTFT less the engine's time for it) only costs whose absorb of one
+    output plus one delivery fit in it are tried. Ties (a client that saw one token per chunk everywhere
+    is matched by any small costs) go to the cheapest costs. ``per_request_s`` is what is left of
+    ``lone_overhead_s`` after that absorb and delivery. Raises ValueError without a cell."""
     if not cells:
         raise ValueError("fit_front_end: no delivery cell to fit (a server without /metrics decode times gives none)")
-    best: tuple[float, float, FrontEndCosts] | None = None
-    for o in grid:
-        for c in grid:
-            costs = FrontEndCosts(per_output_s=o, per_chunk_s=c)
-            loss = sum((math.log(simulate_cell(costs, x.batch, x.tokens, x.step_s)) - math.log(x.tokens_per_chunk)) ** 2
-                       for x in cells)
-            key = (round(loss, 9), o + c)
-            if best is None or key < best[:2]:
-                best = (*key, costs)
-    assert best is not None
-    costs = best[2]
-    intake = max(0.0, (lone_overhead_s or 0.0) - costs.per_output_s - costs.per_chunk_s)
-    costs = FrontEndCosts(per_request_s=intake, per_output_s=costs.per_output_s, per_chunk_s=costs.per_chunk_s)
+    seen: dict[tuple[float, float, float], tuple[float, float]] = {}
+
+    limit = math.inf if lone_overhead_s is None else lone_overhead_s
+
+    def key(v: tuple[float, float, float]) -> tuple[float, float]:
+        if sum(v) > limit:
+            return (math.inf, sum(v))
+        if v not in seen:
+            costs = with_intake(v)
+            loss = 0.0
+            for x in cells:
+                per_chunk, lag = cell_figures(costs, x.batch, x.tokens, x.step_s)
+                loss += (math.log(per_chunk) - math.log(x.tokens_per_chunk)) ** 2
+                if x.lag_s is not None:
+                    loss += (math.log(max(lag, 0.0) + LAG_FLOOR_S) - math.log(max(x.lag_s, 0.0) + LAG_FLOOR_S)) ** 2
+            seen[v] = (round(loss, 9), sum(v))
+        return seen[v]
+
+    def with_intake(v: tuple[float, float, float]) -> FrontEndCosts:
+        intake = max(0.0, (lone_overhead_s or 0.0) - sum(v))
+        return FrontEndCosts(intake, *v)
+
+    coarse = grid[::2]
+    starts = sorted(itertools.product(coarse, coarse, coarse), key=key)[:4]
+    found = []
+    for best in starts:
+        for step in (0, 16, 16, 64, 64):  # a coordinate pass on the grid, then finer ones around the best
+            for i in range(3):
+                if step and best[i] == 0:
+                    continue
+                values = [best[i] * 10 ** (k / step) for k in range(-4, 5)] if step else grid
+                best = min((tuple(g if j == i else best[j] for j in range(3)) for g in values),  # type: ignore[misc]
+                           key=key)
+        found.append(best)
+    best = min(found, key=key)
+    costs = with_intake(best)
     errors = [abs(simulate_cell(costs, x.batch, x.tokens, x.step_s) / x.tokens_per_chunk - 1) for x in cells]
     return costs, statistics.median(errors)
 
