@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     # -- fit on every round's pass
     profiles: dict[str, Path] = {}
     calib: dict[str, str] = {}
+    delivery_cells = [dataclasses.asdict(c) for t in totals.get("vllm", []) for c in t.get("delivery", [])]
     if "reference" in engines:
         ref_base = base["reference"]
         cost = CostModel(shape, ref_base)
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"started": started.isoformat(timespec="seconds"), "uptime": uptime, "command": " ".join(sys.argv),
               "commit": _commit(), "knobs": KNOBS.as_dict(), "calibration": calib, "predicted": predicted,
               "measured": measured, "xs": [j.x for j in plan[STORM]], "end_load": os.getloadavg()[0],
-              "profiles": {k: json.loads(Path(v).read_text()) for k, v in profiles.items()}}
+              "profiles": {k: json.loads(Path(v).read_text()) for k, v in profiles.items()},
+              "delivery_cells": delivery_cells}
     say(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -10,26 +10,29 @@ each step's outputs to the API server, one asyncio loop that (``v1/engine/async_
   OpenAI layer formats an SSE chunk and writes it).
 
 ``RequestOutputCollector.put`` *merges* a request's delta into the output its stream has not taken
-yet, so when the stream tasks do not get the loop, the tokens of several steps leave as one chunk,
-and a request's finish reaches the client only with its last chunk. A closed-loop client sends its
-next request when it sees the finish. The output handler is *greedy*: ``await
-engine_core.get_output_async()`` on a non-empty queue returns without yielding, and
-``process_outputs`` is synchronous (it yields only between slices of
-``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` outputs), so while engine outputs keep arriving faster than it
-absorbs them nothing else on the loop runs: streams and new requests wait until the engine pauses.
-(What vLLM 0.32 showed on this loaded machine is consistent with that: a request's 96 tokens often in
-one chunk at its end while the engine stepped every 2 ms, and vLLM's own mean TTFT, taken when the output
-is absorbed, 77 ms against the client's 596 ms. The client shares the API server's core; the model
-lumps its reading into the delivery costs.)
+yet, so when the stream tasks do not get the loop in time, the tokens of several steps leave as one
+chunk, and a request's finish reaches the client only with its last chunk. A closed-loop client sends
+its next request when it sees the finish.
 
-:class:`FrontEnd` is that loop as one server doing one action at a time: ``absorb`` one step's
-outputs (``per_step_s + per_output_s`` per request in the step; a request whose collector was empty
-gets a ``deliver`` queued) whenever an engine output is waiting, else the other actions first ready
-first served: ``intake`` (``per_request_s``; the request reaches the engine when it is done) and
-``deliver`` one request's pending tokens as one chunk (``per_chunk_s``; the chunk holds what was
-pending when the action started). Costs are a profile's :class:`~reference_engine.costs.FrontEndCosts`.
-All zero: every step's tokens reach the client at the step's end, one chunk per step, as without a
-front end.
+How the loop takes turns decides the chunks. The socket reader (``process_outputs_socket``) drains
+every engine output the socket holds without yielding (a ready ``recv_multipart`` is a done future),
+and the output handler drains its queue without yielding (``asyncio.Queue.get`` on a non-empty queue;
+``process_outputs`` is synchronous up to ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` outputs); the stream tasks
+it woke run when it finally waits, and only then does the loop poll its sockets again. So the loop
+runs in *cycles*: take in the HTTP requests and read the engine outputs that arrived by the poll,
+absorb every output read, then write one chunk per stream with something pending. Outputs arriving
+during a cycle wait for the next: the longer a cycle, the more steps the next one merges; when
+absorbing a step costs more than the engine takes to make one, cycles grow without end and the
+client falls ever further behind.
+
+:class:`FrontEnd` is that loop: one cycle at a time, starting when the last ended (or at the next
+arrival), each ``intake`` (``per_request_s``; the request reaches the engine when it is done), each
+``absorb`` (``per_step_s + per_output_s`` per request in the step), each ``deliver`` (``per_chunk_s``:
+one chunk holding every token the request had pending) one after another. Costs are a profile's
+:class:`~reference_engine.costs.FrontEndCosts`. All zero: every step's tokens reach the client at the
+step's end, one chunk per step, as without a front end. What it does not model: the API server
+waiting for a core (on a loaded machine, or under ``nice``, whole requests can leave in one chunk
+because the process did not run); its fit folds that into the costs.
 
 :func:`serve_through_front_end` runs a simulated engine and a front end side by side on the virtual
 clock; :func:`fit_front_end` calibrates the costs from what a client observes.
@@ -69,75 +72,65 @@ class Chunk:
 
 
 class FrontEnd:
-    """One server, one action at a time: a waiting engine output first, else the first ready (see the
-    module docstring).
+    """vLLM's API server loop as cycles of intake, absorb, deliver (see the module docstring).
 
-    Causality contract: :meth:`run_until` ``(t)`` carries out every action that *starts* at or before
-    ``t``, so every input ready at or before ``t`` (engine outputs, requests) must have been given first.
-    Its events may lie after ``t`` (an action started before ``t`` ends when it ends)."""
+    Causality contract: :meth:`run_until` ``(t)`` carries out every cycle that *starts* at or before
+    ``t``, so every input that arrives at or before ``t`` (engine outputs, requests) must have been given
+    first. Its events may lie after ``t`` (a cycle started before ``t`` ends when it ends)."""
 
     def __init__(self, costs: FrontEndCosts):
         self.costs = costs
-        self.free_at = 0.0  # when the action in progress ends
-        # (ready at, order, kind, payload): engine outputs to absorb, and the rest (intakes, deliveries)
-        self._absorbs: list[tuple[float, int, str, Any]] = []
-        self._ready: list[tuple[float, int, str, Any]] = []
+        self.free_at = 0.0  # when the cycle in progress ends
+        self._inputs: list[tuple[float, int, str, Any]] = []  # (arrived at, order, "intake"|"absorb", payload)
         self._order = itertools.count()
-        self._pending: dict[str, list] = {}  # request id -> [tokens, finished, reason] not yet delivered
-        self.actions = 0
+        self.cycles = 0
 
     def take_in(self, t: float, request: Any) -> None:
         """A client sent ``request`` at ``t``."""
-        heapq.heappush(self._ready, (t, next(self._order), "intake", request))
+        heapq.heappush(self._inputs, (t, next(self._order), "intake", request))
 
     def engine_output(self, t: float, new_tokens: dict[str, int], finished: dict[str, str | None]) -> None:
         """An engine step ended at ``t`` with these tokens and finishes."""
         if new_tokens or finished:
-            heapq.heappush(self._absorbs, (t, next(self._order), "absorb", (dict(new_tokens), dict(finished))))
-
-    def _next(self) -> list[tuple[float, int, str, Any]] | None:
-        """The queue the next action comes from: an engine output waiting when the server is free goes
-        first (the greedy output handler), else the earliest ready action (an output on a tie)."""
-        a, r = self._absorbs, self._ready
-        if a and (a[0][0] <= self.free_at or not r or a[0][0] <= max(self.free_at, r[0][0])):
-            return a
-        return r or None
+            heapq.heappush(self._inputs, (t, next(self._order), "absorb", (dict(new_tokens), dict(finished))))
 
     def next_start(self) -> float | None:
-        """When the next action would start; None when nothing is queued."""
-        q = self._next()
-        return None if q is None else max(self.free_at, q[0][0])
+        """When the next cycle would start; None when nothing is queued."""
+        return max(self.free_at, self._inputs[0][0]) if self._inputs else None
 
     def idle(self) -> bool:
-        return not self._ready and not self._absorbs and not self._pending
+        return not self._inputs
 
     def run_until(self, t: float) -> list[Submitted | Chunk]:
-        """Carry out every action that starts at or before ``t``; their effects, in order."""
+        """Carry out every cycle that starts at or before ``t``; their effects, in order."""
         out: list[Submitted | Chunk] = []
         c = self.costs
-        while (q := self._next()) is not None and max(self.free_at, q[0][0]) <= t:
-            ready, _, kind, payload = heapq.heappop(q)
-            start = max(self.free_at, ready)
-            self.actions += 1
-            if kind == "intake":
-                self.free_at = start + c.per_request_s
-                out.append(Submitted(self.free_at, payload))
-            elif kind == "absorb":
+        while (start := self.next_start()) is not None and start <= t:
+            self.cycles += 1
+            taken = []
+            while self._inputs and self._inputs[0][0] <= start:
+                taken.append(heapq.heappop(self._inputs))
+            clock = start
+            for _, _, kind, payload in taken:  # HTTP requests first: their tasks were ready before the reader's
+                if kind == "intake":
+                    clock += c.per_request_s
+                    out.append(Submitted(clock, payload))
+            pending: dict[str, list] = {}  # request id -> [tokens, finished, reason], in the order streams woke
+            for _, _, kind, payload in taken:
+                if kind != "absorb":
+                    continue
                 tokens, finished = payload
                 ids = tokens.keys() | finished.keys()
-                self.free_at = start + c.per_step_s + c.per_output_s * len(ids)
+                clock += c.per_step_s + c.per_output_s * len(ids)
                 for rid in sorted(ids):
-                    pending = self._pending.get(rid)
-                    if pending is None:  # the stream task wakes: its delivery joins the queue
-                        pending = self._pending[rid] = [0, False, None]
-                        heapq.heappush(self._ready, (self.free_at, next(self._order), "deliver", rid))
-                    pending[0] += tokens.get(rid, 0)
+                    got = pending.setdefault(rid, [0, False, None])
+                    got[0] += tokens.get(rid, 0)
                     if rid in finished:
-                        pending[1], pending[2] = True, finished[rid]
-            else:  # deliver: what is pending now leaves as one chunk
-                n, done, reason = self._pending.pop(payload)
-                self.free_at = start + c.per_chunk_s
-                out.append(Chunk(self.free_at, payload, n, done, reason))
+                        got[1], got[2] = True, finished[rid]
+            for rid, (n, done, reason) in pending.items():
+                clock += c.per_chunk_s
+                out.append(Chunk(clock, rid, n, done, reason))
+            self.free_at = clock
         return out
 
 
@@ -289,7 +282,7 @@ def fit_front_end(cells: Sequence[DeliveryCell], lone_overhead_s: float | None,
     ``per_step_s``, ``per_output_s`` and ``per_chunk_s`` are searched on ``grid``, minimizing the summed
     squared log error of :func:`cell_figures` against each cell's ``tokens_per_chunk`` and ``lag_s`` (where
     known; lags under :data:`LAG_FLOOR_S` count as equal; the lag says whether the front end keeps up
-    with the engine, which tokens per chunk alone leaves open when every chunk is a whole request): every
+    with the engine, which tokens per chunk alone can leave open): every
     point of every other grid value in all three, then from the best four a coordinate pass on the grid
     and finer ones (16, then 64 steps per decade: the edge of keeping up is sharp). A lone request's way in
     and out holds one absorb and one delivery, so with
