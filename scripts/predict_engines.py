@@ -27,6 +27,8 @@ the tiny model with head size 32 (the smallest vLLM's CPU attention takes) and t
 4. **Compare.** Per engine: the storm's preemptions and throughput at every sweep point and its knee,
    the surge's preemptions, TTFT p50/p99 and p99 inter-token gap: predicted, the median of the rounds
    [min-max], the error against that median and the rounds' spread ((max - min) / median) beside it.
+   The knee: predicted against the knee of the rounds' medians (strict), and against the knees the
+   rounds allow (:func:`kvbench.sim.prediction.knee_range`). Tokens per stream chunk, predicted and seen.
 
     PYTHONPATH=$PWD python scripts/predict_engines.py [--rounds 5] [--engines reference,vllm] [--json OUT]
         [--no-front-end] [--no-client-fit-reference]
