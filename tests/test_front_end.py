@@ -185,3 +185,16 @@ def test_delivery_lag_is_the_clients_time_less_the_engines():
     assert delivery_lag(trace, before, after, 2) == pytest.approx(1.5 - 1.1)
     assert delivery_lag(trace, {}, after, 2) is None  # no /metrics: unknown
     assert delivery_lag(trace, before, after, 3) is None  # a request missing
+
+
+def test_an_abort_due_during_the_intake_reaches_the_engine_when_it_has_the_request(tiny_ckpt, tmp_path):
+    spec = WorkloadSpec("burst", 4, Uniform(40, 80), Uniform(200, 300), AllAtOnce(), seed=3)
+    workload = spec.build(512, max_prompt_len=1000)
+    workload = dataclasses.replace(workload, requests=[dataclasses.replace(r, abort_at=1e-4) if i == 3 else r
+                                                       for i, r in enumerate(workload.requests)])
+    # the 4th request's intake ends at 4 ms: its abort (due at 0.1 ms) waits for the engine to have it
+    trace = _serve(tiny_ckpt, _profile(tmp_path, FrontEndCosts(per_request_s=1e-3)), workload)
+    aborted = trace.requests[workload.requests[3].request_id]
+    assert aborted.finished is not None and aborted.finish_reason != "length"
+    assert len(aborted.token_times) < workload.requests[3].max_tokens
+    assert all(trace.requests[r.request_id].finish_reason == "length" for r in workload.requests[:3])

@@ -153,6 +153,8 @@ def serve_through_front_end(engine: Any, clock: Any, requests: Sequence[Any], re
     aborts: list[tuple[float, int, str]] = []
     order = itertools.count()
     open_ids: set[str] = set()  # sent, finish not yet seen by the client
+    in_engine: set[str] = set()  # handed over to the engine, finish not yet seen by the client
+    abort_on_arrival: set[str] = set()  # due for abort before the front end handed them over
 
     def send(t: float) -> None:
         nonlocal released
@@ -188,16 +190,23 @@ def serve_through_front_end(engine: Any, clock: Any, requests: Sequence[Any], re
                 if ev.finished:
                     recorder.finished(ev.request_id, ev.t, ev.reason)
                     open_ids.discard(ev.request_id)
+                    in_engine.discard(ev.request_id)
                     if progress is not None:
                         progress(1)
                     if concurrency is not None and released < len(pending):
                         send(ev.t)
-        while to_engine and to_engine[0][0] <= now:
-            engine.submit(heapq.heappop(to_engine)[2])
         while aborts and aborts[0][0] <= now:
             rid = heapq.heappop(aborts)[2]
-            if rid in open_ids:
+            if rid in in_engine:
                 engine.abort(rid)
+            elif rid in open_ids:  # still in the front end: the engine aborts it as soon as it has it
+                abort_on_arrival.add(rid)
+        while to_engine and to_engine[0][0] <= now:
+            req = heapq.heappop(to_engine)[2]
+            engine.submit(req)
+            in_engine.add(req.request_id)
+            if req.request_id in abort_on_arrival:
+                engine.abort(req.request_id)
         if engine.has_work():
             started = clock.now() - t0
             report = engine.step()
