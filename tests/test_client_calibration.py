@@ -154,3 +154,22 @@ def test_engine_decode_span_reads_the_engines_own_decode_time():
     assert span.shapes == tuple(StepShape.decode_batch(4, 32 + j - 1) for j in range(1, 5))
     assert engine_decode_span({s: 1.0, n: 10}, {s: 1.8, n: 13}, 4, 32, 5) is None  # a request missing
     assert engine_decode_span({}, {}, 4, 32, 5) is None  # no /metrics
+
+
+def test_knee_range_is_what_the_rounds_allow():
+    xs = [2, 4, 8, 16]
+    # every round gains >= 5% from 2 to 4; from 4 to 8 one does and one does not; 8 to 16 none does
+    rounds = [[100, 200, 212, 210], [100, 190, 196, 200]]
+    assert pr.knee_range(xs, rounds) == (4, 8)
+    assert pr.knee_consistent(4, (4, 8)) and pr.knee_consistent(8, (4, 8))
+    assert not pr.knee_consistent(2, (4, 8))  # every round still rose there
+    assert not pr.knee_consistent(None, (4, 8))  # every round flattened before the top
+    # rounds that all keep rising: no knee within the sweep is the only consistent answer
+    rising = [[100, 200, 400, 800], [90, 180, 300, 700]]
+    assert pr.knee_range(xs, rising) == (None, None)
+    assert pr.knee_consistent(None, (None, None)) and not pr.knee_consistent(8, (None, None))
+    # undecided at the top only: a knee there or none are both allowed
+    assert pr.knee_range(xs, [[1, 2, 4, 4.1], [1, 2, 4, 6]]) == (8, None)
+    assert pr.knee_consistent(None, (8, None)) and pr.knee_consistent(8, (8, None))
+    row = pr.knee_row("e", 8, [4, 8], 4, pr.knee_range(xs, rounds))
+    assert row[-2:] == ["4 to 8", "consistent"] and row[4] == "DIFFERENT"

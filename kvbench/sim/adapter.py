@@ -11,7 +11,9 @@ calibrate``; default: h200), ``model`` (a preset: llama-3-8b, llama-2-7b, llama-
 ``config.json`` or model directory; default: the checkpoint kvbench runs on), ``clock`` (``cost``:
 arrivals released on the simulated clock, the default; ``step``: released by engine step like the
 reference engine on the step clock, so its counts equal the reference engine's on the same workload),
-and every ``EngineConfig`` field the reference adapter takes, except the device's.
+``front_end`` (``on``, the default: serve through the profile's front end if it has one,
+:mod:`kvbench.sim.front_end`; ``off``: clients see the engine's steps directly), and every
+``EngineConfig`` field the reference adapter takes, except the device's.
 
 It cannot check correctness (its tokens are placeholders): conformance checks skip it (``simulated``).
 """
@@ -38,7 +40,7 @@ from kvbench.engines.inprocess.reference import (
 
 #: why conformance checks skip a simulated engine
 SIMULATED_REASON = "simulated: no real tokens"
-_SIM_KEYS = ("hardware", "model", "clock", "fast")
+_SIM_KEYS = ("hardware", "model", "clock", "fast", "front_end")
 # no device: these mean nothing here; the step delay is a testing aid of real engine steps
 _DEVICE_KEYS = ("device", "attention_backend", "linear_backend", "kv_cache_space", STEP_DELAY_OPTION)
 CLOCKS = ("cost", "step")
@@ -60,6 +62,7 @@ class SimAdapter(ReferenceAdapter):
         "model": "llama-3-8b, llama-2-7b, llama-3-70b, or a config.json / model dir (default: the run's checkpoint)",
         "clock": "cost (release arrivals on the simulated clock, default) or step (by engine step, as the "
                  "reference engine's step clock: equal counts)",
+        "front_end": "on (default: deliver through the profile's front_end, when it has one) or off",
         "fast": "true (default): steady decoders advance lazily (same decisions, far less work); false: every "
                 "request through the plain step",
         **{k: v for k, v in ReferenceAdapter.option_keys.items() if k not in _DEVICE_KEYS},
@@ -80,6 +83,8 @@ class SimAdapter(ReferenceAdapter):
             raise ValueError(f"engine 'sim': clock={options['clock']!r} is invalid: expected one of {CLOCKS}")
         if options.get("fast", "true").lower() not in ("true", "false"):
             raise ValueError(f"engine 'sim': fast={options['fast']!r} is invalid: expected true or false")
+        if options.get("front_end", "on").lower() not in ("on", "off"):
+            raise ValueError(f"engine 'sim': front_end={options['front_end']!r} is invalid: expected on or off")
         ReferenceAdapter.validate_options({k: v for k, v in options.items() if k not in _SIM_KEYS})
 
     @cached_property
@@ -109,8 +114,17 @@ class SimAdapter(ReferenceAdapter):
 
         return SimEngine(self.engine_config(knobs), self.model_shape, self.profile)
 
+    @property
+    def front_end(self):
+        """The profile's :class:`~reference_engine.costs.FrontEndCosts` unless ``front_end=off``; None: no front end."""
+        if self.options.get("front_end", "on").lower() == "off":
+            return None
+        return self.profile.front_end
+
     def describe(self) -> dict[str, Any]:
+        front = self.front_end
         return {**super().describe(), "hardware": self.profile.name,
+                "front_end": None if front is None else dataclasses.asdict(front),
                 "hardware_source": self.profile.source, "calibrated": self.profile.fit is not None,
                 "model": self.model_shape.name, "clock": self.options.get("clock", "cost")}
 
@@ -122,6 +136,16 @@ class SimAdapter(ReferenceAdapter):
         engine = self.build_engine(knobs)
         requests = getattr(workload, "requests", workload)
         by_step = step_seconds if self.options.get("clock", "cost") == "step" else None
+        if self.front_end is not None:  # the client's view through a serving front end, every step a plain one
+            from kvbench.sim.front_end import serve_through_front_end
+
+            if by_step is not None:
+                raise ValueError("engine 'sim': clock=step cannot run through a front end (it prices time, the step "
+                                 "clock counts steps): use clock=cost, or front_end=off")
+            serve_through_front_end(_SimSteppable(engine), engine.clock, requests, recorder, self.front_end,
+                                    getattr(workload, "concurrency", None), progress)
+            recorder.set_counters(counters_of(engine))
+            return
         fast = self.options.get("fast", "true").lower() == "true"
         liveness = fast_path_liveness(self.liveness, engine) if fast else self.liveness
         drive(_SimSteppable(engine, recorder if fast else None), requests, recorder,

@@ -21,6 +21,10 @@ with. ``/metrics`` (vLLM's ``vllm:request_prefill_time_seconds`` and
 ``vllm:time_to_first_token_seconds``, summed over the prefill cells) tells how much of a lone
 TTFT the engine itself spent: the rest is the HTTP path, which the simulator charges as
 ``per_request_s``.
+
+Where the engine timed a decode cell itself, the cell also says how the server's front end delivered
+it: a :class:`~kvbench.sim.front_end.DeliveryCell` (the engine's step time, the tokens per chunk the
+client saw), in ``totals["delivery"]``, for :func:`~kvbench.sim.front_end.fit_front_end`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 from kvbench.bench.workloads import Workload
 from kvbench.core.requests import WorkloadRequest
 from kvbench.core.trace import Trace
+from kvbench.sim.front_end import DeliveryCell, tokens_per_chunk
 from reference_engine.costs import CostModel, HardwareProfile, StepShape
 from reference_engine.sim.calibrate import SpanSample, fit_spans, prefill_steps, span_errors
 
@@ -43,6 +48,8 @@ PREFILL_METRICS = ("vllm:request_prefill_time_seconds_sum", "vllm:time_to_first_
                    "vllm:num_preemptions_total")
 #: the engine's own decode time per request (first token to last, engine-core timestamps), summed
 DECODE_METRICS = ("vllm:request_decode_time_seconds_sum", "vllm:request_decode_time_seconds_count")
+#: the engine's own time per request (queued, and first scheduled to last token; engine-core timestamps), summed
+ENGINE_TIME_METRICS = ("vllm:request_queue_time_seconds_sum", "vllm:request_inference_time_seconds_sum")
 
 
 @dataclass(frozen=True)
@@ -158,16 +165,23 @@ def _s(v: float | None) -> str:
 
 def client_spans(serve: Callable[[Workload], Trace], scrape: Callable[[], Any] | None, vocab_size: int,
                  budget: int, design: ClientDesign, rng: np.random.Generator,
-                 say: Callable[[str], None] = print) -> tuple[list[SpanSample], dict[str, float]]:
+                 say: Callable[[str], None] = print) -> tuple[list[SpanSample], dict[str, Any]]:
     """One pass over ``design``'s cells (its ``rounds`` ignored): the spans, and the ``/metrics`` sums
-    over its prefill cells (:data:`PREFILL_METRICS`, plus ``client_ttft_s``). ``scrape``: a
+    over its prefill cells (:data:`PREFILL_METRICS`, plus ``client_ttft_s``) with ``delivery``: a
+    :class:`~kvbench.sim.front_end.DeliveryCell` per decode cell the engine timed itself. ``scrape``: a
     ``/metrics`` snapshot (``.value(name)``), or None; ``budget``: the server's ``max_num_batched_tokens``."""
     spans: list[SpanSample] = []
+    delivery: list[DeliveryCell] = []
     for context, batch in design.decode_cells:
-        before = _read(scrape, DECODE_METRICS)
+        before = _read(scrape, DECODE_METRICS + ENGINE_TIME_METRICS)
         trace = serve(decode_workload(context, batch, design.decode_tokens, vocab_size, rng))
-        after = _read(scrape, DECODE_METRICS)
+        after = _read(scrape, DECODE_METRICS + ENGINE_TIME_METRICS)
         span = engine_decode_span(before, after, batch, context, design.decode_tokens, f"decode c{context} b{batch}")
+        per_chunk = tokens_per_chunk([q.token_times for q in trace.requests.values()])
+        if span is not None and per_chunk is not None:
+            step_s = span.seconds / len(span.shapes)
+            delivery.append(DeliveryCell(batch, design.decode_tokens, step_s, per_chunk,
+                                         delivery_lag(trace, before, after, batch)))
         if span is None:  # no /metrics: the client's own window
             span = decode_span([q.token_times for q in trace.requests.values()], context,
                                f"decode c{context} b{batch}")
@@ -180,14 +194,14 @@ def client_spans(serve: Callable[[Workload], Trace], scrape: Callable[[], Any] |
     prompts = [p for p in design.prefills for _ in range(design.prefill_repeats)]
     got = ttft_spans(serve(prefill_workload(prompts, vocab_size, rng)), budget)
     after = _read(scrape)
-    totals = {"client_ttft_s": sum(s.seconds for s in got)}
+    totals: dict[str, Any] = {"client_ttft_s": sum(s.seconds for s in got), "delivery": delivery}
     for k in PREFILL_METRICS:
         if before.get(k) is not None and after.get(k) is not None:
             totals[k] = after[k] - before[k]
     return spans + got, totals
 
 
-def fit_client(base: HardwareProfile, model_shape, spans: list[SpanSample], totals: list[dict[str, float]],
+def fit_client(base: HardwareProfile, model_shape, spans: list[SpanSample], totals: list[dict[str, Any]],
                name: str = "client-fit") -> ClientCalibration:
     """``base``'s coefficients fitted to ``spans`` (of one or more passes; ``totals``: their /metrics sums)."""
     profile = base.with_coefficients(fit_spans(CostModel(model_shape, base), spans), name=name,
@@ -232,6 +246,19 @@ def engine_decode_span(before: dict[str, float | None], after: dict[str, float |
         return None
     shapes = tuple(StepShape.decode_batch(batch, context + j - 1) for j in range(1, tokens))
     return SpanSample(shapes, 0, (s1 - s0) / batch, group)  # type: ignore[operator]
+
+
+def delivery_lag(trace: Trace, before: dict[str, float | None], after: dict[str, float | None],
+                 batch: int) -> float | None:
+    """The mean over a cell's requests of the client's send-to-finish time less the engine's own time
+    for them (:data:`ENGINE_TIME_METRICS`, moved by the cell); None unless every request finished and the
+    server published both sums."""
+    done = [r.finished - r.arrival for r in trace.requests.values() if r.finished is not None]
+    engine = [after.get(k) - before.get(k) for k in ENGINE_TIME_METRICS  # type: ignore[operator]
+              if after.get(k) is not None and before.get(k) is not None]
+    if len(done) != batch or len(engine) != len(ENGINE_TIME_METRICS) or batch == 0:
+        return None
+    return sum(done) / batch - sum(engine) / batch
 
 
 def _read(scrape: Callable[[], Any] | None, names: Sequence[str] = PREFILL_METRICS) -> dict[str, float | None]:

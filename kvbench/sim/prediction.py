@@ -7,6 +7,16 @@ well inside the spread cannot be told from noise; one far outside it is the mode
 
 Bars (issue 21): counts within :data:`COUNT_BAR` (20%), timings within :data:`TIME_BAR` (10%) median
 error, the knee at the same sweep point.
+
+The knee (:func:`kvbench.bench.scenarios.storms.knee_within`: the first concurrency whose next point
+gains less than 5%) is a threshold on a curve that flattens: where a step gains ~5%, a few per cent of
+noise moves it a whole sweep point, and single rounds' knees disagree with each other. Beside the
+strict verdict (the predicted knee equals the knee of the rounds' medians) :func:`knee_range` says
+which knees the rounds allow: a step is *rising* when every round gained at least 5% across it,
+*flat* when none did, and *undecided* otherwise (gains taken within a round, so a round's load,
+common to both points, cancels); the knee lies between the first step not rising and the first flat
+one. A predicted knee inside that range is "consistent with the rounds"; one outside is a miss that
+no round supports.
 """
 
 from __future__ import annotations
@@ -80,11 +90,43 @@ class Row:
 
 
 def knee_row(engine: str, predicted: float | None, measured_rounds: Sequence[float | None],
-             measured_of_medians: float | None) -> list[str]:
+             measured_of_medians: float | None,
+             allowed: tuple[float | None, float | None] | None = None) -> list[str]:
     """Cells for the knee: predicted, the knee of the rounds' median throughputs, each round's knee,
-    and whether the first two agree."""
-    return [engine, _knee(predicted), _knee(measured_of_medians), " ".join(_knee(k) for k in measured_rounds),
-            "same" if predicted == measured_of_medians else "DIFFERENT"]
+    whether the first two agree, and (with ``allowed``, :func:`knee_range`) the knees the rounds allow
+    and whether the prediction is among them."""
+    cells = [engine, _knee(predicted), _knee(measured_of_medians), " ".join(_knee(k) for k in measured_rounds),
+             "same" if predicted == measured_of_medians else "DIFFERENT"]
+    if allowed is not None:
+        cells += [f"{_knee(allowed[0])} to {_knee(allowed[1])}",
+                  "consistent" if knee_consistent(predicted, allowed) else "INCONSISTENT"]
+    return cells
+
+
+def knee_range(xs: Sequence[float], rounds: Sequence[Sequence[float | None]],
+               min_gain: float = 0.05) -> tuple[float | None, float | None]:
+    """(earliest, latest) knee the measured ``rounds`` (each a throughput per ``xs``) allow, None for "no
+    knee within the sweep" (see the module docstring). A step with a missing value in some round is
+    judged on the rounds that have both points; one without any is undecided."""
+    lo = hi = None
+    for i in range(len(xs) - 1):
+        gains = [r[i + 1] / r[i] - 1 for r in rounds if r[i] and r[i + 1] is not None]
+        rising = bool(gains) and min(gains) >= min_gain
+        flat = bool(gains) and max(gains) < min_gain
+        if lo is None and not rising:
+            lo = xs[i]
+        if flat:
+            hi = xs[i]
+            break
+    return lo, hi
+
+
+def knee_consistent(predicted: float | None, allowed: tuple[float | None, float | None]) -> bool:
+    """Whether ``predicted`` (None: no knee within the sweep) lies within :func:`knee_range`'s ``allowed``."""
+    lo, hi = allowed
+    inf = float("inf")
+    p = inf if predicted is None else predicted
+    return (inf if lo is None else lo) <= p <= (inf if hi is None else hi)
 
 
 def _knee(k: float | None) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from reference_engine.costs.cost_model import CostModel, Crossover, StepShape
 from reference_engine.costs.model_shapes import PRESETS, ModelShape, load_model_shape
-from reference_engine.costs.profiles import PROFILES, Coefficients, HardwareProfile, load_profile
+from reference_engine.costs.profiles import PROFILES, Coefficients, FrontEndCosts, HardwareProfile, load_profile
 
-__all__ = ["PRESETS", "PROFILES", "Coefficients", "CostModel", "Crossover", "HardwareProfile", "ModelShape",
-           "StepShape", "load_model_shape", "load_profile"]
+__all__ = ["PRESETS", "PROFILES", "Coefficients", "CostModel", "Crossover", "FrontEndCosts", "HardwareProfile",
+           "ModelShape", "StepShape", "load_model_shape", "load_profile"]

@@ -14,7 +14,11 @@ Profile file (JSON)::
      "combine": "sum",
      "coefficients": {"fixed_s": 0.002, "per_seq_s": 1e-4, "dense": 1.3, "attention": 4.0, "memory": 1.0,
                       "link": 1.0, "per_copy_s": 2e-5},
-     "dtype": "float32", "source": "kvbench calibrate ...", "fit": {...}}
+     "dtype": "float32", "source": "kvbench calibrate ...", "fit": {...},
+     "front_end": {"per_request_s": 0.004, "per_step_s": 0.0, "per_output_s": 2e-4, "per_chunk_s": 8e-4}}
+
+``front_end`` (optional; absent: none) prices a serving front end's delivery, the process between the
+engine and its clients (vLLM's API server): see :class:`FrontEndCosts`.
 
 Unknown keys are kept out (an error names them), so a typo does not silently fall back to a default.
 """
@@ -63,6 +67,25 @@ class Coefficients:
 
 
 @dataclass(frozen=True)
+class FrontEndCosts:
+    """What a serving front end spends, one process between the engine and its clients (vLLM V1's API
+    server: one asyncio loop that takes requests in, turns each engine step's outputs into per-request
+    outputs, and writes each request's stream). It does one thing at a time, so what it spends delays
+    everything behind it; outputs of a request that pile up while it is busy leave as one chunk
+    (:mod:`kvbench.sim.front_end` is the model that spends these)."""
+
+    per_request_s: float = 0.0  # taking in one request (HTTP, tokenization, hand-off to the engine)
+    per_step_s: float = 0.0  # absorbing one engine step's outputs (receive, deserialize, stats)
+    per_output_s: float = 0.0  # per request output in that step (detokenize, merge into its collector)
+    per_chunk_s: float = 0.0  # writing one stream chunk to a client (format, HTTP write, client read)
+
+    def __post_init__(self) -> None:
+        for key, value in asdict(self).items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"front_end.{key}={value!r} is invalid: expected a finite number >= 0")
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     compute_flops: float  # peak dense FLOP/s at the model's dtype
@@ -74,6 +97,8 @@ class HardwareProfile:
     dtype: str = "bfloat16"  # the dtype the rates and coefficients are for
     source: str = ""  # where the numbers come from
     fit: dict[str, Any] | None = None  # calibration's own fit error, if calibrated
+    #: a serving front end between the engine and its clients; None: clients see the engine's steps directly
+    front_end: FrontEndCosts | None = None
 
     def __post_init__(self) -> None:
         for key in ("compute_flops", "memory_bandwidth", "link_bandwidth", "memory_bytes"):
@@ -92,8 +117,9 @@ class HardwareProfile:
     # -- file format ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
-        if data["fit"] is None:
-            del data["fit"]
+        for key in ("fit", "front_end"):
+            if data[key] is None:
+                del data[key]
         return data
 
     @classmethod
@@ -121,8 +147,14 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"{where}: unknown coefficient(s) {unknown} "
                              f"(allowed: {sorted(Coefficients.__dataclass_fields__)})")
+        front = fields.get("front_end")
+        if front is not None and (not isinstance(front, dict) or set(front) - set(FrontEndCosts.__dataclass_fields__)):
+            raise ValueError(f"{where}: front_end must be an object with keys among "
+                             f"{sorted(FrontEndCosts.__dataclass_fields__)}, got {front!r}")
         try:
             fields["coefficients"] = Coefficients(**coef)
+            if front is not None:
+                fields["front_end"] = FrontEndCosts(**front)
             return cls(**fields)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
