@@ -21,9 +21,50 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+// bfloat16 rows widened 16 at a time. A bfloat16 is the top half of a float32, so widening is a shift.
+// With AVX-512 the dot products and the weighted sums of values are 16 lanes of FMA on widened rows;
+// the float32 accumulation, and so the contract, are unchanged (tested against the torch path). Measured
+// on `small`'s shape (batch 64 x 160 keys, one layer, back to back): 0.636 against 0.667 ms, 5%: the
+// kernel is bound by reading the scattered blocks, not by the conversion.
+#if defined(__AVX512F__)
+constexpr bool kWideBf16 = true;
+
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// sum_d q[d] * k[d] over kHeadDim (a multiple of 16) bfloat16 values of k
+template <int64_t kHeadDim>
+inline float dot_bf16(const float* q, const c10::BFloat16* k) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < kHeadDim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), widen16(k + d), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// a[d] += p * v[d] over kHeadDim (a multiple of 16) bfloat16 values of v
+template <int64_t kHeadDim>
+inline void axpy_bf16(float* a, float p, const c10::BFloat16* v) {
+  const __m512 scale = _mm512_set1_ps(p);
+  for (int64_t d = 0; d < kHeadDim; d += 16)
+    _mm512_storeu_ps(a + d, _mm512_fmadd_ps(scale, widen16(v + d), _mm512_loadu_ps(a + d)));
+}
+#else
+constexpr bool kWideBf16 = false;
+template <int64_t kHeadDim>
+inline float dot_bf16(const float*, const c10::BFloat16*) { return 0.0f; }
+template <int64_t kHeadDim>
+inline void axpy_bf16(float*, float, const c10::BFloat16*) {}
+#endif
 
 // Blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every block (and
 // page) boundary; fetching the row a few slots ahead hides that latency (measured: the kernel was
@@ -49,6 +90,7 @@ void decode_kernel(const scalar_t* q, const scalar_t* cache, const int64_t* bloc
   const int64_t layer_offset = layer * 2 * kv_stride;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
+  constexpr bool wide = kWideBf16 && std::is_same_v<scalar_t, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 16 == 0;
 
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores;
@@ -75,8 +117,12 @@ void decode_kernel(const scalar_t* q, const scalar_t* cache, const int64_t* bloc
           for (int64_t g = 0; g < group; ++g, ++hq) {
             const float* qh = qf.data() + hq * head_dim;
             float s = 0.0f;
+            if constexpr (wide) {
+              s = dot_bf16<kHeadDim>(qh, k);
+            } else {
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(k[d]);
+              for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(k[d]);
+            }
             scores[hq * len + j] = s;
           }
         }
@@ -106,8 +152,12 @@ void decode_kernel(const scalar_t* q, const scalar_t* cache, const int64_t* bloc
           for (int64_t g = 0; g < group; ++g, ++hq) {
             const float p = scores[hq * len + j];
             float* a = acc.data() + hq * head_dim;
+            if constexpr (wide) {
+              axpy_bf16<kHeadDim>(a, p, v);
+            } else {
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+            }
           }
         }
       }
