@@ -59,11 +59,12 @@ inline void axpy_bf16(float* a, float p, const c10::BFloat16* v) {
     _mm512_storeu_ps(a + d, _mm512_fmadd_ps(scale, widen16(v + d), _mm512_loadu_ps(a + d)));
 }
 #else
+// Declared only, so the kernel's discarded `if constexpr (wide)` branch parses; never instantiated here.
 constexpr bool kWideBf16 = false;
 template <int64_t kHeadDim>
-inline float dot_bf16(const float*, const c10::BFloat16*) { return 0.0f; }
+float dot_bf16(const float* q, const c10::BFloat16* k);
 template <int64_t kHeadDim>
-inline void axpy_bf16(float*, float, const c10::BFloat16*) {}
+void axpy_bf16(float* a, float p, const c10::BFloat16* v);
 #endif
 
 // Blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every block (and
