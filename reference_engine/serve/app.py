@@ -390,14 +390,15 @@ def _with_prompt_ids(fields: dict[str, Any], prompt_ids: list[int]) -> dict[str,
 class _Renderer:
     """Builds choices from engine outputs: text deltas, logprobs, token ids, finish reasons.
 
-    Keeps the text already produced, so streamed deltas concatenate to exactly the non-streamed text.
+    Keeps the text already produced (a :class:`~reference_engine.serve.detokenize.TextStream`), so streamed
+    deltas concatenate to exactly the non-streamed text; the last choice (``final``) ends the text.
     """
 
     def __init__(self, body: CompletionRequest, prompt_ids: list[int], codec: TextCodec | None):
         self.body, self.prompt_ids, self.codec = body, prompt_ids, codec
         self.ids: list[int] = []
-        self.text = ""
         self._continuation = codec.after(prompt_ids) if codec is not None else None
+        self._stream = codec.stream(prompt_ids) if codec is not None else None
 
     def _text_of(self, ids: list[int]) -> str:
         return self._continuation(ids) if self._continuation is not None else ""
@@ -413,9 +414,9 @@ class _Renderer:
         if self.body.logprobs is not None:
             entries = (out.logprobs or [])[start:start + len(new_ids)]
             logprobs = self._logprobs(new_ids, entries)
-        self.ids = self.ids + list(new_ids)
-        text = self._text_of(self.ids)
-        delta, self.text = text[len(self.text):] if text.startswith(self.text) else text, text
+        self.ids.extend(new_ids)
+        stream = self._stream
+        delta = "" if stream is None else stream.finish(new_ids) if final else stream.push(new_ids)
         fields: dict[str, Any] = {"index": 0, "text": delta}
         if logprobs is not None:
             fields["logprobs"] = logprobs.model_dump()
