@@ -121,3 +121,66 @@ def test_streamed_chunks_are_the_pydantic_bytes(tiny_ckpt: str, return_token_ids
     first = json.loads(fast.split(b"\n\n")[0].removeprefix(b"data: "))
     assert first["model"] == REPLY["model"]
     assert ("prompt_token_ids" in first["choices"][0]) == return_token_ids
+
+
+async def _serve_stream(chunks: list[bytes], with_server_send: bool) -> tuple[list[dict], list[dict]]:
+    """(messages through the app's ``send``, messages to the server's own send) of a stream of ``chunks``."""
+    from reference_engine.serve.disconnect import SERVER_SEND, AbortOnDisconnectStream
+
+    async def body():
+        for chunk in chunks:
+            yield chunk
+
+    through, direct = [], []
+    never = asyncio.Event()
+
+    async def receive() -> dict:
+        await never.wait()  # the client never leaves
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        through.append(message)
+
+    async def server_send(message: dict) -> None:
+        direct.append(message)
+
+    closed = []
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    if with_server_send:
+        scope[SERVER_SEND] = server_send
+    await AbortOnDisconnectStream(body(), on_close=lambda: closed.append(1), media_type="text/event-stream")(
+        scope, receive, send)
+    assert closed == [1]
+    return through, direct
+
+
+def test_a_streams_body_goes_straight_to_the_server_and_its_last_event_ends_it() -> None:
+    chunks = [b"data: {}\n\n", b"data: {}\n\n" + app.LAST_EVENT]
+    through, direct = asyncio.run(asyncio.wait_for(_serve_stream(chunks, True), 10))
+    assert [m["type"] for m in through] == ["http.response.start"]  # the middleware sees the response start
+    assert [(m["body"], m["more_body"]) for m in direct] == [(chunks[0], True), (chunks[1], False)]  # no extra write
+
+
+def test_without_the_servers_send_a_stream_goes_through_the_app_and_ends_with_an_empty_body() -> None:
+    through, direct = asyncio.run(asyncio.wait_for(_serve_stream([b"data: {}\n\n"], False), 10))
+    assert direct == []
+    assert [(m["type"], m.get("body"), m.get("more_body")) for m in through] == [
+        ("http.response.start", None, None), ("http.response.body", b"data: {}\n\n", True),
+        ("http.response.body", b"", False)]
+
+
+def test_the_last_piece_of_a_stream_holds_its_finish_usage_and_done(tiny_ckpt: str) -> None:
+    body = CompletionRequest(prompt=PROMPT, max_tokens=8, stream=True, stream_options={"include_usage": True})
+    items = _outputs([1, 3], None)
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in items:
+        queue.put_nowait(item)
+
+    async def pieces() -> list[bytes]:
+        return [c async for c in app._sse(queue, app._Renderer(body, PROMPT, load_codec(tiny_ckpt)), REPLY, body,
+                                          app._once(lambda: None), False)]
+
+    first, last = asyncio.run(pieces())
+    assert not first.endswith(app.LAST_EVENT) and last.endswith(app.LAST_EVENT)
+    finish, usage = _events(last)
+    assert finish["choices"][0]["finish_reason"] == "length" and usage["usage"]["completion_tokens"] == 4

@@ -30,7 +30,13 @@ from reference_engine.outputs import RequestOutput
 from reference_engine.request import RequestRejected
 from reference_engine.sampling_params import SamplingParams, TokenLogprobs
 from reference_engine.serve.detokenize import TextCodec, load_codec
-from reference_engine.serve.disconnect import AbortOnDisconnectStream, ClientGone, race_disconnect
+from reference_engine.serve.disconnect import (
+    LAST_EVENT,
+    SERVER_SEND,
+    AbortOnDisconnectStream,
+    ClientGone,
+    race_disconnect,
+)
 from reference_engine.serve.engine_loop import EngineFailure, EngineLoop
 from reference_engine.serve.engine_process import EngineBusy, EngineInfo, EngineProcess, EngineStartError
 from reference_engine.serve.prometheus import ServerMetrics
@@ -112,7 +118,8 @@ class _Guard:
             await send(message)
 
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            # body chunks of a stream skip the layers between (see AbortOnDisconnectStream); its start passes
+            await self.app({**scope, SERVER_SEND: send}, counting_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
                 await too_big(scope, receive, send)
@@ -324,7 +331,8 @@ def _latest(outputs: asyncio.Queue, item: RequestOutput | EngineFailure) -> tupl
 async def _sse(outputs: asyncio.Queue, render: _Renderer, reply: dict[str, Any], body: CompletionRequest,
                abort: _once, coalesce: bool = True) -> AsyncIterator[bytes]:
     """Server-sent events: a chunk per step that produced tokens, the finish reason on the last one,
-    then usage (if ``stream_options.include_usage``) and ``[DONE]``. ``abort`` is disarmed once the
+    then usage (if ``stream_options.include_usage``) and ``[DONE]``, those three in one piece (the
+    stream's last, ending in :data:`LAST_EVENT`, as an error event is). ``abort`` is disarmed once the
     request is over, so closing the stream afterwards aborts nothing.
 
     Each chunk is what ``CompletionResponse(**reply, choices=[choice]).model_dump(exclude_none=True)``
@@ -346,26 +354,32 @@ async def _sse(outputs: asyncio.Queue, render: _Renderer, reply: dict[str, Any],
             item, failure = _latest(outputs, item)
         if isinstance(item, EngineFailure):
             abort.disarm()  # the engine loop has aborted it already
-            yield _event(error_body(str(item), None, 500, "InternalServerError"))
-            break
+            yield _event(error_body(str(item), None, 500, "InternalServerError")) + LAST_EVENT
+            return
         new = item.token_ids[sent:]
+        chunk = b""
         if new or item.finished:
             fields = render.choice_fields(new, item, final=item.finished)
             if sent == 0 and body.return_token_ids:
                 fields = _with_prompt_ids(fields, render.prompt_ids)
-            yield head + _json(fields).encode() + tail
+            chunk = head + _json(fields).encode() + tail
             sent = len(item.token_ids)
         if item.finished:
             abort.disarm()
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield _event(CompletionResponse(**reply, choices=[], usage=render.usage(item)).model_dump(
+                chunk += _event(CompletionResponse(**reply, choices=[], usage=render.usage(item)).model_dump(
                     exclude_none=True))
-            break
-    yield b"data: [DONE]\n\n"
+            yield chunk + LAST_EVENT  # one write for the end of the stream
+            return
+        if chunk:
+            yield chunk
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # one encoder, not one per call as json.dumps makes
 
 
 def _json(payload: Any) -> str:
-    return json.dumps(payload, separators=(",", ":"))
+    return _ENCODER.encode(payload)
 
 
 def _event(payload: dict[str, Any]) -> bytes:
@@ -390,14 +404,15 @@ def _with_prompt_ids(fields: dict[str, Any], prompt_ids: list[int]) -> dict[str,
 class _Renderer:
     """Builds choices from engine outputs: text deltas, logprobs, token ids, finish reasons.
 
-    Keeps the text already produced, so streamed deltas concatenate to exactly the non-streamed text.
+    Keeps the text already produced (a :class:`~reference_engine.serve.detokenize.TextStream`), so streamed
+    deltas concatenate to exactly the non-streamed text; the last choice (``final``) ends the text.
     """
 
     def __init__(self, body: CompletionRequest, prompt_ids: list[int], codec: TextCodec | None):
         self.body, self.prompt_ids, self.codec = body, prompt_ids, codec
         self.ids: list[int] = []
-        self.text = ""
         self._continuation = codec.after(prompt_ids) if codec is not None else None
+        self._stream = codec.stream(prompt_ids) if codec is not None else None
 
     def _text_of(self, ids: list[int]) -> str:
         return self._continuation(ids) if self._continuation is not None else ""
@@ -413,9 +428,9 @@ class _Renderer:
         if self.body.logprobs is not None:
             entries = (out.logprobs or [])[start:start + len(new_ids)]
             logprobs = self._logprobs(new_ids, entries)
-        self.ids = self.ids + list(new_ids)
-        text = self._text_of(self.ids)
-        delta, self.text = text[len(self.text):] if text.startswith(self.text) else text, text
+        self.ids.extend(new_ids)
+        stream = self._stream
+        delta = "" if stream is None else stream.finish(new_ids) if final else stream.push(new_ids)
         fields: dict[str, Any] = {"index": 0, "text": delta}
         if logprobs is not None:
             fields["logprobs"] = logprobs.model_dump()

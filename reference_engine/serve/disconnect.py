@@ -27,15 +27,40 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
+#: the scope key under which the outermost middleware leaves the server's own ``send`` for this request
+SERVER_SEND = "reference_engine.server_send"
+#: the server-sent event that ends a stream: a chunk that ends with it is the stream's last
+LAST_EVENT = b"data: [DONE]\n\n"
+
+
 class AbortOnDisconnectStream(StreamingResponse):
     """A streaming response that stops as soon as the client disconnects and then calls ``on_close``
-    (which the body iterator's own ``finally`` may not get to run promptly after an ``OSError``)."""
+    (which the body iterator's own ``finally`` may not get to run promptly after an ``OSError``).
+
+    Each chunk is a send per token of every request, so the body takes the short way: the response's
+    start goes through the middleware stack (whose layers watch for it: the error handlers, to know a
+    response began; the body-size guard, to know it may no longer answer 413), its body chunks straight to
+    the server's ``send`` left in the scope under :data:`SERVER_SEND` (the layers between pass body
+    messages on untouched), and a chunk that ends in :data:`LAST_EVENT` ends the body in the same write
+    instead of one more. Without the key, everything goes through ``send``."""
 
     def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any):
         super().__init__(content, **kwargs)
         self.on_close = on_close
+        self._body_send: Send | None = None
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body_send = self._body_send or send
+        async for chunk in self.body_iterator:
+            last = chunk.endswith(LAST_EVENT)
+            await body_send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if last:
+                return
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._body_send = scope.get(SERVER_SEND)
         try:
             async with anyio.create_task_group() as tg:
                 async def stream() -> None:
