@@ -9,6 +9,7 @@ process dies.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -450,3 +451,38 @@ def test_no_bind_cpus_leaves_both_processes_where_the_os_puts_them(server: tuple
     _url, pid = server
     everywhere = os.sched_getaffinity(0)
     assert _affinity(_engine_pid(pid)) == everywhere and _affinity(pid) == everywhere
+
+
+def test_stats_go_out_at_most_every_interval_while_streaming_and_exactly_when_a_request_finishes(
+        tiny_ckpt: str) -> None:
+    # The engine core's raw batches, read off the pipe: a stats snapshot per batch would cost every step
+    # its reading and pickling; none at a request's end would leave /metrics short of that request.
+    from reference_engine.serve import engine_process
+
+    engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=2048))
+    server_end, core_end = multiprocessing.Pipe(duplex=True)
+    thread = threading.Thread(target=lambda: _EngineCore(engine, core_end).run(), daemon=True)
+    thread.start()
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    server_end.send(("add", "a", [5, 6, 7], params, 0))
+    server_end.send(("add", "b", [8, 9], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), 0))
+    batches, finished = [], set()
+    while finished != {"a", "b"}:
+        assert server_end.poll(60), "the engine core sent nothing for 60 s"
+        batch = server_end.recv()
+        batches.append(batch)
+        finished |= {delta[0] for delta in batch[4] if delta[2]}
+    server_end.send(("stop",))
+    thread.join(30)
+
+    with_stats = [(now, stats) for _, _, now, stats, _, _, _ in batches if stats is not None]
+    assert batches[0][3] is not None, "the first batch (the add replies) carries no stats"
+    streaming = [b for b in batches if b[4] and not b[0] and not any(d[2] for d in b[4])]
+    assert len(streaming) > 100 and sum(b[3] is not None for b in streaming) < len(streaming) / 2
+    gaps = [b[2] - a[2] for a, b in itertools.pairwise(streaming) if a[3] is not None and b[3] is not None]
+    assert all(gap >= engine_process.STATS_INTERVAL_S * 0.99 for gap in gaps)
+    for batch in batches:  # every batch that finishes a request has the counters of that moment
+        if any(d[2] for d in batch[4]):
+            assert batch[3] is not None
+    produced = sum(len(d[1]) for b in batches for d in b[4])
+    assert produced == 340 and with_stats[-1][1].counters.generated_tokens == produced
