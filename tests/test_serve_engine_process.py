@@ -70,7 +70,9 @@ def roomy(tiny_ckpt: str) -> Iterator[EngineProcess]:
         engine.stop()
 
 
-def test_outputs_through_the_pipe_equal_the_engine_alone_under_preemption(tiny_ckpt: str) -> None:
+@pytest.mark.parametrize("output_poll_s", [0.0, 0.0002], ids=["woken", "polled"])
+def test_outputs_through_the_pipe_equal_the_engine_alone_under_preemption(tiny_ckpt: str,
+                                                                          output_poll_s: float) -> None:
     # 12 blocks of 8 tokens; a request of 5 + 60 tokens needs 9: any two that overlap preempt.
     config = EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=12, block_size=8, max_num_seqs=8)
     prompts = [[3 + i, 17, 29 + 7 * i, 41, 5] for i in range(6)]
@@ -82,7 +84,7 @@ def test_outputs_through_the_pipe_equal_the_engine_alone_under_preemption(tiny_c
         finals = [await _final(q) for q in queues]
         return finals, engine.stats()
 
-    engine = EngineProcess.spawn(config)
+    engine = EngineProcess.spawn(config, output_poll_s=output_poll_s)
     try:
         finals, stats = _run(engine, scenario)
     finally:
@@ -400,6 +402,20 @@ def test_engine_threads_below_one_is_refused_naming_the_flag(tiny_ckpt: str, cap
     assert "--engine-threads=0 is invalid" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--output-poll-us", "-1"], "--output-poll-us=-1 is invalid"),
+    (["--output-poll-us", "100", "--no-engine-process"], "--output-poll-us needs the engine in its own process"),
+])
+def test_a_bad_output_poll_is_refused_naming_the_flag(tiny_ckpt: str, capsys, flags: list[str],
+                                                      message: str) -> None:
+    from reference_engine.serve.command_line import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", tiny_ckpt, *flags])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_a_reconfigure_whose_caller_is_gone_still_leaves_the_front_end_on_the_new_engine(tiny_ckpt: str) -> None:
     """The engine process swaps once the command is sent, whatever happens to its caller: the front end's
     info and stats must follow it, or /metrics would describe an engine that no longer runs."""
@@ -486,3 +502,48 @@ def test_stats_go_out_at_most_every_interval_while_streaming_and_exactly_when_a_
             assert batch[3] is not None
     produced = sum(len(d[1]) for b in batches for d in b[4])
     assert produced == 340 and with_stats[-1][1].counters.generated_tokens == produced
+
+
+class _RecvWatch:
+    """A connection that records, for each ``recv``, whether a message was already waiting (if not, the
+    reader slept on the pipe and the engine's write had to wake it)."""
+
+    def __init__(self, conn, in_flight):
+        self._conn, self._in_flight, self.blocking_reads = conn, in_flight, 0
+
+    def recv(self):
+        import select
+
+        if self._in_flight() and not select.select([self._conn.fileno()], [], [], 0)[0]:
+            self.blocking_reads += 1
+        return self._conn.recv()
+
+    def __getattr__(self, name: str):
+        return getattr(self._conn, name)
+
+
+@pytest.mark.parametrize("output_poll_s", [0.0002, 0.0], ids=["polled", "woken"])
+def test_while_requests_stream_the_reader_looks_at_the_pipe_instead_of_sleeping_on_it(
+        tiny_ckpt: str, output_poll_s: float) -> None:
+    engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=2048))
+    server_end, core_end = multiprocessing.Pipe(duplex=True)
+    thread = threading.Thread(target=lambda: _EngineCore(engine, core_end).run(), daemon=True)
+    thread.start()
+    front: EngineProcess | None = None
+    watch = _RecvWatch(server_end, lambda: bool(front and front.num_waiting_on()))
+    front = EngineProcess(watch, EngineInfo.of(engine), output_poll_s=output_poll_s)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def scenario(engine_process: EngineProcess):
+        queues = await asyncio.gather(*[engine_process.add(f"s{i}", [3 + i, 4], params) for i in range(2)])
+        return [await _final(q) for q in queues]
+
+    try:
+        finals = _run(front, scenario)
+    finally:
+        front.stop()
+    assert [len(f.token_ids) for f in finals] == [200, 200]
+    if output_poll_s:  # (a read begun just as the first request went in may count: at most one a request)
+        assert watch.blocking_reads <= 2
+    else:  # the check can fail: a reader that sleeps on the pipe is caught sleeping
+        assert watch.blocking_reads > 50

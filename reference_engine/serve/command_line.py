@@ -11,6 +11,8 @@ every interface is a choice to make explicitly), ``--port`` (0 = a free port, pr
 engine steps in its own process; ``--no-engine-process`` keeps it on a thread of the server),
 ``--engine-threads`` (the engine process's torch threads; default ``$OMP_NUM_THREADS`` where set, else every
 core but one, which the HTTP process keeps: :func:`~reference_engine.serve.engine_process.default_engine_threads`),
+``--bind-cpus`` (default on), ``--output-poll-us`` (how often the HTTP process looks for outputs while
+requests stream: :data:`~reference_engine.serve.engine_process.OUTPUT_POLL_S`),
 ``--allow-reconfigure`` (off by default; a testing and benchmarking aid: ``POST /kvbench/reconfigure`` with
 ``{"args": [engine flags]}`` replaces the idle engine with one built from those flags in the same engine
 process, checked by this same parser: :func:`reconfigure_args`).
@@ -97,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bind the engine process to as many cores as it has threads and the HTTP process to "
                              "the others, as vLLM's CPU build binds its worker (default: on, where a core is left "
                              "over; --no-bind-cpus lets the OS place both)")
+    server.add_argument("--output-poll-us", type=int, default=None, metavar="US",
+                        help="while requests are in flight, the HTTP process looks for the engine's outputs every "
+                             "US microseconds instead of sleeping until the engine wakes it: the engine's step "
+                             "then never pays for waking another core (default: 200; 0: always sleep and be "
+                             "woken). Needs --engine-process")
     server.add_argument("--allow-reconfigure", action="store_true", default=False,
                         help="a testing and benchmarking aid: POST /kvbench/reconfigure {\"args\": [engine flags]} "
                              "replaces the idle engine with one built from those flags, in the same engine process "
@@ -162,7 +169,8 @@ class _CannotStart(Exception):
 
 
 def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | None = None,
-                  while_loading: Callable[[], Any] | None = None, bind_cpus: bool = False):
+                  while_loading: Callable[[], Any] | None = None, bind_cpus: bool = False,
+                  output_poll_us: int | None = None):
     """An ``EngineProcess`` or an ``LLMEngine`` for ``config``; raises :class:`_CannotStart` with the
     engine's ``ConfigError`` message (which names the field) or why the model could not be loaded.
     ``while_loading()`` runs while the engine process imports torch and loads the model."""
@@ -170,11 +178,17 @@ def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | 
         return _CannotStart(f"--model {config.model!r} could not be loaded: {detail}")
 
     if in_own_process:
-        from reference_engine.serve.engine_process import EngineProcess, EngineStartError, default_engine_threads
+        from reference_engine.serve.engine_process import (
+            OUTPUT_POLL_S,
+            EngineProcess,
+            EngineStartError,
+            default_engine_threads,
+        )
 
+        poll_s = OUTPUT_POLL_S if output_poll_us is None else output_poll_us / 1e6
         try:
             return EngineProcess.spawn(config, threads=threads or default_engine_threads(),
-                                       while_loading=while_loading, bind_cpus=bind_cpus)
+                                       while_loading=while_loading, bind_cpus=bind_cpus, output_poll_s=poll_s)
         except EngineStartError as e:
             raise (_CannotStart(str(e)) if e.kind == "config" else load_error(str(e))) from None
     from reference_engine.engine import LLMEngine
@@ -194,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port={args.port} is invalid: expected 0..65535")
     if args.engine_threads is not None and args.engine_threads < 1:
         parser.error(f"--engine-threads={args.engine_threads} is invalid: expected an integer >= 1")
+    if args.output_poll_us is not None and args.output_poll_us < 0:
+        parser.error(f"--output-poll-us={args.output_poll_us} is invalid: expected an integer >= 0")
+    if args.output_poll_us is not None and not args.engine_process:
+        parser.error("--output-poll-us needs the engine in its own process (drop --no-engine-process)")
     if args.max_body_bytes < 1:
         parser.error(f"--max-body-bytes={args.max_body_bytes} is invalid: expected an integer >= 1")
     if args.allow_reconfigure and not args.engine_process:
@@ -210,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = _start_engine(config, in_own_process=args.engine_process, threads=args.engine_threads,
-                               while_loading=import_http_stack, bind_cpus=args.bind_cpus)
+                               while_loading=import_http_stack, bind_cpus=args.bind_cpus,
+                               output_poll_us=args.output_poll_us)
     except _CannotStart as e:
         parser.error(str(e))
     import_http_stack()  # imported already unless the engine runs on a thread of this process
