@@ -24,6 +24,11 @@ against a ~2 s start), with counters at zero and an empty pool and prefix cache,
 have, and checks that the model and its server flags stay as they are. Whatever it refuses falls back to a
 fresh start. A peer (vLLM...) and ``cmd=`` are always started from their own command.
 
+While a call sends, kvbench's own client runs off the cores the launched server binds its engine to
+(``client_cores=auto``, the default; ``off`` leaves it where the OS puts it): on a small machine the
+client is front-end work beside the server, and on the engine's core it was held off the CPU by a
+worker that never sleeps (:mod:`kvbench.engines.http.placement`).
+
 ``close()`` (and interpreter exit, whatever the cause) stops every one with its whole process
 group (:mod:`kvbench.engines.http.process`), all at once. Each server's log is kept (``log_dir``, default a
 fresh temporary directory); its path is in the run's evidence.
@@ -31,6 +36,7 @@ fresh temporary directory); its path is in the run's evidence.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -53,6 +59,7 @@ from kvbench.engines.base import (
 )
 from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter, check_client_options
 from kvbench.engines.http.peers import PeerMissing, VllmInstall, find_vllm
+from kvbench.engines.http.placement import off_the_engine_cores
 from kvbench.engines.http.presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
 from kvbench.engines.http.process import ServerProcess, free_port, stop_servers
 
@@ -100,6 +107,8 @@ class ServerAdapter(EngineAdapter):
         "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
         "preemptions_are": "recompute or swap: what vllm:num_preemptions_total counts (default: the preset's)",
         "dialect": "vllm or transformers: how requests are said (default: the preset's; vllm for cmd=)",
+        "client_cores": "auto or off: while it sends, kvbench's client runs off the cores the launched server "
+                        "binds its engine to, as front-end work (default auto; kvbench.engines.http.placement)",
         "vllm": "preset=vllm: a Python with vllm installed, its environment folder, or a vllm command "
                 "(default: $KVBENCH_VLLM, then the environment scripts/peers.sh vllm made, then vllm on PATH)",
     }
@@ -118,6 +127,9 @@ class ServerAdapter(EngineAdapter):
         keep = options.get("keep_servers", str(DEFAULT_KEEP_SERVERS))
         if not (keep.isdigit() and int(keep) >= 1):
             raise ValueError(f"engine {cls.kind!r}: option keep_servers must be an integer >= 1, got {keep!r}")
+        if options.get("client_cores", "auto") not in ("auto", "off"):
+            raise ValueError(f"engine {cls.kind!r}: option client_cores must be auto or off, "
+                             f"got {options['client_cores']!r}")
         if "vllm" in options and preset_name != "vllm":
             raise ValueError(f"engine {cls.kind!r}: option vllm is for preset=vllm")
 
@@ -325,7 +337,8 @@ class ServerAdapter(EngineAdapter):
         remote = self.server_for(knobs)
         server = self._server
         assert server is not None
-        result = remote.generate(requests, knobs)
+        with self._client_placed(server):
+            result = remote.generate(requests, knobs)
         result.evidence.append(f"server log: {server.log_path}")
         if self._launched and self._launched[next(reversed(self._launched))].reconfigured:
             result.evidence.append("the server was given these knobs in place (POST "
@@ -335,7 +348,16 @@ class ServerAdapter(EngineAdapter):
         return result
 
     def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:
-        self.server_for(knobs).serve(workload, recorder, knobs, progress=progress)
+        remote = self.server_for(knobs)
+        assert self._server is not None
+        with self._client_placed(self._server):
+            remote.serve(workload, recorder, knobs, progress=progress)
+
+    def _client_placed(self, server: ServerProcess) -> contextlib.AbstractContextManager:
+        """This process off the server's engine cores for a run (option ``client_cores``)."""
+        if self.options.get("client_cores", "auto") == "off":
+            return contextlib.nullcontext()
+        return off_the_engine_cores(server.pgid)
 
     def close(self) -> None:
         self.stop_server()
