@@ -187,6 +187,16 @@ def _send_aborts(engine: SteppableEngine, watchdog: DriverWatchdog, aborts_due: 
             watchdog.abort_sent(rid)
 
 
+def record_scheduling(recorder: TraceRecorder, report: Any, t: float) -> None:
+    """Record a step report's admissions, preemptions (with their mode) and resumptions at time ``t``."""
+    for rid in report.admitted:
+        recorder.admitted(rid, t)
+    for rid, mode in report.preempted:
+        recorder.preempted(rid, t, mode)
+    for rid in report.resumed:
+        recorder.resumed(rid, t)
+
+
 def _record_step(engine: SteppableEngine, recorder: TraceRecorder, in_flight: dict[str, Any],
                  progress: Callable[[int], None] | None, virtual_t: float | None,
                  watchdog: DriverWatchdog | None = None) -> None:
@@ -194,12 +204,7 @@ def _record_step(engine: SteppableEngine, recorder: TraceRecorder, in_flight: di
     started = recorder.now()
     report = engine.step()
     t = recorder.now()
-    for rid in report.admitted:
-        recorder.admitted(rid, t)
-    for rid, mode in report.preempted:
-        recorder.preempted(rid, t, mode)
-    for rid in report.resumed:
-        recorder.resumed(rid, t)
+    record_scheduling(recorder, report, t)
     for rid, n in report.new_tokens.items():
         recorder.tokens(rid, t, n)
     for rid, reason in report.finished.items():

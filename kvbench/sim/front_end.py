@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbench.core.stepping import record_scheduling
 from reference_engine.costs import FrontEndCosts
 
 
@@ -211,12 +212,7 @@ def serve_through_front_end(engine: Any, clock: Any, requests: Sequence[Any], re
             started = clock.now() - t0
             report = engine.step()
             t = clock.now() - t0
-            for rid in report.admitted:
-                recorder.admitted(rid, t)
-            for rid, mode in report.preempted:
-                recorder.preempted(rid, t, mode)
-            for rid in report.resumed:
-                recorder.resumed(rid, t)
+            record_scheduling(recorder, report, t)
             report.record.t, report.record.duration = t, t - started
             recorder.step(report.record)
             front.engine_output(t, report.new_tokens, report.finished)
