@@ -227,7 +227,7 @@ class _EngineCore:
         stats_at = None  # when the last stats snapshot went out (None: never)
         while not self.stopping:
             busy = self.broken is None and self.engine.has_unfinished_requests()
-            if commands.poll(0) if busy else self.conn.poll(IDLE_WAIT_S):
+            if commands.poll(0 if busy else IDLE_WAIT_S * 1000):  # (milliseconds)
                 while commands.poll(0):
                     self._command(self.conn.recv())
             deltas: list[_Delta] = []

@@ -25,6 +25,8 @@ import os
 import threading
 from collections.abc import Iterator
 
+from kvbench.engines.http.process import group_members
+
 log = logging.getLogger("kvbench")
 
 
@@ -36,22 +38,8 @@ def _threads(pid: int | str) -> list[int]:
 
 
 def group_pids(pgid: int) -> list[int]:
-    """The processes of group ``pgid`` (from /proc; empty where there is no /proc)."""
-    pids = []
-    try:
-        names = [name for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return []
-    for name in names:
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-        if len(fields) > 2 and fields[2] == str(pgid):
-            pids.append(int(name))
-    return pids
+    """The live processes of group ``pgid`` (empty where there is no /proc)."""
+    return [pid for pid, state in group_members(pgid) or () if state != "Z"]
 
 
 def engine_cores(pids: list[int], machine: set[int]) -> set[int]:

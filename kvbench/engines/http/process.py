@@ -63,17 +63,18 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else (cannot be ours)
         return True
-    members = _group_states(pgid)
-    return members is None or any(state != "Z" for state in members)
+    members = group_members(pgid)
+    return members is None or any(state != "Z" for _, state in members)
 
 
-def _group_states(pgid: int) -> list[str] | None:
-    """The states (``R``, ``S``, ``Z``...) of group ``pgid``'s processes from /proc, or None without /proc."""
+def group_members(pgid: int) -> list[tuple[int, str]] | None:
+    """(pid, state) of each process of group ``pgid`` (states ``R``, ``S``, ``Z``...) from /proc, or None
+    without /proc."""
     try:
         pids = [name for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         return None
-    states = []
+    members = []
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
@@ -82,8 +83,8 @@ def _group_states(pgid: int) -> list[str] | None:
             continue
         fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
         if len(fields) > 2 and fields[2] == str(pgid):
-            states.append(fields[0])
-    return states
+            members.append((int(pid), fields[0]))
+    return members
 
 
 class ServerProcess:
