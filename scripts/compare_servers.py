@@ -16,6 +16,10 @@ servers are started once (a warm-up job each, untimed) and kept for every concur
 rounds are interleaved (the engines' order rotates from round to round) and every ratio is taken within
 a round, printed as median [min-max] over the rounds. Nothing here asserts a time.
 
+``--knob ENGINE:KEY=VALUE`` sets one knob of one engine (or variant) apart from the others': with
+``--variant ref512= --knob ref512:max_num_batched_tokens=512`` a second reference server runs at its own
+default prefill budget (512) beside the matched one (2048, vLLM's CPU server default), side by side.
+
 Models: ``small`` (8 layers x 512, head size 64) and ``tiny-hd32`` (the tiny preset with head size 32, the
 smallest vLLM's CPU attention takes: :func:`kvbench.checkpoints.checkpoint_for`).
 
@@ -33,7 +37,8 @@ affinity, ``OMP_NUM_THREADS`` in their environment) and, for vLLM, its "OpenMP t
     PYTHONPATH=$PWD python scripts/compare_servers.py --quick
     PYTHONPATH=$PWD python scripts/compare_servers.py [--models small,tiny-hd32] [--dtypes float32,bfloat16]
         [--concurrency 16,64] [--rounds 2] [--requests 128] [--prompt 128] [--output 64]
-        [--engines inproc,ref-server,vllm] [--variant NAME=FLAGS ...] [--threads default|matched]
+        [--engines inproc,ref-server,vllm] [--variant NAME=FLAGS ...] [--knob ENGINE:KEY=VALUE ...]
+        [--threads default|matched]
         [--json OUT.json]
 
 ``--quick``: tiny-hd32, float32, concurrency 64, 2 rounds (a few minutes, most of it vLLM's start-up).
@@ -51,7 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +229,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 warm = workload(model, 8, args.prompt, 8, 8, seed=1)
                 for name, adapter in engines.items():
                     t0 = time.perf_counter()
-                    serve(adapter, Job(warm, knobs), "compare-warmup")
+                    serve(adapter, Job(warm, knobs.merged(Knobs(**args.knob.get(name, {})))), "compare-warmup")
                     print(f"   {name}: started and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
                     if isinstance(adapter, ServerAdapter):
                         threads_seen[f"{name} ({model_name}, {dtype})"] = server_threads(adapter)
@@ -232,9 +237,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 names = list(engines)
                 for r in range(args.rounds):
                     for ci, c in enumerate(args.concurrency):
-                        job = Job(workload(model, args.requests, args.prompt, args.output, c), knobs)
+                        requests = workload(model, args.requests, args.prompt, args.output, c)
                         k = (r + ci) % len(names)
                         for name in names[k:] + names[:k]:
+                            job = Job(requests, knobs.merged(Knobs(**args.knob.get(name, {}))))
                             trace = serve(engines[name], job, "compare")
                             m = metrics.summarize(trace)
                             group[c].add(name, m)
@@ -248,7 +254,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"started": started.isoformat(timespec="seconds"), "command": " ".join(sys.argv),
             "commit": _commit(), "threads_mode": args.threads, "client_torch_threads": torch.get_num_threads(),
             "cells": [c.__dict__ for c in cells], "threads": threads_seen, "cores": os.cpu_count(),
-            "variants": dict(args.variant)}
+            "variants": dict(args.variant), "knob_overrides": args.knob}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -272,11 +278,34 @@ def report(result: dict[str, Any]) -> str:
                 lines.append(f"| {c.model} | {c.dtype} | {c.concurrency} | ref-server / {variant} | "
                              f"{ratio(c.tok_s['ref-server'], c.tok_s[variant])} | "
                              f"{ratio(c.ttft_p50['ref-server'], c.ttft_p50[variant])} | | |")
+    for name, overrides in result.get("knob_overrides", {}).items():
+        lines.append(f"\n{name} ran with " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+                     + " (the others with the knobs above)")
     lines += ["", "ratios: within each round, median [min-max] over the rounds; TTFT vs vLLM below 1 means the "
               "reference engine answered first. Thread settings seen:"]
     for name, info in result["threads"].items():
         lines += describe_threads(name, info)
     return "\n".join(lines)
+
+
+def parse_knob_overrides(parser: argparse.ArgumentParser, items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["ENGINE:KEY=VALUE", ...]`` -> ``{engine: {knob: value}}``, values read as JSON where they parse
+    (numbers, true/false) and as strings otherwise; an unknown knob is an error naming it."""
+    names = {f.name for f in fields(Knobs)}
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        engine, sep, setting = item.partition(":")
+        key, eq, value = setting.partition("=")
+        if not (sep and eq and engine and key):
+            parser.error(f"--knob: expected ENGINE:KEY=VALUE, got {item!r}")
+        if key not in names:
+            parser.error(f"--knob {item!r}: unknown knob {key!r}; expected one of {', '.join(sorted(names))}")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        out.setdefault(engine, {})[key] = parsed
+    return out
 
 
 def _commit() -> str:
@@ -305,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="one more reference server, started with FLAGS on top (e.g. sliced='--attention-backend "
                              "sliced'); repeatable: a change measured side by side with what it changes")
+    parser.add_argument("--knob", action="append", default=[], metavar="ENGINE:KEY=VALUE",
+                        help="a knob of one engine (or variant) set apart from the others' "
+                             "(e.g. ref512:max_num_batched_tokens=512: the reference engine's own default "
+                             "budget); repeatable")
     parser.add_argument("--threads", choices=("default", "matched"), default="default")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None, help="write the figures and thread settings here")
@@ -314,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         args.variant = dict(v.split("=", 1) for v in args.variant)
     except ValueError:
         parser.error(f"--variant: expected NAME=FLAGS, got {args.variant}")
+    args.knob = parse_knob_overrides(parser, args.knob)
     if args.report:
         print(report(json.loads(Path(args.report).read_text())))
         return 0

@@ -45,12 +45,33 @@ def test_bad_variant_is_refused(capsys) -> None:
     assert "--variant: expected NAME=FLAGS" in capsys.readouterr().err
 
 
-def test_a_small_run_in_process_and_over_http(tmp_path: Path) -> None:
+def test_knob_overrides_are_parsed_and_bad_ones_name_what_is_wrong(capsys) -> None:
+    parser = cs.argparse.ArgumentParser()
+    got = cs.parse_knob_overrides(parser, ["ref512:max_num_batched_tokens=512", "ref512:preemption_mode=swap",
+                                           "vllm:enable_prefix_caching=true"])
+    assert got == {"ref512": {"max_num_batched_tokens": 512, "preemption_mode": "swap"},
+                   "vllm": {"enable_prefix_caching": True}}
+    for bad, says in (("ref512=512", "expected ENGINE:KEY=VALUE"), ("ref512:budget=512", "unknown knob 'budget'")):
+        with pytest.raises(SystemExit):
+            cs.parse_knob_overrides(parser, [bad])
+        assert says in capsys.readouterr().err
+
+
+def test_a_small_run_in_process_and_over_http(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "run.json"
+    served = []
+    real_serve = cs.serve
+    monkeypatch.setattr(cs, "serve", lambda adapter, job, label: served.append((adapter.name, job.knobs))
+                        or real_serve(adapter, job, label))
     cs.main(["--models", "tiny", "--dtypes", "float32", "--concurrency", "4", "--rounds", "1", "--requests", "4",
              "--prompt", "8", "--output", "4", "--engines", "inproc,ref-server", "--threads", "matched",
+             "--knob", "ref-server:max_num_batched_tokens=64",
              "--log-dir", str(tmp_path / "logs"), "--json", str(out)])
+    # the override reaches the server's jobs, warm-up included, and only its own
+    assert {knobs.max_num_batched_tokens for name, knobs in served if name == "ref-server"} == {64}
+    assert {knobs.max_num_batched_tokens for name, knobs in served if name == "inproc"} == {2048}
     result = json.loads(out.read_text())
+    assert result["knob_overrides"] == {"ref-server": {"max_num_batched_tokens": 64}}
     [cell] = result["cells"]
     assert cell["finished"] == {"inproc": [4], "ref-server": [4]}
     assert all(v[0] > 0 for v in cell["tok_s"].values())
