@@ -11,6 +11,9 @@ For the chunks ``A: positions 0..2 (prefill)``, ``B: position 7 (decode)`` and b
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import torch
 
@@ -40,7 +43,7 @@ class ModelRunner:
         """Run the step's chunks. Returns the sampled token of every chunk that completes its sequence."""
         if not out.chunks:
             return {}
-        input_ids, positions, meta, last_rows = self.prepare(out.chunks)
+        input_ids, positions, meta, last_rows = self.prepare(out.chunks, out.block_ids)
         hidden = self.model(input_ids, positions, self.kv.device_cache, meta)
         finishing = [i for i, c in enumerate(out.chunks) if c.completes]
         if not finishing:
@@ -70,24 +73,33 @@ class ModelRunner:
         finally:
             self.bm.forget(probe.request_id)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                              torch.Tensor]:
-        """Flat ``input_ids``, ``positions``, attention metadata and each chunk's last flat row."""
+    def prepare(self, chunks: Sequence[ScheduledChunk], block_ids: Mapping[str, Sequence[int]] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat ``input_ids``, ``positions``, attention metadata and each chunk's last flat row.
+
+        ``block_ids``: each chunk's request's block table, as the scheduler handed it on
+        (``SchedulerOutput.block_ids``); None: read from the block manager."""
         starts = np.array([c.start for c in chunks], dtype=np.int64)
         lens = np.array([c.num_tokens for c in chunks], dtype=np.int64)
         offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))  # first flat row of each chunk
         chunk_of_token = np.repeat(np.arange(len(chunks)), lens)
         positions = np.arange(int(lens.sum()), dtype=np.int64) - offsets[chunk_of_token] + starts[chunk_of_token]
         tokens = _tokens(chunks)
-        tables = [self.bm.blocks_of(c.request.request_id) for c in chunks]
-        slot_blocks = _pad_tables(tables)[chunk_of_token, positions // self.block_size]
+        if block_ids is None:
+            tables = [self.bm.blocks_of(c.request.request_id) for c in chunks]
+        else:
+            tables = [block_ids[c.request.request_id] for c in chunks]
+        padded, widths = _pad_tables(tables)
+        slot_blocks = padded[chunk_of_token, positions // self.block_size]
         meta = AttentionMetadata(
             slot_blocks=self._t(slot_blocks), slot_offsets=self._t(positions % self.block_size),
-            groups=self._groups(lens, starts, offsets, tables), backend=self.attention_backend)
+            groups=self._groups(lens, starts, offsets, padded, widths), backend=self.attention_backend)
         return self._t(np.asarray(tokens)), self._t(positions), meta, self._t(offsets + lens - 1)
 
-    def _groups(self, lens: np.ndarray, starts: np.ndarray, offsets: np.ndarray,
-                tables: list[list[int]]) -> list[AttentionGroup]:
+    def _groups(self, lens: np.ndarray, starts: np.ndarray, offsets: np.ndarray, padded: np.ndarray,
+                widths: np.ndarray) -> list[AttentionGroup]:
+        """The decode group and the prefill group (:mod:`reference_engine.attention`); ``padded``, ``widths``:
+        every chunk's block table padded to the widest, and each table's own length."""
         groups = []
         is_decode = lens == 1
         for members in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
@@ -98,9 +110,10 @@ class ModelRunner:
             valid = q_idx[None, :] < lens[members, None]  # [B, Q]
             token_index = np.where(valid, offsets[members, None] + q_idx[None, :], 0)
             query_positions = np.where(valid, starts[members, None] + q_idx[None, :], 0)
-            block_tables = _pad_tables([tables[i] for i in members])
+            block_tables = padded[members, : int(widths[members].max())]  # as wide as this group's widest
             groups.append(build_group(self._t(token_index), self._t(query_positions), self._t(valid),
-                                      self._t(block_tables), self.block_size))
+                                      self._t(block_tables), self.block_size,
+                                      from_start=bool(q_max > 1 and not starts[members].any())))
         return groups
 
     def _t(self, array: np.ndarray) -> torch.Tensor:
@@ -120,9 +133,12 @@ def _tokens(chunks: list[ScheduledChunk]) -> list[int]:
     return tokens
 
 
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:
-    width = max(len(t) for t in tables)
-    out = np.zeros((len(tables), width), dtype=np.int64)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
-    return out
+def _pad_tables(tables: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The tables as one ``[len(tables), longest]`` array, each row padded with block 0 (masked out by
+    attention), and each table's length. One fill for all rows: a row-major boolean mask takes the
+    tables' ids in order, without a numpy call per table."""
+    widths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    out = np.zeros((len(tables), int(widths.max())), dtype=np.int64)
+    out[np.arange(out.shape[1]) < widths[:, None]] = np.fromiter(itertools.chain.from_iterable(tables),
+                                                                  dtype=np.int64, count=int(widths.sum()))
+    return out, widths
