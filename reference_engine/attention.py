@@ -32,9 +32,6 @@ class AttentionGroup:
     flat_rows: torch.Tensor  # [num valid queries] long: token_index[query_valid]
     flat_blocks: torch.Tensor  # [B * max_blocks] long: block_tables flattened, for one index_select
     seq_lens: torch.Tensor  # [B] long: keys each sequence attends to (its last query position + 1)
-    # every sequence's queries start at position 0 (whole prefills, nothing cached before them): its keys
-    # are exactly its own new tokens, which :func:`prefill_from_start_attention` uses without the cache
-    from_start: bool = False
 
 
 @dataclass
@@ -49,14 +46,13 @@ class AttentionMetadata:
 
 
 def build_group(token_index: torch.Tensor, query_positions: torch.Tensor, query_valid: torch.Tensor,
-                block_tables: torch.Tensor, block_size: int, from_start: bool = False) -> AttentionGroup:
-    """Precompute a group's mask once per step (it is shared by every layer). ``from_start``: see
-    :class:`AttentionGroup` (the caller knows every sequence's first query is at position 0)."""
+                block_tables: torch.Tensor, block_size: int) -> AttentionGroup:
+    """Precompute a group's mask once per step (it is shared by every layer)."""
     num_keys = block_tables.shape[1] * block_size
     key_positions = torch.arange(num_keys, device=block_tables.device)
     mask = key_positions.view(1, 1, -1) <= query_positions.unsqueeze(-1)  # [B, Q, K]
     return AttentionGroup(token_index, query_valid, block_tables, mask.unsqueeze(1), token_index[query_valid],
-                          block_tables.reshape(-1), query_positions.max(dim=1).values + 1, from_start)
+                          block_tables.reshape(-1), query_positions.max(dim=1).values + 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
@@ -93,9 +89,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             out[g.flat_rows] = sliced_decode_attention(q[g.flat_rows], kv_cache, layer, g.block_tables,
                                                        g.seq_lens, visible=g.mask)
             continue
-        if meta.backend != "torch" and g.from_start:
-            out[g.flat_rows] = prefill_from_start_attention(q, k.to(k_cache.dtype), v.to(v_cache.dtype), g)
-            continue
         batch = g.block_tables.shape[0]
         qg = q[g.token_index].transpose(1, 2)  # [B, Hq, Q, D]
         kg = k_rows.index_select(0, g.flat_blocks).view(batch, -1, num_kv_heads, head_dim)  # [B, K, Hkv, D]
@@ -106,24 +99,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         out[g.flat_rows] = og.transpose(1, 2)[g.query_valid]
     return out
 
-
-
-def prefill_from_start_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 g: AttentionGroup) -> torch.Tensor:
-    """The prefill group's attention when every sequence starts at position 0 (``g.from_start``), from
-    the step's own K/V instead of the cache: the same values the torch path reads back from the blocks
-    it has just written (``k``, ``v`` as stored, i.e. in the cache's dtype), tested against it.
-
-    q: [T, Hq, D]; k, v: [T, Hkv, D], the flat batch. Returns [num valid queries, Hq, D] in the order of
-    ``g.flat_rows``. A sequence's queries and keys are then the same padded rows ([B, Q]), and a causal
-    mask is exact: a valid query at position p sees keys 0..p, and a padded key sits at a position past
-    its sequence's last query. SDPA's causal kernel skips the masked half, and nothing is gathered from
-    the pool (the torch path's K/V gather and explicit mask cost about as much as the attention on CPU)."""
-    qg = q[g.token_index].transpose(1, 2)  # [B, Hq, Q, D]
-    kg = k[g.token_index].transpose(1, 2).to(q.dtype)  # [B, Hkv, Q, D]
-    vg = v[g.token_index].transpose(1, 2).to(q.dtype)
-    og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)  # [B, Hq, Q, D]
-    return og.transpose(1, 2)[g.query_valid]
 
 
 #: bytes of gathered K and V per slice of :func:`sliced_decode_attention`: about twice one core's L2 cache

@@ -112,8 +112,7 @@ class ModelRunner:
             query_positions = np.where(valid, starts[members, None] + q_idx[None, :], 0)
             block_tables = padded[members, : int(widths[members].max())]  # as wide as this group's widest
             groups.append(build_group(self._t(token_index), self._t(query_positions), self._t(valid),
-                                      self._t(block_tables), self.block_size,
-                                      from_start=bool(q_max > 1 and not starts[members].any())))
+                                      self._t(block_tables), self.block_size))
         return groups
 
     def _t(self, array: np.ndarray) -> torch.Tensor:
