@@ -145,3 +145,17 @@ def test_model_logits_match_transformers(tiny_ckpt, make_engine):
             assert diff <= 1e-4, f"prompt of {len(prompt)} tokens: max abs logit difference {diff}"
             row += len(prompt)
     engine.scheduler.update(out, {})  # computed, nothing sampled
+
+
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does() -> None:
+    """Greedy picks by ``max(dim).indices`` (faster on CPU than ``argmax``); on ties both must give the
+    first index of the maximum, or a tie would pick another token than Hugging Face's ``argmax``."""
+    from reference_engine.request import Request
+    from reference_engine.sampler import sample
+    from reference_engine.sampling_params import SamplingParams
+
+    logits = torch.randint(0, 3, (64, 512), generator=torch.Generator().manual_seed(0)).float()  # ties everywhere
+    logits[5] = 1.0  # a whole row tied
+    requests = [Request(f"r{i}", [1], SamplingParams(max_tokens=1), 0.0) for i in range(64)]
+    assert sample(logits, requests, engine_seed=0) == logits.argmax(dim=-1).tolist()
+    assert sample(logits, requests, engine_seed=0)[5] == 0
