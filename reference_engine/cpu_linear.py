@@ -68,27 +68,22 @@ def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-#: above this many rows (a prefill) the packed kernel no longer wins: within +-10% of ``F.linear``
-#: either way on ``small``'s shapes, both dtypes, 1,024-2,048 rows (docs/results.md, "Which rows the
-#: packed matmul serves")
-PACKED_MAX_ROWS = 512
-#: float32 weights with fewer elements are multiplied faster by ``F.linear`` (MKL) at every row count:
-#: the tiny preset's 64 x 192 took 2.0x as long packed at 64 rows, 512 x 512 0.97x
+#: float32 weights with fewer elements are multiplied faster by ``F.linear`` (MKL) at every row count
+#: measured: the tiny preset's 64 x 192 took 2.0x as long packed at 64 rows (1.1x at 2,048), 512 x 512
+#: 0.9-1.0x; bfloat16 packed was as fast or faster at every shape measured
 PACKED_MIN_FLOAT32_WEIGHT = 1 << 16
 
 
-def packed_rows(weight: torch.Tensor) -> range:
-    """The row counts for which :class:`PackedLinear` calls the packed kernel on ``weight``, the others
-    going to ``F.linear`` (measured on this project's machines, see the constants above).
+def packing_pays(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack_linears` packs a layer with this weight: every weight but a float32 one of
+    fewer than ``PACKED_MIN_FLOAT32_WEIGHT`` elements.
 
-    bfloat16 and float16: 1 to ``PACKED_MAX_ROWS`` (the packed kernel 0.5-0.9x of ``F.linear``'s time on
-    decode batches). float32: 2 to ``PACKED_MAX_ROWS`` for weights of at least
-    ``PACKED_MIN_FLOAT32_WEIGHT`` elements (0.7-0.95x), none below; one row is faster unpacked (1.2-1.8x)."""
-    if weight.dtype != torch.float32:
-        return range(1, PACKED_MAX_ROWS + 1)
-    if weight.numel() < PACKED_MIN_FLOAT32_WEIGHT:
-        return range(0)
-    return range(2, PACKED_MAX_ROWS + 1)
+    Not decided by row count as well: at a prefill's 1,024-2,048 rows ``F.linear`` was within +-10% of
+    the packed kernel on ``small``'s shapes (no gain in the prefill step, 0.97-1.00x), and sending float32
+    prefills to ``F.linear`` (MKL) made the torch attention path's later decode steps 2x slower in the
+    same process (``scripts/measure_engine.py --only 1``: torch / dense 1.56x -> 3.07x), a side effect
+    not understood, so not taken (docs/results.md)."""
+    return weight.dtype != torch.float32 or weight.numel() >= PACKED_MIN_FLOAT32_WEIGHT
 
 
 class PackedLinear(nn.Module):
@@ -97,37 +92,31 @@ class PackedLinear(nn.Module):
     ``weight`` and ``bias`` are the wrapped layer's own parameters (shared, not copied); ``packed`` is a
     non-persistent buffer, so state dicts are those of the unwrapped model."""
 
-    def __init__(self, linear: nn.Linear, rows: range | None = None):
-        """``rows``: the row counts that take the packed kernel (default :func:`packed_rows` of the weight);
-        the others are ``F.linear`` on the unpacked weight."""
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.rows = packed_rows(linear.weight) if rows is None else rows
         with torch.no_grad():
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()),
                                  persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] not in self.rows:
-            return nn.functional.linear(x, self.weight, self.bias)
         # oneDNN reads the rows as one dense matrix: a strided view (a slice of a fused product) is copied
         return _packed_matmul(x if x.is_contiguous() else x.contiguous(), self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"packed_rows={self.rows.start}..{self.rows.stop - 1}")
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: nn.Module, rows: range | None = None) -> int:
-    """Replace every :class:`torch.nn.Linear` under ``model`` that a forward pass calls with a
-    :class:`PackedLinear` of it, in place; returns how many were packed.
+def pack_linears(model: nn.Module, everything: bool = False) -> int:
+    """Replace every :class:`torch.nn.Linear` under ``model`` that a forward pass calls, and whose
+    weight :func:`packing_pays` for (``everything``: whatever its weight), with a :class:`PackedLinear`
+    of it, in place; returns how many were packed.
 
-    ``rows`` is passed to each :class:`PackedLinear` (default: :func:`packed_rows` of its weight). Left
-    alone: linears that no row count would send to the packed kernel (no packed copy in memory for
-    them), and linears that forward passes do not call: a layer's unfused ``q_proj``/``gate_proj``
-    etc. (views of the fused weight, kept for the state dict) when :meth:`fuse_projections` has run."""
+    Left alone: linears whose packing would not pay (no packed copy in memory for them), and linears
+    that forward passes do not call: a layer's unfused ``q_proj``/``gate_proj`` etc. (views of the fused
+    weight, kept for the state dict) when :meth:`fuse_projections` has run."""
     skip: set[int] = set()
     for module in model.modules():  # the parts a fused projection replaced
         if getattr(module, "qkv", None) is not None:
@@ -139,11 +128,10 @@ def pack_linears(model: nn.Module, rows: range | None = None) -> int:
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or id(child) in skip:
                 continue
-            child_rows = packed_rows(child.weight) if rows is None else rows
-            if len(child_rows):
-                setattr(parent, name, PackedLinear(child, child_rows))
+            if everything or packing_pays(child.weight):
+                setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
 
 
-__all__ = ["PackedLinear", "pack_linears", "packed_rows", "why_unavailable"]
+__all__ = ["PackedLinear", "pack_linears", "packing_pays", "why_unavailable"]

@@ -19,10 +19,6 @@ pytestmark = pytest.mark.skipif(bool(cpu_linear.why_unavailable(torch.float32)),
                                 reason=f"no oneDNN linear here: {cpu_linear.why_unavailable(torch.float32)}")
 
 
-#: every row count: the kernel comparisons below are about the packed kernel, whatever rows it would serve
-ALL_ROWS = range(1 << 30)
-
-
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(in_features, out_features, bias=bias).to(dtype)
@@ -36,7 +32,7 @@ def test_bfloat16_is_bit_equal_to_f_linear(rows: int, bias: bool) -> None:
     linear = _linear(96, 200, bias, torch.bfloat16)
     x = torch.randn(rows, 96).to(torch.bfloat16)
     with torch.inference_mode():
-        assert torch.equal(cpu_linear.PackedLinear(linear, ALL_ROWS)(x), linear(x))
+        assert torch.equal(cpu_linear.PackedLinear(linear)(x), linear(x))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
@@ -45,7 +41,7 @@ def test_float32_is_within_rounding_of_f_linear(rows: int, bias: bool) -> None:
     linear = _linear(96, 200, bias, torch.float32)
     x = torch.randn(rows, 96)
     with torch.inference_mode():
-        torch.testing.assert_close(cpu_linear.PackedLinear(linear, ALL_ROWS)(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cpu_linear.PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
 def test_strided_input_is_read_as_its_values() -> None:
@@ -55,13 +51,13 @@ def test_strided_input_is_read_as_its_values() -> None:
     x = wide[:, 1::2]
     assert not x.is_contiguous()
     with torch.inference_mode():
-        torch.testing.assert_close(cpu_linear.PackedLinear(linear, ALL_ROWS)(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cpu_linear.PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
 def test_a_wrongly_packed_weight_would_be_seen() -> None:
     """The comparisons above can fail: packing another weight (here the rows rolled by one) is caught."""
     linear = _linear(32, 48, False, torch.float32)
-    packed = cpu_linear.PackedLinear(linear, ALL_ROWS)
+    packed = cpu_linear.PackedLinear(linear)
     packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().roll(1, dims=0))
     x = torch.randn(5, 32)
     with torch.inference_mode():
@@ -71,7 +67,7 @@ def test_a_wrongly_packed_weight_would_be_seen() -> None:
 def test_packing_a_model_keeps_its_state_dict_and_tied_head() -> None:
     model = load_model(builtin_checkpoint("tiny"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    packed = cpu_linear.pack_linears(model, ALL_ROWS)
+    packed = cpu_linear.pack_linears(model, everything=True)
     n = model.config.num_layers
     assert packed == 4 * n + 1  # qkv, o_proj, gate_up, down_proj per layer, and lm_head
     after = model.state_dict()
@@ -115,26 +111,15 @@ def test_engine_greedy_outputs_are_token_equal_and_packing_ran(dtype: str, monke
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_outside_the_packed_range_go_to_f_linear_and_inside_to_the_packed_kernel(dtype, monkeypatch) -> None:
-    """The split by row count: a prefill-sized batch and (float32) one row go to ``F.linear``, a decode
-    batch to the packed kernel; a float32 weight below the size bound is never packed."""
-    if cpu_linear.why_unavailable(dtype):
-        pytest.skip(cpu_linear.why_unavailable(dtype))
-    calls = []
-    real = cpu_linear._packed_matmul
-    monkeypatch.setattr(cpu_linear, "_packed_matmul", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    linear = _linear(512, 256, True, dtype)  # 131,072 elements: above the float32 bound
-    packed = cpu_linear.PackedLinear(linear)
-    with torch.inference_mode():
-        for rows in (1, 2, 64, cpu_linear.PACKED_MAX_ROWS, cpu_linear.PACKED_MAX_ROWS + 1, 2048):
-            x = torch.randn(rows, 512).to(dtype)
-            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
-    single = [] if dtype == torch.float32 else [1]
-    assert calls == [*single, 2, 64, cpu_linear.PACKED_MAX_ROWS]
-    small = _linear(64, 192, False, torch.float32)
-    assert len(cpu_linear.packed_rows(small.weight)) == 0
-    model = load_model(builtin_checkpoint("tiny"))  # float32, every weight below the bound: nothing packed
-    assert cpu_linear.pack_linears(model) == 0
+def test_only_small_float32_weights_are_left_unpacked(dtype) -> None:
+    """Which layers ``pack_linears`` packs: a float32 weight below the size bound stays an ``nn.Linear``
+    (``F.linear`` was faster there), a larger one and any bfloat16 one are packed."""
+    big = _linear(512, 256, True, dtype)  # 131,072 elements: above the float32 bound
+    small = _linear(64, 192, False, dtype)  # 12,288
+    assert cpu_linear.packing_pays(big.weight)
+    assert cpu_linear.packing_pays(small.weight) == (dtype != torch.float32)
+    model = load_model(builtin_checkpoint("tiny"), dtype=dtype)  # every weight below the bound
+    assert cpu_linear.pack_linears(model) == (0 if dtype == torch.float32 else 4 * model.config.num_layers + 1)
 
 
 def test_onednn_off_cpu_is_refused_naming_the_device() -> None:
