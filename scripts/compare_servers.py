@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--variant: expected NAME=FLAGS, got {args.variant}")
     args.knob = parse_knob_overrides(parser, args.knob)
+    if unknown := sorted(set(args.knob) - set(args.engines) - set(args.variant)):
+        parser.error(f"--knob: no engine or variant named {', '.join(map(repr, unknown))} in this run "
+                     f"(engines: {', '.join(args.engines)}; variants: {', '.join(args.variant) or 'none'})")
     if args.report:
         print(report(json.loads(Path(args.report).read_text())))
         return 0

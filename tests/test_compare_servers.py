@@ -57,6 +57,13 @@ def test_knob_overrides_are_parsed_and_bad_ones_name_what_is_wrong(capsys) -> No
         assert says in capsys.readouterr().err
 
 
+def test_a_knob_for_an_engine_the_run_does_not_have_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cs.main(["--engines", "inproc,ref-server", "--knob", "ref-srever:max_num_batched_tokens=512"])
+    assert e.value.code == 2
+    assert "--knob: no engine or variant named 'ref-srever'" in capsys.readouterr().err
+
+
 def test_a_small_run_in_process_and_over_http(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "run.json"
     served = []
