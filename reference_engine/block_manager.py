@@ -121,6 +121,8 @@ class BlockManager:
         not copied, and the caller advances ``num_computed_tokens`` past them.
         """
         table = self.block_tables.setdefault(request.request_id, [])
+        if not new_computed_blocks and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return True  # the table already covers them: most decode steps (a new block every block_size tokens)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(new_computed_blocks)
         # Hits on cached-but-unreferenced blocks take them out of the free queue too.
