@@ -227,9 +227,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"\n== {model_name} ({ckpt.name}), {dtype}: {args.requests} requests x {args.prompt} prompt + "
                       f"{args.output} output, knobs {knobs.as_dict()}", flush=True)
                 warm = workload(model, 8, args.prompt, 8, 8, seed=1)
+                engine_knobs = {name: knobs.merged(Knobs(**args.knob.get(name, {}))) for name in engines}
                 for name, adapter in engines.items():
                     t0 = time.perf_counter()
-                    serve(adapter, Job(warm, knobs.merged(Knobs(**args.knob.get(name, {})))), "compare-warmup")
+                    serve(adapter, Job(warm, engine_knobs[name]), "compare-warmup")
                     print(f"   {name}: started and warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
                     if isinstance(adapter, ServerAdapter):
                         threads_seen[f"{name} ({model_name}, {dtype})"] = server_threads(adapter)
@@ -240,8 +241,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         requests = workload(model, args.requests, args.prompt, args.output, c)
                         k = (r + ci) % len(names)
                         for name in names[k:] + names[:k]:
-                            job = Job(requests, knobs.merged(Knobs(**args.knob.get(name, {}))))
-                            trace = serve(engines[name], job, "compare")
+                            trace = serve(engines[name], Job(requests, engine_knobs[name]), "compare")
                             m = metrics.summarize(trace)
                             group[c].add(name, m)
                             print(f"   round {r + 1} c={c:<3} {name:<10} {m['output_throughput'] or 0:8,.0f} tok/s  "

@@ -34,8 +34,8 @@ from kvbench.bench.scenarios.common import Job, Model, build_workload, serve
 from kvbench.bench.workloads import ClosedLoop, Fixed, WorkloadSpec
 from kvbench.checkpoints import checkpoint_for
 from kvbench.engines.base import Knobs
+from kvbench.engines.http.placement import group_pids, thread_ids
 from kvbench.engines.http.presets import VLLM_CPU_LAYOUT
-from kvbench.engines.http.process import group_members
 from kvbench.engines.http.server import ServerAdapter
 
 ROUNDS = 5
@@ -45,13 +45,6 @@ KNOBS = Knobs(block_size=32, num_gpu_blocks=64 * 6 + 8, max_num_seqs=64, max_mod
 def _workload(model: Model, n: int, output: int, concurrency: int, seed: int = 21):
     return build_workload(WorkloadSpec("front-end-cores", n, Fixed(128), Fixed(output), ClosedLoop(concurrency),
                                        seed=seed), model)
-
-
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return []
 
 
 def _name(pid: int) -> str:
@@ -66,7 +59,7 @@ def _sample_running(pids: list[int], stop: threading.Event, seen: collections.Co
     """Count (process name, core) for every thread of ``pids`` found running, every 2 ms, until ``stop``."""
     while not stop.is_set():
         for pid in pids:
-            for tid in _threads(pid):
+            for tid in thread_ids(pid):
                 try:
                     with open(f"/proc/{pid}/task/{tid}/stat") as f:
                         fields = f.read().rsplit(")", 1)[1].split()
@@ -84,13 +77,13 @@ def main() -> None:
     adapter = ServerAdapter(str(ckpt), {"preset": "vllm", "args": "--dtype float32"}, name="vllm")
     try:
         serve(adapter, Job(_workload(model, 8, 8, 8, seed=1), KNOBS), "warm-up")
-        pids = [pid for pid, _ in group_members(adapter._server.pgid) or []]
+        pids = group_pids(adapter.process.pgid)
         print("vLLM's processes (pid, name, cores):", [(p, _name(p), sorted(os.sched_getaffinity(p))) for p in pids])
         for phase in ("as started", "front end bound to core 1"):
             if phase != "as started":
                 for pid in pids:
                     if sorted(os.sched_getaffinity(pid)) != [0]:  # all but the worker, which vLLM bound
-                        for tid in _threads(pid):
+                        for tid in thread_ids(pid):
                             os.sched_setaffinity(tid, {1})
             rates = []
             for r in range(ROUNDS):

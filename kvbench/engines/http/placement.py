@@ -30,7 +30,8 @@ from kvbench.engines.http.process import group_members
 log = logging.getLogger("kvbench")
 
 
-def _threads(pid: int | str) -> list[int]:
+def thread_ids(pid: int | str) -> list[int]:
+    """The thread ids of process ``pid`` (``"self"``: this one), from /proc; empty if it is gone."""
     try:
         return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
@@ -46,7 +47,7 @@ def engine_cores(pids: list[int], machine: set[int]) -> set[int]:
     """The cores that threads of ``pids`` are bound to: those whose affinity is narrower than ``machine``."""
     bound: set[int] = set()
     for pid in pids:
-        for tid in _threads(pid):
+        for tid in thread_ids(pid):
             try:
                 cores = os.sched_getaffinity(tid)
             except OSError:  # exited meanwhile
@@ -86,7 +87,7 @@ def off_the_engine_cores(pgid: int | None) -> Iterator[set[int] | None]:
         yield None
         return
     before: dict[int, set[int]] = {}
-    for tid in _threads("self"):
+    for tid in thread_ids("self"):
         with contextlib.suppress(OSError):
             before[tid] = os.sched_getaffinity(tid)
     _set_threads({tid: cores for tid in before})
@@ -94,5 +95,5 @@ def off_the_engine_cores(pgid: int | None) -> Iterator[set[int] | None]:
     try:
         yield cores
     finally:
-        started = {tid: before.get(threading.get_native_id(), cores) for tid in _threads("self") if tid not in before}
+        started = {tid: before.get(threading.get_native_id(), cores) for tid in thread_ids("self") if tid not in before}
         _set_threads({**before, **started})  # threads started inside get the caller's old cores
