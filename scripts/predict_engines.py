@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     spans: dict[str, list] = {"vllm": [], "reference/client-fit": []}
     totals: dict[str, list] = {"vllm": [], "reference/client-fit": []}
     intervals: list = []
+    wakes: list[tuple[float, float]] = []  # (wake_s, wake_tau_s) of each reference calibration pass
     base: dict[str, Any] = {}
     measured: dict[str, list[dict[str, list[dict[str, float | None]]]]] = {n: [] for n in engines}
     try:
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     cal = calibrate(str(ckpt), "reference-served-fit", Design(rounds=1), seed=r, torch_threads=1)
                     base.setdefault("reference", cal.profile)
+                    wakes.append((cal.profile.coefficients.wake_s, cal.profile.coefficients.wake_tau_s))
                     intervals.extend(cal.train + cal.heldout)
                     if args.client_fit_reference:  # the method vLLM gets, on the reference engine: a cross-check
                         ref = adapters["reference"]
@@ -225,14 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     if "reference" in engines:
         ref_base = base["reference"]
         cost = CostModel(shape, ref_base)
-        profile = ref_base.with_coefficients(fit_intervals(cost, intervals))
+        # waking up after idle, timed in every pass: the median of the passes' fits
+        wake_s, wake_tau_s = (float(np.median([w[i] for w in wakes])) for i in (0, 1))
+        profile = ref_base.with_coefficients(dataclasses.replace(fit_intervals(cost, intervals), wake_s=wake_s,
+                                                                 wake_tau_s=wake_tau_s if wake_s > 0 else 0.0))
         err = fit_error(CostModel(shape, profile), intervals)
         c = profile.coefficients
         calib["reference"] = (f"served-interval fit ({err['intervals']} intervals, {args.rounds} passes): fixed "
                               f"{c.fixed_s * 1e3:.2f} ms, per seq {c.per_seq_s * 1e6:.0f} us, per request "
                               f"{c.per_request_s * 1e6:.0f} us, dense x{c.dense:.2f}, attention x{c.attention:.2f}, "
-                              f"memory x{c.memory:.2f}; median interval error {err['median_rel_error']:.0%}, R² "
-                              f"{err['r2']:.2f}, sum {err['total_rel_error']:.1%} off")
+                              f"memory x{c.memory:.2f}, waking up +{c.wake_s * 1e3:.2f} ms (63% after "
+                              f"{c.wake_tau_s * 1e3:.0f} ms idle); median interval error "
+                              f"{err['median_rel_error']:.0%}, R² {err['r2']:.2f}, "
+                              f"sum {err['total_rel_error']:.1%} off")
         profiles["reference"] = profile.save(folder / "reference.json")
         if args.client_fit_reference:
             cal = fit_client(profile, shape, spans["reference/client-fit"], totals["reference/client-fit"],
@@ -241,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             calib["reference/client-fit"] = cal.summary()
     if "vllm" in engines:
         vbase = base.get("reference") or base_profile(str(ckpt), Design(), "vllm-client-fit")
+        # waking up after idle was timed on the reference engine's steps, which vLLM's are not: not assumed
+        vbase = vbase.with_coefficients(dataclasses.replace(vbase.coefficients, wake_s=0.0, wake_tau_s=0.0))
         cal = fit_client(vbase, shape, spans["vllm"], totals["vllm"], "vllm-client-fit")
         calib["vllm"] = cal.summary()
         vprofile = cal.profile

@@ -182,6 +182,9 @@ def test_calibrate_cli_writes_a_loadable_profile_with_its_fit_error(tmp_path, ti
     assert profile.name == "ci" and profile.combine == "sum" and profile.coefficients.fixed_s > 0
     fit = profile.fit or {}
     assert fit["fit_contexts"] == [16] and fit["heldout_contexts"] == [48]
+    # waking up after idle, timed apart: in the report and the profile, with the medians behind it
+    assert "waking up after idle" in text and set(fit["wake"]["extra_s"]) == {"0.005", "0.01", "0.02", "0.05",
+                                                                               "0.1", "0.2"}
     for part in ("train", "heldout"):
         assert fit[part]["intervals"] > 0
         assert f"{fit[part]['median_rel_error']:.1%}" in text

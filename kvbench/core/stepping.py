@@ -10,7 +10,10 @@ Two clocks decide *when* a request is released or aborted:
 
 * **wall clock** (``step_seconds=None``): arrival ``t`` is released once ``t`` seconds have passed
   since the run began. What a step finds in the queue then depends on how fast the machine is,
-  so counts (preemptions, recomputed tokens, swaps, prefix hits) vary from run to run.
+  so counts (preemptions, recomputed tokens, swaps, prefix hits) vary from run to run. An idle
+  engine's next arrival is waited for by sleeping, and the last :data:`ARRIVAL_SPIN_S` of the wait
+  by spinning on the clock: a sleep here wakes 0.1-0.4 ms late, which a lone request's TTFT (2-3 ms
+  on the tiny model) would otherwise carry as if the engine had spent it.
 * **step clock** (``step_seconds=s``): virtual time advances by ``s`` per engine step. Arrival
   ``t`` is released right before step ``floor(t / s)``; an abort ``abort_at`` seconds after a
   request's release fires before step ``release_step + floor(abort_at / s)``. When the engine is
@@ -39,6 +42,10 @@ from typing import Any, Protocol
 
 from kvbench.core.liveness import DriverWatchdog, Liveness
 from kvbench.core.trace import StepRecord, Trace, TraceRecorder
+
+#: the end of an idle engine's wait for its next arrival that the wall-clock driver spins through
+#: instead of sleeping (seconds): longer than a sleep here overshoots (0.1-0.4 ms on the 2-core VM).
+ARRIVAL_SPIN_S = 0.001
 
 #: tolerance when turning virtual seconds into a step index, so 0.3 / 0.1 counts as step 3, not 2
 _EPS = 1e-9
@@ -129,10 +136,24 @@ def drive(engine: SteppableEngine, requests: Sequence[Any], recorder: TraceRecor
                 if virtual_clock is not None:  # nothing happens until the next arrival: jump, do not sleep
                     virtual_clock.advance_to(pending[next_index].arrival_time)
                 else:
-                    time.sleep(max(0.0, min(pending[next_index].arrival_time - recorder.now(), 0.05)) or idle_sleep)
+                    _wait_for(pending[next_index].arrival_time, recorder.now, idle_sleep)
             watchdog.idle()  # requests in flight that the engine has no work for: lost, unless it recovers
             continue
         _record_step(engine, recorder, in_flight, progress, virtual_t=None, watchdog=watchdog)
+
+
+def _wait_for(t: float, now: Callable[[], float], idle_sleep: float) -> None:
+    """Wait towards ``t`` on the clock ``now``: sleep, for at most 50 ms (the caller looks at aborts and
+    its watchdog between waits), until :data:`ARRIVAL_SPIN_S` before it, then spin until ``t``. Never
+    returns early unless ``t`` has passed; a ``t`` already past sleeps ``idle_sleep``."""
+    wait = t - now()
+    if wait <= 0:
+        time.sleep(idle_sleep)
+    elif wait > ARRIVAL_SPIN_S:
+        time.sleep(min(wait - ARRIVAL_SPIN_S, 0.05))
+    else:
+        while now() < t:
+            pass
 
 
 def _drive_step_clock(engine: SteppableEngine, requests: Sequence[Any], recorder: TraceRecorder,

@@ -10,7 +10,9 @@ to this one's, which is what a served run's throughput, TTFT and TBT are made of
 :func:`~reference_engine.sim.calibrate.fit_intervals` fits the cost model's coefficients plus
 ``per_request_s`` to the cells outside ``heldout_contexts`` (least squares in seconds); the
 printed error (median and p90 relative error per interval, R², and the error of their sum) is
-given on the fitted cells and on the held-out ones, and saved in the profile's ``fit``.
+given on the fitted cells and on the held-out ones, and saved in the profile's ``fit``. What a step
+costs more after the engine sat idle is timed apart (:func:`~reference_engine.sim.calibrate.fit_wake`) and
+saved as ``wake_s`` and ``wake_tau_s``, with the medians behind them in ``fit["wake"]``.
 ``scripts/validate_sim.py`` uses the same recording and samples (:func:`recording`,
 :func:`interval_samples`) on the quick scenarios.
 """
@@ -22,7 +24,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,12 @@ from reference_engine.costs import Coefficients, CostModel, HardwareProfile, Ste
 from reference_engine.sim.calibrate import (
     Design,
     IntervalSample,
+    WakeFit,
     copy_bandwidth,
     fit_error,
     fit_intervals,
     fit_swap,
+    fit_wake,
     peak_flops,
 )
 
@@ -144,6 +148,7 @@ class Calibration:
             f"  coefficients: fixed {c.fixed_s * 1e3:.3f} ms, per sequence {c.per_seq_s * 1e6:.1f} us, "
             f"per request {c.per_request_s * 1e6:.1f} us, dense x{c.dense:.2f}, attention x{c.attention:.2f}, "
             f"memory x{c.memory:.2f}, link x{c.link:.2f}, per copy {c.per_copy_s * 1e6:.1f} us",
+            *([f"  waking up after idle: {WakeFit.from_fit(c, fit['wake']).describe()}"] if fit.get("wake") else []),
             f"  fit on contexts {fit.get('fit_contexts')}: " + err("train"),
             f"  held out, contexts {fit.get('heldout_contexts')}: " + err("heldout"),
         ])
@@ -187,10 +192,14 @@ def calibrate(model_dir: str, name: str = "this-machine", design: Design | None 
             say(f"cell {i}/{len(cells)} (round {r + 1}/{design.rounds}): context {context}, decode batch {batch}: "
                 f"{len(got)} steps served in {time.perf_counter() - t0:.1f} s"
                 f"{' (held out)' if context in design.heldout_contexts else ''}")
+        t0 = time.perf_counter()
+        wake = fit_wake(model_dir, design)
+        say(f"waking up after idle, timed in {time.perf_counter() - t0:.1f} s: {wake.describe()}")
     finally:
         torch.set_num_threads(before)
     cost = CostModel(shape, base)
-    profile = base.with_coefficients(fit_intervals(cost, train))
+    profile = base.with_coefficients(replace(fit_intervals(cost, train), wake_s=wake.wake_s,
+                                             wake_tau_s=wake.wake_tau_s))
     fitted = CostModel(shape, profile)
     machine = f"{platform.machine()} {platform.node()}"
     fit: dict[str, Any] = {
@@ -200,6 +209,7 @@ def calibrate(model_dir: str, name: str = "this-machine", design: Design | None 
         "fit_contexts": [c for c in design.contexts if c not in design.heldout_contexts],
         "heldout_contexts": list(design.heldout_contexts),
         "train": fit_error(fitted, train), "heldout": fit_error(fitted, heldout),
+        "wake": {"warm_s": wake.warm_s, "extra_s": {f"{g:g}": e for g, e in sorted(wake.extra_s.items())}},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     source = f"kvbench calibrate on {machine} ({shape.name}, {torch_threads} torch thread(s))"

@@ -18,6 +18,10 @@ with fitted coefficients::
 not: what the CPU reference engine fits best). With ``sum`` the time is linear in the coefficients,
 which is what ``kvbench calibrate`` fits by non-negative least squares (:func:`features`).
 
+A step that follows an idle spell of ``g`` seconds costs ``wake_s x (1 - exp(-g / wake_tau_s))`` more
+(:meth:`~reference_engine.costs.profiles.Coefficients.wake_seconds`), charged by the simulator's runner,
+which knows how long its clock waited while the engine had nothing to do.
+
 Swap: ``per_copy_s + link x bytes / link_bandwidth`` per batched copy. Recompute: the prefill of the
 discarded tokens, priced by the same step model (:meth:`CostModel.recompute_seconds`).
 """

@@ -13,7 +13,8 @@ Profile file (JSON)::
      "compute_flops": 1.2e11, "memory_bandwidth": 1.0e10, "link_bandwidth": 8.0e9, "memory_bytes": 2.5e10,
      "combine": "sum",
      "coefficients": {"fixed_s": 0.002, "per_seq_s": 1e-4, "dense": 1.3, "attention": 4.0, "memory": 1.0,
-                      "link": 1.0, "per_copy_s": 2e-5},
+                      "link": 1.0, "per_copy_s": 2e-5,
+                      "wake_s": 0.0014, "wake_tau_s": 0.03},
      "dtype": "float32", "source": "kvbench calibrate ...", "fit": {...},
      "front_end": {"per_request_s": 0.004, "per_step_s": 0.0, "per_output_s": 2e-4, "per_chunk_s": 8e-4}}
 
@@ -49,6 +50,14 @@ class Coefficients:
     ``per_copy_s + link * bytes / link_bandwidth``; taking in a request ``per_request_s`` (0 in the
     built-in GPU profiles; fitted on served runs here, where it is the driver's and the engine's
     Python work per arrival).
+
+    A step that follows ``g`` seconds of idleness (the engine had nothing to run) costs
+    ``wake_s * (1 - exp(-g / wake_tau_s))`` more: what an engine pays to get going again after a lull,
+    measured by ``kvbench calibrate`` (:func:`~reference_engine.sim.calibrate.fit_wake`). On the 2-core
+    VM this project runs on, a lone 64-token prefill of the tiny model took 1.2 ms right after another
+    step and 2.6 ms after 100 ms of sleep or of a busy wait alike (its caches gone cold, not a halted
+    core), so in an open-loop run every request that arrives at an idle engine pays it. 0 (the
+    default, and in the built-in GPU profiles): no such cost.
     """
 
     fixed_s: float = 0.0  # per step: scheduling, launches, host-side preparation
@@ -59,11 +68,22 @@ class Coefficients:
     link: float = 1.0  # multiplier on the ideal host-link transfer time
     per_copy_s: float = 0.0  # per batched swap copy (one per direction per step)
     per_request_s: float = 0.0  # host work to take in one request (validation, queueing, the driver's release)
+    wake_s: float = 0.0  # extra seconds of a step after a long idle spell (its caches cold)
+    wake_tau_s: float = 0.0  # how fast idleness makes the next step pay ``wake_s``: 63% of it after this long
 
     def __post_init__(self) -> None:
         for key, value in asdict(self).items():
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"coefficients.{key}={value!r} is invalid: expected a finite number >= 0")
+        if self.wake_s > 0 and self.wake_tau_s <= 0:
+            raise ValueError(f"coefficients.wake_tau_s={self.wake_tau_s!r} is invalid with wake_s={self.wake_s!r}: "
+                             "expected seconds > 0 (how long idleness takes to make a step pay wake_s)")
+
+    def wake_seconds(self, idle_s: float) -> float:
+        """Extra seconds of a step that follows ``idle_s`` seconds in which the engine had nothing to run."""
+        if self.wake_s <= 0 or idle_s <= 0:
+            return 0.0
+        return self.wake_s * -math.expm1(-idle_s / self.wake_tau_s)
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,16 @@ what a served run spends per step. :func:`fit_error` is the fit's own error repo
 relative error per interval, and R² in seconds). Swap copies are timed on their own
 (:func:`fit_swap`, ``Design.swap_blocks``) and fitted to ``per_copy_s + link x bytes / B``. Peak
 rates come from two micro benchmarks (:func:`peak_flops`, :func:`copy_bandwidth`), so the fitted
-coefficients are "times the ideal" as for the GPU profiles.
+coefficients are "times the ideal" as for the GPU profiles. What a step costs more after the engine sat
+idle (``wake_s``, ``wake_tau_s``) is timed on its own too (:func:`fit_wake`: a lone prefill after idle
+spells of ``Design.wake_gaps``, against the same prefill right after another step).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,7 +36,9 @@ class Design:
     interleaved (every cell once, then again), so a spell of load on the machine spreads over the
     cells instead of landing on one. Cells whose context is in ``heldout_contexts`` are kept out of
     the fit and report its error. Swaps: batched copies of each of ``swap_blocks`` blocks,
-    ``swap_repeats`` times."""
+    ``swap_repeats`` times. Waking up: a lone prefill of ``wake_prompt`` tokens after an idle spell of
+    each of ``wake_gaps`` seconds, against the same prefill right after another step, ``wake_repeats``
+    times (:func:`fit_wake`)."""
 
     contexts: tuple[int, ...] = (32, 192, 512)
     decode_batches: tuple[int, ...] = (1, 8, 24)
@@ -45,13 +49,20 @@ class Design:
     heldout_contexts: tuple[int, ...] = (192,)
     swap_blocks: tuple[int, ...] = (1, 4, 16, 64)
     swap_repeats: int = 5
+    wake_gaps: tuple[float, ...] = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
+    wake_repeats: int = 5
+    wake_prompt: int = 64
 
     def __post_init__(self) -> None:
         for name in ("contexts", "decode_batches", "prefills", "swap_blocks"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
                 raise ValueError(f"Design.{name}={values!r} is invalid: expected one or more integers >= 1")
-        for name in ("decode_steps", "repeats", "rounds", "swap_repeats"):
+        if not self.wake_gaps or any(isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g)
+                                     or g <= 0 for g in self.wake_gaps):
+            raise ValueError(f"Design.wake_gaps={self.wake_gaps!r} is invalid: expected one or more idle spells in "
+                             "seconds > 0")
+        for name in ("decode_steps", "repeats", "rounds", "swap_repeats", "wake_repeats", "wake_prompt"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Design.{name}={value!r} is invalid: expected an integer >= 1")
@@ -170,6 +181,101 @@ def fit_swap(model_dir: str, design: Design, link_bandwidth: float) -> tuple[flo
     return float(per_copy), float(link)
 
 
+#: time constants :func:`fit_wake_curve` tries (seconds): 1 ms to 1 s, geometric
+_WAKE_TAUS = tuple(float(t) for t in np.geomspace(1e-3, 1.0, 61))
+
+
+@dataclass(frozen=True)
+class WakeFit:
+    """What :func:`fit_wake` measured and fitted: ``warm_s``, the probe step's median right after another
+    step; ``extra_s``, per idle spell (seconds), the median of how much longer the probe took after it;
+    ``wake_s`` and ``wake_tau_s``, the fitted curve (both 0: waking up costs nothing measurable here)."""
+
+    wake_s: float
+    wake_tau_s: float
+    warm_s: float
+    extra_s: dict[float, float]
+
+    @classmethod
+    def from_fit(cls, coefficients: Coefficients, saved: dict) -> WakeFit:
+        """The fit as a profile saves it: its coefficients and ``fit["wake"]``."""
+        return cls(coefficients.wake_s, coefficients.wake_tau_s, float(saved["warm_s"]),
+                   {float(g): float(e) for g, e in saved["extra_s"].items()})
+
+    def describe(self) -> str:
+        spells = ", ".join(f"{g * 1e3:g} ms {e * 1e3:+.2f}" for g, e in sorted(self.extra_s.items()))
+        if self.wake_s <= 0:
+            return f"none measurable (probe step {self.warm_s * 1e3:.2f} ms warm; after idle spells: {spells} ms)"
+        return (f"+{self.wake_s * 1e3:.2f} ms after a long idle spell, 63% of it after {self.wake_tau_s * 1e3:.0f} ms "
+                f"(probe step {self.warm_s * 1e3:.2f} ms warm; after idle spells: {spells} ms)")
+
+
+def fit_wake_curve(extra_s: dict[float, float], warm_s: float,
+                   noise: float = 0.05) -> tuple[float, float]:
+    """``(wake_s, wake_tau_s)`` of ``wake_s * (1 - exp(-gap / wake_tau_s))`` fitted (least squares; the
+    time constant from a grid of 1 ms to 1 s) to ``extra_s`` (idle spell -> extra seconds of the step
+    after it). ``(0, 0)`` when the longest spells cost no more than ``noise`` of the warm step ``warm_s``:
+    nothing to model, rather than a curve fitted to noise."""
+    gaps = np.array(sorted(extra_s), dtype=float)
+    if gaps.size == 0:
+        return 0.0, 0.0
+    extra = np.array([extra_s[g] for g in sorted(extra_s)], dtype=float)
+    if np.median(extra[-2:]) <= noise * warm_s:
+        return 0.0, 0.0
+    best = (np.inf, 0.0, 0.0)
+    for tau in _WAKE_TAUS:
+        f = -np.expm1(-gaps / tau)
+        wake = max(0.0, float(f @ extra) / float(f @ f))
+        sse = float(np.sum((wake * f - extra) ** 2))
+        if sse < best[0]:
+            best = (sse, wake, tau)
+    return (best[1], best[2]) if best[1] > 0 else (0.0, 0.0)
+
+
+def fit_wake(model_dir: str, design: Design, dtype: str = "float32") -> WakeFit:
+    """Time a lone prefill of ``design.wake_prompt`` tokens on the reference engine right after another
+    step and after each idle spell of ``design.wake_gaps`` (slept), ``design.wake_repeats`` times, and
+    fit :func:`fit_wake_curve` to the medians. The engine is built here with a pool of one request."""
+    from reference_engine.config import EngineConfig
+    from reference_engine.engine import LLMEngine
+    from reference_engine.model import ModelConfig
+    from reference_engine.sampling_params import SamplingParams
+
+    mc = ModelConfig.from_dir(model_dir)
+    prompt = list(range(3, 3 + min(design.wake_prompt, mc.max_position_embeddings - 1)))
+    block_size = 16
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, block_size=block_size,
+                                    num_gpu_blocks_override=-(-(len(prompt) + 1) // block_size) + 1))
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    count = 0
+
+    def probe() -> float:
+        nonlocal count
+        count += 1
+        engine.add_request(f"wake-{count}", prompt, params)
+        t0 = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - t0
+        while engine.has_unfinished_requests():
+            engine.step()
+        return seconds
+
+    for _ in range(3):
+        probe()
+    warm: list[float] = []
+    extra: dict[float, list[float]] = {g: [] for g in design.wake_gaps}
+    for _ in range(design.wake_repeats):
+        for gap in design.wake_gaps:
+            before = probe()
+            time.sleep(gap)
+            extra[gap].append(probe() - before)
+            warm.append(before)
+    warm_s = float(np.median(warm))
+    medians = {float(g): float(np.median(v)) for g, v in extra.items()}
+    wake_s, tau = fit_wake_curve(medians, warm_s)
+    return WakeFit(wake_s, tau, warm_s, medians)
+
+
 # ------------------------------------------------------------------------------ served runs
 @dataclass(frozen=True)
 class IntervalSample:
@@ -186,7 +292,7 @@ class IntervalSample:
 def fit_intervals(cost: CostModel, samples: list[IntervalSample], relative: bool = False,
                   trim: float = 3.0) -> Coefficients:
     """Coefficients of :data:`FEATURES` plus ``per_request_s`` fitted (non-negative least squares) to
-    served step intervals; swap terms are left at ``cost``'s profile.
+    served step intervals; swap and wake terms are left at ``cost``'s profile.
 
     ``relative=False`` (the default) minimises the squared error in seconds, so the predicted
     intervals add up to the measured ones: on a loaded machine an interval is the step's work *plus
@@ -212,9 +318,8 @@ def fit_intervals(cost: CostModel, samples: list[IntervalSample], relative: bool
     else:
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns of ~1: a well-conditioned active set
         x = nnls(a / scale, y) / scale
-    c = cost.profile.coefficients
-    return Coefficients(**dict(zip(FEATURES, (float(v) for v in x[:-1]), strict=True)), link=c.link,
-                        per_copy_s=c.per_copy_s, per_request_s=float(x[-1]))
+    return replace(cost.profile.coefficients, **dict(zip(FEATURES, (float(v) for v in x[:-1]), strict=True)),
+                   per_request_s=float(x[-1]))
 
 
 def interval_errors(cost: CostModel, samples: list[IntervalSample]) -> list[float]:
@@ -290,8 +395,8 @@ def span_seconds(cost: CostModel, sample: SpanSample) -> float:
 
 def fit_spans(cost: CostModel, samples: list[SpanSample], relative: bool = True) -> Coefficients:
     """Coefficients of :data:`FEATURES` plus ``per_request_s`` fitted (non-negative least squares) to
-    client-measured spans; swap terms are left at ``cost``'s profile (a server's swaps are not seen
-    from outside). ``relative=True`` (the default) weighs every span alike (spans run from a few ms
+    client-measured spans; swap and wake terms are left at ``cost``'s profile (a server's swaps are not
+    seen from outside). ``relative=True`` (the default) weighs every span alike (spans run from a few ms
     to a second: in seconds the longest would decide alone); ``False`` minimises seconds."""
     if cost.profile.combine != "sum":
         raise ValueError(f"fit_spans: profile {cost.profile.name!r} combines by {cost.profile.combine!r}; "
@@ -305,9 +410,8 @@ def fit_spans(cost: CostModel, samples: list[SpanSample], relative: bool = True)
         a, y = a / y[:, None], np.ones_like(y)
     scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns of ~1: a well-conditioned active set
     x = nnls(a / scale, y) / scale
-    c = cost.profile.coefficients
-    return Coefficients(**dict(zip(FEATURES, (float(v) for v in x[:-1]), strict=True)), link=c.link,
-                        per_copy_s=c.per_copy_s, per_request_s=float(x[-1]))
+    return replace(cost.profile.coefficients, **dict(zip(FEATURES, (float(v) for v in x[:-1]), strict=True)),
+                   per_request_s=float(x[-1]))
 
 
 def span_errors(cost: CostModel, samples: list[SpanSample]) -> list[float]:

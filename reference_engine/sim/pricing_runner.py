@@ -15,10 +15,13 @@ from reference_engine.scheduler import SchedulerOutput
 
 
 class VirtualClock:
-    """Simulated seconds. Only ever moves forward."""
+    """Simulated seconds. Only ever moves forward: by :meth:`advance` for work done (a step, a copy,
+    taking a request in) and by :meth:`advance_to` for waiting (an idle engine, the next arrival);
+    ``idle_s`` adds up the waiting until the runner takes it (:meth:`take_idle`)."""
 
     def __init__(self, start: float = 0.0):
         self.t = float(start)
+        self.idle_s = 0.0
 
     def now(self) -> float:
         return self.t
@@ -31,7 +34,13 @@ class VirtualClock:
     def advance_to(self, t: float) -> None:
         """Jump to ``t`` if it is later (an idle engine waiting for the next arrival)."""
         if t > self.t:
+            self.idle_s += t - self.t
             self.t = float(t)
+
+    def take_idle(self) -> float:
+        """Seconds spent waiting since the last call (and start counting again)."""
+        idle, self.idle_s = self.idle_s, 0.0
+        return idle
 
 
 def placeholder_token(eos_token_ids: tuple[int, ...]) -> int:
@@ -53,9 +62,10 @@ class SimRunner:
         self.last_seconds = 0.0
 
     def execute(self, out: SchedulerOutput, extra: StepShape | None = None) -> dict[str, int]:
-        """Advance the clock by the step's cost; a placeholder token for every completing chunk.
-        ``extra``: work of the step that is not in ``out.chunks`` (the fast path's lazy decodes,
-        whose tokens the caller accounts for)."""
+        """Advance the clock by the step's cost, plus what waking up costs after the clock's idle spell
+        since the previous step (:meth:`~reference_engine.costs.profiles.Coefficients.wake_seconds`); a
+        placeholder token for every completing chunk. ``extra``: work of the step that is not in
+        ``out.chunks`` (the fast path's lazy decodes, whose tokens the caller accounts for)."""
         shape = StepShape.of_chunks((c.start, c.num_tokens, c.completes) for c in out.chunks)
         if extra is not None and extra.num_seqs:
             shape = shape + extra
@@ -63,7 +73,8 @@ class SimRunner:
             self.last_shape, self.last_seconds = StepShape(), 0.0
             return {}
         self.last_shape = shape
-        self.last_seconds = self.cost.step_seconds(shape)
+        wake = self.cost.profile.coefficients.wake_seconds(self.clock.take_idle())
+        self.last_seconds = self.cost.step_seconds(shape) + wake
         self.clock.advance(self.last_seconds)
         token = self.token
         return {c.request.request_id: token for c in out.chunks if c.completes}
