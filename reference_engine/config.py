@@ -34,6 +34,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "sliced", "cpp", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
+ELEMENTWISE_BACKENDS = ("auto", "torch", "cpp")
 GiB = 1 << 30
 
 
@@ -62,6 +63,7 @@ class EngineConfig:
     check_invariants: bool = False
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    elementwise_backend: str = "auto"
     max_events: int = DEFAULT_MAX_EVENTS
     cost_profile: str | None = None
     admission_policy: str = "none"
@@ -93,6 +95,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
+        _choice("elementwise_backend", self.elementwise_backend, ELEMENTWISE_BACKENDS)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "True or False")
@@ -157,6 +160,9 @@ FIELD_DOCS: dict[str, str] = {
     "linear_backend": "matmuls: torch (torch.nn.functional.linear), onednn (CPU: weights packed once into "
                       "oneDNN's layout, one more copy of them in memory) or auto (onednn on CPU where it runs, "
                       "torch elsewhere)",
+    "elementwise_backend": "RMSNorm and SwiGLU: torch (the readable oracle), cpp (CPU, float32 and bfloat16: one "
+                           "fused pass per layer, a C++ kernel built on first use) or auto (cpp where it runs, "
+                           "torch elsewhere)",
     "max_events": "engine events retained in LLMEngine.events, oldest dropped first (0 keeps none; a sink sees "
                   "them all); an integer >= 0",
     "cost_profile": "how preemption_mode=auto prices swap against recompute: a hardware profile JSON file from "

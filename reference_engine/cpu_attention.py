@@ -11,27 +11,25 @@ stay on the torch path; the torch path stays the oracle, and the tests hold the 
 (``tests/test_cpu_attention.py``).
 
 The build needs a C++ compiler and ninja (both on the machines this project runs on); it takes tens of
-seconds once, then torch caches it (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``)
-and later processes load it in well under a second (the build folder and the copy of the source it is
-built from are named by a digest of the source, flags, torch and Python: :func:`_build_source`).
+seconds once, then torch caches it (:mod:`reference_engine.cpu_build`).
 :func:`cpu_kernel_available` says whether it built; ``attention_backend="auto"`` uses it on CPU when it
 did and the sliced torch path when it did not, after one warning naming the reason.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from reference_engine import cpu_build
+
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_PREFIX = "reference_engine_paged_decode"
 # -ffast-math lets the compiler vectorise the dot products' sums and exp; it is a compile flag only (not
 # passed to the link, which could set flush-to-zero for the whole process: a test checks it does not).
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -50,11 +48,7 @@ def _load() -> Any:
         if _error is not None:
             raise RuntimeError(_error)
         try:
-            from torch.utils.cpp_extension import load
-
-            name, source = _build_source()
-            _module = load(name=name, sources=[str(source)], build_directory=str(source.parent),
-                           extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
+            _module = cpu_build.build(_SOURCE, _PREFIX, _CFLAGS, ["-fopenmp"])
         except Exception as exc:  # no compiler, no ninja, a build error: the torch paths still work
             _error = f"the CPU attention kernel could not be built ({type(exc).__name__}: {str(exc)[:300]})"
             raise RuntimeError(_error) from exc
@@ -62,29 +56,9 @@ def _load() -> Any:
 
 
 def _build_source() -> tuple[str, Path]:
-    """The extension's name and the copy of its source it is built from, in a build folder named by a
-    digest of the source and flags.
-
-    Built from that copy, not from the checkout's file: the build command names the source's path, so
-    two checkouts of one version building from their own paths changed ninja's command each time and
-    rebuilt over each other's build (seen: six rebuilds of ~35 s in half an hour, a server waiting on
-    each). Content-addressed, the copy is written once and never changes, so every checkout of one
-    version shares one build and checkouts of different versions keep theirs."""
-    data = _SOURCE.read_bytes()
-    # the torch and Python it links against are part of what is built (torch's own default folder is per
-    # Python and build); a peer's environment with another torch gets a build of its own
-    built_for = f"{' '.join(_CFLAGS)} torch {torch.__version__} python {sys.version_info[:2]}"
-    digest = hashlib.sha256(data + built_for.encode()).hexdigest()[:12]
-    name = f"reference_engine_paged_decode_{digest}"
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    source = folder / _SOURCE.name
-    if not source.is_file() or source.read_bytes() != data:  # rewritten only when absent or torn
-        partial = folder / f".{_SOURCE.name}.{os.getpid()}"
-        partial.write_bytes(data)
-        os.replace(partial, source)  # atomic: a concurrent build sees the whole file or none
-    return name, source
+    """The extension's name and the copy of its source it is built from
+    (:func:`~reference_engine.cpu_build.content_addressed_source`)."""
+    return cpu_build.content_addressed_source(_SOURCE, _PREFIX, _CFLAGS)
 
 
 def cpu_kernel_available() -> bool:

@@ -86,6 +86,7 @@ class EngineParts:
     device: torch.device | None = None
     attention_backend: str = "torch"
     linear_backend: str = "torch"
+    elementwise_backend: str = "torch"
 
 
 def block_manager_for(config: EngineConfig, num_gpu_blocks: int, block_bytes: int) -> BlockManager:
@@ -117,6 +118,11 @@ def load_parts(config: EngineConfig) -> EngineParts:
         from reference_engine.cpu_linear import pack_linears
 
         pack_linears(model)
+    elementwise_backend = _elementwise_backend(config.elementwise_backend, device, dtype)
+    if elementwise_backend == "cpp":
+        from reference_engine.cpu_elementwise import fuse_elementwise
+
+        fuse_elementwise(model)
     mc = model.config
     config = config.resolve(mc.max_position_embeddings)
     block_bytes = mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
@@ -130,7 +136,8 @@ def load_parts(config: EngineConfig) -> EngineParts:
     if config.preemption_mode == "auto":
         costs = auto_costs(config, mc, kv_cache, runner, block_manager.num_free_gpu_blocks)
     return EngineParts(config, model, block_manager, kv_cache, runner, preemption_costs=costs, device=device,
-                       attention_backend=attention_backend, linear_backend=linear_backend)
+                       attention_backend=attention_backend, linear_backend=linear_backend,
+                       elementwise_backend=elementwise_backend)
 
 
 def _device_pool_blocks(config: EngineConfig, device: torch.device, block_bytes: int) -> int:
@@ -151,6 +158,7 @@ class LLMEngine:
         self.config = config = parts.config
         self.device, self.model, self.attention_backend = parts.device, parts.model, parts.attention_backend
         self.linear_backend = parts.linear_backend
+        self.elementwise_backend = parts.elementwise_backend
         self.block_manager, self.kv_cache, self.runner = parts.block_manager, parts.kv_cache, parts.runner
         self._counters = parts.block_manager.counters
         self.scheduler = Scheduler(
@@ -370,3 +378,26 @@ def _linear_backend(choice: str, device: torch.device, dtype: torch.dtype) -> st
 
 
 __all__ = ["LLMEngine", "RequestRejected", "RequestStatus"]
+
+
+def _elementwise_backend(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"torch" or "cpp" for this device and dtype. "auto" is cpp (:mod:`reference_engine.cpu_elementwise`,
+    built on first use) on the CPU in float32 and bfloat16 where it builds, torch elsewhere, after one
+    warning naming why where it does not build; asking for cpp where it cannot run is an error naming why."""
+    if choice == "torch":
+        return "torch"
+    if device.type != "cpu":
+        if choice == "cpp":
+            raise ValueError(f"elementwise_backend='cpp' runs on the CPU, not on {device}; use 'torch' or 'auto'")
+        return "torch"
+    from reference_engine.cpu_elementwise import DTYPES, why_unavailable
+
+    if choice == "auto" and dtype not in DTYPES:
+        return "torch"
+    why = why_unavailable(dtype)
+    if not why:
+        return "cpp"
+    if choice == "cpp":
+        raise ValueError(f"elementwise_backend='cpp' cannot run in {dtype}: {why}; use 'torch' or 'auto'")
+    logging.getLogger(__name__).warning("elementwise_backend=auto: %s; RMSNorm and SwiGLU use the torch path", why)
+    return "torch"

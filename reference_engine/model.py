@@ -12,6 +12,7 @@ writes the paged KV cache; everything else is ordinary dense math on a flat batc
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,8 +96,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # (x, weight, eps) -> this forward's result in one pass: the CPU kernel that sits beside this path,
+        # tested against it (reference_engine.cpu_elementwise); None: this path
+        self.fused: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dim() == 2 and x.dtype == self.weight.dtype and x.stride(-1) == 1:
+            return self.fused(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op; the same math as below when nothing needs upcasting.
             return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -172,8 +178,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.gate_up: nn.Linear | None = None  # gate and up in one matmul, set by fuse_projections()
+        # gate_up's output -> silu(gate) * up in one pass (reference_engine.cpu_elementwise); None: below
+        self.fused: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and self.fused is not None:
+            return self.down_proj(self.fused(self.gate_up(x)))
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)  # views of one fresh [T, 2 * I] product
             # In place on that product: no two more [T, I] tensors per layer (a prefill of 2048 tokens

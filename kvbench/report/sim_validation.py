@@ -158,7 +158,8 @@ def _pair(scenario: str, sim: Mapping[str, Any], meas: Mapping[str, Any], step_c
 #: options of the sim adapter that say how to simulate, not how the engine is configured
 SIM_ONLY_OPTIONS = frozenset({"hardware", "model", "clock", "fast"})
 #: options of the reference adapter that place or pace the engine without changing its schedule
-PLACEMENT_OPTIONS = frozenset({"device", "attention_backend", "linear_backend", "kv_cache_space", "step_delay_ms"})
+PLACEMENT_OPTIONS = frozenset({"device", "attention_backend", "linear_backend", "elementwise_backend",
+                               "kv_cache_space", "step_delay_ms"})
 
 
 def comparable(sim: Mapping[str, Any], measured: Mapping[str, Any]) -> bool:

@@ -42,7 +42,8 @@ from kvbench.engines.inprocess.reference import (
 SIMULATED_REASON = "simulated: no real tokens"
 _SIM_KEYS = ("hardware", "model", "clock", "fast", "front_end")
 # no device: these mean nothing here; the step delay is a testing aid of real engine steps
-_DEVICE_KEYS = ("device", "attention_backend", "linear_backend", "kv_cache_space", STEP_DELAY_OPTION)
+_DEVICE_KEYS = ("device", "attention_backend", "linear_backend", "elementwise_backend", "kv_cache_space",
+                STEP_DELAY_OPTION)
 CLOCKS = ("cost", "step")
 
 

@@ -113,6 +113,8 @@ class ReferenceAdapter(EngineAdapter):
                              "built), torch, sliced, cpp or triton",
         "linear_backend": "matmuls: auto (onednn on CPU where it runs), torch, or onednn (weights packed once into "
                           "oneDNN's layout)",
+        "elementwise_backend": "RMSNorm and SwiGLU: auto (cpp on CPU in float32 and bfloat16 where it builds), torch, "
+                               "or cpp (one fused C++ pass per layer)",
         STEP_DELAY_OPTION: "testing aid, not an engine setting: sleep this many milliseconds after every engine step "
                            "(a deliberate, known slowdown for checking that the regression gate catches one)",
     }
