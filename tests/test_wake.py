@@ -101,6 +101,9 @@ def test_the_curve_fit_recovers_a_known_wake_and_finds_none_in_noise():
     noise = {g: float(rng.normal(0.0, 2e-5)) for g in gaps}  # +-20 us around nothing, on a 1.2 ms step
     assert fit_wake_curve(noise, warm_s=1.2e-3) == (0.0, 0.0)
     assert fit_wake_curve({}, warm_s=1.2e-3) == (0.0, 0.0)
+    # still rising at the longest spell: the time constant stops there rather than running off the grid
+    rising = {g: 1e-3 * g / 0.2 for g in gaps}
+    assert fit_wake_curve(rising, warm_s=1.2e-3)[1] <= 0.2
 
 
 def test_the_interval_fit_keeps_the_profiles_wake_terms(tiny):

@@ -214,7 +214,8 @@ def fit_wake_curve(extra_s: dict[float, float], warm_s: float,
                    noise: float = 0.05) -> tuple[float, float]:
     """``(wake_s, wake_tau_s)`` of ``wake_s * (1 - exp(-gap / wake_tau_s))`` fitted (least squares; the
     time constant from a grid of 1 ms to 1 s) to ``extra_s`` (idle spell -> extra seconds of the step
-    after it). ``(0, 0)`` when the longest spells cost no more than ``noise`` of the warm step ``warm_s``:
+    after it), the time constant no longer than the longest spell. ``(0, 0)`` when the longest spells cost no
+    more than ``noise`` of the warm step ``warm_s``:
     nothing to model, rather than a curve fitted to noise."""
     gaps = np.array(sorted(extra_s), dtype=float)
     if gaps.size == 0:
@@ -223,7 +224,9 @@ def fit_wake_curve(extra_s: dict[float, float], warm_s: float,
     if np.median(extra[-2:]) <= noise * warm_s:
         return 0.0, 0.0
     best = (np.inf, 0.0, 0.0)
-    for tau in _WAKE_TAUS:
+    # no time constant beyond the longest spell timed: past it the data say nothing about the curve (under
+    # load, fits ran to the grid's end, 1 s, and priced a 1 s lull at 6 ms where 200 ms had cost 1.1 ms)
+    for tau in (t for t in _WAKE_TAUS if t <= gaps[-1]):
         f = -np.expm1(-gaps / tau)
         wake = max(0.0, float(f @ extra) / float(f @ f))
         sse = float(np.sum((wake * f - extra) ** 2))
