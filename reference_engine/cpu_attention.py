@@ -19,7 +19,6 @@ did and the sliced torch path when it did not, after one warning naming the reas
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,32 +32,19 @@ _PREFIX = "reference_engine_paged_decode"
 # -ffast-math lets the compiler vectorise the dot products' sums and exp; it is a compile flag only (not
 # passed to the link, which could set flush-to-zero for the whole process: a test checks it does not).
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
-_lock = threading.Lock()
-_module: Any = None
-_error: str | None = None
+#: the kernel, built on first use; tests point its ``source`` elsewhere or set its ``error``
+EXTENSION = cpu_build.LazyExtension(_SOURCE, _PREFIX, _CFLAGS, "the CPU attention kernel")
 
 
 def _load() -> Any:
-    """The compiled module, built on the first call (serialised across threads; torch's own lock
-    serialises builds across processes). Raises RuntimeError naming why it cannot be built."""
-    global _module, _error
-    with _lock:
-        if _module is not None:
-            return _module
-        if _error is not None:
-            raise RuntimeError(_error)
-        try:
-            _module = cpu_build.build(_SOURCE, _PREFIX, _CFLAGS, ["-fopenmp"])
-        except Exception as exc:  # no compiler, no ninja, a build error: the torch paths still work
-            _error = f"the CPU attention kernel could not be built ({type(exc).__name__}: {str(exc)[:300]})"
-            raise RuntimeError(_error) from exc
-        return _module
+    """The compiled module, built on the first call; RuntimeError naming why it cannot be built."""
+    return EXTENSION.load()
 
 
 def _build_source() -> tuple[str, Path]:
     """The extension's name and the copy of its source it is built from
     (:func:`~reference_engine.cpu_build.content_addressed_source`)."""
-    return cpu_build.content_addressed_source(_SOURCE, _PREFIX, _CFLAGS)
+    return EXTENSION.content_addressed_source()
 
 
 def cpu_kernel_available() -> bool:
@@ -73,7 +59,7 @@ def cpu_kernel_available() -> bool:
 
 def why_unavailable() -> str:
     """Why the kernel could not be built ("" when it was, or has not been tried)."""
-    return _error or ""
+    return EXTENSION.error or ""
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
@@ -85,5 +71,5 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     seq_lens: [B] int64, keys each sequence attends to (>= 1). Returns [B, Hq, D] in q's dtype: what the
     torch path's decode group returns, within float32 rounding (tested).
     """
-    module = _module or _load()  # built once; no lock per call on the decode path (every layer, every step)
+    module = EXTENSION.module or _load()  # built once; no lock per call on the decode path (every layer, every step)
     return module.paged_decode(q.to(kv_cache.dtype), kv_cache, layer, block_tables, seq_lens).to(q.dtype)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,3 +53,34 @@ def build(source: Path, prefix: str, cflags: Sequence[str], ldflags: Sequence[st
     name, copy = content_addressed_source(source, prefix, cflags)
     return load(name=name, sources=[str(copy)], build_directory=str(copy.parent), extra_cflags=list(cflags),
                 extra_ldflags=list(ldflags), verbose=False)
+
+
+class LazyExtension:
+    """One C++ source, built on the first :meth:`load` and kept (serialised across threads; torch's own
+    lock serialises builds across processes). A build that fails is not tried again in this process:
+    ``error`` says why, and every later :meth:`load` raises it."""
+
+    def __init__(self, source: Path, prefix: str, cflags: Sequence[str], what: str):
+        """``what``: the kernel's name in messages ("the CPU attention kernel")."""
+        self.source, self.prefix, self.cflags, self.what = source, prefix, tuple(cflags), what
+        self.module: Any = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> Any:
+        """The compiled module; RuntimeError naming why it cannot be built."""
+        with self._lock:
+            if self.module is not None:
+                return self.module
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            try:
+                self.module = build(self.source, self.prefix, self.cflags, ["-fopenmp"])
+            except Exception as exc:  # no compiler, no ninja, a build error: the torch paths still work
+                self.error = f"{self.what} could not be built ({type(exc).__name__}: {str(exc)[:300]})"
+                raise RuntimeError(self.error) from exc
+            return self.module
+
+    def content_addressed_source(self) -> tuple[str, Path]:
+        """The extension's name and the copy of its source it is built from."""
+        return content_addressed_source(self.source, self.prefix, self.cflags)

@@ -18,9 +18,7 @@ does not.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -33,25 +31,8 @@ _PREFIX = "reference_engine_fused_elementwise"
 # No -ffast-math: the kernels round where the torch path rounds, and nothing may be contracted or reordered.
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 DTYPES = (torch.float32, torch.bfloat16)
-_lock = threading.Lock()
-_module: Any = None
-_error: str | None = None
-
-
-def _load() -> Any:
-    """The compiled module, built on the first call; RuntimeError naming why it cannot be built."""
-    global _module, _error
-    with _lock:
-        if _module is not None:
-            return _module
-        if _error is not None:
-            raise RuntimeError(_error)
-        try:
-            _module = cpu_build.build(_SOURCE, _PREFIX, _CFLAGS, ["-fopenmp"])
-        except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
-            _error = f"the fused elementwise kernels could not be built ({type(exc).__name__}: {str(exc)[:300]})"
-            raise RuntimeError(_error) from exc
-        return _module
+#: the kernels, built on first use; tests set its ``error`` to play a machine without a compiler
+EXTENSION = cpu_build.LazyExtension(_SOURCE, _PREFIX, _CFLAGS, "the fused elementwise kernels")
 
 
 def why_unavailable(dtype: torch.dtype) -> str:
@@ -59,7 +40,7 @@ def why_unavailable(dtype: torch.dtype) -> str:
     if dtype not in DTYPES:
         return f"the fused elementwise kernels take float32 and bfloat16, not {dtype}"
     try:
-        _load()
+        EXTENSION.load()
     except RuntimeError as exc:
         return str(exc)
     return ""
@@ -68,13 +49,13 @@ def why_unavailable(dtype: torch.dtype) -> str:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each row of ``x`` ([tokens, hidden], rows contiguous) with ``weight`` ([hidden], x's
     dtype): what :class:`reference_engine.model.RMSNorm` returns. A new contiguous tensor."""
-    return (_module or _load()).rms_norm(x, weight, eps)
+    return (EXTENSION.module or EXTENSION.load()).rms_norm(x, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ([tokens, 2 x intermediate], gate then up, rows contiguous):
     what :class:`reference_engine.model.MLP` computes between its matmuls. A new contiguous tensor."""
-    return (_module or _load()).silu_mul(gate_up)
+    return (EXTENSION.module or EXTENSION.load()).silu_mul(gate_up)
 
 
 def fuse_elementwise(model: nn.Module) -> int:

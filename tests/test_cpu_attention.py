@@ -94,8 +94,8 @@ def test_without_a_compiler_auto_falls_back_to_sliced_and_cpp_says_why(monkeypat
     from reference_engine.engine import _attention_backend
 
     def no_build():
-        monkeypatch.setattr(cpu_attention, "_error", "the CPU attention kernel could not be built (no g++)")
-        raise RuntimeError(cpu_attention._error)
+        monkeypatch.setattr(cpu_attention.EXTENSION, "error", "the CPU attention kernel could not be built (no g++)")
+        raise RuntimeError(cpu_attention.EXTENSION.error)
 
     monkeypatch.setattr(cpu_attention, "_load", no_build)
     assert _attention_backend("auto", torch.device("cpu")) == "sliced"
@@ -107,13 +107,13 @@ def test_two_checkouts_of_one_version_build_from_one_unchanging_copy(tmp_path, m
     """The build command names its source's path, so each checkout building from its own file made ninja
     rebuild over the other's; the source is copied to a folder named by its digest, written once."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    original = cpu_attention._SOURCE
+    original = cpu_attention.EXTENSION.source
     sources = []
     for checkout in ("a", "b"):
         copy = tmp_path / checkout / "csrc" / original.name
         copy.parent.mkdir(parents=True)
         copy.write_bytes(original.read_bytes())
-        monkeypatch.setattr(cpu_attention, "_SOURCE", copy)
+        monkeypatch.setattr(cpu_attention.EXTENSION, "source", copy)
         sources.append(cpu_attention._build_source())
     (name_a, built_a), (name_b, built_b) = sources
     assert (name_a, built_a) == (name_b, built_b) and built_a.parent == tmp_path / "ext" / name_a

@@ -149,8 +149,8 @@ def test_choosing_the_backend() -> None:
 
 
 def test_without_a_compiler_auto_falls_back_and_cpp_says_why(monkeypatch) -> None:
-    monkeypatch.setattr(cpu_elementwise, "_module", None)
-    monkeypatch.setattr(cpu_elementwise, "_error", "the fused elementwise kernels could not be built (no g++)")
+    monkeypatch.setattr(cpu_elementwise.EXTENSION, "module", None)
+    monkeypatch.setattr(cpu_elementwise.EXTENSION, "error", "the fused elementwise kernels could not be built (no g++)")
     assert _elementwise_backend("auto", torch.device("cpu"), torch.float32) == "torch"
     with pytest.raises(ValueError, match=r"elementwise_backend='cpp' cannot run .*no g\+\+"):
         _elementwise_backend("cpp", torch.device("cpu"), torch.float32)
