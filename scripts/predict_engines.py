@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the cross-check: the reference engine also calibrated client-side, as vLLM is")
     ap.add_argument("--no-front-end", dest="front_end", action="store_false",
                     help="predict vLLM without the fitted front end (its engine alone)")
+    ap.add_argument("--vllm-helper-cores", choices=("engine", "free"), default="engine",
+                    help="vLLM's EngineCore scheduler bound to its worker's core (engine, the default: the front end "
+                         "keeps the other core) or left where vLLM puts it (free: vLLM as it starts, whose rounds "
+                         "spread 35-196%% here); the server adapter's helper_cores option")
     ap.add_argument("--log-dir")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -183,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "vllm" in engines:
             vllm = ServerAdapter(str(ckpt), {"preset": "vllm", "args": "--dtype float32",
+                                             "helper_cores": args.vllm_helper_cores,
                                              "log_dir": args.log_dir or str(folder)}, name="vllm")
             adapters["vllm"] = vllm
             t0 = time.perf_counter()

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbench.engines.http.placement import client_cores, engine_cores, group_pids, off_the_engine_cores
+from kvbench.engines.http.placement import (
+    client_cores,
+    engine_cores,
+    group_pids,
+    helpers_onto_engine_cores,
+    off_the_engine_cores,
+    thread_ids,
+)
 from kvbench.engines.http.server import ServerAdapter
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -89,6 +96,55 @@ def test_every_thread_moves_for_the_block_and_goes_back_after(bound_to_first_cor
     late.start()
     late.join(10)
     assert seen["late"] == set(CORES)
+
+
+def _group_of(binds: list[list[int] | None]) -> Iterator[tuple[int, list[int]]]:
+    """A leader (unbound) with one child per entry of ``binds`` (bound to it, or None: unbound, with a second
+    thread). Yields the leader's pid and the children's pids."""
+    child = ("import os, sys, threading, time\n"
+             "b = eval(sys.argv[1])\n"
+             "b is not None and os.sched_setaffinity(0, b)\n"
+             "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+             "print('ready', os.getpid(), flush=True); time.sleep(60)")
+    code = ("import subprocess, sys, time\n"
+            f"cs = [subprocess.Popen([sys.executable, '-c', {child!r}, a], stdout=subprocess.PIPE) for a in "
+            f"{[repr(b) for b in binds]!r}]\n"
+            "print(' '.join(c.stdout.readline().decode().split()[1] for c in cs), flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        yield proc.pid, [int(p) for p in proc.stdout.readline().split()]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _affinities(pid: int) -> list[set[int]]:
+    return [os.sched_getaffinity(tid) for tid in thread_ids(pid)]
+
+
+@needs_two_cores
+def test_a_helper_that_binds_nothing_goes_to_the_engines_cores_and_the_front_end_stays() -> None:
+    for leader, (engine, helper) in _group_of([[CORES[0]], None]):
+        assert set().union(*_affinities(helper)) == set(CORES)
+        assert helpers_onto_engine_cores(leader) == {helper: {CORES[0]}}
+        assert _affinities(helper) == [{CORES[0]}] * 2  # every thread of it
+        assert _affinities(engine) == [{CORES[0]}] * 2
+        assert os.sched_getaffinity(leader) == set(CORES)  # the front end keeps the machine
+        assert helpers_onto_engine_cores(leader) == {}  # bound now: left alone
+
+
+@needs_two_cores
+def test_with_no_engine_bound_no_helper_moves() -> None:
+    for leader, (a, b) in _group_of([None, None]):
+        assert helpers_onto_engine_cores(leader) == {}
+        assert set().union(*_affinities(a), *_affinities(b)) == set(CORES)
+
+
+def test_helper_cores_takes_free_or_engine_and_names_itself_otherwise() -> None:
+    ServerAdapter.validate_options({"preset": "reference", "helper_cores": "engine"})
+    with pytest.raises(ValueError, match="helper_cores must be free or engine"):
+        ServerAdapter.validate_options({"preset": "reference", "helper_cores": "1"})
 
 
 def test_the_option_takes_auto_or_off_and_names_itself_otherwise() -> None:

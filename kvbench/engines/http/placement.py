@@ -13,8 +13,19 @@ round to round with the client's placement.
 it but the leader (the front end kvbench started) whose affinity is narrower than the machine's is
 bound, and the cores of those threads are the engine's. :func:`off_the_engine_cores` moves this
 process's threads to the other cores for the length of a block and puts them back afterwards. Where
-nothing is bound, or nothing would be left, it leaves the client where it is. Linux only
-(``sched_setaffinity``); elsewhere it does nothing.
+nothing is bound, or nothing would be left, it leaves the client where it is.
+
+:func:`helpers_onto_engine_cores` (the ``server`` adapter's ``helper_cores=engine``) binds the server's
+*helpers* to its engine's cores: every process of the group but the leader that binds none of its
+threads. In vLLM's CPU server that is ``VLLM::EngineCore``, the scheduler. vLLM reserves a core for it
+(``reserved_cpus`` in its log) but never binds it there, and it does not sleep between steps: it spins
+on ``sched_yield`` while its worker computes (``SpinCondition``, ``busy_loop_s`` 1 s, in
+``shm_broadcast.py``). Where the OS runs it on the front end's core, its API server is held off the CPU:
+a stream's 192 tokens reach the client in one chunk and throughput falls to about 640 tok/s. With the
+scheduler beside its worker, the two take turns (one computes while the other waits), the front end
+keeps its core, and vLLM's round-to-round spread on the storm's sweep fell from 35-196% to 2-4%
+(``docs/results.md``, "Predicting real engines", 2026-12-03 late). Linux only (``sched_setaffinity``);
+elsewhere it does nothing.
 """
 
 from __future__ import annotations
@@ -69,6 +80,31 @@ def client_cores(pgid: int) -> set[int] | None:
     # may share its cores; the engine's are the ones the other processes are bound to.
     left = mine - engine_cores([pid for pid in group_pids(pgid) if pid != pgid], machine)
     return left if left and left != mine else None
+
+
+def helpers_onto_engine_cores(pgid: int) -> dict[int, set[int]]:
+    """Bind every thread of each *helper* of server group ``pgid`` (a process other than the leader with no
+    thread bound narrower than the machine) to the engine's cores (the cores its bound processes use).
+    Returns ``{pid: cores}`` for the helpers bound; empty where nothing is bound or nothing is unbound.
+    Idempotent: a helper bound before counts as bound and is left alone."""
+    if not hasattr(os, "sched_setaffinity"):
+        return {}
+    machine = set(range(os.cpu_count() or 1)) | os.sched_getaffinity(0)
+    others = [pid for pid in group_pids(pgid) if pid != pgid]
+    engine = engine_cores(others, machine)
+    if not engine:
+        return {}
+    moved: dict[int, set[int]] = {}
+    for pid in others:
+        if engine_cores([pid], machine):
+            continue  # the engine itself, or a helper bound already
+        tids = thread_ids(pid)
+        _set_threads({tid: engine for tid in tids})
+        if tids:
+            moved[pid] = engine
+    if moved:
+        log.debug("server helpers %s bound to the engine's cores %s", sorted(moved), sorted(engine))
+    return moved
 
 
 def _set_threads(cores: dict[int, set[int]]) -> None:

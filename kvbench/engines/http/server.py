@@ -27,7 +27,10 @@ fresh start. A peer (vLLM...) and ``cmd=`` are always started from their own com
 While a call sends, kvbench's own client runs off the cores the launched server binds its engine to
 (``client_cores=auto``, the default; ``off`` leaves it where the OS puts it): on a small machine the
 client is front-end work beside the server, and on the engine's core it was held off the CPU by a
-worker that never sleeps (:mod:`kvbench.engines.http.placement`).
+worker that never sleeps (:mod:`kvbench.engines.http.placement`). ``helper_cores=engine`` also binds the
+server's unbound helper processes (vLLM's ``EngineCore`` scheduler, which spins while its worker computes)
+to the engine's cores, leaving the front end its own; the default, ``free``, leaves the server's processes
+where the server put them.
 
 ``close()`` (and interpreter exit, whatever the cause) stops every one with its whole process
 group (:mod:`kvbench.engines.http.process`), all at once. Each server's log is kept (``log_dir``, default a
@@ -59,7 +62,7 @@ from kvbench.engines.base import (
 )
 from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter, check_client_options
 from kvbench.engines.http.peers import PeerMissing, VllmInstall, find_vllm
-from kvbench.engines.http.placement import off_the_engine_cores
+from kvbench.engines.http.placement import helpers_onto_engine_cores, off_the_engine_cores
 from kvbench.engines.http.presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
 from kvbench.engines.http.process import ServerProcess, free_port, stop_servers
 
@@ -109,6 +112,10 @@ class ServerAdapter(EngineAdapter):
         "dialect": "vllm or transformers: how requests are said (default: the preset's; vllm for cmd=)",
         "client_cores": "auto or off: while it sends, kvbench's client runs off the cores the launched server "
                         "binds its engine to, as front-end work (default auto; kvbench.engines.http.placement)",
+        "helper_cores": "free or engine: engine binds the launched server's helper processes (those it binds "
+                        "to no core but its front end: vLLM's EngineCore scheduler) to its engine's cores, so that a "
+                        "helper that spins cannot take the front end's core (default free: as the server starts; "
+                        "kvbench.engines.http.placement)",
         "vllm": "preset=vllm: a Python with vllm installed, its environment folder, or a vllm command "
                 "(default: $KVBENCH_VLLM, then the environment scripts/peers.sh vllm made, then vllm on PATH)",
     }
@@ -130,6 +137,9 @@ class ServerAdapter(EngineAdapter):
         if options.get("client_cores", "auto") not in ("auto", "off"):
             raise ValueError(f"engine {cls.kind!r}: option client_cores must be auto or off, "
                              f"got {options['client_cores']!r}")
+        if options.get("helper_cores", "free") not in ("free", "engine"):
+            raise ValueError(f"engine {cls.kind!r}: option helper_cores must be free or engine, "
+                             f"got {options['helper_cores']!r}")
         if "vllm" in options and preset_name != "vllm":
             raise ValueError(f"engine {cls.kind!r}: option vllm is for preset=vllm")
 
@@ -354,7 +364,10 @@ class ServerAdapter(EngineAdapter):
             remote.serve(workload, recorder, knobs, progress=progress)
 
     def _client_placed(self, server: ServerProcess) -> contextlib.AbstractContextManager:
-        """This process off the server's engine cores for a run (option ``client_cores``)."""
+        """This process off the server's engine cores for a run (option ``client_cores``), the server's
+        helpers on them first (option ``helper_cores``)."""
+        if self.options.get("helper_cores", "free") == "engine":
+            helpers_onto_engine_cores(server.pgid)
         if self.options.get("client_cores", "auto") == "off":
             return contextlib.nullcontext()
         return off_the_engine_cores(server.pgid)
