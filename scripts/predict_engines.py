@@ -188,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         if "vllm" in engines:
             vllm = ServerAdapter(str(ckpt), {"preset": "vllm", "args": "--dtype float32",
                                              "helper_cores": args.vllm_helper_cores,
+                                             # no /metrics sampling during runs: each scrape held vLLM's API
+                                             # server ~15 ms, every stream's gap with it (the counters are
+                                             # still read before and after each run)
+                                             "metrics_interval": "0",
                                              "log_dir": args.log_dir or str(folder)}, name="vllm")
             adapters["vllm"] = vllm
             t0 = time.perf_counter()

@@ -9,6 +9,7 @@ failure, a preset flag that the real server does not have.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -151,6 +152,30 @@ def test_serve_times_tokens_client_side_aborts_by_closing_and_samples_queues(stu
     assert trace.steps and all(s.num_prefill_tokens == 0 for s in trace.steps)
     assert max(s.num_running for s in trace.steps) > 0, "the poller sampled the running queue during the run"
     assert "engine_steps" in trace.not_exposed and "admission" in trace.not_exposed
+
+
+@pytest.mark.parametrize("interval, sampled", [("0.05", True), ("0", False)])
+def test_a_slow_metrics_answer_stalls_the_streams_and_metrics_interval_0_stops_the_sampler(
+        tmp_path, model_dir, interval: str, sampled: bool):
+    """The sampler's scrapes are server work: on a stub whose /metrics holds its loop for 40 ms, streams
+    sampled every 50 ms see 40 ms gaps and the evidence times the scrapes; with ``metrics_interval=0``
+    nothing is sampled, no gap comes near it, and the counters are still read (before and after)."""
+    server, url = _stub(tmp_path, "--token-delay", "0.002", "--per-token-writes", "--metrics-block", "0.04")
+    try:
+        adapter = OpenAIAdapter(model_dir, {"url": url, "metrics_interval": interval})
+        recorder = TraceRecorder("stub", "serve")
+        adapter.serve([WorkloadRequest(f"m{i}", [3, i + 3], 150, arrival_time=0.0) for i in range(2)], recorder)
+        trace = recorder.finish()
+    finally:
+        server.stop()
+    gaps = [b - a for r in trace.requests.values() for a, b in itertools.pairwise(r.token_times)]
+    assert len(gaps) == 2 * 149 and trace.counters.generated_tokens == 300, "the counters were read around the run"
+    evidence = next(e for e in adapter.evidence if e.startswith("driver:"))
+    if sampled:
+        assert trace.steps and max(gaps) >= 0.035, "each scrape held every stream for its 40 ms"
+        assert "answered in" in evidence and float(evidence.split("answered in ")[1].split(" ms")[0]) >= 35
+    else:
+        assert not trace.steps and max(gaps) < 0.035 and "0 /metrics samples" in evidence
 
 
 def test_closed_loop_keeps_the_concurrency(stub, model_dir):

@@ -6,7 +6,11 @@ arrives is read from the recorder's clock as soon as its SSE line is complete, s
 inter-token gap are what a client saw (network and server queueing included). A request whose
 ``abort_at`` passes is aborted by closing its stream, as a user closing a tab would. Meanwhile a poller
 samples ``/metrics`` (default 10 Hz) into :class:`~kvbench.core.trace.StepRecord` samples of queue
-lengths and KV usage.
+lengths and KV usage. Each scrape is work for the server, and on a front end that runs one loop (vLLM's
+API server) it is work the streams wait for: vLLM 0.32 on 2 cores took about 15 ms to answer one, so
+every 0.1 s every open stream saw a 15 ms gap, which was the surge's p99 inter-token gap
+(``docs/results.md``, "Predicting real engines", late). :class:`DriverStats` records how long the
+scrapes took; the adapters' ``metrics_interval`` option sets the period or turns the sampler off.
 
 What a client cannot see (admission, per-request preemptions, per-step token counts) is named in the
 trace's ``not_exposed``. :class:`DriverStats` says how far the driver itself lagged behind the
@@ -17,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -49,13 +54,23 @@ CLIENT_SIDE_BLIND_SPOTS = {
 @dataclass
 class DriverStats:
     """How the driver kept up. ``max_release_lag`` is the latest a request went out after its
-    arrival time (seconds); ``samples`` counts /metrics samples taken."""
+    arrival time (seconds); ``samples`` counts /metrics samples taken, ``scrape_seconds`` holds how long
+    each took to answer (the server's time on it, as the client saw it)."""
 
     requests: int = 0
     tokens: int = 0
     max_release_lag: float = 0.0
     samples: int = 0
     sample_errors: int = 0
+    scrape_seconds: list[float] = field(default_factory=list)
+
+    def scrapes(self) -> str:
+        """``"N /metrics samples"``, with the median and longest answer time where any was taken."""
+        text = f"{self.samples} /metrics samples"
+        if self.scrape_seconds:
+            text += (f" (answered in {statistics.median(self.scrape_seconds) * 1e3:.1f} ms median, "
+                     f"{max(self.scrape_seconds) * 1e3:.1f} ms at most)")
+        return text
 
 
 def _body(client: CompletionClient, req: Any, stream: bool) -> dict[str, Any]:
@@ -70,8 +85,10 @@ async def _poll_metrics(http: httpx.AsyncClient, recorder: TraceRecorder, interv
     first: MetricsSnapshot | None = None  # the server's counters are cumulative since it started
     while not stop.is_set():
         try:
+            asked = recorder.now()
             response = await http.get("/metrics", timeout=max(1.0, 5 * interval))
             t = recorder.now()
+            stats.scrape_seconds.append(t - asked)
             snap = MetricsSnapshot.parse(response.text) if response.status_code == 200 else None
             first = first or snap
             record = sampled_step(snap, t, t - last, first) if snap is not None else None

@@ -60,7 +60,7 @@ from kvbench.engines.base import (
     Knobs,
     KVLayout,
 )
-from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter, check_client_options
+from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter, check_client_options, metrics_interval
 from kvbench.engines.http.peers import PeerMissing, VllmInstall, find_vllm
 from kvbench.engines.http.placement import helpers_onto_engine_cores, off_the_engine_cores
 from kvbench.engines.http.presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
@@ -69,7 +69,8 @@ from kvbench.engines.http.process import ServerProcess, free_port, stop_servers
 #: servers of other knob sets kept running for reuse, by default
 DEFAULT_KEEP_SERVERS = 8
 
-_PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect")
+_PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect",
+              "metrics_interval")
 
 
 @dataclass
@@ -108,6 +109,7 @@ class ServerAdapter(EngineAdapter):
         "tokenizer": "tokenizer.json to recover ids from text (default: the checkpoint's)",
         "timeout": "seconds one request may take (default 600)",
         "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
+        "metrics_interval": OpenAIAdapter.option_keys["metrics_interval"],
         "preemptions_are": "recompute or swap: what vllm:num_preemptions_total counts (default: the preset's)",
         "dialect": "vllm or transformers: how requests are said (default: the preset's; vllm for cmd=)",
         "client_cores": "auto or off: while it sends, kvbench's client runs off the cores the launched server "
@@ -131,6 +133,7 @@ class ServerAdapter(EngineAdapter):
         if cmd and "{port}" not in cmd:
             raise ValueError(f"engine {cls.kind!r}: cmd must contain {{port}} (kvbench picks a free port)")
         check_client_options(cls.kind, options, ("startup_timeout", "timeout", "settle_timeout"))
+        metrics_interval(cls.kind, options)
         keep = options.get("keep_servers", str(DEFAULT_KEEP_SERVERS))
         if not (keep.isdigit() and int(keep) >= 1):
             raise ValueError(f"engine {cls.kind!r}: option keep_servers must be an integer >= 1, got {keep!r}")

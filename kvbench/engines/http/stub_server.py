@@ -11,7 +11,9 @@ serves on 127.0.0.1 only:
   that closes its stream is counted as an abort.
 * ``GET /metrics``: vLLM's names with numbers that move by a known amount per request (below), starting
   from non-zero totals so a reader must subtract a before-scrape; ``vllm:cache_config_info`` echoes the
-  engine flags it was started with (vLLM's names, as the reference server takes them).
+  engine flags it was started with (vLLM's names, as the reference server takes them). ``--metrics-block
+  S`` makes each answer hold the server's one loop for ``S`` seconds, as a slow exporter on a
+  single-loop front end does (vLLM's took ~15 ms on 2 cores): every open stream waits meanwhile.
 * ``GET /health``, ``GET /v1/models``.
 * ``POST /kvbench/reconfigure`` with ``{"args": [flags]}`` (as the reference server's ``--allow-reconfigure``
   takes it, always on here): the engine flags it echoes become those, and
@@ -42,6 +44,7 @@ import json
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +63,7 @@ def stub_token(prompt: list[int], i: int) -> int:
 class StubState:
     token_delay: float = 0.0
     per_token_writes: bool = False
+    metrics_block: float = 0.0  # seconds a /metrics answer holds the loop (a slow exporter on one loop)
     return_ids: bool = True
     max_model_len: int = 2048
     drop_token: int | None = None  # a prompt holding this id is dropped (the fault above)
@@ -206,6 +210,8 @@ class StubProtocol(asyncio.Protocol):
         elif path == "/v1/models":
             self._answer(200, b'{"object":"list","data":[{"id":"stub","object":"model"}]}', close)
         elif path == "/metrics":
+            if self.state.metrics_block:
+                time.sleep(self.state.metrics_block)  # on the loop, on purpose: every stream waits, as on vLLM's
             self._answer(200, self.state.metrics().encode(), close, "text/plain; version=0.0.4")
         elif path == "/v1/completions" and method == "POST":
             self._completions(body, close)
@@ -339,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds before each streamed token")
     p.add_argument("--per-token-writes", action="store_true",
                    help="write each streamed event on its own, yielding between them (default: one write)")
+    p.add_argument("--metrics-block", type=float, default=0.0,
+                   help="seconds each /metrics answer blocks the server's loop (every stream waits meanwhile)")
     p.add_argument("--no-token-ids", action="store_true", help="return text only, no token_ids")
     p.add_argument("--cpu", type=int, default=None,
                    help="pin the stub to this CPU (os.sched_setaffinity), e.g. off the driver's core")
@@ -381,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     state = StubState(token_delay=args.token_delay, per_token_writes=args.per_token_writes,
+                      metrics_block=args.metrics_block,
                       return_ids=not args.no_token_ids, max_model_len=args.max_model_len,
                       drop_token=args.drop_if_prompt_has, config=engine_config_of(args))
     try:
