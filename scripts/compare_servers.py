@@ -7,7 +7,14 @@ Three engines serve the same closed-loop workload (token-id prompts, greedy, EOS
   the storm benchmarks' driver loop);
 * ``ref-server``: ``server:preset=reference`` (``python -m reference_engine.serve``: an HTTP process and
   an engine process), streamed by kvbench's HTTP driver;
-* ``vllm``: ``server:preset=vllm`` (vLLM V1's OpenAI server, CPU build, ``--enforce-eager``), the same driver.
+* ``vllm``: ``server:preset=vllm`` (vLLM V1's OpenAI server, CPU build, ``--enforce-eager``), the same driver;
+* ``vllm-pinned`` (not run unless named): the same with ``helper_cores=engine``: vLLM's ``EngineCore``
+  scheduler, which vLLM leaves unbound and which spins while its worker computes, bound to the worker's
+  core so that it cannot take its API server's (:mod:`kvbench.engines.http.placement`).
+
+``--metrics-interval S`` is the servers' ``metrics_interval`` (default 0.1: kvbench's /metrics sampler at
+10 Hz, as the suite runs; 0: none). vLLM's API server spent ~15 ms on each scrape here, every stream
+waiting meanwhile.
 
 Both servers get the same knobs: block size 32, the same pool, ``max_model_len``, ``max_num_seqs``
 (``--max-num-seqs``) and ``max_num_batched_tokens`` (``--max-num-batched-tokens``), and the same dtype
@@ -73,6 +80,7 @@ from kvbench.engines.http.server import ServerAdapter
 from kvbench.engines.inprocess.reference import ReferenceAdapter
 
 ENGINES = ("inproc", "ref-server", "vllm")
+KNOWN_ENGINES = (*ENGINES, "vllm-pinned")
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 
 
@@ -113,30 +121,34 @@ def model_dir(name: str) -> Path:
 
 
 def make_engines(names: Sequence[str], ckpt: Path, dtype: str, ref_threads: int | None,
-                 log_dir: Path, variants: dict[str, str] | None = None) -> dict[str, EngineAdapter]:
+                 log_dir: Path, variants: dict[str, str] | None = None,
+                 metrics_interval: float = 0.1) -> dict[str, EngineAdapter]:
     """The adapters for ``names``; ``ref_threads``: torch threads of the reference server's engine
     process (None: the server's own default); ``variants``: more
-    reference servers, name -> the flags they are started with on top."""
+    reference servers, name -> the flags they are started with on top; ``metrics_interval``: every
+    server's /metrics sampling period (0: none)."""
     engines: dict[str, EngineAdapter] = {}
+    common = {"log_dir": str(log_dir), "metrics_interval": f"{metrics_interval:g}"}
     for name, flags in (variants or {}).items():
         adapter = ServerAdapter(str(ckpt), {"preset": "reference", "args": f"--dtype {dtype} {flags}",
-                                            "log_dir": str(log_dir)}, name=name)
+                                            **common}, name=name)
         adapter.env_overrides["OMP_NUM_THREADS"] = None if ref_threads is None else str(ref_threads)
         engines[name] = adapter
     for name in names:
         if name == "inproc":
             engines[name] = ReferenceAdapter(str(ckpt), {"dtype": dtype}, name=name)
         elif name == "ref-server":
-            adapter = ServerAdapter(str(ckpt), {"preset": "reference", "args": f"--dtype {dtype}",
-                                                "log_dir": str(log_dir)}, name=name)
+            adapter = ServerAdapter(str(ckpt), {"preset": "reference", "args": f"--dtype {dtype}", **common},
+                                    name=name)
             # matched: the threads asked; default: the server's own choice, not this process's count
             adapter.env_overrides["OMP_NUM_THREADS"] = None if ref_threads is None else str(ref_threads)
             engines[name] = adapter
-        elif name == "vllm":
+        elif name in ("vllm", "vllm-pinned"):
+            helpers = "engine" if name == "vllm-pinned" else "free"
             engines[name] = ServerAdapter(str(ckpt), {"preset": "vllm", "args": f"--dtype {dtype}",
-                                                      "log_dir": str(log_dir)}, name=name)
+                                                      "helper_cores": helpers, **common}, name=name)
         else:
-            raise SystemExit(f"--engines: unknown engine {name!r}; expected some of {', '.join(ENGINES)}")
+            raise SystemExit(f"--engines: unknown engine {name!r}; expected some of {', '.join(KNOWN_ENGINES)}")
     return engines
 
 
@@ -222,7 +234,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         knobs = Knobs(block_size=BLOCK_SIZE, num_gpu_blocks=blocks, max_num_seqs=args.max_num_seqs,
                       max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens)
         for dtype in args.dtypes:
-            engines = make_engines(args.engines, ckpt, dtype, ref_threads, log_dir, args.variant)
+            engines = make_engines(args.engines, ckpt, dtype, ref_threads, log_dir, args.variant,
+                                   args.metrics_interval)
             try:
                 print(f"\n== {model_name} ({ckpt.name}), {dtype}: {args.requests} requests x {args.prompt} prompt + "
                       f"{args.output} output, knobs {knobs.as_dict()}", flush=True)
@@ -254,13 +267,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"started": started.isoformat(timespec="seconds"), "command": " ".join(sys.argv),
             "commit": _commit(), "threads_mode": args.threads, "client_torch_threads": torch.get_num_threads(),
             "cells": [c.__dict__ for c in cells], "threads": threads_seen, "cores": os.cpu_count(),
-            "variants": dict(args.variant), "knob_overrides": args.knob}
+            "variants": dict(args.variant), "knob_overrides": args.knob, "metrics_interval": args.metrics_interval}
 
 
 def report(result: dict[str, Any]) -> str:
     cells = [Cell(**c) for c in result["cells"]]
     lines = [f"\n# compare_servers: {result['started']}, commit {result['commit']}, threads={result['threads_mode']}",
-             f"# {result['command']}", "",
+             f"# {result['command']}",
+             f"# /metrics sampled every {result.get('metrics_interval', 0.1):g} s during runs (0: not at all)", "",
              "| model | dtype | conc. | engine | output tok/s | TTFT p50 s | tok/s vs vLLM | TTFT vs vLLM |",
              "|---|---|---|---|---|---|---|---|"]
     for c in cells:
@@ -270,6 +284,10 @@ def report(result: dict[str, Any]) -> str:
             vs_ttft = ratio(c.ttft_p50[engine], c.ttft_p50[base]) if base and engine != base else ""
             lines.append(f"| {c.model} | {c.dtype} | {c.concurrency} | {engine} | {spread(c.tok_s[engine])} | "
                          f"{spread(c.ttft_p50[engine], '{:.2f}')} | {vs_tok} | {vs_ttft} |")
+        if "vllm-pinned" in c.tok_s and "ref-server" in c.tok_s:
+            lines.append(f"| {c.model} | {c.dtype} | {c.concurrency} | ref-server / vllm-pinned | "
+                         f"{ratio(c.tok_s['ref-server'], c.tok_s['vllm-pinned'])} | "
+                         f"{ratio(c.ttft_p50['ref-server'], c.ttft_p50['vllm-pinned'])} | | |")
         if "inproc" in c.tok_s and "ref-server" in c.tok_s:
             lines.append(f"| {c.model} | {c.dtype} | {c.concurrency} | ref-server / inproc | "
                          f"{ratio(c.tok_s['ref-server'], c.tok_s['inproc'])} | | | |")
@@ -338,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a knob of one engine (or variant) set apart from the others' "
                              "(e.g. ref512:max_num_batched_tokens=512: the reference engine's own default "
                              "budget); repeatable")
+    parser.add_argument("--metrics-interval", type=float, default=0.1,
+                        help="seconds between each server's /metrics samples during a run (0: none; default 0.1)")
     parser.add_argument("--threads", choices=("default", "matched"), default="default")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None, help="write the figures and thread settings here")
