@@ -174,8 +174,10 @@ def test_a_slow_metrics_answer_stalls_the_streams_and_metrics_interval_0_stops_t
     if sampled:
         assert trace.steps and max(gaps) >= 0.035, "each scrape held every stream for its 40 ms"
         assert "answered in" in evidence and float(evidence.split("answered in ")[1].split(" ms")[0]) >= 35
+        assert any(e.startswith("warning: the /metrics sampler's scrapes took") for e in adapter.evidence)
     else:
         assert not trace.steps and max(gaps) < 0.035 and "0 /metrics samples" in evidence
+        assert not any(e.startswith("warning: the /metrics") for e in adapter.evidence)
 
 
 def test_closed_loop_keeps_the_concurrency(stub, model_dir):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,6 +58,8 @@ REMOTE_CAPABILITIES = frozenset({"recompute", "swap", "prefix_caching", "chunked
 
 #: seconds between the driver's /metrics samples during a timed run (option ``metrics_interval``)
 DEFAULT_METRICS_INTERVAL = 0.1
+#: a scrape answered this slowly (median, seconds) is named in the run's evidence as a cost to the streams
+SLOW_SCRAPE_S = 0.005
 
 
 def metrics_interval(kind: str, options: dict[str, str]) -> float:
@@ -374,6 +377,12 @@ class OpenAIAdapter(EngineAdapter):
         self.evidence.append(f"driver: {stats.requests} requests, {stats.tokens} tokens streamed, "
                              f"released at most {stats.max_release_lag * 1e3:.1f} ms late, "
                              f"{stats.scrapes()}")
+        if stats.scrape_seconds and statistics.median(stats.scrape_seconds) >= SLOW_SCRAPE_S:
+            self.evidence.append(
+                f"warning: the /metrics sampler's scrapes took {statistics.median(stats.scrape_seconds) * 1e3:.0f} ms "
+                f"each (median), every {interval:g} s: on a server with one front-end loop every stream waits "
+                "that long at each, so inter-token gaps include kvbench's own sampling; metrics_interval=0 "
+                "turns it off (the counters are still read before and after)")
         if before is None:
             recorder.not_exposed("counters", f"{self.name} publishes no /metrics")
         recorder.set_counters(self._counters(before, self._settle()))
