@@ -12,6 +12,9 @@ Three engines serve the same closed-loop workload (token-id prompts, greedy, EOS
   scheduler, which vLLM leaves unbound and which spins while its worker computes, bound to the worker's
   core so that it cannot take its API server's (:mod:`kvbench.engines.http.placement`).
 
+``--cool-down S`` (default 1.5) waits before each timed job: vLLM's scheduler and worker spin for 1 s after
+their last step, on the core the reference engine is bound to, and a job started at once paid for it.
+
 ``--metrics-interval S`` is the servers' ``metrics_interval`` (default 0.1: kvbench's /metrics sampler at
 10 Hz, as the suite runs; 0: none). vLLM's API server spent ~15 ms on each scrape here, every stream
 waiting meanwhile.
@@ -81,6 +84,9 @@ from kvbench.engines.inprocess.reference import ReferenceAdapter
 
 ENGINES = ("inproc", "ref-server", "vllm")
 KNOWN_ENGINES = (*ENGINES, "vllm-pinned")
+#: seconds of quiet before each timed job: vLLM's scheduler and worker spin on ``sched_yield`` for 1 s after
+#: their last message (``SpinCondition``, ``busy_loop_s``), on core 0, which the next engine measured uses
+COOL_DOWN_S = 1.5
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 
 
@@ -254,6 +260,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         requests = workload(model, args.requests, args.prompt, args.output, c)
                         k = (r + ci) % len(names)
                         for name in names[k:] + names[:k]:
+                            time.sleep(args.cool_down)  # the last engine's spinning waiters gone idle
                             trace = serve(engines[name], Job(requests, engine_knobs[name]), "compare")
                             m = metrics.summarize(trace)
                             group[c].add(name, m)
@@ -267,14 +274,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"started": started.isoformat(timespec="seconds"), "command": " ".join(sys.argv),
             "commit": _commit(), "threads_mode": args.threads, "client_torch_threads": torch.get_num_threads(),
             "cells": [c.__dict__ for c in cells], "threads": threads_seen, "cores": os.cpu_count(),
-            "variants": dict(args.variant), "knob_overrides": args.knob, "metrics_interval": args.metrics_interval}
+            "variants": dict(args.variant), "knob_overrides": args.knob, "metrics_interval": args.metrics_interval,
+            "cool_down_s": args.cool_down}
 
 
 def report(result: dict[str, Any]) -> str:
     cells = [Cell(**c) for c in result["cells"]]
     lines = [f"\n# compare_servers: {result['started']}, commit {result['commit']}, threads={result['threads_mode']}",
              f"# {result['command']}",
-             f"# /metrics sampled every {result.get('metrics_interval', 0.1):g} s during runs (0: not at all)", "",
+             f"# /metrics sampled every {result.get('metrics_interval', 0.1):g} s during runs (0: not at all); "
+             f"{result.get('cool_down_s', 0):g} s of quiet before each timed job", "",
              "| model | dtype | conc. | engine | output tok/s | TTFT p50 s | tok/s vs vLLM | TTFT vs vLLM |",
              "|---|---|---|---|---|---|---|---|"]
     for c in cells:
@@ -358,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
                              "budget); repeatable")
     parser.add_argument("--metrics-interval", type=float, default=0.1,
                         help="seconds between each server's /metrics samples during a run (0: none; default 0.1)")
+    parser.add_argument("--cool-down", type=float, default=COOL_DOWN_S,
+                        help=f"seconds of quiet before each timed job (default {COOL_DOWN_S:g}: longer than the 1 s "
+                             "vLLM's scheduler and worker spin after their last step, on the cores the next engine "
+                             "uses)")
     parser.add_argument("--threads", choices=("default", "matched"), default="default")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--json", default=None, help="write the figures and thread settings here")

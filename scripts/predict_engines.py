@@ -90,6 +90,9 @@ FIGURES = ("output_throughput", "preemptions", "ttft_p50", "ttft_p99", "ttft_mea
 #: vLLM's own TTFT (its front end's clock at the first token's output, before the stream delivers it)
 SERVER_TTFT = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
 STORM, SURGE = "preemption_storm", "evening_surge"
+#: seconds of quiet before each engine's part of a round: vLLM's scheduler and worker spin on ``sched_yield``
+#: for 1 s after their last message (``SpinCondition``, ``busy_loop_s``), where the next engine runs
+COOL_DOWN_S = 1.5
 
 
 def say(line: str) -> None:
@@ -205,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             order = engines[r % len(engines):] + engines[:r % len(engines)]
             for name in order:
+                time.sleep(COOL_DOWN_S)  # vLLM's scheduler and worker spin for 1 s after their last step
                 t0 = time.perf_counter()
                 if name == "vllm":
                     got, t = client_spans(lambda w: serve(vllm, Job(w, KNOBS), "calibrate"),

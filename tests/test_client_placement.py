@@ -177,3 +177,30 @@ def test_the_server_adapter_sends_from_off_the_reference_servers_engine_core(
     # the reference server binds its engine process to the first core (--bind-cpus)
     assert (CORES[0] in seen[0]) is on_engine_core
     assert os.sched_getaffinity(0) == set(CORES)
+
+
+@needs_two_cores
+@pytest.mark.parametrize("option", ["free", "engine"])
+def test_helper_cores_engine_binds_the_reference_servers_unbound_helper_and_free_leaves_it(
+        tiny_ckpt: str, option: str) -> None:
+    """The reference server's group: its HTTP process (the leader, bound by itself to the cores its engine
+    leaves), its engine process (bound), and multiprocessing's resource tracker, which binds nothing: the
+    helper ``helper_cores=engine`` puts on the engine's cores."""
+    from kvbench.core.requests import GenRequest
+
+    adapter = ServerAdapter(tiny_ckpt, {"preset": "reference", "helper_cores": option})
+    try:
+        assert len(adapter.generate([GenRequest("p", [5, 6, 7], 4)]).outputs) == 1
+        pgid = adapter.process.pgid
+        leader_cores = os.sched_getaffinity(pgid)
+        others = [pid for pid in group_pids(pgid) if pid != pgid]
+        engine = engine_cores(others, set(CORES))
+        unbound = [pid for pid in others if not engine_cores([pid], set(CORES))]
+        assert engine, "the reference server binds its engine process"
+        if option == "free":
+            assert unbound, "a helper the server leaves unbound (else this test shows nothing)"
+        else:
+            assert not unbound and all(set().union(*_affinities(pid)) == engine for pid in others)
+            assert os.sched_getaffinity(pgid) == leader_cores  # the front end is not moved
+    finally:
+        adapter.close()
