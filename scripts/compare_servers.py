@@ -78,6 +78,7 @@ from kvbench.bench.scenarios.common import Job, Model, build_workload, serve
 from kvbench.bench.workloads import ClosedLoop, Fixed, WorkloadSpec
 from kvbench.checkpoints import builtin_checkpoint, checkpoint_for
 from kvbench.engines.base import EngineAdapter, Knobs
+from kvbench.engines.http.placement import SPIN_QUIET_S
 from kvbench.engines.http.presets import REFERENCE, VLLM_CPU_LAYOUT
 from kvbench.engines.http.server import ServerAdapter
 from kvbench.engines.inprocess.reference import ReferenceAdapter
@@ -85,8 +86,8 @@ from kvbench.engines.inprocess.reference import ReferenceAdapter
 ENGINES = ("inproc", "ref-server", "vllm")
 KNOWN_ENGINES = (*ENGINES, "vllm-pinned")
 #: seconds of quiet before each timed job: vLLM's scheduler and worker spin on ``sched_yield`` for 1 s after
-#: their last message (``SpinCondition``, ``busy_loop_s``), on core 0, which the next engine measured uses
-COOL_DOWN_S = 1.5
+#: their last message (``SpinCondition``, ``busy_loop_s``), where the next engine measured runs
+COOL_DOWN_S = SPIN_QUIET_S
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 
 

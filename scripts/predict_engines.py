@@ -71,6 +71,7 @@ from kvbench.bench.scenarios.common import Job, Model, serve
 from kvbench.bench.scenarios.storms import knee_within
 from kvbench.checkpoints import checkpoint_for
 from kvbench.engines.base import Knobs
+from kvbench.engines.http.placement import SPIN_QUIET_S
 from kvbench.engines.http.presets import REFERENCE, VLLM_CPU_LAYOUT
 from kvbench.engines.http.server import ServerAdapter
 from kvbench.engines.inprocess.reference import ReferenceAdapter
@@ -90,9 +91,9 @@ FIGURES = ("output_throughput", "preemptions", "ttft_p50", "ttft_p99", "ttft_mea
 #: vLLM's own TTFT (its front end's clock at the first token's output, before the stream delivers it)
 SERVER_TTFT = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
 STORM, SURGE = "preemption_storm", "evening_surge"
-#: seconds of quiet before each engine's part of a round: vLLM's scheduler and worker spin on ``sched_yield``
-#: for 1 s after their last message (``SpinCondition``, ``busy_loop_s``), where the next engine runs
-COOL_DOWN_S = 1.5
+#: seconds of quiet before each timed job: vLLM's scheduler and worker spin on ``sched_yield`` for 1 s after
+#: their last message (``SpinCondition``, ``busy_loop_s``), where the next engine measured runs
+COOL_DOWN_S = SPIN_QUIET_S
 
 
 def say(line: str) -> None:

@@ -64,12 +64,16 @@ class DriverStats:
     sample_errors: int = 0
     scrape_seconds: list[float] = field(default_factory=list)
 
+    @property
+    def scrape_median_s(self) -> float | None:
+        """The scrapes' median answer time (seconds); None without one."""
+        return statistics.median(self.scrape_seconds) if self.scrape_seconds else None
+
     def scrapes(self) -> str:
         """``"N /metrics samples"``, with the median and longest answer time where any was taken."""
         text = f"{self.samples} /metrics samples"
-        if self.scrape_seconds:
-            text += (f" (answered in {statistics.median(self.scrape_seconds) * 1e3:.1f} ms median, "
-                     f"{max(self.scrape_seconds) * 1e3:.1f} ms at most)")
+        if (median := self.scrape_median_s) is not None:
+            text += f" (answered in {median * 1e3:.1f} ms median, {max(self.scrape_seconds) * 1e3:.1f} ms at most)"
         return text
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -377,9 +376,9 @@ class OpenAIAdapter(EngineAdapter):
         self.evidence.append(f"driver: {stats.requests} requests, {stats.tokens} tokens streamed, "
                              f"released at most {stats.max_release_lag * 1e3:.1f} ms late, "
                              f"{stats.scrapes()}")
-        if stats.scrape_seconds and statistics.median(stats.scrape_seconds) >= SLOW_SCRAPE_S:
+        if (median := stats.scrape_median_s) is not None and median >= SLOW_SCRAPE_S:
             self.evidence.append(
-                f"warning: the /metrics sampler's scrapes took {statistics.median(stats.scrape_seconds) * 1e3:.0f} ms "
+                f"warning: the /metrics sampler's scrapes took {median * 1e3:.0f} ms "
                 f"each (median), every {interval:g} s: on a server with one front-end loop every stream waits "
                 "that long at each, so inter-token gaps include kvbench's own sampling; metrics_interval=0 "
                 "turns it off (the counters are still read before and after)")

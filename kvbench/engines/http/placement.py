@@ -54,6 +54,16 @@ def group_pids(pgid: int) -> list[int]:
     return [pid for pid, state in group_members(pgid) or () if state != "Z"]
 
 
+#: seconds until a vLLM server's spinning waiters sleep after its last step (``busy_loop_s`` 1 s, with a
+#: margin): how long a side-by-side measurement waits before timing the next engine on the same cores
+SPIN_QUIET_S = 1.5
+
+
+def machine_cores() -> set[int]:
+    """Every core of the machine (those this process may use included, whatever ``cpu_count`` says)."""
+    return set(range(os.cpu_count() or 1)) | os.sched_getaffinity(0)
+
+
 def engine_cores(pids: list[int], machine: set[int]) -> set[int]:
     """The cores that threads of ``pids`` are bound to: those whose affinity is narrower than ``machine``."""
     bound: set[int] = set()
@@ -74,7 +84,7 @@ def client_cores(pgid: int) -> set[int] | None:
     if not hasattr(os, "sched_getaffinity"):
         return None
     mine = os.sched_getaffinity(0)
-    machine = set(range(os.cpu_count() or 1)) | mine
+    machine = machine_cores()
     # The group's leader is the process kvbench started: the server's front end (vLLM's API server, the
     # reference server's HTTP process, which binds itself to the cores its engine leaves). The client
     # may share its cores; the engine's are the ones the other processes are bound to.
@@ -89,7 +99,7 @@ def helpers_onto_engine_cores(pgid: int) -> dict[int, set[int]]:
     Idempotent: a helper bound before counts as bound and is left alone."""
     if not hasattr(os, "sched_setaffinity"):
         return {}
-    machine = set(range(os.cpu_count() or 1)) | os.sched_getaffinity(0)
+    machine = machine_cores()
     others = [pid for pid in group_pids(pgid) if pid != pgid]
     engine = engine_cores(others, machine)
     if not engine:

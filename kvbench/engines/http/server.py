@@ -69,6 +69,8 @@ from kvbench.engines.http.process import ServerProcess, free_port, stop_servers
 #: servers of other knob sets kept running for reuse, by default
 DEFAULT_KEEP_SERVERS = 8
 
+#: options that take one of a few words, the default first
+_CHOICES = {"client_cores": ("auto", "off"), "helper_cores": ("free", "engine")}
 _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect",
               "metrics_interval")
 
@@ -137,12 +139,10 @@ class ServerAdapter(EngineAdapter):
         keep = options.get("keep_servers", str(DEFAULT_KEEP_SERVERS))
         if not (keep.isdigit() and int(keep) >= 1):
             raise ValueError(f"engine {cls.kind!r}: option keep_servers must be an integer >= 1, got {keep!r}")
-        if options.get("client_cores", "auto") not in ("auto", "off"):
-            raise ValueError(f"engine {cls.kind!r}: option client_cores must be auto or off, "
-                             f"got {options['client_cores']!r}")
-        if options.get("helper_cores", "free") not in ("free", "engine"):
-            raise ValueError(f"engine {cls.kind!r}: option helper_cores must be free or engine, "
-                             f"got {options['helper_cores']!r}")
+        for key, choices in _CHOICES.items():
+            if options.get(key, choices[0]) not in choices:
+                raise ValueError(f"engine {cls.kind!r}: option {key} must be {' or '.join(choices)}, "
+                                 f"got {options[key]!r}")
         if "vllm" in options and preset_name != "vllm":
             raise ValueError(f"engine {cls.kind!r}: option vllm is for preset=vllm")
 
