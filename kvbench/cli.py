@@ -245,7 +245,7 @@ def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
         raise CLIError(_calibrate_flags_named(str(e))) from None
     model = args.model
     if model is None:
-        from kvbench.checkpoints import builtin_checkpoint
+        from kvbench.models.builtin import builtin_checkpoint
 
         model = str(builtin_checkpoint("tiny"))
 
@@ -271,8 +271,8 @@ def _simulate_command(profile: Path, model: str | None) -> str:
     """The ``kvbench simulate`` command line that plans on a calibrated ``profile`` for ``model`` (None: the
     built-in tiny model, simulate's default too): ``--fit-lengths`` when the model's context is too
     short for the default workload's requests."""
-    from kvbench.checkpoints import builtin_checkpoint
     from kvbench.engines.registry import make_adapter, parse_engine_spec
+    from kvbench.models.builtin import builtin_checkpoint
     from kvbench.sim.simulate import fit_length_scale
 
     spec = f"sim:hardware={profile}" + (f",model={model}" if model is not None else "")
@@ -297,7 +297,7 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from e
     report_dir = _writable_folder("--report", args.report) if args.report else None  # before minutes of simulating
-    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.models.builtin import builtin_checkpoint
 
     adapter = make_adapter(spec, str(builtin_checkpoint("tiny")))
     shape = adapter.model_shape

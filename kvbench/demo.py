@@ -27,7 +27,7 @@ def run_demo(out: TextIO, num_requests: int = 32, num_gpu_blocks: int = 48, seed
 def _run(out: TextIO, num_requests: int, num_gpu_blocks: int, seed: int) -> int:
     import torch
 
-    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.models.builtin import builtin_checkpoint
     from reference_engine import EngineConfig, LLMEngine, SamplingParams
 
     ckpt = builtin_checkpoint("tiny")

@@ -8,7 +8,7 @@ context it took more time than the attention (profiled: ``index_select`` 37% of 
 the matmuls 33%). The kernel reads K and V in place through the block table, once each, and does the
 same float32 math (scores, max-subtracted softmax, weighted sum of values). Prefills and prefill chunks
 stay on the torch path; the torch path stays the oracle, and the tests hold the kernel to it
-(``tests/test_cpu_attention.py``).
+(``tests/engine/test_cpu_attention.py``).
 
 The build needs a C++ compiler and ninja (both on the machines this project runs on); it takes tens of
 seconds once, then torch caches it (:mod:`reference_engine.cpu_build`).

@@ -8,7 +8,7 @@ silu and multiply 2.6 ms x 8, of a ~215 ms step), because the torch path writes 
 The kernels do each layer in one pass over its rows with the same float32 math and the same rounding
 steps (the C++ file lists them). The torch path in :mod:`reference_engine.model` stays the oracle: the
 tests hold the kernels to it, bit for bit for SwiGLU and within float32 rounding of the sum of squares
-for RMSNorm (``tests/test_cpu_elementwise.py``). Float16 and other devices keep the torch path.
+for RMSNorm (``tests/engine/test_cpu_elementwise.py``). Float16 and other devices keep the torch path.
 
 :func:`fuse_elementwise` points a loaded model's RMSNorm and fused gate/up MLP layers at the kernels;
 ``elementwise_backend="auto"`` does that on the CPU when the build works, and says once why not when it

@@ -5,7 +5,7 @@ readable: every ordinary id ``i`` is the word ``t<i>``, and the special ids are 
 ``<|bos|>`` and ``<|eos|>`` (the ids ``config.json`` names). The vocabulary covers exactly
 ``vocab_size`` ids, no more and no fewer.
 
-Contracts (tested in ``tests/test_tokenizer.py``):
+Contracts (tested in ``tests/engine/test_tokenizer.py``):
 
 * ``encode(decode(ids)) == ids`` for any sequence of ordinary ids: words are separated by single
   spaces (the Metaspace scheme: each token carries a leading ``▁`` that decodes to a space, and the

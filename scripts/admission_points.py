@@ -21,9 +21,9 @@ from kvbench.bench import metrics
 from kvbench.bench import scenarios as sc
 from kvbench.bench.scenarios.common import MODEL_PRESETS, STEP_SECONDS, Job, serve
 from kvbench.bench.scenarios.policies import goal_check
-from kvbench.checkpoints import builtin_checkpoint
 from kvbench.core.knobs import Knobs
 from kvbench.engines.registry import EngineSpec, make_adapter
+from kvbench.models.builtin import builtin_checkpoint
 
 SURGES = {"evening_surge": sc.EveningSurge, "flash_crowd": sc.FlashCrowd}
 

@@ -10,7 +10,7 @@ Three engines serve the same closed-loop workload (token-id prompts, greedy, EOS
 * ``vllm``: ``server:preset=vllm`` (vLLM V1's OpenAI server, CPU build, ``--enforce-eager``), the same driver;
 * ``vllm-pinned`` (not run unless named): the same with ``helper_cores=engine``: vLLM's ``EngineCore``
   scheduler, which vLLM leaves unbound and which spins while its worker computes, bound to the worker's
-  core so that it cannot take its API server's (:mod:`kvbench.engines.http.placement`).
+  core so that it cannot take its API server's (:mod:`kvbench.launch.placement`).
 
 ``--cool-down S`` (default 1.5) waits before each timed job: vLLM's scheduler and worker spin for 1 s after
 their last step, on the core the reference engine is bound to, and a job started at once paid for it.
@@ -31,7 +31,7 @@ a round, printed as median [min-max] over the rounds. Nothing here asserts a tim
 default prefill budget (512) beside the matched one (2048, vLLM's CPU server default), side by side.
 
 Models: ``small`` (8 layers x 512, head size 64) and ``tiny-hd32`` (the tiny preset with head size 32, the
-smallest vLLM's CPU attention takes: :func:`kvbench.checkpoints.checkpoint_for`).
+smallest vLLM's CPU attention takes: :func:`kvbench.models.builtin.checkpoint_for`).
 
 Threads (``--threads``): each server's defaults are recorded from its processes (thread counts, CPU
 affinity, ``OMP_NUM_THREADS`` in their environment) and, for vLLM, its "OpenMP thread binding" log.
@@ -76,12 +76,12 @@ from kvbench.bench import metrics
 from kvbench.bench.results import commit_info
 from kvbench.bench.scenarios.common import Job, Model, build_workload, serve
 from kvbench.bench.workloads import ClosedLoop, Fixed, WorkloadSpec
-from kvbench.checkpoints import builtin_checkpoint, checkpoint_for
 from kvbench.engines.base import EngineAdapter, Knobs
-from kvbench.engines.http.placement import SPIN_QUIET_S
 from kvbench.engines.http.presets import REFERENCE, VLLM_CPU_LAYOUT
 from kvbench.engines.http.server import ServerAdapter
 from kvbench.engines.inprocess.reference import ReferenceAdapter
+from kvbench.launch.placement import SPIN_QUIET_S
+from kvbench.models.builtin import builtin_checkpoint, checkpoint_for
 
 ENGINES = ("inproc", "ref-server", "vllm")
 KNOWN_ENGINES = (*ENGINES, "vllm-pinned")

@@ -8,7 +8,7 @@ What it measures, and how:
 1. **HBM bandwidth**: a device-to-device copy of ``--copy-mib`` MiB, timed over repeats; bandwidth
    counts the bytes read plus the bytes written (how the device's datasheet figure is usually matched).
 2. **Decode step vs the HBM roofline**: a random Llama checkpoint (``--model 1b``: Llama-3.2-1B's shape
-   with a 32k vocabulary, bf16) is written with ``reference_engine.checkpoint.build_config`` and seeded
+   with a 32k vocabulary, bf16) is written with ``kvbench.models.random_llama.build_config`` and seeded
    random weights (the generator's margin repair is skipped: it runs the whole vocabulary through the
    model on CPU, far too slow at this size, and timing does not need greedy margins). For each batch
    size B, B requests with ``--context`` prompt tokens are prefilled, then ``--decode-steps`` decode
@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-#: model shapes (overrides of reference_engine.checkpoint's "small" preset); "1b" ~ Llama-3.2-1B with a
+#: model shapes (overrides of kvbench.models.random_llama's "small" preset); "1b" ~ Llama-3.2-1B with a
 #: 32k vocabulary: 16 layers, hidden 2048, GQA 32/8 heads of 64, MLP 8192 -> 1.10e9 parameters
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "1b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -202,12 +202,12 @@ def measure_bandwidth(device: str, mib: int) -> dict[str, Any]:
 
 
 def write_random_checkpoint(out_dir: Path, model: str, dtype: str, seed: int = 0) -> Path:
-    """config.json from reference_engine.checkpoint.build_config, seeded random weights (variance
+    """config.json from kvbench.models.random_llama.build_config, seeded random weights (variance
     preserving, the generator's names), in ``dtype``; no margin repair (module docstring)."""
     import torch
     from safetensors.torch import save_file
 
-    from reference_engine.checkpoint import build_config
+    from kvbench.models.random_llama import build_config
 
     config = build_config("small", seed, **MODEL_SHAPES[model])
     gen = torch.Generator().manual_seed(seed)
@@ -321,8 +321,8 @@ def run_storm(args: argparse.Namespace, results: Any) -> dict[str, Any]:
     """The preemption storm at quick scale on the reference engine on this device, recorded into results."""
     from kvbench.bench import scenarios as sc
     from kvbench.bench.scenarios.common import STEP_SECONDS
-    from kvbench.checkpoints import builtin_checkpoint
     from kvbench.engines.registry import make_adapter, parse_engine_spec
+    from kvbench.models.builtin import builtin_checkpoint
 
     scenario = _dry_run_storm() if args.dry_run else sc.PREEMPTION_STORM
     model = sc.Model.from_dir(builtin_checkpoint("tiny"), "tiny")

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvbench.checkpoints import builtin_checkpoint
+from kvbench.models.builtin import builtin_checkpoint
 from reference_engine import EngineConfig, LLMEngine, SamplingParams
 from reference_engine.engine_counters import EngineCounters
 from reference_engine.kv_cache import KVCache

@@ -69,13 +69,13 @@ from kvbench.bench import scenarios as sc
 from kvbench.bench.results import commit_info
 from kvbench.bench.scenarios.common import Job, Model, serve
 from kvbench.bench.scenarios.storms import knee_within
-from kvbench.checkpoints import checkpoint_for
 from kvbench.engines.base import Knobs
-from kvbench.engines.http.placement import SPIN_QUIET_S
 from kvbench.engines.http.presets import REFERENCE, VLLM_CPU_LAYOUT
 from kvbench.engines.http.server import ServerAdapter
 from kvbench.engines.inprocess.reference import ReferenceAdapter
 from kvbench.engines.registry import make_adapter, parse_engine_spec
+from kvbench.launch.placement import SPIN_QUIET_S
+from kvbench.models.builtin import checkpoint_for
 from kvbench.sim import prediction as pr
 from kvbench.sim.calibration import base_profile, calibrate
 from kvbench.sim.client_calibration import ClientDesign, client_spans, fit_client

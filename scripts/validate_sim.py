@@ -39,8 +39,8 @@ import time
 from kvbench.bench import metrics, repeats
 from kvbench.bench import scenarios as sc
 from kvbench.bench.results import Results
-from kvbench.checkpoints import builtin_checkpoint
 from kvbench.engines.registry import EngineSpec, make_adapter, parse_engine_spec
+from kvbench.models.builtin import builtin_checkpoint
 from kvbench.report.render import write_report
 from kvbench.sim.calibration import base_profile, interval_samples, recording
 from reference_engine.costs import CostModel, load_model_shape

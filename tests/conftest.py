@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from kvbench.models.random_llama import write_checkpoint
 from reference_engine import EngineConfig, LLMEngine, SamplingParams
-from reference_engine.checkpoint import write_checkpoint
 
 NUM_REQUESTS = 32
 

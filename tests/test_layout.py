@@ -1,9 +1,9 @@
-"""The layout's one direction, checked from the source. Bottom up: core -> engines -> bench -> sim ->
-conformance, report -> the faces (plugin, cli); conformance uses only the workloads of bench and
-nothing of sim. Inside engines each family of adapters (inprocess, hf, http) is its own room: it
-imports the engines' shared modules (base) and itself, never another family. reference_engine never
-imports kvbench, and no two modules of kvbench and reference_engine share a file name. Inside reference_engine:
-serve and sim -> the engine's core modules -> costs.
+"""The layout's one direction, checked from the source. Bottom up: core -> models, drivers, launch ->
+engines -> testing, bench -> sim -> conformance, report -> the faces (plugin, cli); conformance uses only
+the workloads of bench and nothing of sim. Inside engines each family of adapters (inprocess, hf, http)
+is its own room: it imports the engines' shared modules (base) and itself, never another family.
+reference_engine never imports kvbench, and no two modules of kvbench and reference_engine share a file
+name. Inside reference_engine: serve and sim -> the engine's core modules -> costs.
 
 Imports inside functions count too: a lazy import is still an arrow.
 """
@@ -21,10 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 #: part -> the kvbench parts it may import (itself always allowed)
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
-    "engines": {"core"},
-    "bench": {"core", "engines"},
-    "sim": {"core", "engines", "bench"},
-    "conformance": {"core", "engines", "bench.workloads"},
+    "models": {"core"},
+    "drivers": {"core"},
+    "launch": {"core"},
+    "engines": {"core", "drivers", "launch"},
+    "testing": {"core", "drivers", "launch", "models"},
+    "bench": {"core", "drivers", "engines", "models"},
+    "sim": {"core", "drivers", "engines", "bench", "models"},
+    "conformance": {"core", "drivers", "engines", "testing", "models", "bench.workloads"},
     "report": {"core", "bench", "sim"},
 }
 #: the families of adapters, each a subpackage of kvbench.engines that imports no other
@@ -33,8 +37,8 @@ ENGINE_FAMILIES = ("inprocess", "hf", "http")
 ENGINES_SHARED = {"kvbench.engines.base", "kvbench.engines.registry"}
 #: modules of kvbench allowed to import reference_engine (the in-process adapter, the patched reference
 #: server, the simulator's side, the built-in checkpoints, the demo)
-REFERENCE_ENGINE_USERS = ("kvbench.engines.inprocess.", "kvbench.engines.http.patched_server", "kvbench.sim.",
-                          "kvbench.checkpoints", "kvbench.demo")
+REFERENCE_ENGINE_USERS = ("kvbench.engines.inprocess.", "kvbench.testing.patched_server", "kvbench.sim.",
+                          "kvbench.models.", "kvbench.demo")
 
 
 def _imports(path: Path) -> list[str]:
@@ -61,7 +65,7 @@ def _part(module: str) -> str | None:
 
 
 def _family(module: str) -> str | None:
-    """The engines family ``module`` belongs to (``kvbench.engines.http.client`` -> "http"), or None."""
+    """The engines family ``module`` belongs to (``kvbench.drivers.http_client`` -> "http"), or None."""
     parts = module.split(".")
     if len(parts) > 3 and parts[:2] == ["kvbench", "engines"] and parts[2] in ENGINE_FAMILIES:
         return parts[2]
@@ -128,10 +132,9 @@ def test_reference_engine_never_imports_kvbench(path: Path) -> None:
 
 
 def test_every_kvbench_module_belongs_to_a_part_or_is_a_face() -> None:
-    faces = {"kvbench", "kvbench.__main__", "kvbench.cli", "kvbench.plugin", "kvbench.checkpoints", "kvbench.demo",
-             "kvbench.__init__"}
+    faces = {"kvbench", "kvbench.__main__", "kvbench.cli", "kvbench.plugin", "kvbench.demo", "kvbench.__init__"}
     loose = [_module(p) for p in KVBENCH_FILES if _part(_module(p)) is None and _module(p) not in faces]
-    assert not loose, f"modules outside core/engines/bench/sim/conformance/report: {loose}"
+    assert not loose, f"modules outside {sorted(ALLOWED)}: {loose}"
 
 
 def test_no_name_shadows_a_package() -> None:

@@ -41,8 +41,8 @@ import numpy as np
 import pandas as pd
 
 from kvbench.core.counters import Counters, spec
-from kvbench.core.stepping import workload_clock
 from kvbench.core.trace import Trace
+from kvbench.drivers.step_loop import workload_clock
 
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
 DEFAULT_SPIKE_FACTOR = 5.0

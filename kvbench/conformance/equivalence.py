@@ -33,7 +33,7 @@ than the ground truth's (``overrun``).
 Why ``DEFAULT_TOLERANCE = 1e-3`` (logits, not probabilities): the float32 noise between two correct
 implementations of the tiny/small presets (incremental decode vs a full forward, paged vs contiguous
 attention, batch of 1 vs a packed batch) is about 1e-5 to 1e-4 in the logits (see
-``reference_engine.checkpoint.measure_margins``'s ``float32_noise``). 1e-3 leaves an order of
+``kvbench.models.random_llama.measure_margins``'s ``float32_noise``). 1e-3 leaves an order of
 magnitude of headroom above that, while the checkpoints are built so that greedy margins are O(1):
 a KV-cache bug shows up as a divergence at a position with a large margin and is never excused.
 
@@ -45,8 +45,8 @@ margin (1.3-1.7). Within bfloat16 the noise between correct computations (the co
 vs the prefill path's SDPA, batch of 1 vs 16, vs transformers' dense forward) reached a top-1 gain
 of 1.39 (``small``; tiny 0.72; p99 1.2); the tolerance, 2.0, is 1.4x the largest seen. float16: 0.17
 at most (``small``; tiny 0.10), tolerance 0.25. The figures and their command
-(``python -m reference_engine.checkpoint --measure-margins DIR --dtype bfloat16``,
-:mod:`reference_engine.logit_noise`) are in docs/checks.md.
+(``python -m kvbench.models.random_llama --measure-margins DIR --dtype bfloat16``,
+:mod:`kvbench.models.logit_noise`) are in docs/checks.md.
 
 A bfloat16 tolerance is above the top-2 margin at about 60% of the checkpoints' positions, so the
 margin alone would excuse most divergences, a KV-cache bug's included (``scrambles_swap_in`` passed

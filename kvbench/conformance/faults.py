@@ -61,7 +61,7 @@ FAULTS: dict[str, str] = {
 
 def apply_fault(engine: Any, fault: str) -> None:
     """Patch ``fault`` into a built ``LLMEngine`` (in process, or inside the reference server:
-    ``python -m kvbench.engines.http.patched_server --patch kvbench.conformance.faults:apply_fault=FAULT``).
+    ``python -m kvbench.testing.patched_server --patch kvbench.conformance.faults:apply_fault=FAULT``).
     ValueError for a fault that is not a patch of a built engine (one in its configuration)."""
     patch = getattr(FaultyReferenceAdapter, f"_patch_{fault}", None)
     if patch is None:

@@ -36,7 +36,7 @@ What the model knows, and so checks, for any engine:
 * two requests holding one block hold it at the same position with the same token prefix.
 
 The model does not predict *which* free block the engine hands out (that is eviction policy, which
-``tests/test_block_manager.py`` pins down exactly for the reference engine); it learns each id from
+``tests/engine/test_block_manager.py`` pins down exactly for the reference engine); it learns each id from
 the engine and then holds the engine to it.
 """
 
@@ -86,7 +86,7 @@ def machine_settings(profile: str | None = None, **overrides: Any) -> settings:
     """Settings for the machine: the named kvbench profile, else the one named by the
     ``HYPOTHESIS_PROFILE`` environment variable when it is a kvbench profile, else ``kvbench-ci``.
 
-    ``HYPOTHESIS_PROFILE=kvbench-deep pytest tests/test_stateful.py`` runs thousands of examples.
+    ``HYPOTHESIS_PROFILE=kvbench-deep pytest tests/kvbench/test_stateful.py`` runs thousands of examples.
     """
     name = profile or os.environ.get("HYPOTHESIS_PROFILE", "")
     if name not in PROFILES:

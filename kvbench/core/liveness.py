@@ -2,7 +2,7 @@
 
 An engine that stops making progress under pressure (a livelock, a deadlock, a request it lost)
 must fail the check that drove it, quickly and by name, instead of hanging the suite. Every
-engine-driving loop (:func:`kvbench.core.stepping.drive`, an adapter's ``generate`` loop) feeds a
+engine-driving loop (:func:`kvbench.drivers.step_loop.drive`, an adapter's ``generate`` loop) feeds a
 :class:`Watchdog` after each step with the work done so far (tokens sampled plus prompt tokens
 computed: a long prefill split in many chunks is progress) and the state of every request still
 in flight. Progress is more work or any change of those states (admitted, preempted, resumed,
@@ -113,7 +113,7 @@ class DriverWatchdog(Watchdog):
             self.version += 1
 
     def saw_step(self, report: Any) -> None:
-        """``report``: a :class:`kvbench.core.stepping.StepReport`."""
+        """``report``: a :class:`kvbench.drivers.step_loop.StepReport`."""
         for rid in report.admitted:
             self.states[rid] = "running"
         for rid, mode in report.preempted:

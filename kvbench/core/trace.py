@@ -72,7 +72,7 @@ class Trace:
     counters: Counters = field(default_factory=Counters)
     not_exposed: dict[str, str] = field(default_factory=dict)  # what the engine could not report, and why
     duration: float = 0.0
-    # set when arrivals and aborts were released by engine step (kvbench.core.stepping): virtual
+    # set when arrivals and aborts were released by engine step (kvbench.drivers.step_loop): virtual
     # seconds per step. Times above stay on the wall clock; StepRecord.virtual_t maps them back.
     step_seconds: float | None = None
 

@@ -23,6 +23,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvbench.core.errors import EngineUnavailable  # re-exported: part of the adapter protocol
+
 # The protocol's vocabulary lives in kvbench.core; it is re-exported here so that an adapter needs
 # one import.
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
@@ -64,11 +66,6 @@ def redact_options(options: dict[str, str], secret: frozenset[str] | set[str] = 
     return {k: REDACTED if k in hidden else v for k, v in options.items()}
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine cannot be had: not installed, or nothing answers where it should. The message says how
-    to get one."""
-
-
 class AdapterRefusal(ValueError):
     """The adapter itself refused a knob value before the engine ever saw it (it cannot translate it, or
     it pre-checks a limit of the engine's). Distinct from the engine's own refusal: a check that judges
@@ -97,7 +94,7 @@ class EngineAdapter(abc.ABC):
     #: not refused), or None when it has one: the over-long-prompt check then lacks its prerequisite and skips
     no_length_limit: str | None = None
     #: True when kvbench drives the engine's steps itself, so ``serve`` accepts ``step_seconds`` and
-    #: releases arrivals by engine step (deterministic counts, see kvbench.core.stepping). Servers and
+    #: releases arrivals by engine step (deterministic counts, see kvbench.drivers.step_loop). Servers and
     #: engines with their own loop thread are not steppable: their counts are gated like times.
     steppable: bool = False
     #: True when an abort is a message the engine may act on after the request already finished (a closed

@@ -73,17 +73,17 @@ def kvbench_session(request: pytest.FixtureRequest) -> KvbenchSession:
 @pytest.fixture(scope="session")
 def model_dir(kvbench_session: KvbenchSession) -> str:
     """The checkpoint engines run on: ``--kvbench-model``, or the built-in tiny model in a shape every engine
-    of the run loads (vLLM's CPU build: head size 32, :func:`kvbench.checkpoints.checkpoint_for`)."""
+    of the run loads (vLLM's CPU build: head size 32, :func:`kvbench.models.builtin.checkpoint_for`)."""
     if kvbench_session.model:
         return kvbench_session.model
-    from kvbench.checkpoints import checkpoint_for
+    from kvbench.models.builtin import checkpoint_for
 
     return str(checkpoint_for(engine_layouts(kvbench_session.engine_specs)))
 
 
 def engine_layouts(specs: list[EngineSpec]) -> list[Any]:
     """The KV layouts the run's engines declare before they start (a built-in checkpoint is shaped so every
-    one of them loads it: :func:`kvbench.checkpoints.checkpoint_for`)."""
+    one of them loads it: :func:`kvbench.models.builtin.checkpoint_for`)."""
     return [adapter_class(s.kind).kv_layout_for(dict(s.options)) for s in specs]
 
 
@@ -95,7 +95,7 @@ def engine(engine_spec: EngineSpec, model_dir: str, request: pytest.FixtureReque
     # Checks force preemptions on purpose and prove them; admission control exists to avoid them and
     # would leave a check nothing to prove. So checks run with admission off unless they ask for it, and
     # the records say so (a knob override). Exactness with admission on is tested in
-    # tests/test_policies.py; the benchmarks keep the engine's setting.
+    # tests/engine/test_policies.py; the benchmarks keep the engine's setting.
     adapter.configure_run(liveness=ks.liveness,
                           admission_off_by_default="admission_control" in adapter.capabilities)
     yield adapter

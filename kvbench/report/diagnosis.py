@@ -28,8 +28,8 @@ from typing import Any
 from kvbench.bench.formatting import fmt_metric, fmt_ratio, fmt_time
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import NOISE_FLOOR_S, Pressure, num, plural
-from kvbench.report.facts import Crossover, Facts
-from kvbench.report.verdict import pressure_of
+from kvbench.report.figures import Crossover, Facts
+from kvbench.report.scoreboard import pressure_of
 
 OK, BETTER, WATCH, PROBLEM, NOT_MEASURED = "ok", "better than expected", "watch", "problem", "not measured"
 RANK = {PROBLEM: 4, WATCH: 3, BETTER: 2, OK: 1, NOT_MEASURED: 0}
@@ -51,7 +51,7 @@ def baseline_engine_name(results: Results) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# the knee and the crossover: read from the run's facts (computed once, see kvbench.report.facts)
+# the knee and the crossover: read from the run's facts (computed once, see kvbench.report.figures)
 
 
 def swap_crossover(results: Results, engine: str) -> Crossover | None:

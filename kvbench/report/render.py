@@ -32,8 +32,8 @@ from kvbench.bench import gate
 from kvbench.bench.formatting import fmt_bytes, fmt_metric, fmt_ratio, fmt_time, metric_label
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num
+from kvbench.report import advice, figures, scoreboard, sim_validation, trend
 from kvbench.report import charts as rc
-from kvbench.report import facts, recommend, sim_validation, trend, verdict
 from kvbench.report.diagnosis import baseline_engine_name, diagnose
 
 #: what report files are written with: readable by everyone like any document (a results file written
@@ -97,7 +97,7 @@ def _find_scenario(results: Results, *needles: str) -> dict[str, Any] | None:
 
 def headline_ratios(results: Results) -> list[dict[str, Any]]:
     """One headline card per scenario in the results, each the scenario's own declaration."""
-    return verdict.headlines(results, baseline_engine_name(results))
+    return scoreboard.headlines(results, baseline_engine_name(results))
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def headline_ratios(results: Results) -> list[dict[str, Any]]:
 
 def _better(metric: str, ratio: float, noise: float | None = None) -> str:
     """CSS class for a ratio of other / reference (or current / baseline): good or bad only beyond ``noise``."""
-    if not math.isfinite(ratio) or abs(ratio - 1) <= max(noise or 0.0, facts.MIN_RATIO_NOISE):
+    if not math.isfinite(ratio) or abs(ratio - 1) <= max(noise or 0.0, figures.MIN_RATIO_NOISE):
         return "same"
     up_good = metric in gate.HIGHER_IS_BETTER
     return "good" if (ratio > 1) == up_good else "bad"
@@ -118,18 +118,18 @@ def summary_table(results: Results) -> dict[str, Any]:
         checks, undecided = res.get("checks", {}), res.get("undecided") or {}
         held = f"{sum(map(bool, checks.values()))}/{len(checks)}" if checks else ""
         rows.append({"scenario": sc["name"], "engine": res["engine"], "mode": res.get("mode"),
-                     "cells": [facts.fmt_value(k, res) for k in SUMMARY_COLUMNS],
+                     "cells": [figures.fmt_value(k, res) for k in SUMMARY_COLUMNS],
                      "sort": [num(res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
                      # undecided claims are said apart: they never count as held
                      "checks": " · ".join(filter(None, [held, f"{len(undecided)} undecided" if undecided else ""])),
                      "checks_ok": all(checks.values()), "machine": res.get("machine") or "",
-                     "clock": facts.clock_of(res)})
+                     "clock": figures.clock_of(res)})
     # merged shards (kvbench merge) keep each result's machine: a column when there is more than one
     show_machine = len({r["machine"] for r in rows}) > 1
     return {"columns": [metric_label(k) for k in SUMMARY_COLUMNS], "rows": rows, "show_machine": show_machine}
 
 
-def _ratio_cell(c: facts.Comparison) -> dict[str, Any]:
+def _ratio_cell(c: figures.Comparison) -> dict[str, Any]:
     tip = {"not comparable": c.not_comparable, "n/a": "no ratio: a side is zero or missing"}.get(c.verdict, "")
     return {"text": c.text, "cls": c.cls, "word": c.symbol, "tip": tip}
 
@@ -154,13 +154,13 @@ def side_by_side(results: Results) -> list[dict[str, Any]]:
             values = [num(r["metrics"].get(key)) for r in res]
             if all(v is None for v in values):
                 continue
-            ratios = [_ratio_cell(facts.compare(key, other, base, sc)) for other, base in pairs]
-            rows.append({"label": metric_label(key), "cells": [facts.fmt_value(key, r) for r in res],
+            ratios = [_ratio_cell(figures.compare(key, other, base, sc)) for other, base in pairs]
+            rows.append({"label": metric_label(key), "cells": [figures.fmt_value(key, r) for r in res],
                          "ratios": ratios})
-        not_compared = sorted({why for o, b in pairs if (why := facts.clocks_differ(sc, o, b))})
+        not_compared = sorted({why for o, b in pairs if (why := figures.clocks_differ(sc, o, b))})
         beyond = [f"{r['label']} {x['text']} {x['word']}" for r in rows for x in r["ratios"]
                   if x["cls"] in ("good", "bad")]
-        tables.append({"scenario": sc["name"], "headers": [(r["engine"], r.get("mode"), facts.clock_of(r))
+        tables.append({"scenario": sc["name"], "headers": [(r["engine"], r.get("mode"), figures.clock_of(r))
                                                              for r in res],
                        "ratio_headers": [(f"{o['engine']} ÷ {b['engine']}", o.get("mode")) for o, b in pairs],
                        "rows": rows, "not_compared": not_compared, "beyond": beyond,
@@ -179,17 +179,17 @@ def _ratio_chart(sc: dict[str, Any], pairs: list[tuple[dict, dict]]) -> Markup |
     """Ratio bars of the pairs on one clock (pairs on different clocks are not compared); a bar is
     coloured only beyond its noise, and its value carries the noise."""
     bars = []
-    pairs = [(o, b) for o, b in pairs if not facts.clocks_differ(sc, o, b)]
+    pairs = [(o, b) for o, b in pairs if not figures.clocks_differ(sc, o, b)]
     several_engines = len({o["engine"] for o, _ in pairs}) > 1
     for key in RATIO_BAR_METRICS:
         for other, base in pairs:
-            c = facts.compare(key, other, base, sc)
+            c = figures.compare(key, other, base, sc)
             if c.ratio is None:  # no ratio to draw (the table still shows both values)
                 continue
             tag_ = " · ".join(x for x in (other["engine"] if several_engines else "", other.get("mode") or "") if x)
             good = {"better": True, "worse": False}.get(c.verdict)
             bars.append(rc.Bar(metric_label(key) + (f" · {tag_}" if tag_ else ""), c.ratio, good,
-                               f"{metric_label(key)}: {facts.fmt_value(key, other)} vs {facts.fmt_value(key, base)}"
+                               f"{metric_label(key)}: {figures.fmt_value(key, other)} vs {figures.fmt_value(key, base)}"
                                f" · {c.verdict}", text=c.text))
     if not bars:
         return None
@@ -237,7 +237,7 @@ def _delta_class(d: gate.Delta) -> str:
     if d.regressed:
         return "bad"
     diff = d.current - d.baseline
-    if abs(diff) <= d.noise or abs(diff) <= facts.MIN_RATIO_NOISE * max(abs(d.baseline), abs(d.current)):
+    if abs(diff) <= d.noise or abs(diff) <= figures.MIN_RATIO_NOISE * max(abs(d.baseline), abs(d.current)):
         return "same"
     up_good = d.metric in gate.HIGHER_IS_BETTER
     return "good" if (diff > 0) == up_good else "bad"
@@ -276,7 +276,7 @@ class _Charts:
     def __init__(self, results: Results):
         self.colors = {name: rc.PALETTE[i % len(rc.PALETTE)] for i, name in enumerate(results.engine_names())}
         self.order = {name: i for i, name in enumerate(results.engine_names())}
-        self.facts = facts.Facts.of(results)
+        self.facts = figures.Facts.of(results)
         self.n = 0
 
     def render(self, chart: rc.Chart) -> Markup:
@@ -326,9 +326,9 @@ class _Charts:
         if not with_series:
             return []
         groups: dict[str, list[dict[str, Any]]] = {}
-        split = bool(facts.clocks_differ(sc, *with_series))
+        split = bool(figures.clocks_differ(sc, *with_series))
         for r in with_series:
-            groups.setdefault(facts.clock_of(r) if split else "", []).append(r)
+            groups.setdefault(figures.clock_of(r) if split else "", []).append(r)
         modes = list(dict.fromkeys(r.get("mode") for r in with_series))
         one_engine = len({r["engine"] for r in with_series}) == 1
         event = _scenario_event(sc)
@@ -381,10 +381,10 @@ class _Charts:
         """The TTFT (``ttft``) and inter-token gap (``tbt``) distributions of ``keys``, engines overlaid."""
         out = []
         modes = list(dict.fromkeys(r.get("mode") for r in sc["results"]))
-        split = bool(facts.clocks_differ(sc, *sc["results"]))  # never overlay two clocks' distributions
+        split = bool(figures.clocks_differ(sc, *sc["results"]))  # never overlay two clocks' distributions
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in sc["results"]:
-            groups.setdefault(facts.clock_of(r) if split else "", []).append(r)
+            groups.setdefault(figures.clock_of(r) if split else "", []).append(r)
         for (key, title), (clock, members) in itertools.product(
                 [(k, t) for k, t in (("ttft", "TTFT distribution"), ("tbt", "Inter-token gap distribution"))
                  if k in keys], groups.items()):
@@ -430,7 +430,7 @@ class _Charts:
                 lines.append(rc.Line(_label(eng, mode), [p["x"] for p in pts], ys, color, dash=dash, dots=True))
                 # a knee is where more concurrency stops paying; on any other axis (a policy's headroom)
                 # "throughput stops rising" is no landmark. The run's one knee fact, from the medians.
-                k = self.facts.knee(sc["name"], eng, mode) if sw["name"] == facts.KNEE_SWEEP else None
+                k = self.facts.knee(sc["name"], eng, mode) if sw["name"] == figures.KNEE_SWEEP else None
                 if k is not None and k.x is None:
                     no_knee.append(_label(eng, mode))  # still rising at the top: no knee within the sweep
                 elif k is not None and k.x is not None and metric != "preemptions":
@@ -441,7 +441,7 @@ class _Charts:
             unit = {"output_throughput": "tokens/s", "tbt_p99": "ms", "preemptions": "count"}[metric]
             # three to a row: a narrower canvas keeps the text as large as in the two-column charts
             sub = ""
-            if metric == "output_throughput" and sw["name"] == facts.KNEE_SWEEP:
+            if metric == "output_throughput" and sw["name"] == figures.KNEE_SWEEP:
                 sub = "knee: throughput gains < 5% beyond it" + (
                     f"; none within the sweep for {', '.join(no_knee)}" if no_knee else "")
             out.append(self.render(rc.Chart(f"{title} vs {sw['x_label']}", sw["x_label"], unit, width=440,
@@ -455,7 +455,7 @@ class _Charts:
         metric_used = None
         multi = len({e for e, _ in groups}) > 1
         for eng in dict.fromkeys(e for e, _ in groups):
-            metric, curves = facts.cost_curves(sw, eng)
+            metric, curves = figures.cost_curves(sw, eng)
             metric_used = metric_used or metric
             for mode, pts in curves.items():
                 # one engine: colour by mode; several: colour by engine, dash by mode
@@ -496,7 +496,7 @@ def _scenario_event(sc: dict[str, Any]) -> tuple[str, float] | None:
 def _event_time(res: dict[str, Any], t_workload: float) -> float | None:
     """Where a workload time falls on a result's timeline: the same on the wall clock; on the step
     clock the first point whose ``workload_t`` reached it (None for older results without it)."""
-    if facts.clock_of(res) == "wall":
+    if figures.clock_of(res) == "wall":
         return t_workload
     s = res.get("series", {})
     return next((t for t, w in zip(s.get("t", []), s.get("workload_t", []), strict=False)
@@ -537,20 +537,20 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
     for sc in results.scenarios:
         res_views = []
         for res in sc["results"]:
-            gist = " · ".join(f"{metric_label(k)} {facts.fmt_value(k, res)}" for k in
+            gist = " · ".join(f"{metric_label(k)} {figures.fmt_value(k, res)}" for k in
                               ("output_throughput", "tbt_p99", "preemptions") if res["metrics"].get(k) is not None)
             res_views.append({"label": _label(res["engine"], res.get("mode")), "gist": gist,
-                              "clock": facts.clock_of(res), "notes": res.get("notes", [])})
+                              "clock": figures.clock_of(res), "notes": res.get("notes", [])})
         sweeps = [c for sw in sc["sweeps"] for c in charts.sweep(sc, sw)]
-        decl = verdict.declaration(sc["name"])
-        pressure = verdict.pressure_of(sc)
+        decl = scoreboard.declaration(sc["name"])
+        pressure = scoreboard.pressure_of(sc)
         views.append({"name": sc["name"], "description": sc.get("description", ""), "sweep_columns":
                       3 if len(sweeps) % 3 == 0 else 2,
                       "tables": decl.tables(sc) if decl is not None else [],
                       "pressure": pressure.describe() if pressure is not None else [],
                       # a fact recorded at run time (from one repeat) is shown where the report computes it
                       "parameters": {k: v for k, v in sc.get("parameters", {}).items()
-                                     if k not in facts.DERIVED_KEYS},
+                                     if k not in figures.DERIVED_KEYS},
                       "has_server_metrics": any("server_t" in r.get("series", {}) for r in sc["results"]),
                       "dists": charts.cdfs(sc, ("ttft",)), "timelines": charts.timelines(sc, charts.FIRST_TIMELINES),
                       "more_charts": [*charts.timelines(sc, [t[1] for t in charts.TIMELINES
@@ -586,12 +586,12 @@ def render_report(results: Results, baseline: Results | None = None, *, previous
         "engines": results.engines,
         "reference": baseline_engine_name(results),
         "headlines": headlines, "previous": previous, "index_href": index_href,
-        "scoreboard": verdict.scoreboard(results, baseline_engine_name(results)),
-        "conformance": verdict.conformance_matrix(results),
-        "preemption_costs": verdict.preemption_costs(results),
+        "scoreboard": scoreboard.scoreboard(results, baseline_engine_name(results)),
+        "conformance": scoreboard.conformance_matrix(results),
+        "preemption_costs": scoreboard.preemption_costs(results),
         "diagnosis": diagnose(results),
-        "recommendations": recommend.recommendations(results, charts.facts) if results.scenarios else [],
-        "caveat": recommend.caveat(results), "budget": f"{recommend.PREEMPTION_BUDGET:g}", "plan_href": plan_href,
+        "recommendations": advice.recommendations(results, charts.facts) if results.scenarios else [],
+        "caveat": advice.caveat(results), "budget": f"{advice.PREEMPTION_BUDGET:g}", "plan_href": plan_href,
         "summary": summary_table(results),
         "side_by_side": side_by_side(results),
         "sim_validation": sim_validation.section(results),

@@ -22,8 +22,8 @@ from kvbench.bench.formatting import fmt_metric, metric_label
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num, result_of
 from kvbench.report import charts as rc
-from kvbench.report import facts
-from kvbench.report.verdict import DEFAULT_SCORE, declaration
+from kvbench.report import figures
+from kvbench.report.scoreboard import DEFAULT_SCORE, declaration
 
 #: metrics drawn for every scenario beside its own scoreboard metric
 COMMON_METRICS = ("tbt_p99", "preemptions")
@@ -141,7 +141,7 @@ def small_multiple(panel: Panel, n_runs: int, styles: Mapping[str, tuple[str, st
             parts.append(rc.tag("polyline", points=d, class_="c-line", stroke=color, stroke_width=1.6,
                                 stroke_dasharray=dash))
         for i, v, run, res in pts:
-            tip = (f"{run.name} · {engine}: {fmt_metric(panel.metric, v)} · {facts.clock_of(res)} clock · "
+            tip = (f"{run.name} · {engine}: {fmt_metric(panel.metric, v)} · {figures.clock_of(res)} clock · "
                    f"{run.results.machine.get('hostname') or 'unknown host'}")
             dot = rc.tag("circle", rc.tag("title", tip), cx=f"{x_at(i):.1f}", cy=f"{y_at(v):.1f}", r=3.2,
                          fill=color, stroke="#fff", stroke_width=1)

@@ -26,8 +26,8 @@ from typing import Any
 
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
 from kvbench.core.liveness import Liveness
-from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
+from kvbench.drivers.step_loop import StepReport, drive
 from kvbench.engines.inprocess.reference import (
     _KNOB_TO_CONFIG,
     STEP_DELAY_OPTION,

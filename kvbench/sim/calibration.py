@@ -2,7 +2,7 @@
 
 Every cell of a :class:`~reference_engine.sim.calibrate.Design` (context x decode batch, with
 prefills joining the decodes) is served on the reference engine through kvbench's own driver
-(:func:`kvbench.core.stepping.drive`, as every benchmark serves it) on the step clock, so the same
+(:func:`kvbench.drivers.step_loop.drive`, as every benchmark serves it) on the step clock, so the same
 requests meet the same steps on every run. Each step's shape is recorded (what the scheduler handed
 the runner) beside the trace, and each step becomes an
 :class:`~reference_engine.sim.calibrate.IntervalSample`: the interval from the previous step's end

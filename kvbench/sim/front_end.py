@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.core.stepping import record_scheduling
+from kvbench.drivers.step_loop import record_scheduling
 from reference_engine.costs import FrontEndCosts
 
 

@@ -25,7 +25,7 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from kvbench.checkpoints import builtin_checkpoint
+from kvbench.models.builtin import builtin_checkpoint
 
 
 def run(model, prompts, max_new_tokens, **cb):

@@ -46,7 +46,7 @@ REQUEST_TIMEOUT_S = 300.0
 
 def tiny_checkpoint() -> str:
     """kvbench's built-in tiny checkpoint (written once into ~/.cache/kvbench)."""
-    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.models.builtin import builtin_checkpoint
 
     return str(builtin_checkpoint("tiny"))
 

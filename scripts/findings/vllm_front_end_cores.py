@@ -39,11 +39,11 @@ import torch
 from kvbench.bench import metrics
 from kvbench.bench.scenarios.common import Job, Model, build_workload, serve
 from kvbench.bench.workloads import ClosedLoop, Fixed, WorkloadSpec
-from kvbench.checkpoints import checkpoint_for
 from kvbench.engines.base import Knobs
-from kvbench.engines.http.placement import group_pids, thread_ids
 from kvbench.engines.http.presets import VLLM_CPU_LAYOUT
 from kvbench.engines.http.server import ServerAdapter
+from kvbench.launch.placement import group_pids, thread_ids
+from kvbench.models.builtin import checkpoint_for
 from kvbench.sim.front_end import tokens_per_chunk
 
 ROUNDS = 5

@@ -38,15 +38,15 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kvbench.engines.http.peers import find_vllm  # noqa: E402
 from kvbench.engines.http.presets import vllm_cpu_settings  # noqa: E402
-from kvbench.engines.http.process import ServerProcess, ServerStartError, free_port  # noqa: E402
+from kvbench.launch.peers import find_vllm  # noqa: E402
+from kvbench.launch.process import ServerProcess, ServerStartError, free_port  # noqa: E402
 
 START_TIMEOUT_S = 300.0
 
 
 def model() -> str:
-    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.models.builtin import builtin_checkpoint
 
     return str(builtin_checkpoint("tiny", head_dim=32))
 

@@ -63,7 +63,7 @@ MODE_OPTIONS = frozenset({"preemption_mode", "swap_space", "num_cpu_blocks_overr
 def bench_model(kvbench_session: Any) -> sc.Model:
     if kvbench_session.model:
         return sc.Model.from_dir(kvbench_session.model)
-    from kvbench.checkpoints import checkpoint_for
+    from kvbench.models.builtin import checkpoint_for
     from kvbench.plugin import engine_layouts
 
     # shaped so that every engine of the run loads it (vLLM's CPU attention: head size 32 and up)

@@ -1,11 +1,11 @@
 """The HTTP load generator is never the bottleneck: measured against a stub server that answers instantly.
 
-In one run, on this machine, with the same driver (:mod:`kvbench.engines.http.driver`, closed loop, one
+In one run, on this machine, with the same driver (:mod:`kvbench.drivers.http_driver`, closed loop, one
 connection per request, every token timed client-side):
 
 1. the reference server (``server:preset=reference`` on the built-in tiny model, a pool large enough that
    nothing is preempted, nothing pinned) serves a closed loop at concurrency 64: its request and token rates;
-2. the stub server (:mod:`kvbench.engines.http.stub_server`: no model, a bare asyncio protocol that answers each
+2. the stub server (:mod:`kvbench.testing.stub_server`: no model, a bare asyncio protocol that answers each
    streamed request with one write of pre-built bytes, its own process) is driven the same way: the rates
    the *driver* sustains when the server costs nearly nothing (measured: ~1.6 us of stub CPU per token
    against ~7 us of driver CPU). Where the process may run on two or more CPUs, the stub is pinned to one
@@ -16,7 +16,7 @@ connection per request, every token timed client-side):
    (each event written on its own, as a server emitting tokens one by one would): the second is what a
    token costs the driver when it arrives alone, reported, not asserted;
 4. the driver's own per-token bookkeeping (a clock read and a trace append) is timed on its own
-   (:func:`~kvbench.engines.http.driver.timestamp_overhead`, a micro-benchmark) and reported with its share
+   (:func:`~kvbench.drivers.http_driver.timestamp_overhead`, a micro-benchmark) and reported with its share
    of the reference server's time per token.
 
 The claim (issue 8): the driver sustains at least 10x the reference server's request and token rates.
@@ -47,11 +47,11 @@ import pytest
 
 from kvbench.core.requests import WorkloadRequest
 from kvbench.core.trace import TraceRecorder
+from kvbench.drivers.http_client import CompletionClient
+from kvbench.drivers.http_driver import event_loop_name, run_serve, timestamp_overhead
 from kvbench.engines.base import Knobs
-from kvbench.engines.http.client import CompletionClient
-from kvbench.engines.http.driver import event_loop_name, run_serve, timestamp_overhead
-from kvbench.engines.http.process import ServerProcess, free_port
 from kvbench.engines.http.server import ServerAdapter
+from kvbench.launch.process import ServerProcess, free_port
 from suites.benchmarks.test_micro import measuring
 
 PROMPT_LEN, OUTPUT_LEN, CONCURRENCY = 32, 32, 64
@@ -123,7 +123,7 @@ def _drive_stub(tmp_path: Path, n: int, cpus: tuple[int, int] | None, *stub_flag
     """A fresh stub on 127.0.0.1 (pinned to ``cpus[1]``, the driver to ``cpus[0]``, where given) served
     ``n`` closed-loop requests; the stub stopped with its process group, waited for with a time limit."""
     port = free_port()
-    argv = [sys.executable, "-m", "kvbench.engines.http.stub_server", "--port", str(port), *stub_flags]
+    argv = [sys.executable, "-m", "kvbench.testing.stub_server", "--port", str(port), *stub_flags]
     if cpus is not None:
         argv += ["--cpu", str(cpus[1])]
     stub = ServerProcess(argv, tmp_path / f"stub-{port}.log")
@@ -158,7 +158,7 @@ def test_http_driver_outpaces_the_reference_server(request: pytest.FixtureReques
         assert run.requests_per_s > 0 and run.tokens_per_s > 0 and run.driver_cpu_per_token > 0
         return
 
-    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.models.builtin import builtin_checkpoint
 
     server = ServerAdapter(str(builtin_checkpoint("tiny")), {"preset": "reference", "log_dir": str(tmp_path)})
     try:

@@ -78,7 +78,7 @@ def make_requests(n: int, vocab: int, seed: int) -> list[SoakRequest]:
 
 @pytest.fixture(scope="module")
 def tiny_model() -> str:
-    from kvbench.checkpoints import builtin_checkpoint
+    from kvbench.models.builtin import builtin_checkpoint
 
     return str(builtin_checkpoint("tiny"))
 
@@ -313,7 +313,7 @@ def _metric(samples: list[tuple[str, dict[str, str], float]], name: str, **label
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_http_soak(mode: str, tiny_model: str, soak_minutes: float, tmp_path: Path, record_property):
-    from kvbench.engines.http.process import ServerProcess, free_port
+    from kvbench.launch.process import ServerProcess, free_port
 
     minutes = soak_minutes / len(MODES)  # --soak-minutes is the HTTP soak's total, split over the modes
     requests = make_requests(PROMPT_POOL, 512, seed=9)

@@ -39,7 +39,7 @@ hours per repeat on the reference engine alone (a run did not finish its first s
 minutes). How the sizes were chosen: the reference engine's full schedule (every step's batch shape,
 from the simulator on the step clock, whose counts are the engine's) priced by that step cost, then
 one run of each scenario (``test_every_claim_holds_on_the_reference_engines_schedule`` in
-tests/test_scenarios.py keeps every claim shown at both scales). Sizes are in the tables below.
+tests/kvbench/test_scenarios.py keeps every claim shown at both scales). Sizes are in the tables below.
 
 Modules: :mod:`~kvbench.bench.scenarios.common` (models, jobs, outcomes, the runner, recording, shared
 claims), :mod:`~kvbench.bench.scenarios.surges` (evening surge, flash crowd),

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from kvbench.bench import metrics, repeats
-from kvbench.bench.lockstep import serve_lockstep
 from kvbench.bench.scenarios.declare import Headline, Pressure, Score
 from kvbench.bench.workloads import (
     AllAtOnce,
@@ -28,8 +27,9 @@ from kvbench.bench.workloads import (
     WorkloadSpec,
 )
 from kvbench.core.kv_budget import request_tokens
-from kvbench.core.stepping import workload_clock
 from kvbench.core.trace import Trace, TraceRecorder
+from kvbench.drivers.lockstep import serve_lockstep
+from kvbench.drivers.step_loop import workload_clock
 from kvbench.engines.base import EngineAdapter, Knobs
 
 SCALES = ("quick", "full")
@@ -284,10 +284,10 @@ def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | 
           step_seconds: float | None = None, recorder: TraceRecorder | None = None) -> Trace:
     """Serve one job and return its trace, its duration ending at the last token or finish.
 
-    ``step_seconds``: serve on the step clock (:mod:`kvbench.core.stepping`) when the adapter is
+    ``step_seconds``: serve on the step clock (:mod:`kvbench.drivers.step_loop`) when the adapter is
     ``steppable``; ignored (wall clock) otherwise. Progress is reported per finished request when
     the adapter can (``serve(progress=...)``), else all at once when the workload is done.
-    ``recorder``: record into this one (a lockstep participant's, :mod:`kvbench.bench.lockstep`)
+    ``recorder``: record into this one (a lockstep participant's, :mod:`kvbench.drivers.lockstep`)
     instead of a new one.
     """
     recorder = recorder if recorder is not None else TraceRecorder(adapter.name, scenario)
@@ -354,7 +354,7 @@ def run_interleaved(scenario: Scenario, adapters: Mapping[str, EngineAdapter], m
     Schedule: round ``r`` serves job 1 on every engine, then job 2 on every engine, and so on;
     round ``r + 1`` starts only when round ``r`` is done. Within a job, the ``steppable`` engines
     (two or more) are served in lockstep, one engine step of each in turn, each timed on its own
-    clock (:mod:`kvbench.bench.lockstep`); the others one after another, in the mapping's order.
+    clock (:mod:`kvbench.drivers.lockstep`); the others one after another, in the mapping's order.
     So repeat ``r`` of one engine and repeat ``r`` of another were measured under the same load
     (milliseconds apart in lockstep, seconds apart otherwise), and their ratio (what the gate
     compares, :mod:`kvbench.bench.gate`) cancels a machine that got busier or quieter over the

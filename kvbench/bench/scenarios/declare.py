@@ -28,7 +28,7 @@ NOISE_FLOOR_S = 0.002
 #: a ratio within this of 1 is "about the same" even without repeats (timer and scheduling jitter)
 MIN_RATIO_NOISE = 0.02
 #: ends a claim about times that is decided only on the simulator's cost clock (None elsewhere): the
-#: schedule-only checks (tests/test_scenarios.py) leave such claims out
+#: schedule-only checks (tests/kvbench/test_scenarios.py) leave such claims out
 COST_CLOCK_CLAIM = "(simulated cost clock)"
 
 

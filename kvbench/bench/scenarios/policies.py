@@ -168,7 +168,7 @@ class PreemptionPolicies(Scenario):
         swap_a, rec_a = count("mixed/auto", "preemptions_swap"), count("mixed/auto", "preemptions_recompute")
         out.claims = {
             # Which modes auto picks depends on the prices it measured on this machine: a note, not a claim
-            # (tests/test_policies.py proves both fire, at fixed prices).
+            # (tests/engine/test_policies.py proves both fire, at fixed prices).
             "auto preempted on the mixed workload (its choice made per victim)": _positive(
                 None if swap_a is None or rec_a is None else swap_a + rec_a),
             "auto fell back to recompute no more often than the swap mode": _le(

@@ -34,8 +34,8 @@ from kvbench.bench.workloads import (
     WorkloadSpec,
     combine,
 )
-from kvbench.core.stepping import workload_clock
 from kvbench.core.trace import Trace
+from kvbench.drivers.step_loop import workload_clock
 from kvbench.engines.base import Knobs
 
 # --------------------------------------------------------------------------------------------

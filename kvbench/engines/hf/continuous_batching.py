@@ -104,7 +104,7 @@ fills an attention mask of ``max_batch_tokens x (cache tokens + max_batch_tokens
 of seconds); ``ContinuousBatchingManager.stop`` runs ``gc.collect()`` twice (about a second), which
 ``serve`` cannot keep out of the wall time between its last token and its return.
 
-Observed on CPU (tiny preset, page_size 16, ``tests/test_hf_adapters.py``): with a pool too small for
+Observed on CPU (tiny preset, page_size 16, ``tests/kvbench/test_hf_adapters.py``): with a pool too small for
 all requests at once, the engine soft-resets victims and the greedy outputs still equal ``hf``'s exactly
 (chunked prefill and prefix hits too); a request that alone outgrows the pool while it is the only
 active one kills the run, and every request still in flight comes back with ``finish_reason="error"``.

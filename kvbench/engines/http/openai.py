@@ -9,7 +9,7 @@ same names: ``openai:url=...,block_size=16,num_gpu_blocks=24``). A check asking 
 server does not run with, or one nobody stated, is skipped saying so (:class:`KnobsNotSettable`); use
 the ``server`` adapter to have kvbench start a server per knob set.
 
-Counters come from ``/metrics`` scraped before and after a run (:mod:`kvbench.engines.http.server_metrics`):
+Counters come from ``/metrics`` scraped before and after a run (:mod:`kvbench.drivers.server_metrics`):
 the difference is what the run did, provided nothing else uses the server meanwhile. After the last
 response the adapter waits until the server's queues are empty and its counters stop moving (the
 server may publish its numbers a step after the last token), then reads ``leaked_blocks``. During a
@@ -31,10 +31,10 @@ import pytest
 
 from kvbench.core.counters import Counters
 from kvbench.core.trace import TraceRecorder
-from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, KVBudget
-from kvbench.engines.http.client import DIALECTS, CompletionClient, TextTokens
-from kvbench.engines.http.driver import run_serve
-from kvbench.engines.http.server_metrics import (
+from kvbench.drivers.http_client import DIALECTS, CompletionClient, TextTokens
+from kvbench.drivers.http_driver import run_serve
+from kvbench.drivers.http_watchdog import IDLE_GRACE, HttpWatchdog, watched
+from kvbench.drivers.server_metrics import (
     KNOB_FIELDS,
     MetricsSnapshot,
     blocks_in_use,
@@ -43,7 +43,7 @@ from kvbench.engines.http.server_metrics import (
     knobs_from_config_info,
     parse_knob,
 )
-from kvbench.engines.http.watchdog import IDLE_GRACE, HttpWatchdog, watched
+from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, KVBudget
 
 _KNOB_NAMES = tuple(Knobs().__dataclass_fields__)
 #: knobs a server's value can be declared for as an option: those vLLM's cache_config_info can carry
@@ -113,7 +113,7 @@ class OpenAIAdapter(EngineAdapter):
 
     aborts_race_finishes = True  # an abort is a closed stream; the server may finish first
     #: seconds the server may show nothing running or waiting while requests are open on it before they
-    #: count as dropped (:data:`kvbench.engines.http.watchdog.IDLE_GRACE`; tests shorten it)
+    #: count as dropped (:data:`kvbench.drivers.http_watchdog.IDLE_GRACE`; tests shorten it)
     idle_grace_seconds: float = IDLE_GRACE
 
     kind = "openai"
@@ -155,8 +155,8 @@ class OpenAIAdapter(EngineAdapter):
         """Something must answer at ``url``, and take the credential given (a 401 is one message naming it)."""
         import httpx
 
+        from kvbench.drivers.http_client import credential_error
         from kvbench.engines.base import EngineUnavailable
-        from kvbench.engines.http.client import credential_error
 
         url = options["url"].rstrip("/")
         key = options.get("api_key")
@@ -336,7 +336,7 @@ class OpenAIAdapter(EngineAdapter):
         return GenResult(outputs, counters, [*self.evidence, *self.describe_evidence()])
 
     async def _generate(self, requests: Sequence[GenRequest]):
-        """Every request at once under the HTTP watchdog (:mod:`kvbench.engines.http.watchdog`): a request
+        """Every request at once under the HTTP watchdog (:mod:`kvbench.drivers.http_watchdog`): a request
         the server drops fails the run by name within ``Liveness.stall_seconds`` instead of its timeout."""
         async with self.client.session() as http:
             bodies = [self.client.body(r.prompt_token_ids, r.max_tokens, stream=False, temperature=r.temperature,

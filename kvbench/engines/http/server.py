@@ -27,13 +27,13 @@ fresh start. A peer (vLLM...) and ``cmd=`` are always started from their own com
 While a call sends, kvbench's own client runs off the cores the launched server binds its engine to
 (``client_cores=auto``, the default; ``off`` leaves it where the OS puts it): on a small machine the
 client is front-end work beside the server, and on the engine's core it was held off the CPU by a
-worker that never sleeps (:mod:`kvbench.engines.http.placement`). ``helper_cores=engine`` also binds the
+worker that never sleeps (:mod:`kvbench.launch.placement`). ``helper_cores=engine`` also binds the
 server's unbound helper processes (vLLM's ``EngineCore`` scheduler, which spins while its worker computes)
 to the engine's cores, leaving the front end its own; the default, ``free``, leaves the server's processes
 where the server put them.
 
 ``close()`` (and interpreter exit, whatever the cause) stops every one with its whole process
-group (:mod:`kvbench.engines.http.process`), all at once. Each server's log is kept (``log_dir``, default a
+group (:mod:`kvbench.launch.process`), all at once. Each server's log is kept (``log_dir``, default a
 fresh temporary directory); its path is in the run's evidence.
 """
 
@@ -61,10 +61,10 @@ from kvbench.engines.base import (
     KVLayout,
 )
 from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter, check_client_options, metrics_interval
-from kvbench.engines.http.peers import PeerMissing, VllmInstall, find_vllm
-from kvbench.engines.http.placement import helpers_onto_engine_cores, off_the_engine_cores
 from kvbench.engines.http.presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
-from kvbench.engines.http.process import ServerProcess, free_port, stop_servers
+from kvbench.launch.peers import PeerMissing, VllmInstall, find_vllm
+from kvbench.launch.placement import helpers_onto_engine_cores, off_the_engine_cores
+from kvbench.launch.process import ServerProcess, free_port, stop_servers
 
 #: servers of other knob sets kept running for reuse, by default
 DEFAULT_KEEP_SERVERS = 8
@@ -115,11 +115,11 @@ class ServerAdapter(EngineAdapter):
         "preemptions_are": "recompute or swap: what vllm:num_preemptions_total counts (default: the preset's)",
         "dialect": "vllm or transformers: how requests are said (default: the preset's; vllm for cmd=)",
         "client_cores": "auto or off: while it sends, kvbench's client runs off the cores the launched server "
-                        "binds its engine to, as front-end work (default auto; kvbench.engines.http.placement)",
+                        "binds its engine to, as front-end work (default auto; kvbench.launch.placement)",
         "helper_cores": "free or engine: engine binds the launched server's helper processes (those it binds "
                         "to no core but its front end: vLLM's EngineCore scheduler) to its engine's cores, so that a "
                         "helper that spins cannot take the front end's core (default free: as the server starts; "
-                        "kvbench.engines.http.placement)",
+                        "kvbench.launch.placement)",
         "vllm": "preset=vllm: a Python with vllm installed, its environment folder, or a vllm command "
                 "(default: $KVBENCH_VLLM, then the environment scripts/peers.sh vllm made, then vllm on PATH)",
     }

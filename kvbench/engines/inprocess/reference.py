@@ -21,8 +21,8 @@ from typing import Any
 from kvbench.core.counters import COUNTER_NAMES, Counters
 from kvbench.core.engine_events import EventRecord
 from kvbench.core.liveness import Watchdog
-from kvbench.core.stepping import StepReport, drive
 from kvbench.core.trace import StepRecord, TraceRecorder
+from kvbench.drivers.step_loop import StepReport, drive
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, WorkloadRequest
 
 # Knobs field -> EngineConfig field
@@ -267,7 +267,7 @@ class ReferenceAdapter(EngineAdapter):
     def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None,
               step_seconds: float | None = None) -> None:
         """Serve ``workload`` on a fresh engine; ``step_seconds`` puts arrivals and aborts on the step
-        clock (:func:`kvbench.core.stepping.drive`), None on the wall clock."""
+        clock (:func:`kvbench.drivers.step_loop.drive`), None on the wall clock."""
         engine = self.build_engine(knobs)
         requests = getattr(workload, "requests", workload)
         drive(_Steppable(engine, self.step_delay), requests, recorder,
@@ -354,7 +354,7 @@ def _evidence(engine, limit: int = 20) -> list[str]:
 
 
 def step_changes(events: Sequence[Any]) -> tuple[list[str], list[tuple[str, str]], list[str]]:
-    """A step's engine events as the driver's :class:`~kvbench.core.stepping.StepReport` lists: (admitted,
+    """A step's engine events as the driver's :class:`~kvbench.drivers.step_loop.StepReport` lists: (admitted,
     preempted with its mode, resumed: re-admitted after a recompute preemption, or swapped back in)."""
     admitted, preempted, resumed = [], [], []
     for e in events:
