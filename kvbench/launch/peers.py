@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[3]  # kvbench/launch/peers.py -> the project
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # kvbench/launch/peers.py -> the project
 MAKE_VLLM = "bash scripts/peers.sh vllm"
 
 

@@ -24,6 +24,7 @@ from the current run (each is named); 2 usage or file errors (message on stderr)
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shlex
 import sys
@@ -36,6 +37,11 @@ from kvbench.bench import gate
 from kvbench.bench.results import Results, ResultsError
 
 EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
+
+#: the commands that live in a module of their own in this package, in the order ``--help`` lists them:
+#: each module has ``add_command(subparsers)``, which adds its parser with a ``handler`` default
+#: (``handler(args, out) -> exit status``, raising :class:`CLIError` for a usage or file problem)
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 class CLIError(Exception):
@@ -510,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="DIR", help="also write DIR/plan.html (the capacity plan with charts, "
                    "self-contained) and DIR/plan.json (the runs and the plan); created if need be, files overwritten")
     p.set_defaults(handler=_cmd_simulate)
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"kvbench.cli.{name}").add_command(sub)
     return parser
 
 
