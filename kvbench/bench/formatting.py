@@ -8,6 +8,8 @@ engine" never renders as a zero. A figure that is one of the engine's own counte
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 
 from kvbench.core.counters import COUNTER_NAMES
 
@@ -125,3 +127,12 @@ def fmt_metric(key: str, value: float | None) -> str:
     if v == int(v):
         return f"{int(v):,}"
     return f"{v:,.3g}"
+
+
+def fmt_median_range(values: Sequence[float], fmt: str = "{:,.0f}") -> str:
+    """Repeated rounds as text: ``median [min-max]``, each figure through ``fmt`` (e.g. ``"{:.2f}x"`` for
+    ratios). "n/a" for no values."""
+    nums = sorted(v for v in values if not _missing(v))
+    if not nums:
+        return NOT_AVAILABLE
+    return f"{fmt.format(statistics.median(nums))} [{fmt.format(nums[0])}-{fmt.format(nums[-1])}]"

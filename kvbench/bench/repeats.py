@@ -76,6 +76,21 @@ def spread(values: Sequence[float | None]) -> float:
     return MAD_TO_SIGMA * float(statistics.median(abs(v - mid) for v in nums))
 
 
+def relative_range(values: Sequence[float | None]) -> float | None:
+    """``(max - min) / |median|`` of the values that are numbers: how far apart repeated rounds landed,
+    as a share of their median, the figure printed beside a median as "its rounds' spread". None with
+    fewer than two numbers, or a median of 0 with values that differ (no share of nothing); 0.0 when
+    all are equal. Not :func:`spread`, which estimates one measurement's standard deviation for the
+    gate's noise floor."""
+    nums = _numbers(values)
+    if len(nums) < 2:
+        return None
+    mid = statistics.median(nums)
+    if mid == 0:
+        return 0.0 if max(nums) == min(nums) else None
+    return (max(nums) - min(nums)) / abs(mid)
+
+
 def aggregate(repeats: Sequence[Mapping[str, float | None]]) -> tuple[dict[str, float | None], dict[str, float]]:
     """Per-repeat metric dicts -> (median per metric, spread per metric), over the union of keys.
 
