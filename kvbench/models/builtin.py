@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from filelock import FileLock
 
+from kvbench.core.cache import cache_root
+
 #: how long a process waits for another one to finish writing a checkpoint (the small preset takes
 #: well under a minute on 2 cores; a lock held longer than this is a hung writer, not a slow one)
 LOCK_TIMEOUT_S = 600.0
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
 
 
 def _complete(target: Path) -> bool:
