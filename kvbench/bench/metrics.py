@@ -322,8 +322,8 @@ def _preemptions(trace: Trace, df: pd.DataFrame) -> dict[str, float | None]:
 def _active_share(times: Sequence[float], duration: float, windows: int = 10) -> float | None:
     """Share of ``windows`` equal slices of the run with at least one event.
 
-    The seeds' test of a structural capacity gap: preemptions only at the peak are the safety net
-    working; preemptions throughout the run mean the engine is over capacity.
+    The test of a structural capacity gap (docs/benchmarks.md#diagnosis): preemptions only at the
+    peak are the safety net working; preemptions throughout the run mean the engine is over capacity.
     """
     if duration <= 0:
         return None

@@ -27,9 +27,8 @@ here is chosen so that
 
 Scaling the logits does not by itself beat float32 noise, which grows with them: what counts is the
 margin against the measured noise. ``measure_margins`` reports both (float32 incremental decode vs. a
-float64 forward). Seed 0, 16 prompts x 64 tokens: tiny median 1.67, p1 0.023, noise 5.5e-5; small
-median 1.33, p1 0.029, noise 1.6e-4. Any continuous random model has some near-ties; expect
-roughly one position in 10^4..10^5 within noise of a tie.
+float64 forward); the built-in checkpoints' figures are in docs/results.md#checkpoints. Any continuous
+random model has some near-ties; expect roughly one position in 10^4..10^5 within noise of a tie.
 
 Command line::
 

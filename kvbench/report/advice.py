@@ -1,4 +1,4 @@
-"""A recommendation for operators, per engine, from what this run measured (issue 19, item 6).
+"""A recommendation for operators, per engine, from what this run measured (docs/benchmarks.md#the-recommendation).
 
 Three settings, each with the evidence it rests on (the scenario and the figure of the report):
 

@@ -1,6 +1,6 @@
-"""The report's diagnosis: the seeds' order of checks, applied to a results file.
+"""The report's diagnosis: a fixed order of checks, applied to a results file.
 
-Order (seed 004, section 5, and seed 001's reading of storms):
+Order (docs/benchmarks.md#diagnosis, with its reading of a structural capacity gap):
 
 1. Is the preemption count growing? (and does it span the whole run: a structural capacity gap)
 2. Is KV usage pinned near 100%?
@@ -136,11 +136,11 @@ def _check_preemptions(results: Results, engine: str, rows: list[Row]) -> dict[s
         elif p is not None and p.preemptions and v == 0:
             missing.append(_where(sc, res))
         if before:
-            structural.append(f"{plural(before, 'preemption')} in {_where(sc, res)} before the surge began (seed 001: "
-                              "a structural capacity gap, not the safety net)")
+            structural.append(f"{plural(before, 'preemption')} in {_where(sc, res)} before the surge began (a "
+                              "structural capacity gap, not the safety net)")
         if p is None and (num(m.get("preemption_active_share")) or 0) >= 0.5:
             structural.append(f"preemptions through {(num(m.get('preemption_active_share')) or 0) * 100:.0f}% of "
-                              f"{_where(sc, res)} (seed 001: a structural capacity gap)")
+                              f"{_where(sc, res)} (a structural capacity gap)")
         if v > 0 and (w := _worse_than_peers(results, sc, res, "preemptions", v)):
             worse.append(w)
     top_sc, top_res, top = max(known, key=lambda k: k[2])

@@ -10,8 +10,9 @@ have a result in the same ``mode`` gives one :class:`ResultPair`:
 * counts (:data:`COUNT_METRICS`): whether they are equal.
 
 A pairing then has the median absolute relative error per timing metric and over every timing error
-of its results pooled (what ``scripts/validate_sim.py`` prints), and meets the goal (issue 11: median
-absolute error <= :data:`ERROR_GOAL` on the timing metrics) when that pooled median is within it.
+of its results pooled (what the simulator's validation prints: docs/simulator.md#validation-against-the-engine),
+and meets the goal (median absolute error <= :data:`ERROR_GOAL` on the timing metrics) when that pooled
+median is within it.
 
 Counts are only *expected* to be equal when the simulator released arrivals by engine step
 (``clock=step``: the same requests before the same steps as the reference engine on the step clock)
@@ -32,7 +33,7 @@ from kvbench.bench.formatting import fmt_metric, metric_label
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num
 
-#: metrics compared by relative error (issue 11, item 3)
+#: metrics compared by relative error
 TIMING_METRICS: tuple[str, ...] = ("output_throughput", "ttft_p50", "ttft_p99", "tbt_p99")
 #: metrics that must be equal on the step clock
 COUNT_METRICS: tuple[str, ...] = ("preemptions_recompute", "preemptions_swap", "recomputed_tokens")

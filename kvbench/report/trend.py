@@ -1,4 +1,5 @@
-"""Runs over time: the headline metrics of every run in a report folder as small multiples (issue 19, item 7).
+"""Runs over time: the headline metrics of every run in a report folder as small multiples
+(docs/benchmarks.md#runs-over-time).
 
 ``reports/index.html`` shows, for each scale the runs were made at (a quick run and a full one are not
 like for like), one row per scenario and one small chart per headline metric: the scenario's own

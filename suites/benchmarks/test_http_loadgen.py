@@ -19,7 +19,7 @@ connection per request, every token timed client-side):
    (:func:`~kvbench.drivers.http_driver.timestamp_overhead`, a micro-benchmark) and reported with its share
    of the reference server's time per token.
 
-The claim (issue 8): the driver sustains at least 10x the reference server's request and token rates.
+The claim: the driver sustains at least 10x the reference server's request and token rates.
 It is asserted on the driver's *capacity*: requests and tokens per second of the driver's own CPU time
 against the stub, over the rates the reference server served in the same run. The wall-clock rates
 sustained against the stub (and their ratios to the reference server's) are printed and recorded, not

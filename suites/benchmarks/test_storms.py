@@ -1,4 +1,4 @@
-"""The storm benchmarks: one test per scenario of the seeds, on every ``--engine`` that can run it.
+"""The storm benchmarks: one test per scenario (docs/benchmarks.md#scenarios), on every ``--engine`` that can run it.
 
 Each test serves its scenario (sizes from ``--benchmark-scale``), records every run into the
 session's results (the report, the baseline gate), then asserts that the scenario did what it
@@ -37,45 +37,45 @@ def storm(run_storm):
 
 
 def test_evening_surge(storm):
-    """Seed 000: steady short traffic, then a wave of long-context requests fills the pool."""
+    """Steady short traffic, then a wave of long-context requests fills the pool."""
     storm(sc.EVENING_SURGE)
 
 
 def test_flash_crowd(storm):
-    """Seed 001: traffic doubles within a minute; concurrency just over capacity."""
+    """Traffic doubles within a minute; concurrency just over capacity."""
     storm(sc.FLASH_CROWD)
 
 
 def test_preemption_storm(storm):
-    """Seed 004: concurrency swept past capacity; the knee, and the recompute waste beyond it."""
+    """Concurrency swept past capacity; the knee, and the recompute waste beyond it."""
     storm(sc.PREEMPTION_STORM)
 
 
 def test_swap_vs_recompute_crossover(storm):
-    """Seeds 000/004: preempt-and-resume cost by sequence length, swap and recompute side by side."""
+    """Preempt-and-resume cost by sequence length, swap and recompute side by side."""
     storm(sc.SWAP_VS_RECOMPUTE)
 
 
 def test_prefix_caching_and_recompute(storm):
-    """Seed 004 (3.4): a shared system prompt; recomputed tokens with and without prefix caching."""
+    """A shared system prompt; recomputed tokens with and without prefix caching."""
     storm(sc.PREFIX_CACHING)
 
 
 def test_chunked_prefill_decode_stalls(storm):
-    """Seeds 000/004: TBT spikes of long prefills, unchunked vs chunked at two budgets."""
+    """TBT spikes of long prefills, unchunked vs chunked at two budgets."""
     storm(sc.CHUNKED_PREFILL)
 
 
 def test_priority_online_beside_offline(storm):
-    """Seed 001: high-priority online traffic beside offline batch work, priority policy vs FCFS."""
+    """High-priority online traffic beside offline batch work, priority policy vs FCFS."""
     storm(sc.PRIORITY)
 
 
 def test_swap_space_exhaustion(storm):
-    """Seeds 001/004: a host pool too small; the moment swap falls back to recompute."""
+    """A host pool too small; the moment swap falls back to recompute."""
     storm(sc.SWAP_EXHAUSTION)
 
 
 def test_preemption_policies(storm):
-    """Issue 11: static configuration vs preemption_mode=auto vs admission control, side by side."""
+    """Static configuration vs preemption_mode=auto vs admission control, side by side."""
     storm(sc.PREEMPTION_POLICIES)

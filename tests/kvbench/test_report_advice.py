@@ -1,7 +1,7 @@
-"""The recommendation for operators (issue 19, item 6): the preemption mode by sequence length from the
-run's one crossover, the pool that would have kept preemptions within the budget at a scenario's peak,
-the admission setting from the policies trade-off, each with its evidence, the link to the capacity
-plan, and the toy-model caveat."""
+"""The recommendation for operators (docs/benchmarks.md#the-recommendation): the preemption mode by
+sequence length from the run's one crossover, the pool that would have kept preemptions within the budget
+at a scenario's peak, the admission setting from the policies trade-off, each with its evidence, the link
+to the capacity plan, and the toy-model caveat."""
 
 from __future__ import annotations
 

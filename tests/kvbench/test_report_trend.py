@@ -1,4 +1,4 @@
-"""Runs over time (issue 19, item 7): ``reports/index.html`` as small multiples of every run's headline
+"""Runs over time (docs/benchmarks.md#runs-over-time): ``reports/index.html`` as small multiples of every run's headline
 metrics, each point a link to its run, and ``kvbench compare A B --html`` drawing two runs side by side."""
 
 from __future__ import annotations

@@ -51,7 +51,9 @@ def test_parameters_name_the_pool_the_model_and_the_scale(name):
     params = sc.SCENARIOS[name].parameters("quick", TINY)
     assert {"num_gpu_blocks", "block_size", "model", "scale"} <= set(params)
     assert params["model"] == "tiny" and params["scale"] == "quick" and params["block_size"] == sc.BLOCK_SIZE
-    assert sc.SCENARIOS[name].description and sc.SCENARIOS[name].seed_doc
+    # the doc section a reader opens for the scenario (that it exists: test_no_unopenable_citations.py)
+    assert sc.SCENARIOS[name].description
+    assert params["doc"] == sc.SCENARIOS[name].doc and params["doc"].startswith("docs/")
 
 
 def test_quick_scale_is_small_and_full_is_bigger():

@@ -1,4 +1,5 @@
-"""The seeds' storm scenarios as data, with one small runner and a claim checker per scenario.
+"""The storm scenarios (docs/benchmarks.md#scenarios) as data, with one small runner and a claim checker
+per scenario.
 
 A scenario is a plan (the workloads to serve and the knobs to serve them under, at a ``quick``
 or ``full`` scale) plus a judge (what the run must have shown, and the figures it adds). Running
@@ -31,7 +32,7 @@ on three engines with three repeats, in under ten minutes on two CPU cores. ``fu
 ``small`` (4,096 positions) and is sized so that the main job (every scenario, three engines, one
 repeat by default) takes about 20 minutes on two CPU cores at one torch thread: every full plan
 serves more requests than quick's, with longer sequences (prompts up to 1,152-2,304 tokens where the
-tiny model holds 1,024), but not the seeds' production sizes. On CPU a ``small`` step costs ~12 ms
+tiny model holds 1,024), but not production sizes. On CPU a ``small`` step costs ~12 ms
 plus ~0.5 ms per prefilled token, and its decode attention reads every key up to the batch's longest
 sequence (~4 us per sequence and key, 9-13 us once the batch's keys outgrow the cache; measured at
 one thread), so the first full sizes (3,000-token prompts, batches of up to 48) were priced at ~6.6
@@ -136,7 +137,7 @@ PRIORITY = PriorityOnlineOffline()
 SWAP_EXHAUSTION = SwapSpaceExhaustion()
 PREEMPTION_POLICIES = PreemptionPolicies()
 
-#: every scenario by name, in the order the seeds tell the story
+#: every scenario by name, in the order of docs/benchmarks.md#scenarios
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     EVENING_SURGE, FLASH_CROWD, PREEMPTION_STORM, SWAP_VS_RECOMPUTE, PREFIX_CACHING, CHUNKED_PREFILL, PRIORITY,
     SWAP_EXHAUSTION, PREEMPTION_POLICIES)}

@@ -39,7 +39,8 @@ STEP_SECONDS = {"quick": 0.01, "full": 0.1}
 BLOCK_SIZE = 16
 #: the built-in checkpoint each scale runs on when ``--kvbench-model`` is not given
 MODEL_PRESETS = {"quick": "tiny", "full": "small"}
-#: KV usage above which a pool counts as filled (seed 000: usage "approaches the limit")
+#: KV usage above which a pool counts as filled: the pool is near its limit, new blocks come only from
+#: preempting or finishing a request
 FULL_POOL = 0.9
 #: arrival-rate ratio from which a step surge counts as "traffic doubled" (Poisson noise allowed)
 DOUBLED = 1.6
@@ -180,7 +181,8 @@ class Scenario:
     """
 
     name: str = ""
-    seed_doc: str = ""
+    #: the doc section a reader opens for the scenario (recorded in its parameters as ``doc``)
+    doc: str = "docs/benchmarks.md#scenarios"
     title: str = ""
     description: str = ""
     needs: tuple[str, ...] = ()
@@ -204,7 +206,7 @@ class Scenario:
         """What results files and the report show about the setup (pool size and block size included)."""
         size = self.size(scale)
         return {"scale": scale, "model": model.preset, "block_size": BLOCK_SIZE,
-                "num_gpu_blocks": size.num_gpu_blocks, "source": f"seed {self.seed_doc}"}
+                "num_gpu_blocks": size.num_gpu_blocks, "doc": self.doc}
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
         raise NotImplementedError

@@ -1,5 +1,5 @@
 """Swap vs recompute: what one preempt-and-resume costs, by sequence length, in each mode
-(seeds 000 and 004)."""
+(docs/benchmarks.md#scenarios)."""
 
 from __future__ import annotations
 
@@ -51,10 +51,9 @@ class CrossoverSize:
 
 class SwapVsRecompute(Scenario):
     name = "swap_vs_recompute"
-    seed_doc = "000, 004"
     title = "Swap vs recompute crossover"
     description = (
-        "What one preempt-and-resume costs, by the victim's sequence length L, in each mode (seeds 000 and 004: "
+        "What one preempt-and-resume costs, by the victim's sequence length L, in each mode ("
         "swap pays copies, recompute pays a prefill). Two requests: a holder (one full block of prompt) and a "
         "victim of L-1 prompt tokens, admitted together into a pool with no spare block, so the holder's first "
         "decode preempts the victim; the victim resumes when the holder finishes. cost_s = (step that preempted "

@@ -11,8 +11,8 @@ Noise. Absolute times and ratios of them are compared with the noise they carry:
   is the noise of that metric;
 * otherwise the figure is a single run and says so;
 * times below :data:`NOISE_FLOOR_S` are inside the noise of a shared 2-core machine whatever the
-  repeats say (issue 10: a swap-vs-recompute crossover below ~64 tokens, where both costs are under
-  2 ms, read 58 tokens in one run and 14 in the next).
+  repeats say: a swap-vs-recompute crossover where both costs sit below it moves from run to run by
+  more than the repeats' spread suggests.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Pressure:
     itself, whatever the engine's own setting (its swap figures say nothing about a recompute
     engine's configuration). ``swap_fallback``: running out of host swap space is the point.
     Surges record ``preemptions_before_surge``: preemptions there are not part of the declared
-    pressure (seed 001: a structural capacity gap rather than the safety net).
+    pressure (a structural capacity gap rather than the safety net: docs/benchmarks.md#diagnosis).
     """
 
     preemptions: bool = False

@@ -53,7 +53,7 @@ from kvbench.core.trace import Trace
 from kvbench.engines.base import Knobs
 
 # --------------------------------------------------------------------------------------------
-# 5. prefix caching and recompute (seed 004, section 3.4)
+# 5. prefix caching and recompute
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,9 @@ class PrefixSize:
 
 class PrefixCachingRecompute(Scenario):
     name = "prefix_caching_recompute"
-    seed_doc = "004"
     title = "Prefix caching and recompute"
     description = ("Every request starts with the same system prompt; closed-loop concurrency past capacity, "
-                   "preemption by recompute, with and without prefix caching (seed 004, 3.4: a recompute that "
+                   "preemption by recompute, with and without prefix caching (a recompute that "
                    "hits the cached prefix only redoes the tail). Claims: without caching the "
                    "engine preempted and recomputed; with caching the shared prompt hit the cache and fewer tokens "
                    "were recomputed (caching also shrinks what each request holds, so it may preempt less).")
@@ -136,7 +135,7 @@ def prefix_claims(off: Mapping[str, float | None], on: Mapping[str, float | None
 
 
 # --------------------------------------------------------------------------------------------
-# 6. chunked prefill and decode stalls (seeds 000 and 004, section 3.3)
+# 6. chunked prefill and decode stalls
 
 
 @dataclass(frozen=True)
@@ -151,11 +150,10 @@ class ChunkedSize:
 
 class ChunkedPrefillStalls(Scenario):
     name = "chunked_prefill_stalls"
-    seed_doc = "000, 004"
     title = "Chunked prefill and decode stalls"
     description = ("Requests decoding while long prompts arrive. Unchunked, a long prefill takes a whole step and "
                    "every decode waits for it (a TBT spike); chunked, the prefill is split under a token budget "
-                   "and decodes ride along every step (seed 000: 512 tokens favours inter-token latency, 2048 and "
+                   "and decodes ride along every step (a budget of 512 tokens favours inter-token latency, 2048 and "
                    "up throughput). Modes: unchunked, chunked (the small budget), chunked_large (the large one). "
                    "No preemption: the pool is roomy. Claims: unchunked prefilled a long prompt in one step "
                    "beside decodes; chunked split the long prompts and kept every step within its budget.")
@@ -267,7 +265,7 @@ def chunked_claims(unchunked: Trace, chunked: Mapping[int, Trace], long_from: in
 
 
 # --------------------------------------------------------------------------------------------
-# 7. priority: online traffic beside offline batch work (seed 001)
+# 7. priority: online traffic beside offline batch work
 
 
 @dataclass(frozen=True)
@@ -283,10 +281,9 @@ HIGH, LOW = 0, 1  # vLLM's convention: lower is more important
 
 class PriorityOnlineOffline(Scenario):
     name = "priority_online_offline"
-    seed_doc = "001"
     title = "Priority: online beside offline"
     description = ("A batch of offline work (priority 1) fills the pool; online requests (priority 0) arrive while "
-                   "it runs (seed 001: preemption as the means of fairness). Modes: the priority policy, and FCFS "
+                   "it runs (preemption as the means of fairness). Modes: the priority policy, and FCFS "
                    "as the control. Figures: TTFT of each class. Claims: under the priority policy online "
                    "traffic preempted offline work and no online request was preempted for offline work; every "
                    "request finished.")

@@ -1,5 +1,5 @@
-"""Preemption-aware policies side by side (issue 11): static configuration, ``preemption_mode="auto"``
-and admission control, on one engine in one run.
+"""Preemption-aware policies side by side (docs/simulator.md#preemption-aware-policies): static
+configuration, ``preemption_mode="auto"`` and admission control, on one engine in one run.
 
 Two parts, each served in every mode so the modes' ratios never mix moments:
 
@@ -16,16 +16,16 @@ Two parts, each served in every mode so the modes' ratios never mix moments:
   0.05 (the engine default, mode ``watermark``), 0.2 and 0.4 (a sweep over the headroom: preemptions,
   throughput and p99 TBT each drawn against it), and the watermark with prefill pacing
   (``watermark+pacing``: at most one prompt per step beside running decodes, the lever that acts on
-  the tail gap). Issue 11's goal for admission control (at least 5x fewer preemptions and 2x lower
-  p99 TBT than static at >= 95% of its throughput) is judged for every point in a table and a note,
-  not claimed: on the tiny model the p99 TBT is set by the prefill steps of new prompts, which no
-  admission rule removes (docs/simulator.md, "Preemption-aware policies").
+  the tail gap). The admission goal (at least 5x fewer preemptions and 2x lower p99 TBT than static
+  at >= 95% of its throughput; docs/benchmarks.md#scenarios) is judged for every point in a table and a
+  note, not claimed: on the tiny model the p99 TBT is set by the prefill steps of new prompts, which no
+  admission rule removes (docs/simulator.md#preemption-aware-policies).
 
 Claims are counts (deterministic on the step clock), never times: auto preempted (which modes it
 chose depends on the prices measured on the machine, so that is a note) and fell back no more often
 than the swap mode (recomputed tokens are in the table, not claimed: the three modes'
-schedules diverge after the first preemption, so auto may recompute more than the recompute mode did,
-and it did on the quick mix, 192 vs 103 tokens); admission
+schedules diverge after the first preemption, so auto may recompute more than the recompute mode
+did); admission
 control preempted fewer times than the static configuration on each surge; everything finished.
 Times (output throughput, p99 TBT, duration) are in the table as same-run figures. Two claims are
 times, decided only on the simulator's cost clock (deterministic, every preemption's cost in its
@@ -79,7 +79,7 @@ HEADROOMS = (0.05, 0.2, 0.4)
 #: one prompt per step beside running decodes (a prompt is never split, so it runs alone as that
 #: step's prefill), whatever the workload's prompt lengths
 PACING_TOKENS = 1
-#: issue 11's goal for admission control against the static configuration
+#: the admission goal against the static configuration (docs/benchmarks.md#scenarios)
 GOAL_PREEMPTIONS_FEWER = 5.0
 GOAL_TBT_LOWER = 2.0
 GOAL_THROUGHPUT_KEPT = 0.95
@@ -96,14 +96,14 @@ class PoliciesSize:
 
 class PreemptionPolicies(Scenario):
     name = "preemption_policies"
-    seed_doc = "issue 11"
+    doc = "docs/simulator.md#preemption-aware-policies"
     title = "Preemption policies"
     description = ("Static configuration vs preemption_mode=auto vs admission control, side by side on one engine. "
                    "Mixed victims (short requests sharing a system prompt, prefix caching on, plus a few long ones; "
                    "a host pool that holds the long ones but not everything): recompute, swap and auto. Admission: "
                    "the evening surge and the flash crowd, static vs the watermark at headroom 0.05, 0.2 and 0.4 "
                    "(the trade-off curve: share of the pool kept free of projected use) and the watermark with "
-                   "prefill pacing; issue 11's goal judged for each in a table. Claims: auto preempted and fell "
+                   "prefill pacing; the admission goal judged for each in a table. Claims: auto preempted and fell "
                    "back no more than swap (its modes in a note); admission control preempted fewer times on each "
                    "surge, and no admission-controlled run more than static; every request finished.")
     needs = ("swap", "prefix_caching", "auto_preemption", "admission_control")
@@ -251,7 +251,7 @@ class PreemptionPolicies(Scenario):
                            "columns": ["engine", "surge / mode", "preemptions (fewer by)",
                                        "output throughput (share kept)", "p99 TBT (lower by)", "p99 TTFT",
                                        "goal met"],
-                           "note": f"issue 11's goal: >= {GOAL_PREEMPTIONS_FEWER:g}x fewer preemptions and >= "
+                           "note": f"the admission goal: >= {GOAL_PREEMPTIONS_FEWER:g}x fewer preemptions and >= "
                                    f"{GOAL_TBT_LOWER:g}x lower p99 TBT than static at >= "
                                    f"{GOAL_THROUGHPUT_KEPT:.0%} of its throughput; medians of the repeats, "
                                    "ratios of one run's modes, ± their noise (twice both repeats' relative "
@@ -287,7 +287,7 @@ class GoalCheck:
 
 
 def goal_check(static: Mapping[str, Any], gated: Mapping[str, Any]) -> GoalCheck:
-    """Issue 11's admission goal for ``gated``'s metrics against ``static``'s. Preemptions "fewer by":
+    """The admission goal for ``gated``'s metrics against ``static``'s. Preemptions "fewer by":
     static / gated, infinite when gated has none and static had some, 1 when neither preempted."""
     sp, gp = num(static.get("preemptions")), num(gated.get("preemptions"))
     fewer = None if sp is None or gp is None else (sp / gp if gp else (math.inf if sp else 1.0))
@@ -371,7 +371,7 @@ AUTO_BEATS_BOTH = (f"auto's output throughput on the mixed workload beat both fi
 
 def auto_vs_fixed_claims(auto: float | None, recompute: float | None, swap: float | None,
                          mixed: bool = True) -> dict[str, bool | None]:
-    """The issue's claims on auto from the three modes' output throughput (None: not decided here).
+    """The claims on auto from the three modes' output throughput (None: not decided here).
 
     No worse: ``auto >= (1 - tol) x max(recompute, swap)``. Better than both: ``auto > (1 + tol) x
     max(...)``, which an auto that always made one fixed mode's choice (forced to always swap, say)

@@ -1,5 +1,5 @@
-"""Past capacity: the preemption storm swept by concurrency (seed 004) and swap-space exhaustion
-(seeds 001 and 004)."""
+"""Past capacity: the preemption storm swept by concurrency and swap-space exhaustion
+(docs/benchmarks.md#scenarios)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from kvbench.core.trace import Trace
 from kvbench.engines.base import Knobs
 
 # --------------------------------------------------------------------------------------------
-# 3. preemption storm (seed 004)
+# 3. preemption storm
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,8 @@ class StormSize:
 
 class PreemptionStorm(Scenario):
     name = "preemption_storm"
-    seed_doc = "004"
     title = "Preemption storm"
-    description = ("Closed-loop concurrency swept past what the KV pool holds (seed 004, section 4.3): throughput "
+    description = ("Closed-loop concurrency swept past what the KV pool holds: throughput "
                    "rises, then preemption and recomputation eat the gain. The same requests at every point. "
                    "The result shown is the top of the sweep; the knee is where throughput stops rising. "
                    "Claims: no preemption at the lowest concurrency, preemptions at the highest, growing with "
@@ -156,7 +155,7 @@ def storm_claims(sweep: Sequence[Mapping[str, float | None]], traces: Sequence[T
 
 
 # --------------------------------------------------------------------------------------------
-# 8. swap-space exhaustion (seeds 001 and 004)
+# 8. swap-space exhaustion
 
 
 @dataclass(frozen=True)
@@ -169,10 +168,9 @@ class ExhaustionSize:
 
 class SwapSpaceExhaustion(Scenario):
     name = "swap_space_exhaustion"
-    seed_doc = "001, 004"
     title = "Swap-space exhaustion"
-    description = ("A preemption storm in swap mode with the host (swap) pool ample, then too small (seed 001: "
-                   "when swap space runs out the scheduler falls back to recompute, and the preemption pattern "
+    description = ("A preemption storm in swap mode with the host (swap) pool ample, then too small (when "
+                   "swap space runs out the scheduler falls back to recompute, and the preemption pattern "
                    "changes abruptly). The moment of the first fallback and the swaps before it are reported. "
                    "Claims: ample, it swapped and never fell back; too small, it swapped first, then fell back.")
     needs = ("swap",)

@@ -1,4 +1,4 @@
-"""Traffic surges: the evening wave of long-context requests (seed 000) and the flash crowd (seed 001)."""
+"""Traffic surges: the evening wave of long-context requests and the flash crowd (docs/benchmarks.md#scenarios)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from kvbench.drivers.step_loop import workload_clock
 from kvbench.engines.base import Knobs
 
 # --------------------------------------------------------------------------------------------
-# 1. evening surge (seed 000)
+# 1. evening surge
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,8 @@ class SurgeSize:
 
 class EveningSurge(Scenario):
     name = "evening_surge"
-    seed_doc = "000"
     title = "Evening surge"
-    description = ("Steady short traffic, then a wave of long-context requests (seed 000): the wave fills the KV "
+    description = ("Steady short traffic, then a wave of long-context requests: the wave fills the KV "
                    "pool and the scheduler starts preempting. Claims: KV usage peaks above 90%, the wave "
                    "preempted running requests, every request finished.")
     sizes = {  # noqa: RUF012
@@ -112,7 +111,7 @@ class EveningSurge(Scenario):
 
 
 # --------------------------------------------------------------------------------------------
-# 2. flash crowd (seed 001)
+# 2. flash crowd
 
 
 @dataclass(frozen=True)
@@ -133,9 +132,8 @@ class FlashSize:
 
 class FlashCrowd(Scenario):
     name = "flash_crowd"
-    seed_doc = "001"
     title = "Flash crowd"
-    description = ("Traffic doubles within a minute (seed 001: a marketing pop-up at 10am), a step surge whose "
+    description = ("Traffic doubles within a minute (a marketing pop-up, say), a step surge whose "
                    "second phase pushes concurrency just over what the KV pool holds. Claims: arrivals doubled, "
                    "the engine preempted, every request finished. Preemptions before vs after the step tell a "
                    "safety net (only at the peak) from a structural capacity gap (throughout).")
@@ -169,7 +167,8 @@ class FlashCrowd(Scenario):
         notes = []
         if before is not None and after is not None and before + after:
             notes.append("preemptions only after the surge: the safety net at work" if before == 0 else
-                         f"{before:,.0f} preemptions before the surge: a structural capacity gap (seed 001)")
+                         f"{before:,.0f} preemptions before the surge: a structural capacity gap "
+                         "(docs/benchmarks.md#diagnosis)")
         out.entries.append(ResultEntry(trace, extra=extra, notes=notes))
         ratio = extra["arrival_rate_ratio"]
         out.claims = {
