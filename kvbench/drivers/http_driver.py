@@ -7,10 +7,11 @@ inter-token gap are what a client saw (network and server queueing included). A 
 ``abort_at`` passes is aborted by closing its stream, as a user closing a tab would. Meanwhile a poller
 samples ``/metrics`` (default 10 Hz) into :class:`~kvbench.core.trace.StepRecord` samples of queue
 lengths and KV usage. Each scrape is work for the server, and on a front end that runs one loop (vLLM's
-API server) it is work the streams wait for: vLLM 0.32 on 2 cores took about 15 ms to answer one, so
-every 0.1 s every open stream saw a 15 ms gap, which was the surge's p99 inter-token gap
-(``docs/results.md``, "Predicting real engines", late). :class:`DriverStats` records how long the
-scrapes took; the adapters' ``metrics_interval`` option sets the period or turns the sampler off.
+API server) it is work the streams wait for: every open stream sees a gap as long as the scrape, once
+per period, which can become a surge's p99 inter-token gap
+(docs/results.md#2026-12-03-late-vllms-scheduler-placement-and-kvbenchs-own-sampler). :class:`DriverStats`
+records how long the scrapes took; the adapters' ``metrics_interval`` option sets the period or turns the
+sampler off.
 
 What a client cannot see (admission, per-request preemptions, per-step token counts) is named in the
 trace's ``not_exposed``. :class:`DriverStats` says how far the driver itself lagged behind the
@@ -32,6 +33,7 @@ import httpx
 from kvbench.core.trace import TraceRecorder
 from kvbench.drivers.http_client import Completion, CompletionClient
 from kvbench.drivers.http_watchdog import HttpWatchdog, watched
+from kvbench.drivers.release import Release, ReleaseSchedule, record_arrival
 from kvbench.drivers.server_metrics import MetricsSnapshot, sampled_step
 
 #: what a client-side trace never holds, and why (shown by the report instead of zeros)
@@ -129,11 +131,11 @@ async def _abort(task: asyncio.Future[Completion], started: asyncio.Event, req: 
     return None
 
 
-async def _serve_one(client: CompletionClient, req: Any, arrival: float,
-                     recorder: TraceRecorder, stats: DriverStats, watchdog: HttpWatchdog) -> None:
-    rid = req.request_id
-    stats.max_release_lag = max(stats.max_release_lag, recorder.now() - arrival)
-    recorder.arrived(rid, arrival, len(req.prompt_token_ids), req.max_tokens, getattr(req, "priority", 0))
+async def _serve_one(client: CompletionClient, release: Release, recorder: TraceRecorder, stats: DriverStats,
+                     watchdog: HttpWatchdog) -> None:
+    req, rid = release.request, release.request_id
+    stats.max_release_lag = max(stats.max_release_lag, recorder.now() - release.at)
+    record_arrival(recorder, req, release.at)
 
     def on_tokens(t: float, ids: list[int]) -> None:
         recorder.tokens(rid, t, len(ids))
@@ -142,19 +144,18 @@ async def _serve_one(client: CompletionClient, req: Any, arrival: float,
 
     watchdog.sent(rid)
     try:
-        await _stream_one(client, req, arrival, recorder, stats, on_tokens)
+        await _stream_one(client, release, recorder, stats, on_tokens)
     finally:
         watchdog.ended(rid)
 
 
-async def _stream_one(client: CompletionClient, req: Any, arrival: float, recorder: TraceRecorder,
+async def _stream_one(client: CompletionClient, release: Release, recorder: TraceRecorder,
                       stats: DriverStats, on_tokens: Callable[[float, list[int]], None]) -> None:
-    rid = req.request_id
+    req, rid = release.request, release.request_id
     started = asyncio.Event()
     task = asyncio.ensure_future(client.stream(_body(client, req, True), on_tokens, clock=recorder.now,
                                                started=started))
-    abort_at = getattr(req, "abort_at", None)
-    deadline = None if abort_at is None else arrival + abort_at
+    deadline = release.abort_due
     while True:
         timeout = None if deadline is None else max(0.0, deadline - recorder.now())
         try:
@@ -188,38 +189,40 @@ async def serve_workload(client: CompletionClient, requests: Sequence[Any], reco
     :class:`~kvbench.core.liveness.LivenessError`, naming them, is raised."""
     stats = DriverStats()
     watchdog = watchdog or HttpWatchdog()
-    pending = sorted(requests, key=lambda r: r.arrival_time)
+    schedule = ReleaseSchedule(requests, concurrency)
     stop = asyncio.Event()
     # the httpx session serves only the /metrics poller (streams go over bare connections): not made
-    # without one, as building it (an SSL context, anyio) costs the driver ~0.1 s of CPU per run
+    # without one, as building it (an SSL context, anyio) costs the driver CPU on every run
     async with client.session() if poll_interval else contextlib.nullcontext() as http:
         recorder.restart_clock()
         poller = (asyncio.ensure_future(_poll_metrics(http, recorder, poll_interval, stats, stop, watchdog))
                   if poll_interval else None)
 
-        async def one(req: Any, arrival: float) -> None:
-            await _serve_one(client, req, arrival, recorder, stats, watchdog)
+        async def one(release: Release) -> None:
+            await _serve_one(client, release, recorder, stats, watchdog)
+            schedule.finished(release.request_id)
             if progress is not None:
                 progress(1)
 
         try:
             if concurrency is None:
-                async def released(req: Any) -> None:
+                async def released(release: Release) -> None:
                     # looped: a loop's timers may fire early by their rounding (uvloop's are whole
                     # milliseconds, rounded to nearest), and a request must never go out before its time
-                    while (wait := req.arrival_time - recorder.now()) > 0:
+                    while (wait := release.at - recorder.now()) > 0:
                         await asyncio.sleep(wait)
-                    await one(req, req.arrival_time)
+                    await one(release)
 
-                await watched(watchdog, asyncio.gather(*(released(r) for r in pending)))
+                await watched(watchdog, asyncio.gather(*(released(r) for r in schedule.planned())))
             else:
-                queue = list(reversed(pending))
+                async def slot(release: Release | None) -> None:
+                    # the slot a finish frees goes to the next request on this same task: no hop through
+                    # the event loop between a finish and the next release
+                    while release is not None:
+                        await one(release)
+                        release = next(iter(schedule.release_due(recorder.now())), None)
 
-                async def worker() -> None:
-                    while queue:
-                        await one(queue.pop(), recorder.now())
-
-                await watched(watchdog, asyncio.gather(*(worker() for _ in range(max(1, concurrency)))))
+                await watched(watchdog, asyncio.gather(*(slot(r) for r in schedule.release_due(recorder.now()))))
         finally:
             stop.set()
             if poller is not None:
@@ -239,8 +242,8 @@ def event_loop_name() -> str:
 def run_serve(client: CompletionClient, requests: Sequence[Any], recorder: TraceRecorder, **kwargs: Any) -> DriverStats:
     """:func:`serve_workload` on a fresh event loop (callers are synchronous), and the blind spots noted.
 
-    The loop is uvloop's where installed (:func:`event_loop_name`): against the stub it cut the
-    driver's CPU per streamed token by a quarter (9.3 -> 7.0 us), connections and reads being cheaper."""
+    The loop is uvloop's where installed (:func:`event_loop_name`): its connections and reads are cheaper,
+    which lowers the driver's CPU per streamed token (docs/results.md#serving-over-http)."""
     for what, why in CLIENT_SIDE_BLIND_SPOTS.items():
         recorder.not_exposed(what, why)
     if event_loop_name() == "uvloop":

@@ -35,7 +35,7 @@ from kvbench.drivers.server_metrics import MetricsSnapshot, in_flight
 
 #: seconds a server may report holding nothing while kvbench still has requests open on it, before
 #: they count as dropped: long enough for a finished request's
-#: last bytes and a gauge published a step late, well inside the issue's minute
+#: last bytes and a gauge published a step late, and well inside the minute a stuck suite may cost
 IDLE_GRACE = 10.0
 #: consecutive scrapes that must all show an empty server before the idle rule fires
 IDLE_SCRAPES = 3

@@ -1,19 +1,23 @@
 """The timed driver for in-process engines that expose a step loop, on the wall clock or a step clock.
 
 Requests are released at their workload arrival times (open loop), or kept ``concurrency`` in
-flight (closed loop: a request "arrives" when a slot frees). Between steps the driver aborts
-requests whose ``abort_at`` has passed. After each step it records tokens, admissions,
+flight (closed loop: a request "arrives" when a slot frees), by the rule every driver shares
+(:class:`~kvbench.drivers.release.ReleaseSchedule`). Between steps the driver aborts requests whose
+``abort_at`` has passed. After each step it records tokens, admissions,
 preemptions, resumes and finishes per request, and queue lengths, KV usage and tokens scheduled
 per step, into a :class:`~kvbench.core.trace.TraceRecorder`.
 
-Two clocks decide *when* a request is released or aborted:
+Two clocks decide *when* a request is released or aborted (one loop, :func:`drive`, with the clock's
+three differences in a small object each: where a release point lies, what an idle engine's driver
+does, and what a step's ``virtual_t`` is):
 
 * **wall clock** (``step_seconds=None``): arrival ``t`` is released once ``t`` seconds have passed
   since the run began. What a step finds in the queue then depends on how fast the machine is,
   so counts (preemptions, recomputed tokens, swaps, prefix hits) vary from run to run. An idle
   engine's next arrival is waited for by sleeping, and the last :data:`ARRIVAL_SPIN_S` of the wait
-  by spinning on the clock: a sleep here wakes 0.1-0.4 ms late, which a lone request's TTFT (2-3 ms
-  on the tiny model) would otherwise carry as if the engine had spent it.
+  by spinning on the clock: a sleep wakes late by a share of a lone request's TTFT on the tiny model,
+  which the TTFT would otherwise carry as if the engine had spent it
+  (docs/results.md#2026-12-03-night-waking-up-after-idle).
 * **step clock** (``step_seconds=s``): virtual time advances by ``s`` per engine step. Arrival
   ``t`` is released right before step ``floor(t / s)``; an abort ``abort_at`` seconds after a
   request's release fires before step ``release_step + floor(abort_at / s)``. When the engine is
@@ -33,7 +37,6 @@ with the same statistics as times (:mod:`kvbench.bench.gate`).
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -42,13 +45,12 @@ from typing import Any, Protocol
 
 from kvbench.core.liveness import DriverWatchdog, Liveness
 from kvbench.core.trace import StepRecord, Trace, TraceRecorder
+from kvbench.drivers.release import Release, ReleaseSchedule, record_arrival, step_index
 
 #: the end of an idle engine's wait for its next arrival that the wall-clock driver spins through
-#: instead of sleeping (seconds): longer than a sleep here overshoots (0.1-0.4 ms on the 2-core VM).
+#: instead of sleeping (seconds): longer than a sleep here overshoots
+#: (docs/results.md#2026-12-03-night-waking-up-after-idle).
 ARRIVAL_SPIN_S = 0.001
-
-#: tolerance when turning virtual seconds into a step index, so 0.3 / 0.1 counts as step 3, not 2
-_EPS = 1e-9
 
 
 @dataclass
@@ -70,11 +72,6 @@ class SteppableEngine(Protocol):
     def step(self) -> StepReport: ...
 
 
-def step_index(t: float, step_seconds: float) -> int:
-    """The step before which virtual time ``t`` (seconds) is reached on a clock of ``step_seconds``."""
-    return max(0, math.floor(t / step_seconds + _EPS))
-
-
 class VirtualClock(Protocol):
     """A simulator's clock (e.g. :class:`reference_engine.sim.pricing_runner.VirtualClock`): seconds that move
     only when the engine works (its steps advance it) or when the driver jumps an idle gap."""
@@ -83,11 +80,76 @@ class VirtualClock(Protocol):
     def advance_to(self, t: float) -> None: ...
 
 
+class _WallClock:
+    """Releases and aborts at trace seconds (the wall clock, or a simulator's virtual clock)."""
+
+    def __init__(self, recorder: TraceRecorder, idle_sleep: float, virtual_clock: VirtualClock | None):
+        self._recorder, self._idle_sleep, self._virtual = recorder, idle_sleep, virtual_clock
+
+    def to_point(self, seconds: float) -> float:
+        return seconds
+
+    def now(self) -> float:
+        return self._recorder.now()
+
+    def arrival(self, release: Release) -> float:
+        return release.at  # open loop: the workload's arrival time, even when released late
+
+    def idle(self, next_point: float | None, watchdog: DriverWatchdog, schedule: ReleaseSchedule) -> None:
+        """Wait towards the next arrival (a virtual clock jumps to it), then let the watchdog judge the
+        idle turn: requests in flight that the engine has no work for are lost, unless it recovers."""
+        if next_point is not None:
+            if self._virtual is not None:  # nothing happens until the next arrival: jump, do not sleep
+                self._virtual.advance_to(next_point)
+            else:
+                _wait_for(next_point, self._recorder.now, self._idle_sleep)
+        watchdog.idle()
+
+    def virtual_t(self) -> float | None:
+        return None
+
+    def stepped(self) -> None:
+        pass
+
+
+class _StepClock:
+    """Releases and aborts by engine step index; virtual time is ``step index x step_seconds``."""
+
+    def __init__(self, recorder: TraceRecorder, step_seconds: float):
+        self._recorder, self.step_seconds = recorder, step_seconds
+        self.k = 0  # the index of the next engine step
+
+    def to_point(self, seconds: float) -> int:
+        return step_index(seconds, self.step_seconds)
+
+    def now(self) -> int:
+        return self.k
+
+    def arrival(self, release: Release) -> float:
+        return self._recorder.now()  # times stay on the recorder's clock; virtual_t maps them back
+
+    def idle(self, next_point: float | None, watchdog: DriverWatchdog, schedule: ReleaseSchedule) -> None:
+        """Jump to the next release (no sleeping). With nothing to jump to, no step will ever come, so
+        requests still in flight can never finish: fail now rather than loop."""
+        if next_point is not None:
+            self.k = max(self.k, int(next_point))
+        elif schedule.in_flight:
+            raise RuntimeError(f"step clock: the engine reports no work but {len(schedule.in_flight)} requests "
+                               f"never finished: {sorted(schedule.in_flight)[:5]}")
+
+    def virtual_t(self) -> float:
+        return self.k * self.step_seconds
+
+    def stepped(self) -> None:
+        self.k += 1
+
+
 def drive(engine: SteppableEngine, requests: Sequence[Any], recorder: TraceRecorder, concurrency: int | None = None,
           progress: Callable[[int], None] | None = None, idle_sleep: float = 0.001,
           step_seconds: float | None = None, liveness: Liveness | None = None,
           virtual_clock: VirtualClock | None = None) -> None:
-    """Serve ``requests`` (WorkloadRequest-like) on ``engine`` until all have finished or been aborted.
+    """Serve ``requests`` (WorkloadRequest-like) on ``engine`` until all have finished or been aborted,
+    released by :class:`~kvbench.drivers.release.ReleaseSchedule` (open loop, or ``concurrency`` in flight).
 
     ``step_seconds``: None for the wall clock; a positive number for the step clock (see the module
     docstring). Raises ValueError for a non-positive ``step_seconds``.
@@ -101,45 +163,30 @@ def drive(engine: SteppableEngine, requests: Sequence[Any], recorder: TraceRecor
     watchdog = DriverWatchdog(liveness)
     if virtual_clock is not None:
         recorder.use_clock(virtual_clock.now)
-    if step_seconds is not None:
+    clock: _WallClock | _StepClock
+    if step_seconds is None:
+        clock = _WallClock(recorder, idle_sleep, virtual_clock)
+    else:
         if not (isinstance(step_seconds, int | float) and math.isfinite(step_seconds) and step_seconds > 0):
             raise ValueError(f"step_seconds must be a positive number of seconds or None, got {step_seconds!r}")
-        _drive_step_clock(engine, requests, recorder, concurrency, progress, float(step_seconds), watchdog)
-        return
-    pending = sorted(requests, key=lambda r: r.arrival_time)
-    next_index = 0
-    in_flight: dict[str, None] = {}  # requests submitted and not yet finished
-    # (abort time, order, request id), soonest first: only requests that will be aborted are ever looked at,
-    # so thousands of requests in flight cost nothing per step
-    aborts_due: list[tuple[float, int, str]] = []
+        clock = _StepClock(recorder, float(step_seconds))
+        recorder.trace.step_seconds = float(step_seconds)
+    schedule = ReleaseSchedule(requests, concurrency, to_point=clock.to_point)
     recorder.restart_clock()
-    while next_index < len(pending) or in_flight:
-        now = recorder.now()
-        while next_index < len(pending):
-            req = pending[next_index]
-            if concurrency is not None:
-                if len(in_flight) >= concurrency:
-                    break
-            elif req.arrival_time > now:
-                break
-            arrival = now if concurrency is not None else req.arrival_time
-            recorder.arrived(req.request_id, arrival, len(req.prompt_token_ids), req.max_tokens, req.priority)
-            engine.submit(req)
-            watchdog.submitted(req.request_id)
-            in_flight[req.request_id] = None
-            if req.abort_at is not None:
-                heapq.heappush(aborts_due, (arrival + req.abort_at, next_index, req.request_id))
-            next_index += 1
-        _send_aborts(engine, watchdog, aborts_due, in_flight, now)
+    while not schedule.done:
+        now = clock.now()
+        for release in schedule.release_due(now):
+            record_arrival(recorder, release.request, clock.arrival(release))
+            engine.submit(release.request)
+            watchdog.submitted(release.request_id)
+        for rid in schedule.aborts_due(now):
+            engine.abort(rid)
+            watchdog.abort_sent(rid)
         if not engine.has_work():
-            if next_index < len(pending) and concurrency is None:
-                if virtual_clock is not None:  # nothing happens until the next arrival: jump, do not sleep
-                    virtual_clock.advance_to(pending[next_index].arrival_time)
-                else:
-                    _wait_for(pending[next_index].arrival_time, recorder.now, idle_sleep)
-            watchdog.idle()  # requests in flight that the engine has no work for: lost, unless it recovers
+            clock.idle(schedule.next_point(), watchdog, schedule)
             continue
-        _record_step(engine, recorder, in_flight, progress, virtual_t=None, watchdog=watchdog)
+        _record_step(engine, recorder, schedule, progress, virtual_t=clock.virtual_t(), watchdog=watchdog)
+        clock.stepped()
 
 
 def _wait_for(t: float, now: Callable[[], float], idle_sleep: float) -> None:
@@ -156,58 +203,6 @@ def _wait_for(t: float, now: Callable[[], float], idle_sleep: float) -> None:
             pass
 
 
-def _drive_step_clock(engine: SteppableEngine, requests: Sequence[Any], recorder: TraceRecorder,
-                      concurrency: int | None, progress: Callable[[int], None] | None, step_seconds: float,
-                      watchdog: DriverWatchdog) -> None:
-    """The step-clock loop: releases and aborts keyed by step index, never by the wall clock."""
-    # sorted() is stable: requests arriving in the same step are submitted in workload order
-    pending = sorted(requests, key=lambda r: r.arrival_time)
-    release_at = [0 if concurrency is not None else step_index(r.arrival_time, step_seconds) for r in pending]
-    next_index = 0
-    k = 0  # the index of the next engine step; virtual time k * step_seconds
-    in_flight: dict[str, None] = {}  # requests submitted and not yet finished
-    aborts_due: list[tuple[int, int, str]] = []  # (step before which to abort, order, request id), soonest first
-    recorder.trace.step_seconds = step_seconds
-    recorder.restart_clock()
-    while next_index < len(pending) or in_flight:
-        while next_index < len(pending):
-            req = pending[next_index]
-            if concurrency is not None:
-                if len(in_flight) >= concurrency:
-                    break
-            elif release_at[next_index] > k:
-                break
-            recorder.arrived(req.request_id, recorder.now(), len(req.prompt_token_ids), req.max_tokens, req.priority)
-            engine.submit(req)
-            watchdog.submitted(req.request_id)
-            in_flight[req.request_id] = None
-            if req.abort_at is not None:
-                heapq.heappush(aborts_due, (k + step_index(req.abort_at, step_seconds), next_index, req.request_id))
-            next_index += 1
-        _send_aborts(engine, watchdog, aborts_due, in_flight, k)
-        if not engine.has_work():
-            if next_index < len(pending) and concurrency is None:
-                k = max(k, release_at[next_index])  # nothing happens until then: jump, do not sleep
-                continue
-            if in_flight:
-                raise RuntimeError(f"step clock: the engine reports no work but {len(in_flight)} requests never "
-                                   f"finished: {sorted(in_flight)[:5]}")
-            continue
-        _record_step(engine, recorder, in_flight, progress, virtual_t=k * step_seconds, watchdog=watchdog)
-        k += 1
-
-
-def _send_aborts(engine: SteppableEngine, watchdog: DriverWatchdog, aborts_due: list[tuple[Any, int, str]],
-                 in_flight: dict[str, None], now: float) -> None:
-    """Abort every request whose abort time has come and that is still in flight (each once: the
-    engine reports the finish on a later step)."""
-    while aborts_due and aborts_due[0][0] <= now:
-        _, _, rid = heapq.heappop(aborts_due)
-        if rid in in_flight:
-            engine.abort(rid)
-            watchdog.abort_sent(rid)
-
-
 def record_scheduling(recorder: TraceRecorder, report: Any, t: float) -> None:
     """Record a step report's admissions, preemptions (with their mode) and resumptions at time ``t``."""
     for rid in report.admitted:
@@ -218,7 +213,7 @@ def record_scheduling(recorder: TraceRecorder, report: Any, t: float) -> None:
         recorder.resumed(rid, t)
 
 
-def _record_step(engine: SteppableEngine, recorder: TraceRecorder, in_flight: dict[str, Any],
+def _record_step(engine: SteppableEngine, recorder: TraceRecorder, schedule: ReleaseSchedule,
                  progress: Callable[[int], None] | None, virtual_t: float | None,
                  watchdog: DriverWatchdog | None = None) -> None:
     """Run one engine step and record what it did at the wall-clock time it ended."""
@@ -230,7 +225,7 @@ def _record_step(engine: SteppableEngine, recorder: TraceRecorder, in_flight: di
         recorder.tokens(rid, t, n)
     for rid, reason in report.finished.items():
         recorder.finished(rid, t, reason)
-        in_flight.pop(rid, None)
+        schedule.finished(rid)
         if progress is not None:
             progress(1)
     report.record.t, report.record.duration = t, t - started
