@@ -70,13 +70,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     out = torch.empty_like(q)
     for g in meta.groups:
         if meta.backend == "triton" and g.token_index.shape[1] == 1:  # the decode group: one query per sequence
-            from reference_engine import triton_attention  # imports triton only when it is used
+            from reference_engine.kernels import triton_attention  # imports triton only when it is used
 
             out[g.flat_rows] = triton_attention.paged_decode_attention(q[g.flat_rows], kv_cache, layer,
                                                                        g.block_tables, g.seq_lens)
             continue
         if meta.backend == "cpp" and g.token_index.shape[1] == 1:
-            from reference_engine import cpu_attention  # builds the C++ kernel on first use
+            from reference_engine.kernels import cpu_attention  # builds the C++ kernel on first use
 
             alone = len(meta.groups) == 1  # an all-decode step: the group holds every row, in order
             result = cpu_attention.paged_decode_attention(q if alone else q[g.flat_rows], kv_cache, layer,
@@ -102,7 +102,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 
 #: bytes of gathered K and V per slice of :func:`sliced_decode_attention`: about twice one core's L2 cache
-#: here (2 MiB); on ``small`` at batch 64 slices of 4-8 sequences (2-4 MiB) were the fastest measured
+#: on the machines this project runs on; slices of about this size were the fastest measured at a large
+#: decode batch
 SLICE_BYTES = 4 << 20
 
 

@@ -28,8 +28,8 @@ class ConfigError(ValueError):
         super().__init__(f"EngineConfig.{field}={value!r} is invalid: expected {allowed}")
 
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (reference_engine.preemption_policy)
-ADMISSION_POLICIES = ("none", "watermark", "aimd", "full_prompt")  # see reference_engine.admission
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (reference_engine.policies.preemption)
+ADMISSION_POLICIES = ("none", "watermark", "aimd", "full_prompt")  # see reference_engine.policies.admission
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "sliced", "cpp", "triton")

@@ -19,7 +19,6 @@ runner prices steps on a virtual clock: ``LLMEngine(config, build_parts=...)``.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,15 +26,17 @@ from typing import Any, Protocol
 
 import torch
 
-from reference_engine.admission import make_admission
 from reference_engine.block_manager import BlockManager
 from reference_engine.config import EngineConfig, GiB
 from reference_engine.engine_counters import EngineCounters
 from reference_engine.events import EventLog, EventSink
+from reference_engine.kernels.backends import BACKENDS, resolve_backend
 from reference_engine.kv_cache import KVCache
-from reference_engine.model import load_model
+from reference_engine.model import fuse_elementwise, load_model
 from reference_engine.outputs import RequestOutput, StepRecord, StepResult
-from reference_engine.preemption_policy import PreemptionCosts, auto_costs
+from reference_engine.policies.admission import make_admission
+from reference_engine.policies.preemption_costs import PreemptionCosts
+from reference_engine.policies.startup_costs import auto_costs
 from reference_engine.request import Request, RequestRejected, RequestStatus
 from reference_engine.runner import ModelRunner
 from reference_engine.sampling_params import SamplingParams
@@ -113,15 +114,12 @@ def load_parts(config: EngineConfig) -> EngineParts:
         raise RuntimeError("EngineConfig.device is 'cuda' but torch.cuda.is_available() is False")
     dtype = _DTYPES[config.dtype]
     model = load_model(config.model, device=str(device), dtype=dtype)
-    linear_backend = _linear_backend(config.linear_backend, device, dtype)
-    if linear_backend == "onednn":
-        from reference_engine.cpu_linear import pack_linears
+    backends = {setting: resolve_backend(setting, getattr(config, setting), device, dtype) for setting in BACKENDS}
+    if backends["linear_backend"] == "onednn":
+        from reference_engine.kernels.cpu_linear import pack_linears
 
         pack_linears(model)
-    elementwise_backend = _elementwise_backend(config.elementwise_backend, device, dtype)
-    if elementwise_backend == "cpp":
-        from reference_engine.cpu_elementwise import fuse_elementwise
-
+    if backends["elementwise_backend"] == "cpp":
         fuse_elementwise(model)
     mc = model.config
     config = config.resolve(mc.max_position_embeddings)
@@ -130,14 +128,12 @@ def load_parts(config: EngineConfig) -> EngineParts:
     block_manager = block_manager_for(config, num_gpu_blocks, block_bytes)
     kv_cache = KVCache(num_gpu_blocks, block_manager.num_cpu_blocks, mc.num_layers, config.block_size, mc.num_kv_heads,
                        mc.head_dim, dtype, device)
-    attention_backend = _attention_backend(config.attention_backend, device)
-    runner = ModelRunner(model, kv_cache, block_manager, device, config.seed, attention_backend)
+    runner = ModelRunner(model, kv_cache, block_manager, device, config.seed, backends["attention_backend"])
     costs = None
     if config.preemption_mode == "auto":
         costs = auto_costs(config, mc, kv_cache, runner, block_manager.num_free_gpu_blocks)
     return EngineParts(config, model, block_manager, kv_cache, runner, preemption_costs=costs, device=device,
-                       attention_backend=attention_backend, linear_backend=linear_backend,
-                       elementwise_backend=elementwise_backend)
+                       **backends)
 
 
 def _device_pool_blocks(config: EngineConfig, device: torch.device, block_bytes: int) -> int:
@@ -319,7 +315,7 @@ class LLMEngine:
 
 
 def admission_of(config: EngineConfig):
-    """The admission policy ``config`` names (:mod:`reference_engine.admission`)."""
+    """The admission policy ``config`` names (:mod:`reference_engine.policies.admission`)."""
     return make_admission(config.admission_policy, max_num_seqs=config.max_num_seqs,
                           horizon=config.admission_horizon, headroom=config.admission_headroom,
                           budget=config.preemption_budget, max_model_len=config.max_model_len)
@@ -327,77 +323,10 @@ def admission_of(config: EngineConfig):
 
 def _tokens_in_range(prompt: Sequence[int], vocab: int) -> bool:
     """Every token an int in ``[0, vocab)``. A list of plain ints is checked at C speed (a simulated surge
-    holds millions of prompt tokens; checking them one by one was a fifth of its time)."""
+    holds millions of prompt tokens; checking them one by one was a large share of its time)."""
     if type(prompt) is list and set(map(type, prompt)) == {int}:
         return min(prompt) >= 0 and max(prompt) < vocab
     return all(isinstance(t, int) and 0 <= t < vocab for t in prompt)
 
 
-def _attention_backend(choice: str, device: torch.device) -> str:
-    """"torch", "sliced", "cpp" or "triton" for this device. "auto" off CUDA is the compiled CPU kernel
-    (:mod:`reference_engine.cpu_attention`, built on first use) and, where it cannot be built, the sliced
-    torch path; both are tested against the torch path, and docs/results.md says what each bought. Triton is
-    imported only when it could be used, so CPU engines (and every ``import reference_engine``) do not pay
-    for it."""
-    if choice in ("torch", "sliced"):
-        return choice
-    if choice in ("auto", "cpp") and device.type != "cuda":
-        from reference_engine.cpu_attention import cpu_kernel_available, why_unavailable
-
-        if cpu_kernel_available():
-            return "cpp"
-        if choice == "cpp":
-            raise ValueError(f"attention_backend='cpp' cannot run: {why_unavailable()}; use 'sliced' or 'auto'")
-        return "sliced"
-    if choice == "cpp":
-        raise ValueError(f"attention_backend='cpp' runs on the CPU, not on {device}; use 'triton' or 'auto'")
-    from reference_engine.triton_attention import resolve_attention_backend
-
-    return resolve_attention_backend(choice, device)
-
-
-def _linear_backend(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"torch" or "onednn" for this device and dtype. "auto" is onednn on the CPU where its probe passes
-    (:func:`reference_engine.cpu_linear.why_unavailable`), torch elsewhere; asking for onednn where it
-    cannot run is an error naming why."""
-    if choice == "torch":
-        return "torch"
-    if device.type != "cpu":
-        if choice == "onednn":
-            raise ValueError(f"linear_backend='onednn' runs on the CPU, not on {device}; use 'torch' or 'auto'")
-        return "torch"
-    from reference_engine.cpu_linear import why_unavailable
-
-    why = why_unavailable(dtype)
-    if not why:
-        return "onednn"
-    if choice == "onednn":
-        raise ValueError(f"linear_backend='onednn' cannot run in {dtype}: {why}; use 'torch' or 'auto'")
-    logging.getLogger(__name__).warning("linear_backend=auto: %s; matmuls use torch's plain path", why)
-    return "torch"
-
-
 __all__ = ["LLMEngine", "RequestRejected", "RequestStatus"]
-
-
-def _elementwise_backend(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"torch" or "cpp" for this device and dtype. "auto" is cpp (:mod:`reference_engine.cpu_elementwise`,
-    built on first use) on the CPU in float32 and bfloat16 where it builds, torch elsewhere, after one
-    warning naming why where it does not build; asking for cpp where it cannot run is an error naming why."""
-    if choice == "torch":
-        return "torch"
-    if device.type != "cpu":
-        if choice == "cpp":
-            raise ValueError(f"elementwise_backend='cpp' runs on the CPU, not on {device}; use 'torch' or 'auto'")
-        return "torch"
-    from reference_engine.cpu_elementwise import DTYPES, why_unavailable
-
-    if choice == "auto" and dtype not in DTYPES:
-        return "torch"
-    why = why_unavailable(dtype)
-    if not why:
-        return "cpp"
-    if choice == "cpp":
-        raise ValueError(f"elementwise_backend='cpp' cannot run in {dtype}: {why}; use 'torch' or 'auto'")
-    logging.getLogger(__name__).warning("elementwise_backend=auto: %s; RMSNorm and SwiGLU use the torch path", why)
-    return "torch"

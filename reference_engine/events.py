@@ -9,7 +9,11 @@ Kinds and their ``data``:
 ``preempted``      ``mode`` ("recompute" | "swap"), ``wanted`` (the mode the policy chose before
                    the host pool was consulted: "swap" with mode "recompute" is a fallback),
                    ``blocks``, ``tokens_discarded`` (recompute only: the computed tokens whose
-                   KV was dropped); a swap's bytes are in its ``swapped_out`` event
+                   KV was dropped); a swap's bytes are in its ``swapped_out`` event. Under
+                   ``preemption_mode="auto"`` also the decision: ``why`` (a name of
+                   :class:`~reference_engine.policies.preemption.Why`, lower case: what code
+                   reads), ``reason`` (the same in words), ``estimated_swap_s``,
+                   ``estimated_recompute_s``
 ``swap_fallback``  ``blocks``, ``free_cpu_blocks``: swap wanted but the host pool was full,
                    so the victim was recomputed instead
 ``swapped_out``    ``blocks``, ``bytes``, ``seconds`` (of the step's whole batched copy) and

@@ -97,7 +97,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         # (x, weight, eps) -> this forward's result in one pass: the CPU kernel that sits beside this path,
-        # tested against it (reference_engine.cpu_elementwise); None: this path
+        # tested against it (reference_engine.kernels.cpu_elementwise); None: this path
         self.fused: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +178,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.gate_up: nn.Linear | None = None  # gate and up in one matmul, set by fuse_projections()
-        # gate_up's output -> silu(gate) * up in one pass (reference_engine.cpu_elementwise); None: below
+        # gate_up's output -> silu(gate) * up in one pass (reference_engine.kernels.cpu_elementwise); None: below
         self.fused: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ class MLP(nn.Module):
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)  # views of one fresh [T, 2 * I] product
             # In place on that product: no two more [T, I] tensors per layer (a prefill of 2048 tokens
-            # on `small` spent a sixth of its time in these elementwise ops and their allocations).
+            # spent a noticeable share of its time in these elementwise ops and their allocations).
             return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -284,7 +284,7 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = 
         state.pop("lm_head.weight", None)
     # A large model is built on the meta device (no memory, no initialisation of weights about to be
     # overwritten); a small one straight on the CPU, where initialising costs milliseconds: meta tensors
-    # run torch's Python decompositions, whose first use imports torch._dynamo, 1.2 s of every server start.
+    # run torch's Python decompositions, whose first use imports torch._dynamo: seconds of every server start.
     large = sum(f.stat().st_size for f in files) > BUILD_ON_META_ABOVE_BYTES
     with torch.device("meta" if large else "cpu"):
         model = LlamaForCausalLM(cfg)
@@ -306,3 +306,21 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = 
     model = model.to(device=device, dtype=dtype).eval()
     model.fuse_projections()
     return model
+
+
+def fuse_elementwise(model: nn.Module) -> int:
+    """Point ``model``'s RMSNorm layers and its MLPs with a fused gate/up projection at the CPU kernels of
+    :mod:`reference_engine.kernels.cpu_elementwise` (their ``fused`` attribute); returns how many layers now
+    use them. The parameters are untouched."""
+    from reference_engine.kernels.cpu_elementwise import rms_norm, silu_mul
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = rms_norm
+        elif isinstance(module, MLP) and module.gate_up is not None:
+            module.fused = silu_mul
+        else:
+            continue
+        count += 1
+    return count

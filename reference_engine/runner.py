@@ -61,7 +61,7 @@ class ModelRunner:
     def prefill_alone(self, num_tokens: int) -> None:
         """Prefill ``num_tokens`` placeholder tokens alone, in blocks borrowed from the pool and given back
         at once: what ``preemption_mode="auto"`` times at start-up
-        (:func:`reference_engine.preemption_policy.auto_costs`). Only while nothing runs: the pool is
+        (:func:`reference_engine.policies.startup_costs.auto_costs`). Only while nothing runs: the pool is
         empty then, so nothing is overwritten."""
         probe = Request("__auto_cost_probe__", [0] * num_tokens, SamplingParams(max_tokens=1), 0.0)
         if not self.bm.allocate_slots(probe, num_tokens):

@@ -14,16 +14,18 @@ admitted, the priority policy the least important (highest ``priority`` value, t
 arrival). ``recompute`` frees the victim's blocks (shared and cached blocks survive through
 their refcounts) and puts it back at the head of the waiting queue; ``swap`` moves them to the
 host pool, or falls back to recompute when the host pool is full; ``auto`` chooses per victim by
-cost (:mod:`reference_engine.preemption_policy`). An admission policy
-(:mod:`reference_engine.admission`) may hold waiting requests back to keep preemptions rare.
+cost (:mod:`reference_engine.policies.preemption`: the victim's facts in, a decision value out). An
+admission policy (:mod:`reference_engine.policies.admission`) may hold waiting requests back to keep
+preemptions rare. A waiting request is admitted in two parts: :func:`size_admission` (pure: how many
+tokens it may compute this step, or why not now) and the bookkeeping (blocks, preemptions for it under
+the priority policy, events).
 
-Prefill pacing (``prefill_pacing_tokens``, off when None): while some running request decodes, a
-step computes at most that many prefill tokens beside the decodes, so a burst of new prompts does
-not stretch the decodes' inter-token gap. Without chunked prefill a prompt is never split: one
-longer than the cap is admitted only as the step's only prefill (at most one long prefill per
-step). With chunked prefill new admissions and continuing prefill chunks are cut to the room left.
-Steps without decodes are not paced (nobody waits between tokens), and swapped requests resume
-as before.
+Prefill pacing (``prefill_pacing_tokens``, off when None): while some running request decodes, a step computes
+at most that many prefill tokens beside the decodes, so a burst of new prompts does not stretch the decodes'
+inter-token gap. Without chunked prefill a prompt is never split: one longer than the cap is admitted only as
+the step's only prefill (at most one long prefill per step; :attr:`_StepBuilder.prefill_scheduled` is that
+fact of the step). With chunked prefill new admissions and continuing prefill chunks are cut to the room left.
+Steps without decodes are not paced (nobody waits between tokens), and swapped requests resume as before.
 
 What a step decides lives in that step: ``schedule()`` builds a :class:`_StepBuilder` (budget
 left, chunks, swaps, preemptions), hands it to its helpers, and returns it frozen as a
@@ -36,16 +38,19 @@ Constructible from plain numbers: no model, no tensors.
 from __future__ import annotations
 
 import bisect
+import enum
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from reference_engine.admission import AdmissionPolicy, remaining_growth
 from reference_engine.block_manager import BlockManager
+from reference_engine.block_pool import KVBlock
 from reference_engine.events import DEFAULT_MAX_EVENTS, EngineEvent, EventLog
-from reference_engine.preemption_policy import DEFAULT_COSTS, Decision, PreemptionCosts, choose
+from reference_engine.policies.admission import AdmissionPolicy, remaining_growth
+from reference_engine.policies.preemption import Candidate, Decision, VictimFacts, choose
+from reference_engine.policies.preemption_costs import DEFAULT_COSTS, PreemptionCosts
 from reference_engine.request import Request, RequestStatus
 
 BlockPairs = tuple[tuple[int, int], ...]  # (source block, destination block) copies
@@ -134,28 +139,40 @@ class _StepBuilder:
 
     step: int
     budget: int  # tokens still schedulable this step
-    # prefill tokens still allowed beside this step's decodes (prefill pacing); None: no cap
-    prefill_room: int | None = None
+    # prefill tokens allowed beside this step's decodes (prefill pacing); None: no cap
+    prefill_cap: int | None = None
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # insertion order = schedule order
     swap_out: dict[str, BlockPairs] = field(default_factory=dict)
     swap_in: dict[str, BlockPairs] = field(default_factory=dict)
     preempted: list[Preemption] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # tokens of the step's chunks that are not decodes
+
+    @property
+    def prefill_room(self) -> int | None:
+        """Prefill tokens still allowed beside this step's decodes (negative once a whole prompt over the
+        cap was admitted alone); None: no cap."""
+        return None if self.prefill_cap is None else self.prefill_cap - self.num_prefill_tokens
+
+    @property
+    def prefill_scheduled(self) -> bool:
+        """A prefill (or a piece of one) is already scheduled this step."""
+        return self.num_prefill_tokens > 0
 
     def add_chunk(self, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
         chunk = ScheduledChunk(req, start, num_new, start + num_new == req.num_tokens)
         self.chunks[req.request_id] = chunk
         self.budget -= num_new
-        if self.prefill_room is not None and not chunk.is_decode:
-            self.prefill_room -= num_new
+        if not chunk.is_decode:
+            self.num_prefill_tokens += num_new
 
     def drop_chunk(self, request_id: str) -> None:
         """Unschedule a request preempted after its chunk was scheduled: its budget comes back."""
         chunk = self.chunks.pop(request_id, None)
         if chunk is not None:
             self.budget += chunk.num_tokens
-            if self.prefill_room is not None and not chunk.is_decode:
-                self.prefill_room += chunk.num_tokens
+            if not chunk.is_decode:
+                self.num_prefill_tokens -= chunk.num_tokens
 
     def build(self, bm: BlockManager) -> SchedulerOutput:
         chunks = tuple(self.chunks.values())
@@ -168,6 +185,42 @@ class _StepBuilder:
             num_prefill_tokens=sum(c.num_tokens for c in chunks) - decode, num_decode_tokens=decode)
 
 
+class Held(enum.Enum):
+    """Why the head of the waiting queue gets no tokens this step (from :func:`size_admission`)."""
+
+    OVER_BUDGET = "its prompt is over the step's token budget left, and unchunked prompts are never split"
+    PACED = "prefill pacing: no prefill room left beside the step's decodes"
+
+
+@dataclass(frozen=True)
+class AdmissionSize:
+    """What :func:`size_admission` allows: ``num_tokens`` to compute this step, or ``held`` (why none)."""
+
+    num_tokens: int = 0
+    held: Held | None = None
+
+
+def size_admission(uncached_tokens: int, *, budget: int, prefill_room: int | None, chunked: bool,
+                   prefill_scheduled: bool) -> AdmissionSize:
+    """How many of a waiting request's ``uncached_tokens`` (its tokens past its prefix-cache hits) it may
+    compute this step, given the step's token ``budget`` left (> 0), its ``prefill_room`` (prefill pacing;
+    None: no cap) and whether a prefill is already scheduled this step; or why none. Pure: the blocks,
+    the admission policy and the bookkeeping are the caller's.
+
+    Without chunked prefill a prompt is never split: one over the budget waits; one over the pacing room
+    is admitted whole only as the step's only prefill. With chunked prefill it is cut to the budget and
+    to the room, and waits only when no room is left."""
+    if not chunked and uncached_tokens > budget:
+        return AdmissionSize(held=Held.OVER_BUDGET)
+    num_tokens = min(uncached_tokens, budget)
+    if prefill_room is not None and num_tokens > prefill_room:
+        if chunked and prefill_room > 0:
+            num_tokens = prefill_room
+        elif chunked or prefill_scheduled:
+            return AdmissionSize(held=Held.PACED)
+    return AdmissionSize(num_tokens)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = False, preemption_mode: str = "recompute",
@@ -177,7 +230,7 @@ class Scheduler:
         """``events``: where events are recorded (a fresh bounded log if None). Counters go to the block
         manager's record (``block_manager.counters``): one record per engine. ``preemption_costs``:
         what ``preemption_mode="auto"`` prices victims with
-        (:data:`~reference_engine.preemption_policy.DEFAULT_COSTS` if None; the engine
+        (:data:`~reference_engine.policies.preemption_costs.DEFAULT_COSTS` if None; the engine
         replaces it with measured or profiled costs). ``admission``: the admission policy (admit what
         fits now if None). ``prefill_pacing_tokens``: the prefill cap of steps with decodes (see the
         module docstring; None: no cap)."""
@@ -239,7 +292,7 @@ class Scheduler:
         """
         self.counters.steps += 1
         step = _StepBuilder(self.step_index, self.max_num_batched_tokens - decoded_elsewhere,
-                            prefill_room=self._prefill_cap())
+                            prefill_cap=self._prefill_cap())
         self._schedule_running(step, self.running if running is None else running)
         if not step.preempted:
             self._schedule_swapped(step)
@@ -302,42 +355,47 @@ class Scheduler:
             step.add_chunk(req, num_new)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
+        """Admit from the head of the waiting queue, in order, while the step has budget and seats; the
+        first request that may not be admitted now stops the admissions of this step (FCFS, or the
+        priority order: nobody overtakes it)."""
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = self.bm.find_cached_prefix(req)
-            num_new = req.num_tokens - len(hits) * self.bm.block_size
-            if not self.chunked and num_new > step.budget:
+            size = size_admission(req.num_tokens - len(hits) * self.bm.block_size, budget=step.budget,
+                                  prefill_room=step.prefill_room, chunked=self.chunked,
+                                  prefill_scheduled=step.prefill_scheduled)
+            if (size.held is not None or not self.admission.admits(req, self.running, self.bm)
+                    or not self._allocate_for_admission(req, size.num_tokens, hits, step)):
                 return
-            num_new = min(num_new, step.budget)
-            room = step.prefill_room
-            if room is not None and num_new > room:
-                if self.chunked and room > 0:
-                    num_new = room
-                elif self.chunked or room < self.prefill_pacing_tokens:
-                    # Paced: no room left, or (unchunked) a prompt over the room joins no other prefill.
-                    return
-            if not self.admission.admits(req, self.running, self.bm):
-                return
-            while not self.bm.allocate_slots(req, num_new, hits):
-                victim = self._pick_priority_victim_for(req, step)
-                if victim is None:
-                    return
-                self._preempt(victim, step)
-            self.waiting.popleft()
-            cached = len(hits) * self.bm.block_size
-            req.num_computed_tokens = cached
-            req.num_cached_tokens = cached
-            req.num_prefix_hit_tokens += cached
-            self.bm.record_prefix_query(req.num_tokens, cached)
-            if cached:
-                self.record_event("prefix_hit", req.request_id, tokens=cached)
-            # kv_usage right after this admission and the batch it joined: what an admission policy's
-            # headroom is judged by (a policy admits into an empty batch whatever it holds)
-            used = self.bm.num_gpu_blocks - self.bm.num_free_gpu_blocks
-            self.record_event("admitted", req.request_id, cached_tokens=cached, resumed=req.num_preemptions > 0,
-                              kv_usage=used / self.bm.num_gpu_blocks, num_running=len(self.running))
-            self._make_running(req)
-            step.add_chunk(req, num_new)
+            self._admit(req, size.num_tokens, len(hits) * self.bm.block_size, step)
+
+    def _allocate_for_admission(self, req: Request, num_new: int, hits: list[KVBlock], step: _StepBuilder) -> bool:
+        """Blocks for ``num_new`` tokens of ``req`` past its ``hits``, preempting strictly less important
+        running requests for them under the priority policy; False when they cannot be had."""
+        while not self.bm.allocate_slots(req, num_new, hits):
+            victim = self._pick_priority_victim_for(req, step)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        return True
+
+    def _admit(self, req: Request, num_new: int, cached: int, step: _StepBuilder) -> None:
+        """The bookkeeping of an admission whose blocks are allocated: off the waiting queue, its
+        ``cached`` prefix-hit tokens counted as computed, its events, running, its chunk scheduled."""
+        self.waiting.popleft()
+        req.num_computed_tokens = cached
+        req.num_cached_tokens = cached
+        req.num_prefix_hit_tokens += cached
+        self.bm.record_prefix_query(req.num_tokens, cached)
+        if cached:
+            self.record_event("prefix_hit", req.request_id, tokens=cached)
+        # kv_usage right after this admission and the batch it joined: what an admission policy's
+        # headroom is judged by (a policy admits into an empty batch whatever it holds)
+        used = self.bm.num_gpu_blocks - self.bm.num_free_gpu_blocks
+        self.record_event("admitted", req.request_id, cached_tokens=cached, resumed=req.num_preemptions > 0,
+                          kv_usage=used / self.bm.num_gpu_blocks, num_running=len(self.running))
+        self._make_running(req)
+        step.add_chunk(req, num_new)
 
     def _make_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
@@ -370,12 +428,9 @@ class Scheduler:
         victim.num_preemptions += 1
         num_blocks = len(self.bm.block_tables.get(victim.request_id, []))
         fallback = False
-        wanted, why = self.preemption_mode, {}
-        if wanted == "auto":
-            decision = self._auto_decision(victim, num_blocks)
-            # A cheaper swap that does not fit the host pool goes the fixed swap mode's way: a fallback.
-            wanted = "swap" if decision.mode == "swap" or decision.reason.endswith("host pool full") else "recompute"
-            why = decision.event_data()
+        decision = self._auto_decision(victim, num_blocks) if self.preemption_mode == "auto" else None
+        wanted = self.preemption_mode if decision is None else decision.wanted
+        why = {} if decision is None else decision.event_data()
         if wanted == "swap":
             if self.bm.can_swap_out(victim.request_id):
                 step.swap_out[victim.request_id] = tuple(self.bm.swap_out(victim.request_id))
@@ -401,33 +456,29 @@ class Scheduler:
         self._enqueue_waiting(victim, front=True)
 
     def _auto_decision(self, victim: Request, num_blocks: int) -> Decision:
-        """Price swapping vs recomputing ``victim`` (still holding its blocks) for ``preemption_mode="auto"``.
+        """Auto's decision for ``victim`` (still holding its ``num_blocks`` blocks): one call of the rule
+        (:func:`~reference_engine.policies.preemption.choose`) on the facts of :meth:`_victim_facts`."""
+        return choose(self.preemption_costs, self._victim_facts(victim, num_blocks))
 
-        The host room to keep is for the next victim in line (the scheduler's own victim order over the
-        other running requests), when swapping that one would save time: a swap that would leave too
-        little room for it goes ahead only if it saves at least as much per host block."""
+    def _victim_facts(self, victim: Request, num_blocks: int) -> VictimFacts:
+        """What auto's rule reads of this preemption, gathered in one place: the victim and the next victim
+        in line (the scheduler's own victim order over the other running requests), each priced as it
+        would be recomputed beside the running requests but itself (the next one beside the others but
+        the victim and itself), the free host blocks, and the waiting prompts the readmission step would
+        prefill anyway."""
         others = [r for r in self.running if r is not victim]
         context = sum(r.num_computed_tokens for r in others)
         lost = self._blocks_lost_before_readmission(others)
-        # The prompts the readmission step would prefill anyway (the recompute is priced beside them).
         waiting = min(sum(r.num_tokens - r.num_computed_tokens for r in self.waiting), self.max_num_batched_tokens)
-        costs = self.preemption_costs
-        reserve, reserve_saving = 0, 0.0
+        following = None
         if others:
-            following = self._pick_victim(others)
-            blocks = len(self.bm.block_tables.get(following.request_id, ()))
-            if blocks and not self._shared_blocks(following):
-                # Priced as it would be then: beside the others but this victim and itself.
-                tokens = following.num_computed_tokens - self._surviving_tokens(following, lost)
-                saving = (costs.recompute_seconds(tokens, len(others) - 1, context - following.num_computed_tokens,
-                                                  waiting) - costs.swap_seconds(blocks))
-                if saving > 0:
-                    reserve, reserve_saving = blocks, saving / blocks
-        return choose(costs, num_blocks=num_blocks, computed_tokens=victim.num_computed_tokens,
-                      surviving_tokens=self._surviving_tokens(victim, lost),
-                      free_host_blocks=self.bm.num_free_cpu_blocks, num_running=len(others), context_tokens=context,
-                      waiting_tokens=waiting, reserve_blocks=reserve, reserve_saving_per_block=reserve_saving,
-                      shared_blocks=self._shared_blocks(victim))
+            nxt = self._pick_victim(others)
+            following = Candidate(len(self.bm.block_tables.get(nxt.request_id, ())), nxt.num_computed_tokens,
+                                  self._surviving_tokens(nxt, lost), self._shared_blocks(nxt), len(others) - 1,
+                                  context - nxt.num_computed_tokens)
+        candidate = Candidate(num_blocks, victim.num_computed_tokens, self._surviving_tokens(victim, lost),
+                              self._shared_blocks(victim), len(others), context)
+        return VictimFacts(candidate, self.bm.num_free_cpu_blocks, waiting, following)
 
     def _shared_blocks(self, request: Request) -> int:
         """Blocks of ``request`` that another running request also holds: a swap-in would bring them
@@ -453,8 +504,8 @@ class Scheduler:
         blocks stay findable unless drawn before the readmission: ``lost`` of them, from its last block
         back (:meth:`_blocks_lost_before_readmission`). The readmission's lookup stops at the first miss
         and never covers the last token (always computed). Counting every cached block as kept, as auto
-        first did, priced recomputes at 3,743 tokens in all where 70,463 were recomputed (simulated mixed
-        workload, Llama-3-8B on H200), and auto recomputed long victims that a swap would have saved."""
+        first did, priced recomputes at a small fraction of the tokens actually recomputed (in the
+        simulator, on a mixed workload), and auto recomputed long victims that a swap would have saved."""
         table = self.bm.block_tables.get(victim.request_id, [])
         own = [i for i, block in enumerate(table) if block.ref_cnt == 1]
         drawn = set(own[len(own) - min(lost, len(own)):])

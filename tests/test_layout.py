@@ -3,7 +3,8 @@ engines -> testing, bench -> sim -> conformance, report -> the faces (plugin, cl
 the workloads of bench and nothing of sim. Inside engines each family of adapters (inprocess, hf, http)
 is its own room: it imports the engines' shared modules (base) and itself, never another family.
 reference_engine never imports kvbench, and no two modules of kvbench and reference_engine share a file
-name. Inside reference_engine: serve and sim -> the engine's core modules -> costs.
+name. Inside reference_engine: serve and sim -> the engine's core modules (policies/ among them) -> costs
+and kernels, which import nothing of the engine above them.
 
 Imports inside functions count too: a lazy import is still an arrow.
 """
@@ -154,12 +155,16 @@ REFERENCE_ENGINE_FILES = sorted((ROOT / "reference_engine").rglob("*.py"))
 #: reference_engine's own floors: what stands above the engine's core modules, and what below them
 ABOVE_CORE = ("reference_engine.sim", "reference_engine.serve")
 BELOW_CORE = "reference_engine.costs"
+KERNELS = "reference_engine.kernels"
+#: subpackages that are rooms of the engine's core (the scheduler's policies), not floors of their own
+CORE_ROOMS = ("policies",)
 
 
 def _reference_engine_part(module: str) -> str:
-    """"costs", "sim" or "serve" for a module of those subpackages, "core" for the engine's own modules."""
+    """"costs", "kernels", "sim" or "serve" for a module of those subpackages, "core" for the engine's own
+    modules (those of its core rooms included)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 else "core"
+    return parts[1] if len(parts) > 2 and parts[1] not in CORE_ROOMS else "core"
 
 
 def _names(target: str, prefix: str) -> bool:
@@ -181,6 +186,22 @@ def test_costs_import_nothing_above_them(path: Path) -> None:
     """Costs (cost model, model shapes, hardware profiles) stand below both the engine and the simulator."""
     bad = [t for t in _imports(path) if _names(t, "reference_engine") and not _names(t, BELOW_CORE)]
     assert not bad, f"{_module(path)} imports above the costs: {bad}"
+
+
+@pytest.mark.parametrize("path", [p for p in REFERENCE_ENGINE_FILES
+                                  if _reference_engine_part(_module(p)) == "kernels"], ids=lambda p: _module(p))
+def test_kernels_import_nothing_above_them(path: Path) -> None:
+    """Kernels stand below the engine's core: a kernel knows tensors, not the model, the scheduler or the
+    engine that use it (what binds a kernel to the model's layers lives in the model)."""
+    bad = [t for t in _imports(path) if _names(t, "reference_engine") and not _names(t, KERNELS)]
+    assert not bad, f"{_module(path)} imports above the kernels: {bad}"
+
+
+def test_the_core_rooms_and_kernels_exist() -> None:
+    """The rules above name these rooms: a rename that left them checking nothing would fail here."""
+    parts = {_reference_engine_part(_module(p)) for p in REFERENCE_ENGINE_FILES}
+    assert {"core", "costs", "kernels", "sim", "serve"} <= parts
+    assert all((ROOT / "reference_engine" / room).is_dir() for room in CORE_ROOMS)
 
 
 def test_the_simulator_never_imports_the_server() -> None:

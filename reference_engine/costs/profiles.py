@@ -53,10 +53,10 @@ class Coefficients:
 
     A step that follows ``g`` seconds of idleness (the engine had nothing to run) costs
     ``wake_s * (1 - exp(-g / wake_tau_s))`` more: what an engine pays to get going again after a lull,
-    measured by ``kvbench calibrate`` (:func:`~reference_engine.sim.calibrate.fit_wake`). On the 2-core
-    VM this project runs on, a lone 64-token prefill of the tiny model took 1.2 ms right after another
-    step and 2.6 ms after 100 ms of sleep or of a busy wait alike (its caches gone cold, not a halted
-    core), so in an open-loop run every request that arrives at an idle engine pays it. 0 (the
+    measured by ``kvbench calibrate`` (:func:`~reference_engine.sim.calibrate.fit_wake`). On a small CPU
+    VM a lone prefill right after another step is about twice as fast as one after a lull of sleep or
+    of a busy wait alike (its caches gone cold, not a halted core), so in an open-loop run every request
+    that arrives at an idle engine pays it (docs/simulator.md has the wake term). 0 (the
     default, and in the built-in GPU profiles): no such cost.
     """
 

@@ -16,9 +16,9 @@
 It is a drop-in for :class:`~reference_engine.serve.engine_loop.EngineLoop` (same ``start``, ``add``,
 ``abort``, ``stats``, ``stop`` and the same contracts), chosen by ``python -m reference_engine.serve``
 unless ``--no-engine-process``. Why: with the engine on a thread of the server, every streamed token
-costs the event loop CPU under the same GIL the steps need, and the server reached only 0.55-0.65x of
-the in-process engine's throughput on two cores; vLLM's V1 engine core runs in its own process for the
-same reason.
+costs the event loop CPU under the same GIL the steps need, and the server fell well short of the
+in-process engine's throughput on two cores (docs/results.md#the-reference-servers-overhead); vLLM's V1
+engine core runs in its own process for the same reason.
 
 Contracts beyond ``EngineLoop``'s:
 
@@ -81,13 +81,13 @@ log = logging.getLogger("reference_engine.serve")
 
 START_TIMEOUT_S = 600.0  # loading a checkpoint from a slow disk; the child's death is noticed at once
 # While tokens stream, the engine's counters and gauges go out at most this often (and with every batch
-# that finishes a request, answers a command or reports a failure). Reading and pickling them cost ~60 us
-# of a 1 ms step on the tiny model, measured in the engine process's loop; /metrics lags by no more.
+# that finishes a request, answers a command or reports a failure). Reading and pickling them is a
+# visible share of a tiny model's step, so not done every step; /metrics lags by no more.
 STATS_INTERVAL_S = 0.005
 # While requests are in flight, the front end's reader looks at the pipe this often instead of sleeping on
 # it (0: always sleeps on it). Why: a write to a pipe that a thread sleeps on wakes that thread's core, and
-# on a VM whose idle cores halt (this machine: cpuidle haltpoll, guest_halt_poll_ns 0) waking one cost the
-# engine's send 42 us and its next step 28 us of a 1 ms step; a reader that looks on a timer is never
+# on a VM whose idle cores halt (cpuidle haltpoll, guest_halt_poll_ns 0) waking one delays the engine's
+# send and its next step by a visible share of a tiny model's step; a reader that looks on a timer is never
 # asleep on the pipe, so the engine's write wakes no one. The price: a batch reaches the event loop up to
 # this much later (half of it on average), and the reader wakes this often while requests stream.
 OUTPUT_POLL_S = 0.0002
@@ -131,8 +131,8 @@ def default_engine_threads(env: dict[str, str] | None = None, cores: int | None 
 
     Why one core is left: the HTTP process streams every token and shares the machine with the engine.
     At torch's default (a thread per core) the engine's OpenMP threads spin on the core the HTTP process
-    needs: on 2 cores the tiny model served 182-194 tok/s against 1,155-1,343 with one engine thread
-    (scripts/compare_servers.py --quick, docs/results.md). vLLM's CPU build does the same: its
+    needs: on 2 cores the tiny model served several times fewer tokens per second than with one engine
+    thread (docs/results.md#thread-defaults-and-the-matched-setting). vLLM's CPU build does the same: its
     ``VLLM_CPU_OMP_THREADS_BIND=auto`` binds the worker's threads to all cores but one it reserves."""
     env = os.environ if env is None else env
     raw = env.get("OMP_NUM_THREADS", "").strip()
@@ -221,7 +221,7 @@ class _EngineCore:
 
     def run(self) -> None:
         # One poll object for the whole loop: Connection.poll(0) builds a selector per call, and this
-        # check runs before every step (17 us of a 1 ms step on the tiny model, measured in the loop).
+        # check runs before every step (a visible share of a tiny model's step).
         commands = select.poll()
         commands.register(self.conn.fileno(), select.POLLIN)
         stats_at = None  # when the last stats snapshot went out (None: never)
@@ -246,7 +246,7 @@ class _EngineCore:
 
     def _send_batch(self, stats: EngineStats | None, deltas: list[_Delta], now: float) -> None:
         # pickle itself, not Connection.send: its ForkingPickler copies copyreg's dispatch table for every
-        # message (17 against 26 us a batch in the loop); a batch is plain data, and recv() reads either.
+        # message (a third more per batch); a batch is plain data, and recv() reads either.
         self.conn.send_bytes(pickle.dumps((self.replies, self.failed, now, stats, deltas, self.broken,
                                            self.reconfigured), protocol=pickle.HIGHEST_PROTOCOL))
         self.replies, self.failed, self.reconfigured = [], [], []

@@ -5,8 +5,8 @@ never imports kvbench) serves the reference engine over :class:`Design`'s batch 
 clock, records every step's shape and the *interval* from one step's end to the next (the engine
 step plus the driver's per-step work and the releases before it: what a served run's times are made
 of), and fits them here with :func:`fit_intervals` (non-negative least squares, in seconds), plus a
-per-request term. Timing ``LLMEngine.step()`` alone, the earlier method, missed a consistent ~4x of
-what a served run spends per step. :func:`fit_error` is the fit's own error report (median and p90
+per-request term. Timing ``LLMEngine.step()`` alone, the earlier method, missed most of what a served
+run spends per step. :func:`fit_error` is the fit's own error report (median and p90
 relative error per interval, and R² in seconds). Swap copies are timed on their own
 (:func:`fit_swap`, ``Design.swap_blocks``) and fitted to ``per_copy_s + link x bytes / B``. Peak
 rates come from two micro benchmarks (:func:`peak_flops`, :func:`copy_bandwidth`), so the fitted
@@ -225,7 +225,7 @@ def fit_wake_curve(extra_s: dict[float, float], warm_s: float,
         return 0.0, 0.0
     best = (np.inf, 0.0, 0.0)
     # no time constant beyond the longest spell timed: past it the data say nothing about the curve (under
-    # load, fits ran to the grid's end, 1 s, and priced a 1 s lull at 6 ms where 200 ms had cost 1.1 ms)
+    # load, fits ran to the grid's end and priced a long lull at several times what the longest timed one cost)
     for tau in (t for t in _WAKE_TAUS if t <= gaps[-1]):
         f = -np.expm1(-gaps / tau)
         wake = max(0.0, float(f @ extra) / float(f @ f))
@@ -299,10 +299,10 @@ def fit_intervals(cost: CostModel, samples: list[IntervalSample], relative: bool
 
     ``relative=False`` (the default) minimises the squared error in seconds, so the predicted
     intervals add up to the measured ones: on a loaded machine an interval is the step's work *plus
-    the time the process waited for a core*, a heavy tail (median ~1 ms, some 5-10 ms at load 11 on
-    2 cores) that throughput and TTFT sum over. ``relative=True`` fits the typical step instead
-    (relative error, one trimming round dropping intervals more than ``trim`` x off the first fit):
-    what the step costs on an idle core, ~3x less than the mean there."""
+    the time the process waited for a core*, a heavy tail (a few intervals many times the median on an
+    overloaded 2-core machine) that throughput and TTFT sum over. ``relative=True`` fits the typical step
+    instead (relative error, one trimming round dropping intervals more than ``trim`` x off the first fit):
+    what the step costs on an idle core, well below the mean there."""
     rows = [s for s in samples if s.shape.num_seqs and s.seconds > 0]
     if len(rows) < len(FEATURES) + 1:
         raise ValueError(f"fit_intervals: {len(rows)} non-empty steps are too few to fit {len(FEATURES) + 1} terms")

@@ -3,7 +3,7 @@
 Most running requests, most of the time, are *steady decoders*: one token behind, scheduled for one
 token per step, getting a placeholder token back. The real scheduler touches each of them every step
 (a sort, ``allocate_slots``, a chunk, ``update``, an output): per request per step, that Python work
-made a 10,000-request simulation take minutes. :class:`LazyDecodes` advances a steady decoder
+made a simulation of many thousand requests take minutes. :class:`LazyDecodes` advances a steady decoder
 *implicitly*: its fields (``num_computed_tokens``, ``output_token_ids``) are brought up to date
 ("synced") only when something reads them:
 

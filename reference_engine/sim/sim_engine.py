@@ -26,7 +26,7 @@ from reference_engine.costs.profiles import HardwareProfile
 from reference_engine.engine import EngineParts, LLMEngine, block_manager_for
 from reference_engine.events import EventSink
 from reference_engine.outputs import RequestOutput, StepRecord, StepResult
-from reference_engine.preemption_policy import ModelCosts
+from reference_engine.policies.preemption_costs import ModelCosts
 from reference_engine.request import RequestStatus
 from reference_engine.sim.lazy import LazyDecodes, Span
 from reference_engine.sim.pricing_runner import SimKVCache, SimRunner, VirtualClock, placeholder_token

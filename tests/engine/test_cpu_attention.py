@@ -1,4 +1,4 @@
-"""The compiled CPU decode kernel (``attention_backend="cpp"``, ``reference_engine/csrc/paged_decode.cpp``)
+"""The compiled CPU decode kernel (``attention_backend="cpp"``, ``reference_engine/kernels/csrc/paged_decode.cpp``)
 against the torch path, the oracle: the same outputs for any block size, GQA grouping, head size, uneven
 lengths and scattered block ids; close in bfloat16; token-equal greedy outputs from the engine under
 preemption; a kernel that reads one key too many is seen; and ``auto`` picks it on CPU."""
@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from kvbench.models.builtin import builtin_checkpoint
-from reference_engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
+from reference_engine import EngineConfig, LLMEngine, SamplingParams
+from reference_engine.kernels import cpu_attention
+from reference_engine.kernels.backends import resolve_backend
 from tests.engine.test_sliced_attention import _case, _run
 
 pytestmark = pytest.mark.skipif(not cpu_attention.cpu_kernel_available(),
@@ -84,23 +86,19 @@ def test_engine_greedy_outputs_are_token_equal_and_the_kernel_ran(monkeypatch) -
 
 
 def test_cpp_off_cpu_is_refused_naming_the_device() -> None:
-    from reference_engine.engine import _attention_backend
-
     with pytest.raises(ValueError, match="attention_backend='cpp' runs on the CPU"):
-        _attention_backend("cpp", torch.device("cuda"))
+        resolve_backend("attention_backend", "cpp", torch.device("cuda"), torch.float32)
 
 
 def test_without_a_compiler_auto_falls_back_to_sliced_and_cpp_says_why(monkeypatch) -> None:
-    from reference_engine.engine import _attention_backend
-
     def no_build():
         monkeypatch.setattr(cpu_attention.EXTENSION, "error", "the CPU attention kernel could not be built (no g++)")
         raise RuntimeError(cpu_attention.EXTENSION.error)
 
     monkeypatch.setattr(cpu_attention, "_load", no_build)
-    assert _attention_backend("auto", torch.device("cpu")) == "sliced"
+    assert resolve_backend("attention_backend", "auto", torch.device("cpu"), torch.float32) == "sliced"
     with pytest.raises(ValueError, match=r"attention_backend='cpp' cannot run: .*no g\+\+"):
-        _attention_backend("cpp", torch.device("cpu"))
+        resolve_backend("attention_backend", "cpp", torch.device("cpu"), torch.float32)
 
 
 def test_two_checkouts_of_one_version_build_from_one_unchanging_copy(tmp_path, monkeypatch) -> None:

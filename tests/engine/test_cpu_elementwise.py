@@ -1,4 +1,4 @@
-"""Fused RMSNorm and SwiGLU on the CPU (``elementwise_backend="cpp"``, :mod:`reference_engine.cpu_elementwise`)
+"""Fused RMSNorm and SwiGLU on the CPU (``elementwise_backend="cpp"``, :mod:`reference_engine.kernels.cpu_elementwise`)
 against the torch path in :mod:`reference_engine.model`, the oracle: SwiGLU bit-equal in float32 and
 bfloat16, vector body and scalar tail (where torch's own kernels are its AVX-512 build; else within
 rounding), RMSNorm within rounding of its sum of squares (bfloat16: at most one unit in the last place,
@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from kvbench.models.builtin import builtin_checkpoint
-from reference_engine import EngineConfig, LLMEngine, SamplingParams, cpu_elementwise
+from reference_engine import EngineConfig, LLMEngine, SamplingParams
 from reference_engine.config import ConfigError
-from reference_engine.engine import _elementwise_backend
-from reference_engine.model import MLP, ModelConfig, RMSNorm, load_model
+from reference_engine.kernels import cpu_elementwise
+from reference_engine.kernels.backends import resolve_backend
+from reference_engine.model import MLP, ModelConfig, RMSNorm, fuse_elementwise, load_model
 
 pytestmark = pytest.mark.skipif(bool(cpu_elementwise.why_unavailable(torch.float32)),
                                 reason=f"no fused kernels here: {cpu_elementwise.why_unavailable(torch.float32)}")
@@ -95,7 +96,7 @@ def test_bad_input_is_refused_naming_it() -> None:
 def test_fused_layers_fall_back_where_the_kernel_does_not_apply(monkeypatch) -> None:
     cfg = ModelConfig.from_dir(builtin_checkpoint("tiny"))
     model = load_model(builtin_checkpoint("tiny"))
-    fused = cpu_elementwise.fuse_elementwise(model)
+    fused = fuse_elementwise(model)
     assert fused == 2 * cfg.num_layers + 1 + cfg.num_layers  # two norms a layer, the final norm, every MLP
     assert all(isinstance(m.fused, type(cpu_elementwise.rms_norm)) for m in model.modules() if isinstance(m, RMSNorm))
     calls = []
@@ -136,14 +137,15 @@ def test_a_kernel_that_rounds_otherwise_is_seen(monkeypatch) -> None:
 
 def test_choosing_the_backend() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert _elementwise_backend("auto", cpu, torch.bfloat16) == "cpp"
-    assert _elementwise_backend("torch", cpu, torch.float32) == "torch"
-    assert _elementwise_backend("auto", cpu, torch.float16) == "torch"  # the kernels take no float16
-    assert _elementwise_backend("auto", cuda, torch.float32) == "torch"
+    assert resolve_backend("elementwise_backend", "auto", cpu, torch.bfloat16) == "cpp"
+    assert resolve_backend("elementwise_backend", "torch", cpu, torch.float32) == "torch"
+    # the kernels take no float16
+    assert resolve_backend("elementwise_backend", "auto", cpu, torch.float16) == "torch"
+    assert resolve_backend("elementwise_backend", "auto", cuda, torch.float32) == "torch"
     with pytest.raises(ValueError, match="elementwise_backend='cpp' runs on the CPU"):
-        _elementwise_backend("cpp", cuda, torch.float32)
+        resolve_backend("elementwise_backend", "cpp", cuda, torch.float32)
     with pytest.raises(ValueError, match=r"cannot run in torch\.float16"):
-        _elementwise_backend("cpp", cpu, torch.float16)
+        resolve_backend("elementwise_backend", "cpp", cpu, torch.float16)
     with pytest.raises(ConfigError, match="elementwise_backend"):
         EngineConfig(model="m", elementwise_backend="fused")
 
@@ -151,6 +153,6 @@ def test_choosing_the_backend() -> None:
 def test_without_a_compiler_auto_falls_back_and_cpp_says_why(monkeypatch) -> None:
     monkeypatch.setattr(cpu_elementwise.EXTENSION, "module", None)
     monkeypatch.setattr(cpu_elementwise.EXTENSION, "error", "the fused elementwise kernels could not be built (no g++)")
-    assert _elementwise_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+    assert resolve_backend("elementwise_backend", "auto", torch.device("cpu"), torch.float32) == "torch"
     with pytest.raises(ValueError, match=r"elementwise_backend='cpp' cannot run .*no g\+\+"):
-        _elementwise_backend("cpp", torch.device("cpu"), torch.float32)
+        resolve_backend("elementwise_backend", "cpp", torch.device("cpu"), torch.float32)

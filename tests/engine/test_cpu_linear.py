@@ -1,4 +1,4 @@
-"""Packed matmuls on the CPU (``linear_backend="onednn"``, :mod:`reference_engine.cpu_linear`) against
+"""Packed matmuls on the CPU (``linear_backend="onednn"``, :mod:`reference_engine.kernels.cpu_linear`) against
 ``torch.nn.functional.linear``, the oracle: bit-equal in bfloat16, within float32 rounding in float32,
 for one row and many, with and without bias, on strided input; the model's state dict and tied head
 untouched; token-equal greedy outputs from the engine under preemption; a wrongly packed weight is seen;
@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from kvbench.models.builtin import builtin_checkpoint
-from reference_engine import EngineConfig, LLMEngine, SamplingParams, cpu_linear
-from reference_engine.engine import _linear_backend
+from reference_engine import EngineConfig, LLMEngine, SamplingParams
+from reference_engine.kernels import cpu_linear
+from reference_engine.kernels.backends import resolve_backend
 from reference_engine.model import load_model
 
 pytestmark = pytest.mark.skipif(bool(cpu_linear.why_unavailable(torch.float32)),
@@ -124,15 +125,15 @@ def test_only_small_float32_weights_are_left_unpacked(dtype) -> None:
 
 def test_onednn_off_cpu_is_refused_naming_the_device() -> None:
     with pytest.raises(ValueError, match="linear_backend='onednn' runs on the CPU"):
-        _linear_backend("onednn", torch.device("cuda"), torch.float32)
-    assert _linear_backend("auto", torch.device("cuda"), torch.float32) == "torch"
+        resolve_backend("linear_backend", "onednn", torch.device("cuda"), torch.float32)
+    assert resolve_backend("linear_backend", "auto", torch.device("cuda"), torch.float32) == "torch"
 
 
 def test_where_onednn_cannot_run_auto_falls_back_and_onednn_says_why(monkeypatch) -> None:
     monkeypatch.setitem(cpu_linear._why_not, torch.bfloat16, "oneDNN has no bfloat16 kernels for this CPU")
-    assert _linear_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    assert resolve_backend("linear_backend", "auto", torch.device("cpu"), torch.bfloat16) == "torch"
     with pytest.raises(ValueError, match=r"cannot run in torch\.bfloat16: oneDNN has no bfloat16 kernels"):
-        _linear_backend("onednn", torch.device("cpu"), torch.bfloat16)
+        resolve_backend("linear_backend", "onednn", torch.device("cpu"), torch.bfloat16)
 
 
 def test_a_bad_value_names_the_field() -> None:

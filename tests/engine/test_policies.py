@@ -13,10 +13,12 @@ import random
 import pytest
 
 from reference_engine import EngineConfig, LLMEngine, SamplingParams
-from reference_engine.admission import AIMD, AdmissionPolicy, Watermark, make_admission, remaining_growth
 from reference_engine.block_manager import BlockManager
 from reference_engine.config import ConfigError
-from reference_engine.preemption_policy import LinearCosts, choose, measure_linear_costs
+from reference_engine.policies.admission import AIMD, AdmissionPolicy, Watermark, make_admission, remaining_growth
+from reference_engine.policies.preemption import Candidate, VictimFacts, Why, choose
+from reference_engine.policies.preemption_costs import LinearCosts
+from reference_engine.policies.startup_costs import measure_linear_costs
 from reference_engine.request import Request, RequestStatus
 from reference_engine.scheduler import Scheduler
 
@@ -44,41 +46,49 @@ def run_step(s: Scheduler, token: int = 1):
 
 
 # ---------------------------------------------------------------------------------------------
-# choose(): prices in, a mode and a reason out
+# choose(): prices and a victim's facts in, a decision value out
+
+
+def victim(num_blocks: int, computed: int, surviving: int = 0, shared: int = 0, *, free_host: int,
+           next_in_line: Candidate | None = None) -> VictimFacts:
+    return VictimFacts(Candidate(num_blocks, computed, surviving, shared), free_host, next_in_line=next_in_line)
 
 
 def test_choose_swaps_when_cheaper_and_recomputes_when_not():
-    long = choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=0, free_host_blocks=100)
-    assert (long.mode, long.reason) == ("swap", "swap cheaper")
+    long = choose(COSTS, victim(10, 40, free_host=100))
+    assert (long.mode, long.why, long.reason) == ("swap", Why.SWAP_CHEAPER, "swap cheaper")
+    assert (long.wanted, long.fell_back) == ("swap", False)
     assert long.estimated_swap_s == pytest.approx(2 * (1e-5 + 10e-6))
     assert long.estimated_recompute_s == pytest.approx(40e-5)
     # 39 of 40 tokens survive a recompute (prefix cache): one token to recompute beats a round trip
-    cached = choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=39, free_host_blocks=100)
-    assert cached.mode == "recompute" and "kept by the prefix cache" in cached.reason
+    cached = choose(COSTS, victim(10, 40, surviving=39, free_host=100))
+    assert (cached.mode, cached.why, cached.wanted) == ("recompute", Why.RECOMPUTE_CHEAPER, "recompute")
+    assert "kept by the prefix cache" in cached.reason
     assert cached.recompute_tokens == 1
 
 
 def test_choose_host_pool_full_and_host_room_reserved():
-    full = choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=0, free_host_blocks=9)
+    full = choose(COSTS, victim(10, 40, free_host=9))
     assert (full.mode, full.reason) == ("recompute", "swap cheaper but host pool full")
-    # Would leave 2 host blocks while the largest running request holds 20 that save more per block:
-    # keep the room for it.
-    kept = choose(COSTS, num_blocks=2, computed_tokens=8, surviving_tokens=0, free_host_blocks=4,
-                  reserve_blocks=20, reserve_saving_per_block=1.0)
+    assert (full.why, full.fell_back, full.wanted) == (Why.HOST_POOL_FULL, True, "swap")
+    # Would leave 2 host blocks while the next victim in line holds 20 that save more per block
+    # (80 tokens: 37 us a block against the victim's 28 us): keep the room for it.
+    big = Candidate(20, 80, 0)
+    kept = choose(COSTS, victim(2, 8, free_host=4, next_in_line=big))
     assert (kept.mode, kept.reason) == ("recompute", "host room kept for the next victim in line")
-    # The same victim with enough room left, or saving more per block than the reserve: swapped.
-    assert choose(COSTS, num_blocks=2, computed_tokens=8, surviving_tokens=0, free_host_blocks=40,
-                  reserve_blocks=20, reserve_saving_per_block=1.0).mode == "swap"
-    assert choose(COSTS, num_blocks=2, computed_tokens=8, surviving_tokens=0, free_host_blocks=4,
-                  reserve_blocks=20, reserve_saving_per_block=0.0).mode == "swap"
+    assert (kept.why, kept.fell_back, kept.wanted) == (Why.HOST_ROOM_KEPT, False, "recompute")
+    # The same victim with enough room left, or a next in line that saves nothing by a swap: swapped.
+    assert choose(COSTS, victim(2, 8, free_host=40, next_in_line=big)).mode == "swap"
+    assert choose(COSTS, victim(2, 8, free_host=4, next_in_line=Candidate(20, 80, 80))).mode == "swap"
+    # ... or one that shares blocks (it would be recomputed, so it needs no room)
+    assert choose(COSTS, victim(2, 8, free_host=4, next_in_line=Candidate(20, 80, 0, shared_blocks=1))).mode == "swap"
 
 
 def test_choose_recomputes_a_victim_sharing_blocks_even_when_swap_is_cheaper():
     # A swap-in brings shared blocks back as private copies (held for the rest of the request's life).
-    shared = choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=8, free_host_blocks=100,
-                    shared_blocks=2)
-    assert shared.mode == "recompute" and "unshared" in shared.reason
-    assert choose(COSTS, num_blocks=10, computed_tokens=40, surviving_tokens=8, free_host_blocks=100).mode == "swap"
+    shared = choose(COSTS, victim(10, 40, surviving=8, shared=2, free_host=100))
+    assert shared.mode == "recompute" and "unshared" in shared.reason and shared.why is Why.SHARES_BLOCKS
+    assert choose(COSTS, victim(10, 40, surviving=8, free_host=100)).mode == "swap"
 
 
 def test_model_costs_price_a_recompute_beside_the_waiting_prompts():
@@ -86,7 +96,7 @@ def test_model_costs_price_a_recompute_beside_the_waiting_prompts():
     # beside a full step of waiting prompts (compute-bound) each recomputed token costs its compute.
     from reference_engine.costs import load_model_shape, load_profile
     from reference_engine.costs.cost_model import CostModel
-    from reference_engine.preemption_policy import ModelCosts
+    from reference_engine.policies.preemption_costs import ModelCosts
 
     costs = ModelCosts(CostModel(load_model_shape("llama-3-8b"), load_profile("h200")), 16)
     beside_decodes = costs.recompute_seconds(128, 64, 64 * 1500)
@@ -125,6 +135,7 @@ def test_auto_swaps_a_long_victim_and_records_why():
             break
     (ev,) = [e for e in s.events if e.kind == "preempted"]
     assert ev.request_id == "b" and ev.data["mode"] == "swap" and ev.data["reason"] == "swap cheaper"
+    assert ev.data["why"] == "swap_cheaper"
     assert ev.data["estimated_swap_s"] < ev.data["estimated_recompute_s"]
     assert s.counters.preemptions_swap == s.counters.swap_outs == 1 and s.counters.preemptions_recompute == 0
     assert b.status is RequestStatus.SWAPPED
@@ -158,6 +169,7 @@ def test_auto_cheaper_swap_without_host_room_is_a_counted_fallback():
             break
     (ev,) = [e for e in s.events if e.kind == "preempted"]
     assert ev.data["mode"] == "recompute" and ev.data["reason"] == "swap cheaper but host pool full"
+    assert (ev.data["why"], ev.data["wanted"]) == ("host_pool_full", "swap")
     assert s.counters.swap_fallbacks == 1 and s.counters.preemptions_recompute == 1
 
 

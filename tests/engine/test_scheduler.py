@@ -20,7 +20,7 @@ import pytest
 from reference_engine.block_manager import BlockManager, cdiv
 from reference_engine.request import Request, RequestStatus
 from reference_engine.sampling_params import SamplingParams
-from reference_engine.scheduler import Preemption, Scheduler, SchedulerOutput, _StepBuilder
+from reference_engine.scheduler import Held, Preemption, Scheduler, SchedulerOutput, _StepBuilder, size_admission
 
 BLOCK_SIZE = 4
 DEFAULT_TOKEN = 7
@@ -618,3 +618,35 @@ def test_priority_policy_resumes_swapped_requests_most_important_first():
     out = sched.schedule()
     assert list(out.swap_in_blocks) == ["high"]
     bm.check_invariants()
+
+
+# ------------------------------------------------------------------ admission sizing (pure)
+
+
+@pytest.mark.parametrize(("uncached", "budget", "room", "chunked", "prefill_scheduled", "expected"), [
+    (100, 256, None, False, False, (100, None)),  # fits: the whole prompt
+    (300, 256, None, False, False, (0, Held.OVER_BUDGET)),  # unchunked over the budget: waits
+    (300, 256, None, True, False, (256, None)),  # chunked: cut to the budget
+    (100, 256, 40, True, True, (40, None)),  # chunked under pacing: cut to the room
+    (100, 256, 0, True, True, (0, Held.PACED)),  # chunked, no room left: waits
+    (100, 256, 40, False, False, (100, None)),  # unchunked over the room, no prefill yet: the step's only one
+    (100, 256, 40, False, True, (0, Held.PACED)),  # unchunked over the room beside another prefill: waits
+    (30, 256, 40, False, True, (30, None)),  # within the room: joins the other prefill
+])
+def test_size_admission(uncached, budget, room, chunked, prefill_scheduled, expected) -> None:
+    size = size_admission(uncached, budget=budget, prefill_room=room, chunked=chunked,
+                          prefill_scheduled=prefill_scheduled)
+    assert (size.num_tokens, size.held) == expected
+
+
+def test_a_scheduled_prefill_is_a_fact_of_the_step() -> None:
+    step = _StepBuilder(step=1, budget=64, prefill_cap=16)
+    decode = Request("d", [1, 2, 3], SamplingParams(max_tokens=4), 0.0)
+    decode.num_computed_tokens = 2  # one token behind: a decode
+    step.add_chunk(decode, 1)
+    assert not step.prefill_scheduled and step.prefill_room == 16
+    prompt = Request("p", list(range(10)), SamplingParams(max_tokens=4), 0.0)
+    step.add_chunk(prompt, 10)
+    assert step.prefill_scheduled and step.prefill_room == 6 and step.budget == 53
+    step.drop_chunk("p")
+    assert not step.prefill_scheduled and step.prefill_room == 16 and step.budget == 63

@@ -24,11 +24,11 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not importable here (it is a Linux x86_64 dependency)")
 
-from reference_engine import triton_attention
 from reference_engine.attention import AttentionMetadata, build_group, paged_attention
-from reference_engine.triton_attention import (
+from reference_engine.kernels import triton_attention
+from reference_engine.kernels.backends import resolve_backend
+from reference_engine.kernels.triton_attention import (
     paged_decode_attention,
-    resolve_attention_backend,
     triton_available,
 )
 
@@ -237,21 +237,24 @@ def test_bad_arguments_are_named(change: dict, message: str) -> None:
 
 
 def _availability() -> tuple[bool, str, str]:
-    return triton_available("cpu"), resolve_attention_backend("triton", "cpu"), resolve_attention_backend("auto", "cpu")
+    cpu = torch.device("cpu")
+    return (triton_available("cpu"), resolve_backend("attention_backend", "triton", cpu, torch.float32),
+            resolve_backend("attention_backend", "auto", cpu, torch.float32))
 
 
 def test_availability_follows_the_interpreter(interpreter) -> None:
     # The interpreter is usable on CPU when asked for, never picked by "auto".
-    assert interpreter(_availability) == (True, "triton", "torch")
+    available, asked, auto = interpreter(_availability)
+    assert (available, asked) == (True, "triton") and auto in ("cpp", "sliced")  # auto on CPU: the CPU paths
     if triton_attention._MODE == "compiled":  # this process: compiled kernels, so no CPU
         assert not triton_available("cpu")
         with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-            resolve_attention_backend("triton", "cpu")
+            resolve_backend("attention_backend", "triton", torch.device("cpu"), torch.float32)
         with pytest.raises(RuntimeError, match="cannot run here"):
             paged_decode_attention(torch.zeros(1, 2, 16), torch.zeros(1, 1, 2, 4, 2, 16), 0,
                                    torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
     with pytest.raises(ValueError, match="attention_backend='flash'"):
-        resolve_attention_backend("flash", "cpu")
+        resolve_backend("attention_backend", "flash", torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.gpu

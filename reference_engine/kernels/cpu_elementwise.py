@@ -1,18 +1,17 @@
 """Fused RMSNorm and SwiGLU for the CPU (``elementwise_backend="cpp"``): ``csrc/fused_elementwise.cpp``,
-built on first use like the attention kernel (:mod:`reference_engine.cpu_build`).
+built on first use like the attention kernel (:mod:`reference_engine.kernels.cpu_build`).
 
-Why it exists: with the matmuls packed, a bfloat16 prefill of 2,048 tokens on ``small`` spent about a
-third of its step in elementwise layers (torch profiler, one thread: RMSNorm 1.5 ms a call x 17, SwiGLU's
-silu and multiply 2.6 ms x 8, of a ~215 ms step), because the torch path writes and re-reads a whole
-[tokens, hidden] tensor per operation and, in bfloat16, widens every one to float32 and rounds it back.
-The kernels do each layer in one pass over its rows with the same float32 math and the same rounding
-steps (the C++ file lists them). The torch path in :mod:`reference_engine.model` stays the oracle: the
-tests hold the kernels to it, bit for bit for SwiGLU and within float32 rounding of the sum of squares
-for RMSNorm (``tests/engine/test_cpu_elementwise.py``). Float16 and other devices keep the torch path.
+Why it exists: with the matmuls packed, a long bfloat16 prefill spends a large share of its step in the
+elementwise layers (the profile: docs/results.md#reference-engine-vs-vllm-cpu), because the torch path writes
+and re-reads a whole [tokens, hidden] tensor per operation and, in bfloat16, widens every one to float32 and
+rounds it back. The kernels do each layer in one pass over its rows with the same float32 math and the same
+rounding steps (the C++ file lists them). The torch path in :mod:`reference_engine.model` stays the oracle:
+the tests hold the kernels to it, bit for bit for SwiGLU and within float32 rounding of the sum of squares for
+RMSNorm (``tests/engine/test_cpu_elementwise.py``). Float16 and other devices keep the torch path.
 
-:func:`fuse_elementwise` points a loaded model's RMSNorm and fused gate/up MLP layers at the kernels;
-``elementwise_backend="auto"`` does that on the CPU when the build works, and says once why not when it
-does not.
+:func:`reference_engine.model.fuse_elementwise` points a loaded model's RMSNorm and fused gate/up MLP layers
+at these kernels (the model knows its layers; a kernel knows no model); ``elementwise_backend="auto"`` does
+that on the CPU when the build works, and says once why not when it does not.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ import logging
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from reference_engine import cpu_build
+from reference_engine.kernels import cpu_build
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "fused_elementwise.cpp"
@@ -57,19 +55,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     what :class:`reference_engine.model.MLP` computes between its matmuls. A new contiguous tensor."""
     return (EXTENSION.module or EXTENSION.load()).silu_mul(gate_up)
 
-
-def fuse_elementwise(model: nn.Module) -> int:
-    """Point ``model``'s RMSNorm layers and its MLPs with a fused gate/up projection at the kernels
-    (their ``fused`` attribute); returns how many layers now use them. The parameters are untouched."""
-    from reference_engine.model import MLP, RMSNorm
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.fused = rms_norm
-        elif isinstance(module, MLP) and module.gate_up is not None:
-            module.fused = silu_mul
-        else:
-            continue
-        count += 1
-    return count

@@ -1,11 +1,11 @@
 """Matmuls with prepacked weights on the CPU (``linear_backend="onednn"``).
 
-Why it exists: on CPU the linear layers are most of a decode step (profiled on ``small`` at batch 64:
-70% of the step's torch time in bfloat16, 86% in float32), and ``torch.nn.functional.linear`` hands
-oneDNN a plain row-major weight on every call, which it re-lays out into its blocked format each time.
-At the small row counts of a decode step that re-layout costs as much as the multiply. oneDNN's own
-``linear`` with a weight packed once at load time (the op torch's inductor uses for frozen CPU models,
-``torch.ops.mkldnn._linear_pointwise``) skips it: see docs/results.md for what it bought, per dtype.
+Why it exists: on CPU the linear layers are most of a decode step (the profile is in
+docs/results.md#reference-engine-vs-vllm-cpu), and ``torch.nn.functional.linear`` hands oneDNN a plain
+row-major weight on every call, which it re-lays out into its blocked format each time. At the small row
+counts of a decode step that re-layout costs as much as the multiply. oneDNN's own ``linear`` with a weight
+packed once at load time (the op torch's inductor uses for frozen CPU models,
+``torch.ops.mkldnn._linear_pointwise``) skips it: the same page says what it bought, per dtype.
 
 The contract: :class:`PackedLinear` computes ``x @ W.T + b`` like the :class:`torch.nn.Linear` it wraps,
 bit for bit in bfloat16 and float16 (the same oneDNN kernel, the weight only laid out ahead of time)
@@ -69,8 +69,8 @@ def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 #: float32 weights with fewer elements are multiplied faster by ``F.linear`` (MKL) at every row count
-#: measured: the tiny preset's 64 x 192 took 2.0x as long packed at 64 rows (1.1x at 2,048), 512 x 512
-#: 0.9-1.0x; bfloat16 packed was as fast or faster at every shape measured
+#: measured, while bfloat16 packed was as fast or faster at every shape measured (the figures:
+#: docs/results.md#reference-engine-vs-vllm-cpu, "Matmul packing decided per weight")
 PACKED_MIN_FLOAT32_WEIGHT = 1 << 16
 
 
@@ -78,11 +78,10 @@ def packing_pays(weight: torch.Tensor) -> bool:
     """Whether :func:`pack_linears` packs a layer with this weight: every weight but a float32 one of
     fewer than ``PACKED_MIN_FLOAT32_WEIGHT`` elements.
 
-    Not decided by row count as well: at a prefill's 1,024-2,048 rows ``F.linear`` was within +-10% of
-    the packed kernel on ``small``'s shapes (no gain in the prefill step, 0.97-1.00x), and sending float32
-    prefills to ``F.linear`` (MKL) made the torch attention path's later decode steps 2x slower in the
-    same process (``scripts/measure_engine.py --only 1``: torch / dense 1.56x -> 3.07x), a side effect
-    not understood, so not taken (docs/results.md)."""
+    Not decided by row count as well: at a prefill's row counts packing gained nothing on ``small``'s
+    shapes, and sending float32 prefills to ``F.linear`` (MKL) made the torch attention path's later decode
+    steps slower in the same process, a side effect not understood, so not taken (the measurements:
+    docs/results.md#reference-engine-vs-vllm-cpu, "Matmul packing decided per weight")."""
     return weight.dtype != torch.float32 or weight.numel() >= PACKED_MIN_FLOAT32_WEIGHT
 
 

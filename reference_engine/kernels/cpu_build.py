@@ -2,15 +2,15 @@
 
 One source file, one extension, built on first use and cached by torch (``$TORCH_EXTENSIONS_DIR``, by
 default ``~/.cache/torch_extensions``): tens of seconds once, then well under a second per process.
-Used by :mod:`reference_engine.cpu_attention` (paged decode attention) and
-:mod:`reference_engine.cpu_elementwise` (fused RMSNorm and SwiGLU).
+Used by :mod:`reference_engine.kernels.cpu_attention` (paged decode attention) and
+:mod:`reference_engine.kernels.cpu_elementwise` (fused RMSNorm and SwiGLU).
 
-Each build is made from a copy of its source in a folder named by a digest of the source, the flags, torch
-and Python (:func:`content_addressed_source`), not from the checkout's file: the build command names the
-source's path, so two checkouts of one version building from their own paths changed ninja's command
-each time and rebuilt over each other's build (seen: six rebuilds of ~35 s in half an hour, a server
-waiting on each). Content-addressed, the copy is written once and never changes, so every checkout of
-one version shares one build and checkouts of different versions keep theirs.
+Each build is made from a copy of its source in a folder named by a digest of the source, the flags, torch and
+Python (:func:`content_addressed_source`), not from the checkout's file: the build command names the source's
+path, so two checkouts of one version building from their own paths changed ninja's command each time and
+rebuilt over each other's build, a server waiting on each rebuild. Content-addressed, the copy is written once
+and never changes, so every checkout of one version shares one build and checkouts of different versions keep
+theirs.
 """
 
 from __future__ import annotations
