@@ -14,8 +14,8 @@ given on the fitted cells and on the held-out ones, and saved in the profile's `
 costs more after the engine sat idle is timed apart (:func:`~reference_engine.sim.calibrate.fit_wake`) and
 saved as ``wake_s`` and ``wake_tau_s``, with the medians behind them in ``fit["wake"]``; each cell's first
 interval, which follows the cell's set-up, is left out of the interval fit for that reason.
-``scripts/validate_sim.py`` uses the same recording and samples (:func:`recording`,
-:func:`interval_samples`) on the quick scenarios.
+``kvbench validate-sim`` (:mod:`kvbench.sim.validation`) uses the same recording and samples
+(:func:`recording`, :func:`interval_samples`) on the quick scenarios.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def evening_surge_specs(num_requests: int = 10_000, seed: int = 0,
 
 def evening_surge_at_scale(num_requests: int = 10_000, vocab_size: int = 32_000, max_model_len: int = 8192,
                            seed: int = 0, length_scale: float = 1.0) -> Workload:
-    """The evening surge (seed 000) at production scale: 84% steady short traffic (64-512 prompt,
+    """The evening surge (the ``evening_surge`` scenario, docs/benchmarks.md#scenarios) at production scale: 84%
+    steady short traffic (64-512 prompt,
     64-256 output tokens, Poisson 40/s), then from t=100 s a wave of 16% long-context requests
     (2048-3072 prompt, 512-1000 output, Poisson 16/s): the full-scale scenario's shape, 28x the requests.
     ``length_scale`` multiplies every length (arrivals unchanged): see :func:`fit_length_scale`."""
@@ -68,7 +69,8 @@ def mixed_victims_specs(num_requests: int = 1600, seed: int = 0,
 
 def mixed_victims_at_scale(num_requests: int = 1600, vocab_size: int = 32_000, max_model_len: int = 8192,
                            seed: int = 0, length_scale: float = 1.0) -> Workload:
-    """Short and long victims mixed, at Llama-3-8B/H200 scale (issue 11, ``preemption_mode=auto``): 15 of
+    """Short and long victims mixed, at Llama-3-8B/H200 scale (``preemption_mode=auto``,
+    docs/simulator.md#preemption-aware-policies): 15 of
     16 requests short (a 256-token system prompt of 2, shared, then 16-128 tokens of their own; 512-1024
     output tokens; Poisson 32/s), 1 of 16 long and unique (3,072-6,144-token prompts, 256-512 output
     tokens; Poisson 2/s). Serve it with prefix caching on and a pool too small for it

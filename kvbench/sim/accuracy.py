@@ -1,12 +1,14 @@
-"""Predicted vs measured: one row per figure, judged against the median of interleaved rounds.
+"""How accurate a prediction is: one row per figure, judged against the median of interleaved rounds
+(the comparison ``kvbench predict`` prints, :mod:`kvbench.sim.predict_engines`).
 
 A simulator's error means something only beside the noise of what it is compared with, so every
 row carries the measured rounds themselves: their median (what the prediction is judged against),
-and their spread, ``(max - min) / median`` (how far one measured round is from another). An error
+and their spread, ``(max - min) / median`` (:func:`kvbench.bench.repeats.relative_range`: how far one
+measured round is from another). An error
 well inside the spread cannot be told from noise; one far outside it is the model's.
 
-Bars (issue 21): counts within :data:`COUNT_BAR` (20%), timings within :data:`TIME_BAR` (10%) median
-error, the knee at the same sweep point.
+Bars (docs/simulator.md#predicting-a-real-engine-vllm-the-reference-engine): counts within
+:data:`COUNT_BAR` (20%), timings within :data:`TIME_BAR` (10%) median error, the knee at the same sweep point.
 
 The knee (:func:`kvbench.bench.scenarios.storms.knee_within`: the first concurrency whose next point
 gains less than 5%) is a threshold on a curve that flattens: where a step gains ~5%, a few per cent of
@@ -25,6 +27,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbench.bench.formatting import fmt_median_range
+from kvbench.bench.repeats import relative_range
+
 COUNT_BAR = 0.20
 TIME_BAR = 0.10
 
@@ -36,17 +41,6 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     if measured == 0:
         return 0.0 if predicted == 0 else None
     return abs(predicted - measured) / abs(measured)
-
-
-def spread(rounds: Sequence[float | None]) -> float | None:
-    """``(max - min) / median`` of the rounds (None with fewer than two, or a median of 0)."""
-    values = [v for v in rounds if v is not None]
-    if len(values) < 2:
-        return None
-    m = statistics.median(values)
-    if m == 0:
-        return 0.0 if max(values) == min(values) else None
-    return (max(values) - min(values)) / abs(m)
 
 
 @dataclass(frozen=True)
@@ -71,7 +65,8 @@ class Row:
 
     @property
     def spread(self) -> float | None:
-        return spread(self.rounds)
+        """The rounds' ``(max - min) / median`` (:func:`~kvbench.bench.repeats.relative_range`)."""
+        return relative_range(self.rounds)
 
     @property
     def bar(self) -> float:
@@ -133,10 +128,12 @@ def _knee(k: float | None) -> str:
     return "none" if k is None else f"{k:g}"
 
 
+#: how a figure of each kind is written: counts whole, times to four significant digits
+_FORMATS = {"count": "{:,.0f}", "time": "{:.4g}"}
+
+
 def _fmt(v: float | None, kind: str) -> str:
-    if v is None:
-        return "-"
-    return f"{v:,.0f}" if kind == "count" else f"{v:.4g}"
+    return "-" if v is None else _FORMATS[kind].format(v)
 
 
 def _pct(v: float | None) -> str:
@@ -149,12 +146,12 @@ def table(rows: Sequence[Row]) -> str:
            "bar | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         vals = [v for v in r.rounds if v is not None]
-        rng = f"[{_fmt(min(vals), r.kind)}-{_fmt(max(vals), r.kind)}]" if vals else ""
+        measured = fmt_median_range(vals, _FORMATS[r.kind]) if vals else "-"
         verdict = {True: "within", False: "MISS", None: "-"}[r.within]
         if r.within is False and r.noise_dominated:
             verdict += " (within noise)"
         out.append(f"| {r.engine} | {r.scenario} | {r.metric} | {_fmt(r.predicted, r.kind)} | "
-                   f"{_fmt(r.measured, r.kind)} {rng} | {_pct(r.error)} | {_pct(r.spread)} | {r.bar:.0%} | {verdict} |")
+                   f"{measured} | {_pct(r.error)} | {_pct(r.spread)} | {r.bar:.0%} | {verdict} |")
     return "\n".join(out)
 
 
