@@ -1,12 +1,12 @@
 """The torch thread policy every timed run shares: the storm benchmarks and ``kvbench demo``.
 
 ``KVBENCH_TORCH_THREADS`` if set; else 1 on CPU, at both scales; else (CUDA) torch's default. Why one
-thread: on a shared 2-core machine two spinning OpenMP threads made steps ten times slower, and a
-demo run with 2 threads printed recompute 135 s vs swap 15 s, a 9x "difference" that vanished with
-one thread (2 s each). The same held at ``full`` scale on the ``small`` model: the full evening surge
-took 29.0-29.8 s on one thread against 42 s on two with the machine nearly idle and 81-186 s on two
-beside another process (load 2-3; the flash crowd 31 s against 206-216 s). Both faces pin the same
-number so that what the demo shows is what the benchmarks measure.
+thread: on a shared machine with few cores, OpenMP threads that spin while waiting for a busy core made
+every step many times slower, and by different amounts from run to run, so a demo showed a large
+"difference" between two modes that vanished with one thread; the same held at ``full`` scale on the
+``small`` model, most of all beside another process (the figures:
+docs/results.md#torch-threads-on-a-shared-machine). Both faces pin the same number so that what the
+demo shows is what the benchmarks measure.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ A server that binds its engine to some cores (vLLM's CPU build binds its worker'
 cores but the ones it reserves for its front end; the reference server binds its engine process) leaves
 the other cores to its front end, and a client on the same machine belongs there too: it is front-end
 work. Left to the OS, kvbench's client landed on the engine's core now and then, where a worker that
-never sleeps held it off the CPU: on 2 cores, with the client on vLLM's worker core, four streams of 96
-tokens each were read in one piece 1.27 s after they were sent, where the server had written 96 events
-per stream (``docs/results.md``, predicting real engines); vLLM's throughput then moved up to 7.7x from
-round to round with the client's placement.
+never sleeps held it off the CPU: on 2 cores, with the client on vLLM's worker core, streams the server
+had written one event per token were read in one piece, long after they were sent, and vLLM's
+throughput moved severalfold from round to round with the client's placement (the figures:
+docs/results.md#predicting-real-engines).
 
 :func:`client_cores` reads the server's process group from ``/proc``: every thread of every process in
 it but the leader (the front end kvbench started) whose affinity is narrower than the machine's is
@@ -21,11 +21,11 @@ threads. In vLLM's CPU server that is ``VLLM::EngineCore``, the scheduler. vLLM 
 (``reserved_cpus`` in its log) but never binds it there, and it does not sleep between steps: it spins
 on ``sched_yield`` while its worker computes (``SpinCondition``, ``busy_loop_s`` 1 s, in
 ``shm_broadcast.py``). Where the OS runs it on the front end's core, its API server is held off the CPU:
-a stream's 192 tokens reach the client in one chunk and throughput falls to about 640 tok/s. With the
-scheduler beside its worker, the two take turns (one computes while the other waits), the front end
-keeps its core, and vLLM's round-to-round spread on the storm's sweep fell from 35-196% to 2-4%
-(``docs/results.md``, "Predicting real engines", 2026-12-03 late). Linux only (``sched_setaffinity``);
-elsewhere it does nothing.
+a stream's tokens reach the client in one chunk and throughput falls severalfold. With the scheduler
+beside its worker, the two take turns (one computes while the other waits), the front end keeps its
+core, and vLLM's throughput from round to round steadies (the figures:
+docs/results.md#predicting-real-engines; the reproduction: scripts/findings/vllm_front_end_cores.py).
+Linux only (``sched_setaffinity``); elsewhere it does nothing.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 SCALES = ("quick", "full")
-#: ``--benchmark-repeats`` when not given, by scale. One at full: three repeats of the full main job
-#: would take about an hour on 2 CPU cores (one takes about 20 minutes); results still record the number
+#: ``--benchmark-repeats`` when not given, by scale. One at full: the full scale is sized for one
+#: repeat of the main job on 2 CPU cores (:mod:`kvbench.bench.scenarios`), three would triple it;
+#: results still record the number
 #: (``parameters.repeats``, one entry per repeat), and the gate falls back to its thresholds alone when
 #: a point has no spread.
 DEFAULT_REPEATS = {"quick": 3, "full": 1}

@@ -265,8 +265,8 @@ def _segments(ln: Line) -> list[list[tuple[float, float]]]:
 def decimate(seg: list[tuple[float, float]], sx: Callable[[float], float], buckets: int) -> list[tuple[float, float]]:
     """At most two points per bucket of a few pixels (its lowest and highest, in x order) plus the ends,
     when a segment has more than that: the drawing looks the same at the chart's size, spikes included,
-    and a quick run's report stays about 1 MB (a hundred charts of ~300 points each made it 2 MB; the
-    main job's report with three engines is 1.06 MB since the policies scenario serves 13 modes)."""
+    and a report of a hundred long charts stays a page a browser opens at once (its size with and
+    without: docs/results.md#report-size-and-chart-decimation)."""
     if len(seg) <= 2 * buckets:
         return seg
     x0, x1 = sx(seg[0][0]), sx(seg[-1][0])

@@ -32,15 +32,15 @@ on three engines with three repeats, in under ten minutes on two CPU cores. ``fu
 ``small`` (4,096 positions) and is sized so that the main job (every scenario, three engines, one
 repeat by default) takes about 20 minutes on two CPU cores at one torch thread: every full plan
 serves more requests than quick's, with longer sequences (prompts up to 1,152-2,304 tokens where the
-tiny model holds 1,024), but not production sizes. On CPU a ``small`` step costs ~12 ms
-plus ~0.5 ms per prefilled token, and its decode attention reads every key up to the batch's longest
-sequence (~4 us per sequence and key, 9-13 us once the batch's keys outgrow the cache; measured at
-one thread), so the first full sizes (3,000-token prompts, batches of up to 48) were priced at ~6.6
-hours per repeat on the reference engine alone (a run did not finish its first scenario in 17
-minutes). How the sizes were chosen: the reference engine's full schedule (every step's batch shape,
-from the simulator on the step clock, whose counts are the engine's) priced by that step cost, then
-one run of each scenario (``test_every_claim_holds_on_the_reference_engines_schedule`` in
-tests/kvbench/test_scenarios.py keeps every claim shown at both scales). Sizes are in the tables below.
+tiny model holds 1,024), but not production sizes. On CPU a ``small`` step costs a fixed part plus
+a part per prefilled token, and its decode attention reads every key up to the batch's longest
+sequence, so the first full sizes (3,000-token prompts, batches of up to 48) were priced at hours per
+repeat on the reference engine alone (the step costs and that price:
+docs/results.md#step-costs-behind-the-scenario-sizes). How the sizes were chosen: the reference
+engine's full schedule (every step's batch shape, from the simulator on the step clock, whose counts
+are the engine's) priced by that step cost, then one run of each scenario
+(``test_every_claim_holds_on_the_reference_engines_schedule`` in tests/kvbench/test_scenarios.py keeps
+every claim shown at both scales). Sizes are in the tables below.
 
 Modules: :mod:`~kvbench.bench.scenarios.common` (models, jobs, outcomes, the runner, recording, shared
 claims), :mod:`~kvbench.bench.scenarios.surges` (evening surge, flash crowd),

@@ -34,7 +34,8 @@ from kvbench.engines.base import EngineAdapter, Knobs
 
 SCALES = ("quick", "full")
 #: virtual seconds per engine step on the step clock, by scale: about one decode step of the scale's
-#: model on a 2-core CPU (tiny ~10 ms, small ~120 ms), so open-loop rates mean what they say
+#: model on a 2-core CPU (docs/results.md#step-costs-behind-the-scenario-sizes), so open-loop rates mean
+#: what they say
 STEP_SECONDS = {"quick": 0.01, "full": 0.1}
 BLOCK_SIZE = 16
 #: the built-in checkpoint each scale runs on when ``--kvbench-model`` is not given

@@ -58,9 +58,9 @@ class PreemptionStorm(Scenario):
                            concurrencies=(2, 4, 6, 8, 12, 16), num_gpu_blocks=128),
         # full: sequences no longer than quick's (320 tokens at most). On CPU the small model's decode
         # attention grows with batch x longest sequence, so with 384-token prompts throughput stayed flat
-        # at ~155 tok/s from concurrency 4 to 24 and the pool admitted the same batch from 8 up (one
-        # schedule at four points); at these lengths it rose 199 -> 274 tok/s to concurrency 12, then
-        # preemptions (0, 0, 5, 15, 22) took it back to 254-266 (one run, reference engine, load ~1.5)
+        # over the sweep and the pool admitted the same batch from concurrency 8 up (one schedule at
+        # four points); at these lengths throughput rises to a knee, then preemptions take it back
+        # (docs/results.md#the-full-preemption-storm)
         "full": StormSize(WorkloadSpec("storm", 32, Uniform(64, 192), Fixed(128), ClosedLoop(1), seed=3),
                           concurrencies=(4, 8, 12, 16, 24), num_gpu_blocks=160),
     }

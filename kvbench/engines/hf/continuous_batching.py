@@ -100,8 +100,8 @@ honoured and ``sampling`` is not a capability. The adapter runs each session ins
 without masking EOS, so exactly ``max_tokens`` tokens come back. ``serve`` always ignores EOS.
 
 Costs to know on CPU: leave ``num_gpu_blocks`` unset and the engine sizes the cache to 60% of memory and
-fills an attention mask of ``max_batch_tokens x (cache tokens + max_batch_tokens)`` at every start (tens
-of seconds); ``ContinuousBatchingManager.stop`` runs ``gc.collect()`` twice (about a second), which
+fills an attention mask of ``max_batch_tokens x (cache tokens + max_batch_tokens)`` at every start (a
+slow start on CPU); ``ContinuousBatchingManager.stop`` runs ``gc.collect()`` twice, a pause that
 ``serve`` cannot keep out of the wall time between its last token and its return.
 
 Observed on CPU (tiny preset, page_size 16, ``tests/kvbench/test_hf_adapters.py``): with a pool too small for
@@ -122,6 +122,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbench.core.counters import Counters
 from kvbench.core.trace import StepRecord
+from kvbench.drivers.release import Release, ReleaseSchedule, record_arrival
 from kvbench.engines.base import (
     DEFAULT_KNOBS,
     AdapterRefusal,
@@ -477,7 +478,8 @@ class HFContinuousBatchingAdapter(EngineAdapter):
         concurrency = getattr(workload, "concurrency", None)
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"hf-cb: workload concurrency must be >= 1, got {concurrency}")
-        order = requests if concurrency is not None else sorted(requests, key=lambda r: r.arrival_time)
+        # the release order of kvbench.drivers.release (closed-loop arrivals are all 0: workload order)
+        order = sorted(requests, key=lambda r: r.arrival_time)
         sampling = _sampling_of(requests)
 
         with self._session(knobs, sampling) as session:
@@ -501,13 +503,20 @@ class HFContinuousBatchingAdapter(EngineAdapter):
 
 
 class _Server:
-    """The serve loop: release, abort, drain engine events and streamed outputs, all on one thread."""
+    """The serve loop: release, abort, drain engine events and streamed outputs, all on one thread.
+
+    Which request goes out when, and when one is aborted, is :class:`~kvbench.drivers.release.ReleaseSchedule`'s
+    rule on the wall clock (the recorder's seconds), polled between waits for the engine's outputs, as
+    the step loop polls it between steps. ``order`` is the workload in that rule's release order.
+    """
 
     def __init__(self, session: _Session, recorder: TraceRecorder, order: list[WorkloadRequest],
                  concurrency: int | None, timeout_s: float):
         self.session, self.recorder, self.order = session, recorder, order
         self.concurrency, self.timeout_s = concurrency, timeout_s
-        self.in_flight: dict[str, tuple[WorkloadRequest, float | None]] = {}  # rid -> (request, abort time)
+        self.schedule = ReleaseSchedule(order, concurrency)
+        self.released = 0  # how many of ``order`` the schedule let out (it releases them in that order)
+        self.in_flight: dict[str, WorkloadRequest] = {}  # accepted by the engine, not yet finished or aborted
         self.produced: dict[str, int] = {}
         self.offset = 0.0  # recorder time = perf_counter + offset
 
@@ -515,64 +524,53 @@ class _Server:
         return perf_t + self.offset
 
     def run(self) -> None:
-        manager, recorder = self.session.manager, self.recorder
+        manager, recorder, schedule = self.session.manager, self.recorder, self.schedule
         recorder.restart_clock()
         self.offset = recorder.now() - time.perf_counter()
-        next_index = 0
         last_arrival = max((r.arrival_time for r in self.order), default=0.0) if self.concurrency is None else 0.0
         deadline = last_arrival + self.timeout_s
-        while next_index < len(self.order) or self.in_flight:
+        while not schedule.done:
             now = recorder.now()
             if now > deadline:
-                raise TimeoutError(f"hf-cb serve: {len(self.in_flight)} requests in flight after timeout_s="
+                raise TimeoutError(f"hf-cb serve: {len(schedule.in_flight)} requests in flight after timeout_s="
                                    f"{self.timeout_s}")
-            # Release what is due.
-            while next_index < len(self.order):
-                request = self.order[next_index]
-                if self.concurrency is not None:
-                    if len(self.in_flight) >= self.concurrency:
-                        break
-                    arrival = now
-                elif request.arrival_time <= now:
-                    arrival = request.arrival_time
-                else:
-                    break
-                self._release(request, arrival)
-                next_index += 1
-            self._abort_due(now)
+            for release in schedule.release_due(now):
+                self._release(release)
+            for rid in schedule.aborts_due(now):
+                manager.cancel_request(rid)
+                recorder.finished(rid, now, "abort")
+                self._finished(rid)
             self._drain_events()
             if not manager.is_running():
-                self._fail_all(self.order[next_index:])
+                self._fail_all(self.order[self.released:])
                 break
             wait = 0.01
-            if self.concurrency is None and next_index < len(self.order):
-                wait = max(0.0, min(wait, self.order[next_index].arrival_time - now))
+            if (next_point := schedule.next_point()) is not None:  # open loop: wake for the next arrival
+                wait = max(0.0, min(wait, next_point - now))
             out = manager.get_result(timeout=wait)
             while out is not None:
                 self._on_output(out)
                 out = manager.get_result(timeout=0)
         self._drain_events()
 
-    def _release(self, request: WorkloadRequest, arrival: float) -> None:
-        rid = request.request_id
-        self.recorder.arrived(rid, arrival, len(request.prompt_token_ids), request.max_tokens,
-                              getattr(request, "priority", 0))
+    def _release(self, release: Release) -> None:
+        request, rid = release.request, release.request_id
+        self.released += 1
+        record_arrival(self.recorder, request, release.at)
         added = self.session.manager.add_request(list(request.prompt_token_ids), request_id=rid,
                                                  max_new_tokens=request.max_tokens, eos_token_id=-1,
                                                  streaming=True, record_timestamps=True)
         if added is None:  # the manager refused it (its loop is stopping or died)
             self.recorder.finished(rid, self.recorder.now(), "error")
+            self.schedule.finished(rid)  # a refused request holds no slot
             return
-        abort_at = getattr(request, "abort_at", None)
-        self.in_flight[rid] = (request, None if abort_at is None else arrival + abort_at)
+        self.in_flight[rid] = request
         self.produced[rid] = 0
 
-    def _abort_due(self, now: float) -> None:
-        for rid, (_, abort_t) in list(self.in_flight.items()):
-            if abort_t is not None and now >= abort_t:
-                self.session.manager.cancel_request(rid)
-                self.recorder.finished(rid, now, "abort")
-                del self.in_flight[rid]
+    def _finished(self, rid: str) -> None:
+        """``rid`` is over (finished, aborted or failed): later events and outputs for it are ignored."""
+        del self.in_flight[rid]
+        self.schedule.finished(rid)
 
     def _drain_events(self) -> None:
         events = self.session.probe.events
@@ -613,9 +611,10 @@ class _Server:
                 self.recorder.tokens(rid, min(t, now))
             self.produced[rid] = tokens
         if out.is_finished():
-            request = self.in_flight.pop(rid)[0]
+            request = self.in_flight[rid]
             reason = "error" if out.error else "length" if tokens >= request.max_tokens else "stop"
             self.recorder.finished(rid, now, reason)
+            self._finished(rid)
 
     def _fail_all(self, unreleased: list[WorkloadRequest]) -> None:
         """The loop died: every request in flight or not yet released finishes with ``"error"``."""
@@ -627,7 +626,7 @@ class _Server:
         now = self.recorder.now()
         for rid in list(self.in_flight):
             self.recorder.finished(rid, now, "error")
-            del self.in_flight[rid]
+            self._finished(rid)
         for request in unreleased:
             self.recorder.arrived(request.request_id, now, len(request.prompt_token_ids), request.max_tokens,
                                   getattr(request, "priority", 0))

@@ -130,7 +130,8 @@ class OpenAIAdapter(EngineAdapter):
         "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
         "metrics_interval": f"seconds between /metrics samples (queues, KV usage over time) during a timed run "
                             f"(default {DEFAULT_METRICS_INTERVAL:g}; 0: none, the counters are still read before "
-                            "and after). Each scrape is server work the streams may wait for: vLLM's took ~15 ms",
+                            "and after). Each scrape is server work the streams may wait for "
+                            "(docs/results.md#predicting-real-engines)",
         "dialect": "vllm (default: token-id prompts, vLLM's extra fields) or transformers (transformers serve: "
                    "text prompts, extras through its generation_config field)",
         **{k: "the server's value of this knob, where /metrics does not publish it" for k in _DECLARABLE_KNOBS},

@@ -120,7 +120,8 @@ REFERENCE = Preset(
         "scheduling_policy": value_flag("--scheduling-policy"),
     },
     capabilities=_ALL,
-    # a new engine in the running server's engine process: tens of ms instead of a ~2 s start
+    # a new engine in the running server's engine process, far quicker than a fresh start
+    # (docs/results.md#the-reference-servers-overhead)
     reconfigure_path="/kvbench/reconfigure",
     launcher_len=3,
 )
@@ -162,8 +163,8 @@ def vllm_cpu_settings(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
 
     * ``--dtype float32``: the checkpoints are float32, and the CPU build refuses float16, the dtype
       ``auto`` picks for them; ``args=--dtype bfloat16`` overrides it (later flags win).
-    * ``--enforce-eager``: skips ~60 s of torch.compile warm-up per launch (the server adapter starts
-      one per knob set); ``args=--no-enforce-eager`` serves compiled, as production does.
+    * ``--enforce-eager``: skips torch.compile's warm-up, which every launch would pay again (the server
+      adapter starts one per knob set); ``args=--no-enforce-eager`` serves compiled, as production does.
     * ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB): the memory it reserves for KV; kvbench sizes the pool itself
       with ``--num-gpu-blocks-override``, which must fit in it.
     """

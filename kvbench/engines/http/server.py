@@ -19,10 +19,11 @@ plugin).
 
 The reference preset (its own command, not ``cmd=``) launches with ``--allow-reconfigure``: a call whose
 knobs no kept server runs first gives the most recently used server the new launch command's flags
-(``POST /kvbench/reconfigure``): the server builds a new engine in its running engine process (tens of ms
-against a ~2 s start), with counters at zero and an empty pool and prefix cache, as a fresh server would
-have, and checks that the model and its server flags stay as they are. Whatever it refuses falls back to a
-fresh start. A peer (vLLM...) and ``cmd=`` are always started from their own command.
+(``POST /kvbench/reconfigure``): the server builds a new engine in its running engine process (far
+quicker than a start: docs/results.md#the-reference-servers-overhead), with counters at zero and an
+empty pool and prefix cache, as a fresh server would have, and checks that the model and its server
+flags stay as they are. Whatever it refuses falls back to a fresh start. A peer (vLLM...) and ``cmd=``
+are always started from their own command.
 
 While a call sends, kvbench's own client runs off the cores the launched server binds its engine to
 (``client_cores=auto``, the default; ``off`` leaves it where the OS puts it): on a small machine the
