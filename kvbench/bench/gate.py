@@ -326,8 +326,9 @@ def reference_engine_name(results: Results) -> str | None:
     return next((e["name"] for e in results.engines if e.get("kind") == "reference"), None)
 
 
-def _spread(res: Mapping[str, Any], metric: str) -> float:
-    """A result's spread of ``metric``: from its repeats when it has them, else its stored spread, else 0."""
+def result_spread(res: Mapping[str, Any], metric: str) -> float:
+    """A result's spread of ``metric`` (one measurement's robust sigma, :func:`kvbench.bench.repeats.spread`):
+    from its repeats when it has them, else its stored spread, else 0."""
     values = [r.get(metric) for r in res.get("repeats") or []]
     if values:
         return repeat_spread(values)
@@ -376,8 +377,8 @@ def _ratio_and_spread(res: Mapping[str, Any], ref: Mapping[str, Any], metric: st
     if v is None or r is None or r == 0:
         return None
     ratio = v / r
-    rel_v = _spread(res, metric) / abs(v) if v else 0.0
-    rel_r = _spread(ref, metric) / abs(r)
+    rel_v = result_spread(res, metric) / abs(v) if v else 0.0
+    rel_r = result_spread(ref, metric) / abs(r)
     return ratio, abs(ratio) * math.hypot(rel_v, rel_r)
 
 
@@ -421,7 +422,7 @@ def gate(current: Results, baseline: Results, thresholds: Sequence[str | Thresho
                 verdict.deltas.append(Delta(*key, th.metric, b, c, th.change(b, c), th, th.violated(b, c), "exact"))
                 continue
             basis = "absolute"
-            sb, sc = _spread(b_res, th.metric), _spread(c_res, th.metric)
+            sb, sc = result_spread(b_res, th.metric), result_spread(c_res, th.metric)
             if not is_count(th.metric) and not (absolute or th.absolute):
                 if engine == ref_name or ref_name is None:
                     skipped_ratio.add(engine if ref_name else "(no reference engine)")

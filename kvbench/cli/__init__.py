@@ -9,13 +9,26 @@ Nothing here re-runs a benchmark: ``report``, ``compare`` and ``merge`` read res
     kvbench demo [--requests N] [--blocks N]
     kvbench calibrate [--model DIR] [-o PROFILE.json] [design flags]
     kvbench simulate [--engine SPEC] [--workload NAME] [--requests N] [--sweep KNOB=V,V,...] [--report DIR]
+    kvbench head-to-head --engine [LABEL=]SPEC ... [--model NAME] [--dtype D] [--knob ENGINE:KEY=VALUE] [--json OUT]
+    kvbench ratios RESULTS.json [--baseline ENGINE] [--engine ENGINE] [--at-least RATIO]
+    kvbench conformance RESULTS.json [--footnotes]
+    kvbench validate-sim [--scenario NAME ...] [--repeats N] [--warmup N] [--profile-out FILE] [--out DIR]
+    kvbench predict [--engines reference,vllm] [--rounds N] [--json OUT] [--small]
+    kvbench admission-sweep [--surge NAME] [--scale quick|full] [--repeats N] [--engine SPEC] HEADROOM:PACING ...
+    kvbench measure-gpu [--out DIR] [--dry-run] [size flags]
 
 ``report`` re-renders the HTML report of a results file (by default over the report.html beside it, which
 was rendered from the same file); ``compare`` gates one run against another; ``merge`` joins the
 results.json of shards or runs made on several machines; ``engines`` lists the engine kinds and the
 option keys of each (what ``--engine KIND:KEY=VALUE`` accepts); ``demo`` serves a burst on the tiny
 model in both preemption modes; ``calibrate`` fits the simulator's cost model on this machine;
-``simulate`` serves a workload at scale on the simulator and prints a capacity plan.
+``simulate`` serves a workload at scale on the simulator and prints a capacity plan; ``head-to-head``
+serves several engines on the same work, rounds interleaved (the commands in modules of their own:
+:data:`COMMAND_MODULES`); ``ratios`` compares two engines at every point of a saved sweep;
+``conformance`` prints a run's verdicts as a Markdown table (these two read results files only);
+``validate-sim`` and ``predict`` check the simulator against the reference engine and against real
+engines; ``admission-sweep`` serves one surge under admission settings against static admission;
+``measure-gpu`` measures the reference engine's CUDA paths against the memory-bandwidth roofline.
 
 Exit status: 0 success (no regression); 1 ``compare`` found regressions or baseline results missing
 from the current run (each is named); 2 usage or file errors (message on stderr).
@@ -41,7 +54,8 @@ EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
 #: the commands that live in a module of their own in this package, in the order ``--help`` lists them:
 #: each module has ``add_command(subparsers)``, which adds its parser with a ``handler`` default
 #: (``handler(args, out) -> exit status``, raising :class:`CLIError` for a usage or file problem)
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("measure_gpu", "head_to_head", "ratios", "conformance",
+                                   "validate_sim", "predict", "admission_sweep")
 
 
 class CLIError(Exception):

@@ -3,8 +3,10 @@
 What is timed: block allocate + free, the chained block hash, a prefix-cache lookup, one scheduler
 step (``schedule()`` + ``update()``) with 256 running requests and no model, and the swap copies
 (``KVCache.swap_out`` / ``swap_in`` of 256 scattered blocks) beside a plain torch copy of the same
-bytes. Each test also asserts that its operation did the work (blocks came back, 256 decodes were
-scheduled, the bytes round-tripped), so a benchmark of nothing cannot pass.
+bytes each way, on CPU and, marked ``gpu``, on CUDA against a pinned host buffer (the bound a swap
+could reach; ``scripts/gpu_check.sh`` runs them). Each test also asserts that its operation did the
+work (blocks came back, 256 decodes were scheduled, the bytes round-tripped), so a benchmark of
+nothing cannot pass. The reference engine against its dense bounds is in ``test_dense_bounds.py``.
 
 How long they run (the rule, and why):
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -158,50 +161,85 @@ def test_scheduler_step_256_running(measure):
 
 
 # --------------------------------------------------------------------------------------------
-# swap copies vs a plain copy of the same bytes
+# swap copies vs a plain copy of the same bytes (the one swap-copy micro-benchmark: on CPU, and on CUDA
+# against a pinned host buffer, which the GPU check runs with ``pytest -m gpu``)
 
 
-@pytest.fixture(scope="module")
-def swap_setup() -> tuple[KVCache, list[tuple[int, int]]]:
-    """A cache with 2 x 256 device blocks and 256 host blocks; 256 scattered device blocks map onto
-    consecutive host blocks (the host pool hands out consecutive ids)."""
-    cache = KVCache(2 * SWAP_BLOCKS, SWAP_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32,
-                    device=torch.device("cpu"), **SWAP_GEOMETRY)
+@dataclass(frozen=True)
+class SwapCopies:
+    """A cache with 2 x 256 device blocks and 256 host blocks, 256 scattered device blocks mapped onto
+    consecutive host blocks (the host pool hands out consecutive ids), and, for the plain copies, a
+    device tensor and a host tensor of the same bytes (the host one pinned on CUDA, as the host pool is)."""
+
+    cache: KVCache
+    mapping: list[tuple[int, int]]
+    plain_device: torch.Tensor
+    plain_host: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    def synced(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn`` followed by a wait for the device, so that a CUDA copy is timed to its end, not its launch."""
+        if self.device.type != "cuda":
+            return fn
+
+        def run() -> Any:
+            result = fn()
+            torch.cuda.synchronize(self.device)
+            return result
+
+        return run
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def swap_setup(request: pytest.FixtureRequest) -> SwapCopies:
+    device = torch.device(request.param)
+    cache = KVCache(2 * SWAP_BLOCKS, SWAP_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32, device=device,
+                    **SWAP_GEOMETRY)
     torch.manual_seed(0)
     cache.device_cache.normal_()
     device_ids = sorted(random.Random(3).sample(range(2 * SWAP_BLOCKS), SWAP_BLOCKS))
     random.Random(4).shuffle(device_ids)
-    return cache, list(zip(device_ids, range(SWAP_BLOCKS), strict=True))
+    plain_device = torch.randn((SWAP_BLOCKS, *cache.block_shape), device=device)
+    plain_host = torch.empty(plain_device.shape, dtype=plain_device.dtype, pin_memory=device.type == "cuda")
+    return SwapCopies(cache, list(zip(device_ids, range(SWAP_BLOCKS), strict=True)), plain_device, plain_host)
 
 
-def _swap_group() -> str:
+def _swap_group(device: torch.device) -> str:
     mib = SWAP_BLOCKS * BLOCK_SIZE * 2 * 4 * SWAP_GEOMETRY["num_layers"] * SWAP_GEOMETRY["num_kv_heads"] * \
         SWAP_GEOMETRY["head_dim"] // 2**20
-    return f"swap copy: {SWAP_BLOCKS} blocks, {mib} MiB"
+    return f"swap copy ({device.type}): {SWAP_BLOCKS} blocks, {mib} MiB"
 
 
 def test_swap_out(measure, swap_setup, pinned_threads):
-    cache, mapping = swap_setup
-    nbytes = measure(lambda: cache.swap_out(mapping), group=_swap_group())
+    cache, mapping = swap_setup.cache, swap_setup.mapping
+    nbytes = measure(swap_setup.synced(lambda: cache.swap_out(mapping)), group=_swap_group(swap_setup.device))
     assert nbytes == SWAP_BLOCKS * cache.block_bytes
-    device_ids = torch.tensor([d for d, _ in mapping])
-    assert torch.equal(cache.host_cache[:SWAP_BLOCKS], cache.device_cache[device_ids])
+    device_ids = torch.tensor([d for d, _ in mapping], device=swap_setup.device)
+    assert torch.equal(cache.host_cache[:SWAP_BLOCKS], cache.device_cache[device_ids].cpu())
 
 
 def test_swap_in(measure, swap_setup, pinned_threads):
-    cache, mapping = swap_setup
+    cache, mapping = swap_setup.cache, swap_setup.mapping
     cache.swap_out(mapping)
     expected = cache.host_cache[:SWAP_BLOCKS].clone()
     back = [(h, d) for d, h in mapping]
-    nbytes = measure(lambda: cache.swap_in(back), group=_swap_group())
+    nbytes = measure(swap_setup.synced(lambda: cache.swap_in(back)), group=_swap_group(swap_setup.device))
     assert nbytes == SWAP_BLOCKS * cache.block_bytes
-    assert torch.equal(cache.device_cache[torch.tensor([d for d, _ in mapping])], expected)
+    device_ids = torch.tensor([d for d, _ in mapping], device=swap_setup.device)
+    assert torch.equal(cache.device_cache[device_ids].cpu(), expected)
 
 
-def test_plain_torch_copy(measure, swap_setup, pinned_threads):
-    """The floor for both swaps: one contiguous copy of the same bytes."""
-    cache, _ = swap_setup
-    src = cache.device_cache[:SWAP_BLOCKS]
-    dst = torch.empty_like(src)
-    measure(lambda: dst.copy_(src), group=_swap_group())
-    assert torch.equal(dst, src)
+@pytest.mark.parametrize("direction", ["out", "in"])
+def test_plain_torch_copy(measure, swap_setup, pinned_threads, direction):
+    """The floor for each swap: one contiguous copy of the same bytes between the device and a host
+    buffer (on CPU, both in host memory)."""
+    device_side, host_side = swap_setup.plain_device, swap_setup.plain_host
+    dst, src = (host_side, device_side) if direction == "out" else (device_side, host_side)
+    if direction == "in":
+        host_side.copy_(device_side.cpu().mul(2))  # different bytes, so that the copy is seen to have happened
+    non_blocking = swap_setup.device.type == "cuda"
+    measure(swap_setup.synced(lambda: dst.copy_(src, non_blocking=non_blocking)), group=_swap_group(swap_setup.device))
+    assert torch.equal(dst.cpu(), src.cpu())
