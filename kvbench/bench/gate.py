@@ -98,7 +98,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.bench.metrics import GOODPUT_KEYS, METRIC_KEYS
-from kvbench.bench.repeats import is_count, is_tail
+from kvbench.bench.repeats import is_count, is_tail, result_spread
 from kvbench.bench.repeats import median as repeat_median
 from kvbench.bench.repeats import spread as repeat_spread
 from kvbench.bench.results import Results
@@ -324,15 +324,6 @@ def reference_engine_name(results: Results) -> str | None:
     if "reference" in names:
         return "reference"
     return next((e["name"] for e in results.engines if e.get("kind") == "reference"), None)
-
-
-def result_spread(res: Mapping[str, Any], metric: str) -> float:
-    """A result's spread of ``metric`` (one measurement's robust sigma, :func:`kvbench.bench.repeats.spread`):
-    from its repeats when it has them, else its stored spread, else 0."""
-    values = [r.get(metric) for r in res.get("repeats") or []]
-    if values:
-        return repeat_spread(values)
-    return float((res.get("spread") or {}).get(metric) or 0.0)
 
 
 def _exact(res: Mapping[str, Any]) -> bool:

@@ -19,6 +19,7 @@ import math
 import re
 import statistics
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 #: scales the MAD of normally distributed values to their standard deviation
 MAD_TO_SIGMA = 1.4826
@@ -89,6 +90,39 @@ def relative_range(values: Sequence[float | None]) -> float | None:
     if mid == 0:
         return 0.0 if max(nums) == min(nums) else None
     return (max(nums) - min(nums)) / abs(mid)
+
+
+def repeat_values(result: Mapping[str, Any], metric: str) -> list[float]:
+    """Every repeat's value of ``metric`` in a recorded result, [] for a single run.
+
+    Read tolerantly, because the repeats' layout is the runner's: ``result["repeats"]`` as a list of
+    metric dicts (or of ``{"metrics": {...}}``), or as ``{metric: [values]}``.
+    """
+    reps = result.get("repeats")
+    values: list[Any] = []
+    if isinstance(reps, list):
+        for rep in reps:
+            if isinstance(rep, Mapping):
+                m = rep.get("metrics", rep)
+                values.append(m.get(metric) if isinstance(m, Mapping) else None)
+    elif isinstance(reps, Mapping):
+        v = reps.get(metric)
+        if isinstance(v, Mapping):  # {"values": [...], "median": .., "spread": ..}
+            v = v.get("values")
+        if isinstance(v, Sequence) and not isinstance(v, str):
+            values = list(v)
+    return [float(v) for v in values
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
+
+
+def result_spread(result: Mapping[str, Any], metric: str) -> float:
+    """A recorded result's spread of ``metric`` (one measurement's robust sigma, :func:`spread`): the one the
+    runner stored when there is one, else :func:`spread` of its repeats' values; 0 for a single run."""
+    given = result.get("spread")
+    stored = given.get(metric) if isinstance(given, Mapping) else None
+    if isinstance(stored, int | float) and math.isfinite(stored):
+        return float(stored)
+    return spread(repeat_values(result, metric))
 
 
 def aggregate(repeats: Sequence[Mapping[str, float | None]]) -> tuple[dict[str, float | None], dict[str, float]]:

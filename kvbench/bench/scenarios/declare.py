@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbench.bench.repeats import repeat_values, result_spread
+
 #: times below this are inside the noise of one step on a shared machine (seconds)
 NOISE_FLOOR_S = 0.002
 #: a ratio within this of 1 is "about the same" even without repeats (timer and scheduling jitter)
@@ -126,45 +128,14 @@ def metric_of(scenario: Mapping[str, Any], engine: str, metric: str, mode: str |
     return num(r["metrics"].get(metric)) if r else None
 
 
-def repeat_values(result: Mapping[str, Any], metric: str) -> list[float]:
-    """Every repeat's value of ``metric`` in a recorded result, [] for a single run.
-
-    Read tolerantly, because the repeats' layout is the runner's: ``result["repeats"]`` as a list of
-    metric dicts (or of ``{"metrics": {...}}``), or as ``{metric: [values]}``.
-    """
-    reps = result.get("repeats")
-    values: list[Any] = []
-    if isinstance(reps, list):
-        for rep in reps:
-            if isinstance(rep, Mapping):
-                m = rep.get("metrics", rep)
-                values.append(m.get(metric) if isinstance(m, Mapping) else None)
-    elif isinstance(reps, Mapping):
-        v = reps.get(metric)
-        if isinstance(v, Mapping):  # {"values": [...], "median": .., "spread": ..}
-            v = v.get("values")
-        if isinstance(v, Sequence) and not isinstance(v, str):
-            values = list(v)
-    return [x for x in (num(v) for v in values) if x is not None]
-
-
 def relative_spread(result: Mapping[str, Any] | None, metric: str) -> float | None:
-    """One measurement's spread of ``metric`` relative to its median, or None for a single run.
-
-    The runner's ``spread`` (:func:`kvbench.bench.repeats.spread`, about one standard deviation) when
-    the result holds two or more repeats, else half the range of the repeats' values."""
-    if not result:
-        return None
-    vals = repeat_values(result, metric)
-    if len(vals) < 2:
+    """One measurement's spread of ``metric`` relative to its median (:func:`kvbench.bench.repeats.result_spread`
+    over the median), or None for a single run or a median of 0."""
+    if not result or len(repeat_values(result, metric)) < 2:
         return None
     med = num(result.get("metrics", {}).get(metric))
-    med = med if med is not None else statistics.median(vals)
-    given = result.get("spread")
-    spread = num(given.get(metric)) if isinstance(given, Mapping) else None
-    if spread is None:
-        spread = (max(vals) - min(vals)) / 2
-    return abs(spread / med) if med else None
+    med = med if med is not None else statistics.median(repeat_values(result, metric))
+    return abs(result_spread(result, metric) / med) if med else None
 
 
 def ratio_noise(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None, metric: str) -> float | None:
