@@ -17,6 +17,8 @@ from kvbench.launch.process import free_port
 
 pytest_plugins = ["pytester"]
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture
 def no_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -85,8 +87,20 @@ def test_an_engine_that_cannot_be_had_is_one_usage_error(engine: str, no_vllm: P
     assert "Traceback" not in text and "passed" not in text
 
 
-def test_default_peers_dir_is_beside_the_project(monkeypatch):
-    """scripts/peers.sh makes <project>/.peers: the default must point there, not into the package."""
+def test_default_peers_dir_is_per_machine_and_follows_the_cache(monkeypatch, tmp_path):
+    """scripts/peers.sh makes $KVBENCH_CACHE/peers (~/.cache/kvbench/peers): the default must point there, so
+    that a fresh clone finds the peers made once on this machine; KVBENCH_PEERS_DIR overrides it."""
     monkeypatch.delenv("KVBENCH_PEERS_DIR", raising=False)
-    assert (peers.PROJECT_ROOT / "pyproject.toml").is_file()
-    assert peers.peers_dir() == peers.PROJECT_ROOT / ".peers"
+    monkeypatch.delenv("KVBENCH_CACHE", raising=False)
+    assert peers.peers_dir() == Path.home() / ".cache" / "kvbench" / "peers"
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    assert peers.peers_dir() == tmp_path / "cache" / "peers"
+    monkeypatch.setenv("KVBENCH_PEERS_DIR", str(tmp_path / "elsewhere"))
+    assert peers.peers_dir() == tmp_path / "elsewhere"
+
+
+def test_peers_sh_and_kvbench_agree_on_the_folder():
+    """The shell script and the Python side compute the same default (they are two readers of one rule)."""
+    script = (ROOT / "scripts" / "peers.sh").read_text()
+    assert 'cache_root="${KVBENCH_CACHE:-$HOME/.cache/kvbench}"' in script
+    assert 'peers_dir="${KVBENCH_PEERS_DIR:-$cache_root/peers}"' in script
