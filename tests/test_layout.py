@@ -36,10 +36,11 @@ ALLOWED: dict[str, set[str]] = {
 ENGINE_FAMILIES = ("inprocess", "hf", "http")
 #: the modules of kvbench.engines outside every family: what the families share, and the registry
 ENGINES_SHARED = {"kvbench.engines.base", "kvbench.engines.registry"}
-#: modules of kvbench allowed to import reference_engine (the in-process adapter, the patched reference
-#: server, the simulator's side, the built-in checkpoints, the demo)
+#: modules of kvbench allowed to import reference_engine: the in-process adapter, the patched reference
+#: server, the simulator's side, the checkpoints (written with the engine's model, noise measured on it), the
+#: demo, and the white-box timings of the reference engine's CUDA paths (kvbench measure-gpu)
 REFERENCE_ENGINE_USERS = ("kvbench.engines.inprocess.", "kvbench.testing.patched_server", "kvbench.sim.",
-                          "kvbench.models.", "kvbench.demo")
+                          "kvbench.models.", "kvbench.demo", "kvbench.bench.gpu_measure")
 
 
 def _imports(path: Path) -> list[str]:

@@ -1,5 +1,5 @@
 """``kvbench admission-sweep``: one surge under several admission settings against static admission
-(the face of :mod:`kvbench.sim.admission_tradeoff`; docs/simulator.md#sweeping-admission-settings)."""
+(the face of :mod:`kvbench.bench.admission_tradeoff`; docs/simulator.md#sweeping-admission-settings)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from kvbench.cli import EXIT_OK, CLIError
 
 
 def _setting(text: str) -> Any:
-    from kvbench.sim.admission_tradeoff import parse_setting
+    from kvbench.bench.admission_tradeoff import parse_setting
 
     try:
         return parse_setting(text)
@@ -21,7 +21,7 @@ def _setting(text: str) -> Any:
 def add_command(subparsers: Any) -> None:
     """Add ``admission-sweep`` to the ``kvbench`` command's subparsers."""
     from kvbench.bench.scenarios import SCALES
-    from kvbench.sim.admission_tradeoff import SURGES
+    from kvbench.bench.admission_tradeoff import SURGES
 
     p = subparsers.add_parser(
         "admission-sweep", help="serve one surge under several admission settings (watermark headroom, prefill "
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     from kvbench.bench.scenarios.common import MODEL_PRESETS
     from kvbench.engines.registry import EngineSpecError, make_adapter, one_line, parse_engine_spec
     from kvbench.models.builtin import builtin_checkpoint
-    from kvbench.sim.admission_tradeoff import sweep_admission
+    from kvbench.bench.admission_tradeoff import sweep_admission
 
     if args.repeats < 1:
         raise CLIError(f"--repeats must be >= 1, got {args.repeats}")

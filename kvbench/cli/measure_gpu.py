@@ -3,7 +3,7 @@
     kvbench measure-gpu [--out DIR] [--dry-run] [--device D] [--model 1b|tiny] [--dtype T] [--batches N,N,...]
                         [--context N] [--decode-steps N] [--copy-mib N] [--no-storm]
 
-What is measured, and how, is :mod:`kvbench.sim.gpu_measure`'s docstring; ``scripts/gpu_check.sh``
+What is measured, and how, is :mod:`kvbench.bench.gpu_measure`'s docstring; ``scripts/gpu_check.sh``
 runs this on a lent GPU machine. Exit status: 0 done; 1 the storm did not show its claims; 2 a usage
 problem, or CUDA asked for where there is none (``--dry-run`` rehearses on CPU).
 """
@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError
 
-#: each flag that sets a :class:`~kvbench.sim.gpu_measure.Settings` field, by the field's name
+#: each flag that sets a :class:`~kvbench.bench.gpu_measure.Settings` field, by the field's name
 _FLAGS = {"device": "--device", "model": "--model", "dtype": "--dtype", "batches": "--batches",
           "context": "--context", "decode_steps": "--decode-steps", "copy_mib": "--copy-mib"}
 
@@ -37,7 +37,7 @@ def _flag_named(text: str) -> str:
 
 
 def _cmd_measure_gpu(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.sim.gpu_measure import NoCudaDevice, Settings, measure, summary_lines
+    from kvbench.bench.gpu_measure import NoCudaDevice, Settings, measure, summary_lines
 
     given: dict[str, Any] = {key: getattr(args, key) for key in _FLAGS}
     if given["batches"] is not None:

@@ -8,15 +8,25 @@ Not a registered kind, so it never shows in the list of engines; name it by impo
 Each fault is a small patch applied to a fresh ``LLMEngine`` (its scheduler, block manager, KV cache,
 request intake or stats) or to the configuration it is built from, never to the results kvbench reads
 back; the engine is otherwise the reference engine, unchanged.
+
+The same faults inside the reference server, for the checks that run over HTTP::
+
+    pytest suites/conformance --engine "kvbench.conformance.faults:FaultyServerAdapter:fault=leaks_block"
+
+:class:`FaultyServerAdapter` can also change its fault while its server runs (:meth:`~FaultyServerAdapter.use_fault`):
+the server builds a fresh engine with the next fault in place, so a test module serves fault after fault
+from one server instead of starting one per fault.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
+from kvbench.engines.http.server import ServerAdapter
 from kvbench.engines.inprocess.reference import ReferenceAdapter
 
 #: fault -> the property it breaks (the check that must catch it). Every fault is in the engine: a
@@ -65,9 +75,21 @@ def apply_fault(engine: Any, fault: str) -> None:
     ValueError for a fault that is not a patch of a built engine (one in its configuration)."""
     patch = getattr(FaultyReferenceAdapter, f"_patch_{fault}", None)
     if patch is None:
-        engine_faults = sorted(f for f in FAULTS if hasattr(FaultyReferenceAdapter, f"_patch_{f}"))
-        raise ValueError(f"fault={fault!r} is not a patch of a built engine; those are: {', '.join(engine_faults)}")
+        raise ValueError(f"fault={fault!r} is not a patch of a built engine; those are: "
+                         f"{', '.join(sorted(engine_faults()))}")
     patch(engine)
+
+
+def apply_fault_named_in(engine: Any, path: str) -> None:
+    """:func:`apply_fault` with the fault the file ``path`` holds when ``engine`` is built: a server patched with
+    ``--patch kvbench.conformance.faults:apply_fault_named_in=PATH`` builds each new engine (at a reconfigure)
+    with whatever fault a test wrote there last."""
+    apply_fault(engine, Path(path).read_text(encoding="utf-8").strip())
+
+
+def engine_faults() -> list[str]:
+    """The faults of :data:`FAULTS` that are patches of a built engine (not of its configuration)."""
+    return [f for f in FAULTS if hasattr(FaultyReferenceAdapter, f"_patch_{f}")]
 
 
 class FaultyReferenceAdapter(ReferenceAdapter):
@@ -393,3 +415,57 @@ class FaultyReferenceAdapter(ReferenceAdapter):
 
         scheduler._preempt = noting_fallbacks
         engine.step = step_dropping
+
+
+class FaultyServerAdapter(ServerAdapter):
+    """The reference server (``server:preset=reference``) with one deliberate fault inside its engine (option
+    ``fault``: a fault of :func:`engine_faults`), through :mod:`kvbench.testing.patched_server`.
+
+    Unlike ``server:preset=reference,cmd=...patched_server...``, which starts a server per knob set, it keeps
+    the preset's reconfigure: one server process, a fresh engine built in place for each knob set, and for
+    each :meth:`use_fault`. Servers kept: one (option ``keep_servers``), so that a server a failed check
+    left busy (requests still in flight refuse a reconfigure) is replaced by a fresh one, not kept."""
+
+    kind = "server-faulty"
+    option_keys = {  # noqa: RUF012
+        **{k: v for k, v in ServerAdapter.option_keys.items() if k not in ("preset", "cmd", "vllm")},
+        "preset": "reference (the only one: the server is the patched reference server)",
+        "fault": "a fault patched into the engine, one of: " + ", ".join(engine_faults()),
+    }
+
+    @classmethod
+    def validate_options(cls, options: dict[str, str]) -> None:
+        fault = options.get("fault")
+        if fault not in engine_faults():
+            raise ValueError(f"option fault={fault!r} is invalid: expected one of {', '.join(engine_faults())}")
+        for key in ("cmd", "vllm"):
+            if key in options:
+                raise ValueError(f"option {key} is invalid for {cls.kind}: it always runs the patched reference server")
+        if options.get("preset", "reference") != "reference":
+            raise ValueError(f"option preset={options['preset']!r} is invalid for {cls.kind}: only reference")
+        super().validate_options({**{k: v for k, v in options.items() if k != "fault"}, "preset": "reference"})
+
+    def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
+        options = {"keep_servers": "1", **(options or {}), "preset": "reference"}
+        super().__init__(model_dir, options, name)
+        self.fault = self.options.pop("fault")
+        self._builds = 0  # bumped by use_fault: no engine built before it serves after it
+        self.fault_file = self.log_dir / "fault"
+        self.fault_file.write_text(self.fault, encoding="utf-8")
+        spec = f"{__name__}:apply_fault_named_in={self.fault_file}".replace("{", "{{").replace("}", "}}")
+        launcher = ("{python}", "-m", "kvbench.testing.patched_server", "--patch", spec)
+        # the reference preset's own flags after its launcher; a reconfigure sends only those
+        self.preset = replace(self.preset, command=(*launcher, *self.preset.command[self.preset.launcher_len:]),
+                              launcher_len=len(launcher))
+
+    def use_fault(self, fault: str) -> None:
+        """Serve the next calls with ``fault`` (the same one again is allowed) in an engine built after this call:
+        the running server builds it in place; state an earlier check left (blocks, requests) stays behind."""
+        self.validate_options({"fault": fault})
+        self.fault_file.write_text(fault, encoding="utf-8")
+        self.fault = fault
+        self._builds += 1
+
+    def launch_key(self, knobs: Knobs) -> tuple[str, ...]:
+        # an engine built under another fault (or before the latest use_fault) is never reused
+        return (*super().launch_key(knobs), f"fault={self.fault}#{self._builds}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.cli import main
-from kvbench.sim import gpu_measure as gm
+from kvbench.bench import gpu_measure as gm
 
 
 def test_defaults_follow_dry_run(tmp_path: Path):
