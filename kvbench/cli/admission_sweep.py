@@ -20,8 +20,8 @@ def _setting(text: str) -> Any:
 
 def add_command(subparsers: Any) -> None:
     """Add ``admission-sweep`` to the ``kvbench`` command's subparsers."""
-    from kvbench.bench.scenarios import SCALES
     from kvbench.bench.admission_tradeoff import SURGES
+    from kvbench.bench.scenarios import SCALES
 
     p = subparsers.add_parser(
         "admission-sweep", help="serve one surge under several admission settings (watermark headroom, prefill "
@@ -46,10 +46,10 @@ def add_command(subparsers: Any) -> None:
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """``kvbench admission-sweep``: build the engine, sweep, print the trade-off."""
     from kvbench.bench import scenarios as sc
+    from kvbench.bench.admission_tradeoff import sweep_admission
     from kvbench.bench.scenarios.common import MODEL_PRESETS
     from kvbench.engines.registry import EngineSpecError, make_adapter, one_line, parse_engine_spec
     from kvbench.models.builtin import builtin_checkpoint
-    from kvbench.bench.admission_tradeoff import sweep_admission
 
     if args.repeats < 1:
         raise CLIError(f"--repeats must be >= 1, got {args.repeats}")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.cli import main
 from kvbench.bench import gpu_measure as gm
+from kvbench.cli import main
 
 
 def test_defaults_follow_dry_run(tmp_path: Path):

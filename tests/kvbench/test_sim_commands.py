@@ -10,9 +10,9 @@ import re
 
 import pytest
 
+from kvbench.bench.admission_tradeoff import parse_setting
 from kvbench.bench.results import Results
 from kvbench.cli import main
-from kvbench.sim.admission_tradeoff import parse_setting
 from kvbench.sim.validation import SIM_ENGINE
 
 #: the two quick scenarios that serve fastest, so each is fitted on the other's steps
