@@ -64,7 +64,7 @@ class Row:
         return relative_error(self.predicted, self.measured)
 
     @property
-    def spread(self) -> float | None:
+    def rounds_range(self) -> float | None:
         """The rounds' ``(max - min) / median`` (:func:`~kvbench.bench.repeats.relative_range`)."""
         return relative_range(self.rounds)
 
@@ -80,7 +80,7 @@ class Row:
     @property
     def noise_dominated(self) -> bool | None:
         """The error is no larger than the rounds' own spread: noise cannot be ruled out."""
-        e, s = self.error, self.spread
+        e, s = self.error, self.rounds_range
         return None if e is None or s is None else e <= s
 
 
@@ -151,13 +151,13 @@ def table(rows: Sequence[Row]) -> str:
         if r.within is False and r.noise_dominated:
             verdict += " (within noise)"
         out.append(f"| {r.engine} | {r.scenario} | {r.metric} | {_fmt(r.predicted, r.kind)} | "
-                   f"{measured} | {_pct(r.error)} | {_pct(r.spread)} | {r.bar:.0%} | {verdict} |")
+                   f"{measured} | {_pct(r.error)} | {_pct(r.rounds_range)} | {r.bar:.0%} | {verdict} |")
     return "\n".join(out)
 
 
 def median_error(rows: Sequence[Row], kind: str) -> tuple[float | None, float | None]:
     """(median error, median spread) over the rows of ``kind`` that have both."""
-    pairs = [(r.error, r.spread) for r in rows if r.kind == kind and r.error is not None]
+    pairs = [(r.error, r.rounds_range) for r in rows if r.kind == kind and r.error is not None]
     if not pairs:
         return None, None
     spreads = [s for _, s in pairs if s is not None]

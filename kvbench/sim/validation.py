@@ -78,7 +78,7 @@ class Comparison:
         return abs(s - m) / abs(m) if m and s is not None else None
 
     @property
-    def spread(self) -> float | None:
+    def rounds_range(self) -> float | None:
         return repeats.relative_range(self.rounds)
 
     @property
@@ -106,9 +106,9 @@ class Validation:
         """Median relative error of the timing metric ``metric`` (None: every timing metric pooled)."""
         return repeats.median([c.error for c in self._times(metric)])
 
-    def median_spread(self, metric: str | None = None) -> float | None:
+    def median_rounds_range(self, metric: str | None = None) -> float | None:
         """Median rounds' spread of ``metric`` (None: pooled), the noise beside :meth:`median_error`."""
-        return repeats.median([c.spread for c in self._times(metric)])
+        return repeats.median([c.rounds_range for c in self._times(metric)])
 
     def _times(self, metric: str | None) -> list[Comparison]:
         return [c for c in self.comparisons if not c.is_count and (metric is None or c.metric == metric)]
@@ -123,15 +123,16 @@ class Validation:
             for c in (c for c in self.comparisons if c.result.split(" [")[0] == name):
                 measured = fmt_median_range([v for v in c.rounds if v is not None], "{:,.4g}")
                 verdict = ("equal" if c.equal else "DIFFER") if c.is_count else _pct(c.error)
-                spread = "" if c.is_count else _pct(c.spread)
+                spread = "" if c.is_count else _pct(c.rounds_range)
                 lines.append(f"{c.result:40} {c.metric:22} {measured:>34} {_f(c.simulated):>11} {spread:>7} "
                              f"{verdict:>7}")
         lines += ["", f"median relative error over every result (simulated vs the median of {self.rounds} measured "
                   "rounds | the rounds' spread, (max - min) / median):"]
         for key in TIMES:
-            lines.append(f"  {key:22} {_pct(self.median_error(key)):>8} | {_pct(self.median_spread(key)):>8}  "
+            lines.append(f"  {key:22} {_pct(self.median_error(key)):>8} | {_pct(self.median_rounds_range(key)):>8}  "
                          f"({len([c for c in self._times(key) if c.error is not None])} results)")
-        lines.append(f"  {'all timing metrics':22} {_pct(self.median_error()):>8} | {_pct(self.median_spread()):>8}")
+        pooled_error, pooled_range = _pct(self.median_error()), _pct(self.median_rounds_range())
+        lines.append(f"  {'all timing metrics':22} {pooled_error:>8} | {pooled_range:>8}")
         lines.append(f"counts (preemptions by mode, recomputed tokens) equal on the step clock: {self.counts_equal}")
         return "\n".join(lines)
 

@@ -116,12 +116,12 @@ def test_prediction_rows_error_spread_and_verdicts():
     r = pr.Row("vllm", "surge", "ttft_p99", "time", 1.08, (1.0, 0.9, 1.2, 1.0, 1.05))
     assert r.measured == 1.0
     assert r.error == pytest.approx(0.08)
-    assert r.spread == pytest.approx(0.3)
+    assert r.rounds_range == pytest.approx(0.3)
     assert r.within is True and r.noise_dominated is True
     c = pr.Row("vllm", "storm c=16", "preemptions", "count", 30, (20, 22, 24, 21, 25))
     assert c.error == pytest.approx(30 / 22 - 1) and c.within is False and c.noise_dominated is False
     assert pr.relative_error(0, 0) == 0.0 and pr.relative_error(3, 0) is None
-    assert pr.Row("vllm", "surge", "ttft_p99", "time", 1.0, (5.0, None)).spread is None  # one round: no spread
+    assert pr.Row("vllm", "surge", "ttft_p99", "time", 1.0, (5.0, None)).rounds_range is None  # one round: no spread
     text = pr.table([r, c])
     assert "MISS" in text and "within" in text and "| 30 | 22 [20-25] |" in text
     e, s = pr.median_error([r, c], "time")
