@@ -1,4 +1,4 @@
-"""``kvbench calibrate`` -> ``kvbench simulate`` as a new user runs them (issue 21, item 4): the command
+"""``kvbench calibrate`` -> ``kvbench simulate`` as a new user runs them (docs/simulator.md): the command
 calibrate prints works as printed; a fit that explains nothing is refused unless --force, saying why;
 an existing profile is not overwritten without --force; a model too big for the profile's memory or too
 short for the workload is an error naming the fix, not a traceback."""
