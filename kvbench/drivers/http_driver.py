@@ -9,7 +9,7 @@ samples ``/metrics`` (default 10 Hz) into :class:`~kvbench.core.trace.StepRecord
 lengths and KV usage. Each scrape is work for the server, and on a front end that runs one loop (vLLM's
 API server) it is work the streams wait for: every open stream sees a gap as long as the scrape, once
 per period, which can become a surge's p99 inter-token gap
-(docs/results.md#2026-12-03-late-vllms-scheduler-placement-and-kvbenchs-own-sampler). :class:`DriverStats`
+(docs/journal/simulator.md#2026-12-03-late-vllms-scheduler-placement-and-kvbenchs-own-sampler). :class:`DriverStats`
 records how long the scrapes took; the adapters' ``metrics_interval`` option sets the period or turns the
 sampler off.
 

@@ -17,7 +17,7 @@ does, and what a step's ``virtual_t`` is):
   engine's next arrival is waited for by sleeping, and the last :data:`ARRIVAL_SPIN_S` of the wait
   by spinning on the clock: a sleep wakes late by a share of a lone request's TTFT on the tiny model,
   which the TTFT would otherwise carry as if the engine had spent it
-  (docs/results.md#2026-12-03-night-waking-up-after-idle).
+  (docs/journal/simulator.md#2026-12-03-night-waking-up-after-idle).
 * **step clock** (``step_seconds=s``): virtual time advances by ``s`` per engine step. Arrival
   ``t`` is released right before step ``floor(t / s)``; an abort ``abort_at`` seconds after a
   request's release fires before step ``release_step + floor(abort_at / s)``. When the engine is
@@ -49,7 +49,7 @@ from kvbench.drivers.release import Release, ReleaseSchedule, record_arrival, st
 
 #: the end of an idle engine's wait for its next arrival that the wall-clock driver spins through
 #: instead of sleeping (seconds): longer than a sleep here overshoots
-#: (docs/results.md#2026-12-03-night-waking-up-after-idle).
+#: (docs/journal/simulator.md#2026-12-03-night-waking-up-after-idle).
 ARRIVAL_SPIN_S = 0.001
 
 

@@ -4,7 +4,7 @@
 Why it exists: on CPU the torch path (:func:`reference_engine.attention.paged_attention`) first gathers every
 sequence's blocks into a padded copy and then runs SDPA over the copy. That gather is a memory-bound copy of
 the whole batch's K and V per layer, and at a large decode batch it took more time than the attention itself
-(the profile: docs/results.md#reference-engine-vs-vllm-cpu, "The compiled decode kernel"). The kernel reads K
+(the profile: docs/journal/reference-engine.md, "The compiled decode kernel"). The kernel reads K
 and V in place through the block table, once each, and does the same float32 math (scores, max-subtracted
 softmax, weighted sum of values). Prefills and prefill chunks stay on the torch path; the torch path stays the
 oracle, and the tests hold the kernel to it (``tests/engine/test_cpu_attention.py``).

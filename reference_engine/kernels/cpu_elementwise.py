@@ -2,7 +2,7 @@
 built on first use like the attention kernel (:mod:`reference_engine.kernels.cpu_build`).
 
 Why it exists: with the matmuls packed, a long bfloat16 prefill spends a large share of its step in the
-elementwise layers (the profile: docs/results.md#reference-engine-vs-vllm-cpu), because the torch path writes
+elementwise layers (the profile: docs/journal/reference-engine.md, "2026-12-03, night"), because the torch path writes
 and re-reads a whole [tokens, hidden] tensor per operation and, in bfloat16, widens every one to float32 and
 rounds it back. The kernels do each layer in one pass over its rows with the same float32 math and the same
 rounding steps (the C++ file lists them). The torch path in :mod:`reference_engine.model` stays the oracle:

@@ -70,7 +70,7 @@ def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 #: float32 weights with fewer elements are multiplied faster by ``F.linear`` (MKL) at every row count
 #: measured, while bfloat16 packed was as fast or faster at every shape measured (the figures:
-#: docs/results.md#reference-engine-vs-vllm-cpu, "Matmul packing decided per weight")
+#: docs/journal/reference-engine.md, "Matmul packing decided per weight")
 PACKED_MIN_FLOAT32_WEIGHT = 1 << 16
 
 
@@ -81,7 +81,7 @@ def packing_pays(weight: torch.Tensor) -> bool:
     Not decided by row count as well: at a prefill's row counts packing gained nothing on ``small``'s
     shapes, and sending float32 prefills to ``F.linear`` (MKL) made the torch attention path's later decode
     steps slower in the same process, a side effect not understood, so not taken (the measurements:
-    docs/results.md#reference-engine-vs-vllm-cpu, "Matmul packing decided per weight")."""
+    docs/journal/reference-engine.md, "Matmul packing decided per weight")."""
     return weight.dtype != torch.float32 or weight.numel() >= PACKED_MIN_FLOAT32_WEIGHT
 
 

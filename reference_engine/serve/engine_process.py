@@ -132,7 +132,7 @@ def default_engine_threads(env: dict[str, str] | None = None, cores: int | None 
     Why one core is left: the HTTP process streams every token and shares the machine with the engine.
     At torch's default (a thread per core) the engine's OpenMP threads spin on the core the HTTP process
     needs: on 2 cores the tiny model served several times fewer tokens per second than with one engine
-    thread (docs/results.md#thread-defaults-and-the-matched-setting). vLLM's CPU build does the same: its
+    thread (docs/results.md#reference-engine-vs-vllm-cpu). vLLM's CPU build does the same: its
     ``VLLM_CPU_OMP_THREADS_BIND=auto`` binds the worker's threads to all cores but one it reserves."""
     env = os.environ if env is None else env
     raw = env.get("OMP_NUM_THREADS", "").strip()

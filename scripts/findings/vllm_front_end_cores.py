@@ -22,8 +22,8 @@ process was sampled running on.
 
     bash scripts/peers.sh vllm && PYTHONPATH=$PWD python scripts/findings/vllm_front_end_cores.py
 
-Seen here (docs/results.md, "Predicting real engines", 2026-12-03 late): see the results section for the
-figures of the last run. Not filed upstream.
+Seen here (docs/journal/simulator.md, "2026-12-03, late"): the figures of the last run are in
+docs/results.md#predicting-real-engines. Not filed upstream.
 """
 
 from __future__ import annotations
