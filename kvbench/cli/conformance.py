@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from kvbench.cli import EXIT_OK, CLIError, _load
+from kvbench.cli import EXIT_OK, CLIError, load_results
 from kvbench.report.conformance_table import conformance_table
 
 
 def _cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
-    results = _load(args.results, "results file")
+    results = load_results(args.results, "results file")
     try:
         table = conformance_table(results.conformance, footnotes=args.footnotes)
     except ValueError as e:

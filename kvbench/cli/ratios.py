@@ -10,11 +10,11 @@ from typing import Any, TextIO
 
 from kvbench.bench import gate
 from kvbench.bench.point_ratios import DEFAULT_METRICS, below, point_ratios, ratios_table, sweep_engines
-from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError, _load
+from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError, load_results
 
 
 def _cmd_ratios(args: argparse.Namespace, out: TextIO) -> int:
-    results = _load(args.results, "results file")
+    results = load_results(args.results, "results file")
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     if not metrics:
         raise CLIError(f"--metrics: expected metric names separated by commas, got {args.metrics!r}")

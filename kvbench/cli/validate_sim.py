@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError, _writable_folder
+from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError, writable_folder
 
 #: the exit status when a count differs: the simulator did not schedule as the engine did
 EXIT_COUNTS_DIFFER = EXIT_REGRESSION
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         names = check_scenarios(args.scenario or [])
     except ValueError as e:
         raise CLIError(f"--scenario: {e}") from None
-    out_dir = _writable_folder("--out", args.out) if args.out else None  # before minutes of serving
+    out_dir = writable_folder("--out", args.out) if args.out else None  # before minutes of serving
     if args.profile_out and not Path(args.profile_out).parent.is_dir():
         raise CLIError(f"--profile-out {args.profile_out!r}: the folder {str(Path(args.profile_out).parent)!r} "
                        "does not exist")

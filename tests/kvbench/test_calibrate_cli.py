@@ -74,12 +74,12 @@ def test_the_simulate_command_calibrate_prints_runs_as_printed(tmp_path, tiny, c
 def test_the_printed_command_omits_the_default_model_and_fit_lengths_when_not_needed(tmp_path, tiny):
     """Without --model calibrate ran on the built-in tiny model, simulate's default too; a model whose
     context holds the workload gets no --fit-lengths."""
-    from kvbench.cli import _simulate_command
+    from kvbench.cli.simulator import simulate_command
 
     path = tmp_path / "p.json"
     _fake_calibration(0.8, 0.8).profile.save(path)
-    assert _simulate_command(path, None) == f"kvbench simulate --engine sim:hardware={path} --fit-lengths"
-    assert _simulate_command(path, "llama-3-8b") == f"kvbench simulate --engine sim:hardware={path},model=llama-3-8b"
+    assert simulate_command(path, None) == f"kvbench simulate --engine sim:hardware={path} --fit-lengths"
+    assert simulate_command(path, "llama-3-8b") == f"kvbench simulate --engine sim:hardware={path},model=llama-3-8b"
 
 
 def test_simulate_refuses_a_short_model_naming_fit_lengths_and_serves_it_scaled_with_it(capsys, tiny):

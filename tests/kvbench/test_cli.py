@@ -102,6 +102,18 @@ def test_usage_errors_exit_2(capsys):
     assert run("--help")[0] == 0
 
 
+def test_no_command_exits_2_naming_every_command_in_the_help_order(capsys):
+    """The message is built from the parser, so a new command module is named without editing it."""
+    from kvbench.cli import build_parser, command_names
+
+    assert run()[0] == 2
+    err = capsys.readouterr().err
+    names = command_names(build_parser())
+    assert names[:7] == ["report", "compare", "merge", "engines", "demo", "calibrate", "simulate"], names
+    assert names[-1] == "measure-gpu" and {"head-to-head", "ratios", "predict"} <= set(names), names
+    assert f"kvbench: error: a command is required ({', '.join(names)})\n" in err, err
+
+
 def test_report_writes_html_next_to_results_or_to_output(files, tmp_path):
     d, fast, slow = files
     code, out = run("report", str(fast))
