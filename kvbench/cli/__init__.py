@@ -79,6 +79,15 @@ def load_results(path: str, what: str) -> Results:
         raise CLIError(f"cannot read {what} {path!r}: {e}") from e
 
 
+def int_list(flag: str, text: str) -> tuple[int, ...]:
+    """``"32,192,512"`` (empty items skipped) as integers; :class:`CLIError` naming ``flag`` otherwise. Ranges
+    are the caller's to check, with the field's own words."""
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
 def writable_folder(flag: str, text: str) -> Path:
     """``text`` as a folder that exists (created if need be) and can be written; CLIError naming ``flag``
     and the reason otherwise. Commands call it before minutes of work, not after."""

@@ -12,15 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError
+from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError, int_list
 from kvbench.launch.placement import SPIN_QUIET_S
-
-
-def _ints(flag: str, text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
 def _checkpoints(names: list[str], contenders: list) -> dict[str, Path]:
@@ -83,7 +76,7 @@ def _cmd_head_to_head(args: argparse.Namespace, out: TextIO) -> int:
         names = [c.name for c in contenders]
         if args.baseline is not None and args.baseline not in names:
             raise ValueError(f"--baseline {args.baseline!r}: not an engine of this run (engines: {', '.join(names)})")
-        concurrency = (64,) if args.quick else _ints("--concurrency", args.concurrency)
+        concurrency = (64,) if args.quick else int_list("--concurrency", args.concurrency)
         setup = h2h.Setup(concurrency=concurrency, rounds=2 if args.quick else args.rounds,
                           requests=args.requests, prompt=args.prompt, output=args.output,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

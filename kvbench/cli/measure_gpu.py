@@ -14,18 +14,11 @@ import argparse
 import os
 from typing import Any, TextIO
 
-from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError
+from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError, int_list
 
 #: each flag that sets a :class:`~kvbench.bench.gpu_measure.Settings` field, by the field's name
 _FLAGS = {"device": "--device", "model": "--model", "dtype": "--dtype", "batches": "--batches",
           "context": "--context", "decode_steps": "--decode-steps", "copy_mib": "--copy-mib"}
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise CLIError(f"--batches must be comma-separated integers >= 1, got {text!r}") from None
 
 
 def _flag_named(text: str) -> str:
@@ -41,7 +34,7 @@ def _cmd_measure_gpu(args: argparse.Namespace, out: TextIO) -> int:
 
     given: dict[str, Any] = {key: getattr(args, key) for key in _FLAGS}
     if given["batches"] is not None:
-        given["batches"] = _int_list(given["batches"])
+        given["batches"] = int_list("--batches", given["batches"])
     try:
         settings = Settings.for_run(args.out, dry_run=args.dry_run, storm=not args.no_storm, **given)
     except ValueError as e:

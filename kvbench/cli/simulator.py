@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvbench.cli import EXIT_OK, CLIError, writable_folder
+from kvbench.cli import EXIT_OK, CLIError, int_list, writable_folder
 
 
 def sim_workloads() -> tuple[str, ...]:
@@ -83,14 +83,6 @@ def add_command(subparsers: Any) -> None:
     p.set_defaults(handler=_cmd_simulate)
 
 
-def _int_list(flag: str, text: str) -> tuple[int, ...]:
-    """``"32,192,512"`` as integers; CLIError naming ``flag`` otherwise."""
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
-
-
 #: ``kvbench calibrate``'s design flags, by the ``Design`` field each sets
 _CALIBRATE_FLAGS = {"contexts": "--contexts", "decode_batches": "--batches", "prefills": "--prefills",
                     "heldout_contexts": "--heldout", "repeats": "--repeats", "rounds": "--rounds"}
@@ -112,7 +104,7 @@ def _cmd_calibrate(args: argparse.Namespace, out: TextIO) -> int:
     for key, flag in _CALIBRATE_FLAGS.items():
         value = getattr(args, key)
         if value is not None:
-            design_args[key] = value if isinstance(value, int) else _int_list(flag, value)
+            design_args[key] = value if isinstance(value, int) else int_list(flag, value)
     try:
         design = Design(**design_args)
     except ValueError as e:

@@ -27,7 +27,7 @@ def test_defaults_follow_dry_run(tmp_path: Path):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--batches", "0"], "--batches [0]: expected one or more integers >= 1"),
-    (["--batches", "a,b"], "--batches must be comma-separated integers >= 1, got 'a,b'"),
+    (["--batches", "a,b"], "--batches must be comma-separated integers, got 'a,b'"),
     (["--context", "-5"], "--context -5: expected an integer >= 1"),
     (["--model", "70b"], "--model '70b': expected one of ['1b', 'tiny']"),
     (["--dtype", "int8"], "--dtype 'int8': expected one of"),
