@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvbench.bench import metrics, repeats
 from kvbench.bench import scenarios as sc
-from kvbench.bench.formatting import fmt_median_range
+from kvbench.bench.formatting import fmt_figure, fmt_median_range
 from kvbench.bench.scenarios.common import STEP_SECONDS, Job, serve
 from kvbench.bench.scenarios.policies import goal_check
 from kvbench.core.knobs import Knobs
@@ -82,10 +82,10 @@ class Sweep:
             if name != STATIC:
                 c = goal_check(static, med)
                 verdict = {True: "met", False: "not met", None: "undecided"}[c.met]
-                fewer = ("no preemption left" if c.fewer_preemptions == math.inf
-                         else f"{_f(c.fewer_preemptions, '.2f')}x fewer preemptions")
-                line += (f"; {fewer}, {_f(c.lower_tbt, '.2f')}x lower p99 TBT, {_f(c.throughput_kept, '.2f')}x "
-                         f"throughput: goal {verdict}")
+                fewer, lower_tbt, kept = (fmt_figure(v, "{:.2f}", "-")
+                                          for v in (c.fewer_preemptions, c.lower_tbt, c.throughput_kept))
+                fewer = "no preemption left" if c.fewer_preemptions == math.inf else f"{fewer}x fewer preemptions"
+                line += f"; {fewer}, {lower_tbt}x lower p99 TBT, {kept}x throughput: goal {verdict}"
             lines.append(line)
         return "\n".join(lines)
 
@@ -112,11 +112,8 @@ def sweep_admission(adapter: EngineAdapter, model: sc.Model, settings: Sequence[
             m = metrics.summarize(serve(adapter, Job(job.workload, knobs), surge, step_seconds=STEP_SECONDS[scale]))
             found.rounds[name].append({k: m.get(k) for k in FIGURES})
             tbt = m.get("tbt_p99")
-            say(f"round {r + 1} {name:28} preemptions {_f(m.get('preemptions'), '.0f')}, "
-                f"{_f(m.get('output_throughput'), '.1f')} tok/s, p99 TBT {_f(tbt and tbt * 1e3, '.0f')} ms "
-                f"({time.perf_counter() - t0:.0f} s)")
+            pre = fmt_figure(m.get("preemptions"), "{:.0f}", "-")
+            tput = fmt_figure(m.get("output_throughput"), "{:.1f}", "-")
+            say(f"round {r + 1} {name:28} preemptions {pre}, {tput} tok/s, "
+                f"p99 TBT {fmt_figure(tbt and tbt * 1e3, '{:.0f}', '-')} ms ({time.perf_counter() - t0:.0f} s)")
     return found
-
-
-def _f(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)

@@ -129,6 +129,20 @@ def fmt_metric(key: str, value: float | None) -> str:
     return f"{v:,.3g}"
 
 
+def fmt_figure(value: float | None, fmt: str = "{:,.4g}", missing: str = NOT_AVAILABLE) -> str:
+    """One figure through ``fmt`` (a ``str.format`` template, as :func:`fmt_median_range` takes); ``missing``
+    for None or NaN. A table that marks its missing figures otherwise ("-") passes its mark, so that a table
+    reads one mark throughout."""
+    if _missing(value):
+        return missing
+    return fmt.format(float(value))  # type: ignore[arg-type]
+
+
+def fmt_share(value: float | None, missing: str = NOT_AVAILABLE) -> str:
+    """A share (``0..1``, or above 1) as a whole percentage: ``0.125`` -> "12%"; ``missing`` for None or NaN."""
+    return fmt_figure(value, "{:.0%}", missing)
+
+
 def fmt_median_range(values: Sequence[float], fmt: str = "{:,.0f}") -> str:
     """Repeated rounds as text: ``median [min-max]``, each figure through ``fmt`` (e.g. ``"{:.2f}x"`` for
     ratios). "n/a" for no values."""

@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.bench.formatting import fmt_median_range
+from kvbench.bench.formatting import fmt_median_range, fmt_share
 from kvbench.bench.gate import HIGHER_IS_BETTER, paired_ratios
-from kvbench.bench.repeats import relative_range
+from kvbench.bench.metrics import GOODPUT_KEYS, METRIC_KEYS
+from kvbench.bench.repeats import relative_range, repeat_values
 from kvbench.bench.results import Results
 
 #: the metrics compared when none are named
@@ -59,12 +60,13 @@ def ahead_ratio(metric: str, baseline: float, engine: float) -> float:
 
 
 def _rounds(point: Mapping[str, Any], metric: str) -> list[float]:
-    """The point's value of ``metric`` in each round (its repeats), or its one stored value."""
-    values = [float(r[metric]) for r in point.get("repeats") or [] if r.get(metric) is not None]
+    """The point's value of ``metric`` in each round (:func:`kvbench.bench.repeats.repeat_values`), or its one
+    stored value when it has no repeats."""
+    values = repeat_values(point, metric)
     if values:
         return values
     stored = (point.get("metrics") or {}).get(metric)
-    return [float(stored)] if stored is not None else []
+    return [float(stored)] if isinstance(stored, int | float) and math.isfinite(stored) else []
 
 
 def _sweep(results: Results, scenario: str, sweep: str | None) -> dict[str, Any]:
@@ -83,6 +85,16 @@ def _sweep(results: Results, scenario: str, sweep: str | None) -> dict[str, Any]
             return candidate
     raise ValueError(f"--sweep {sweep!r}: scenario {scenario!r} has the sweeps "
                      f"{', '.join(s.get('name', '?') for s in sweeps)}")
+
+
+def known_metrics(results: Results, scenario: str, sweep: str | None = None) -> list[str]:
+    """The metric keys a sweep can be compared on: every key a benchmark records
+    (:data:`kvbench.bench.metrics.METRIC_KEYS`, :data:`~kvbench.bench.metrics.GOODPUT_KEYS`), then any other
+    key the sweep's points hold (a scenario's own figures, e.g. the crossover's ``cost_s``). ValueError as
+    :func:`point_ratios` for an unknown scenario or sweep."""
+    own = {key for point in _sweep(results, scenario, sweep)["points"] for key in point.get("metrics") or {}}
+    recorded = [*METRIC_KEYS, *GOODPUT_KEYS]
+    return recorded + sorted(own - set(recorded))
 
 
 def sweep_engines(results: Results, scenario: str, sweep: str | None = None) -> list[str]:
@@ -128,12 +140,10 @@ def below(ratios: Sequence[PointRatio], at_least: float) -> list[PointRatio]:
     return [r for r in ratios if not r.median_round_ratio >= at_least]
 
 
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
 def ratios_table(ratios: Sequence[PointRatio], baseline: str, engine: str) -> str:
-    """The ratios as a Markdown table, a heading line first saying the direction."""
+    """The ratios as a Markdown table, a heading line first saying the direction. A figure that is missing
+    (a range of fewer than two rounds, round ratios that do not pair up) reads "n/a"; the mode column reads "-"
+    for a point that has no variant (not a missing figure)."""
     lines = [f"{engine} against {baseline} (> 1: {engine} ahead; higher-is-better metrics {engine}/{baseline}, "
              f"others {baseline}/{engine})",
              "| point | mode | metric | baseline | engine | ratio of medians | ratio by round: median [min-max] | "
@@ -142,5 +152,5 @@ def ratios_table(ratios: Sequence[PointRatio], baseline: str, engine: str) -> st
     for r in ratios:
         lines.append(f"| {r.x:g} | {r.mode or '-'} | {r.metric} | {r.baseline:.4g} | {r.engine:.4g} | "
                      f"{r.ratio_of_medians:.2f} | {fmt_median_range(r.round_ratios, '{:.2f}')} | "
-                     f"{_share(r.baseline_range)} / {_share(r.engine_range)} |")
+                     f"{fmt_share(r.baseline_range)} / {fmt_share(r.engine_range)} |")
     return "\n".join(lines)

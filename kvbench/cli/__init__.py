@@ -1,4 +1,4 @@
-"""The ``kvbench`` command: reports, gates and merges of results files, the simulator, a demo.
+"""The ``kvbench`` command: results files (report, gate, merge, read), engines served and measured, the simulator.
 
     kvbench report RESULTS.json [--baseline B.json] [-o OUT.html] [--force]
     kvbench compare BASELINE.json CURRENT.json [--threshold EXPR ...] [--gate-absolute] [--noise-k K] [--html OUT]
@@ -31,8 +31,14 @@ CUDA paths against the memory-bandwidth roofline. Each command lives in a module
 (:data:`COMMAND_MODULES`); this module holds only what they share: :class:`CLIError`, the exit statuses,
 :func:`load_results`, :func:`writable_folder`, :func:`build_parser` and :func:`main`.
 
-Exit status: 0 success (no regression); 1 ``compare`` found regressions or baseline results missing
-from the current run (each is named); 2 usage or file errors (message on stderr).
+Three groups: results files (``report``, ``compare``, ``merge``, ``ratios``, ``conformance`` read what a run
+wrote and re-run nothing); engines (``engines`` lists the kinds; ``demo``, ``head-to-head``,
+``admission-sweep``, ``measure-gpu`` build and serve them); the simulator (``calibrate``, ``simulate``,
+``validate-sim``, ``predict``).
+
+Exit status: 0 success; 1 the command's check failed (``compare``: a regression or a baseline result missing
+from the current run; each command's ``--help`` says what its check is, and each failure is named); 2 usage or
+file errors (message on stderr).
 """
 
 from __future__ import annotations
@@ -105,11 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``kvbench`` parser: every command of :data:`COMMAND_MODULES`, in that order."""
     parser = argparse.ArgumentParser(
         prog="kvbench",
-        description="kvbench's command line: re-render reports, gate and merge results files (these read files "
-                    "only), list the engine kinds and their options, run a demo, calibrate and run the "
-                    "capacity-planning simulator. The checks and benchmarks themselves run under pytest "
+        description="kvbench's command line, three groups. Results files (read only, nothing re-runs an "
+                    "engine): report, compare, merge, ratios, conformance. Engines (listed, then served here): "
+                    "engines, demo, head-to-head, admission-sweep, measure-gpu. The simulator: calibrate, "
+                    "simulate, validate-sim, predict. The conformance checks and the benchmarks run under pytest "
                     "(pytest suites/ [--benchmark] [--engine SPEC ...]).",
-        epilog="Exit status: 0 success; 1 compare found a regression; 2 a usage or file error.")
+        epilog="Exit status: 0 success; 1 the command's check failed (see kvbench COMMAND --help); 2 a usage or "
+               "file error.")
     parser.add_argument("--version", action="version", version=f"kvbench {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:

@@ -31,7 +31,9 @@ def add_command(subparsers: Any) -> None:
                     "prefill_pacing_tokens, '-' for none), rounds interleaved, and print per setting the medians "
                     "[min-max] of preemptions, output throughput and p99 TBT, and the preemption_policies "
                     "scenario's goal against static: at least 5x fewer preemptions, 2x lower p99 TBT, 95% of the "
-                    "throughput.")
+                    "throughput.",
+        epilog="Exit status: 0 the trade-off was printed (the goal is read, not gated); 2 a usage error, or an "
+               "engine that does not take the admission knobs.")
     p.add_argument("settings", nargs="+", type=_setting, metavar="HEADROOM:PACING",
                    help="e.g. 0.2:1 (headroom 0.2, one prompt token per step beside decodes) or 0.05:- (no pacing)")
     p.add_argument("--surge", choices=sorted(SURGES), default="flash_crowd", help="default %(default)s")

@@ -25,7 +25,9 @@ def add_command(subparsers: Any) -> None:
                     "prefill, 512-token budget, 32 sequences, recompute): calibrate a simulator profile (one pass "
                     "per measured round), serve the preemption storm's sweep and the evening surge (quick sizes) on "
                     "the engine in interleaved rounds and on the simulator configured like it, and print predicted "
-                    "against the median of the rounds [min-max], the error beside the rounds' spread, and the knee.")
+                    "against the median of the rounds [min-max], the error beside the rounds' spread, and the knee.",
+        epilog="Exit status: 0 the comparison was printed (it is read, not gated); 2 a usage or file error, or "
+               "--engines includes vllm and kvbench's vLLM peer is not set up (scripts/peers.sh).")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds; each also holds one calibration pass "
                    "per engine (default %(default)s)")
     p.add_argument("--engines", default="reference,vllm", metavar="NAME,...",

@@ -9,7 +9,7 @@ import argparse
 from typing import Any, TextIO
 
 from kvbench.bench import gate
-from kvbench.bench.point_ratios import DEFAULT_METRICS, below, point_ratios, ratios_table, sweep_engines
+from kvbench.bench.point_ratios import DEFAULT_METRICS, below, known_metrics, point_ratios, ratios_table, sweep_engines
 from kvbench.cli import EXIT_OK, EXIT_REGRESSION, CLIError, load_results
 
 
@@ -25,6 +25,11 @@ def _cmd_ratios(args: argparse.Namespace, out: TextIO) -> int:
         if baseline is None:
             raise ValueError("--baseline: these results have no engine of kind reference; name the baseline "
                              f"(engines: {', '.join(results.engine_names())})")
+        known = known_metrics(results, args.scenario, args.sweep)
+        unknown = [m for m in metrics if m not in known]
+        if unknown:
+            raise ValueError(f"--metrics: unknown metric key(s) {', '.join(map(repr, unknown))}; known keys: "
+                             f"{', '.join(known)}")
         engines = args.engine or [e for e in sweep_engines(results, args.scenario, args.sweep) if e != baseline]
         if not engines:
             raise ValueError(f"--engine: {args.scenario!r} has points of {baseline!r} only; nothing to compare")
@@ -38,6 +43,10 @@ def _cmd_ratios(args: argparse.Namespace, out: TextIO) -> int:
         if not ratios:
             print(f"no point of {args.scenario!r} has {', '.join(metrics)} for both {baseline} and {engine}",
                   file=out)
+            if args.at_least is not None:  # a gate that compared nothing has shown nothing: it fails
+                status = EXIT_REGRESSION
+                print(f"--at-least {args.at_least:g}: nothing was compared for {engine} against {baseline}, so "
+                      "nothing shows it at least that far", file=out)
         if args.at_least is not None:
             for r in below(ratios, args.at_least):
                 status = EXIT_REGRESSION
@@ -57,7 +66,8 @@ def add_command(subparsers: Any) -> None:
                     "the engine is ahead: throughputs engine/baseline, times baseline/engine. Reads the results "
                     "file only.",
         epilog="Exit status: 0; 1 when --at-least is given and a point's median round ratio is below it (each such "
-               "point is named); 2 a usage or file error.")
+               "point is named) or an engine had no point to compare (said so); 2 a usage or file error, an "
+               "unknown --metrics key among them.")
     p.add_argument("results", metavar="RESULTS.json", help="a results file written by pytest --benchmark")
     p.add_argument("--scenario", default="preemption_storm", help="the scenario whose sweep is compared "
                    "(default %(default)s)")

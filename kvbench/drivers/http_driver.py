@@ -220,7 +220,14 @@ async def serve_workload(client: CompletionClient, requests: Sequence[Any], reco
                     # the event loop between a finish and the next release
                     while release is not None:
                         await one(release)
-                        release = next(iter(schedule.release_due(recorder.now())), None)
+                        due = schedule.release_due(recorder.now())
+                        # one finish frees one slot, and every task asks for its next request right after
+                        # its finish (no await between): so at most one comes back. A second would be a
+                        # request released to no task, never sent and never finished.
+                        if len(due) > 1:
+                            raise RuntimeError(f"closed loop: one finish released {len(due)} requests "
+                                               f"({', '.join(r.request_id for r in due)}); a slot takes one")
+                        release = due[0] if due else None
 
                 await watched(watchdog, asyncio.gather(*(slot(r) for r in schedule.release_due(recorder.now()))))
         finally:

@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbench.bench.formatting import fmt_median_range
+from kvbench.bench.formatting import fmt_figure, fmt_median_range, fmt_share
 from kvbench.bench.repeats import relative_range
 
 COUNT_BAR = 0.20
@@ -132,14 +132,6 @@ def _knee(k: float | None) -> str:
 _FORMATS = {"count": "{:,.0f}", "time": "{:.4g}"}
 
 
-def _fmt(v: float | None, kind: str) -> str:
-    return "-" if v is None else _FORMATS[kind].format(v)
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0%}"
-
-
 def table(rows: Sequence[Row]) -> str:
     """A markdown table: predicted, median of rounds [min-max], error, the rounds' spread, verdict."""
     out = ["| engine | scenario | metric | predicted | measured median [min-max] | error | rounds' spread | "
@@ -150,8 +142,10 @@ def table(rows: Sequence[Row]) -> str:
         verdict = {True: "within", False: "MISS", None: "-"}[r.within]
         if r.within is False and r.noise_dominated:
             verdict += " (within noise)"
-        out.append(f"| {r.engine} | {r.scenario} | {r.metric} | {_fmt(r.predicted, r.kind)} | "
-                   f"{measured} | {_pct(r.error)} | {_pct(r.rounds_range)} | {r.bar:.0%} | {verdict} |")
+        predicted = fmt_figure(r.predicted, _FORMATS[r.kind], "-")
+        error, rounds_range = fmt_share(r.error, "-"), fmt_share(r.rounds_range, "-")
+        out.append(f"| {r.engine} | {r.scenario} | {r.metric} | {predicted} | {measured} | {error} | "
+                   f"{rounds_range} | {r.bar:.0%} | {verdict} |")
     return "\n".join(out)
 
 

@@ -48,6 +48,7 @@ import numpy as np
 
 from kvbench.bench import metrics
 from kvbench.bench import scenarios as sc
+from kvbench.bench.formatting import fmt_share
 from kvbench.bench.results import commit_info
 from kvbench.bench.scenarios.common import Job, Model, serve
 from kvbench.bench.scenarios.storms import knee_within
@@ -387,16 +388,13 @@ def report(result: dict[str, Any]) -> str:
         for kind in ("count", "time"):
             e, s = acc.median_error(mine, kind)
             bar = acc.COUNT_BAR if kind == "count" else acc.TIME_BAR
-            lines.append(f"{name}: median {kind} error {_pct(e)} (bar {bar:.0%}), rounds' median spread {_pct(s)}")
+            lines.append(f"{name}: median {kind} error {fmt_share(e, '-')} (bar {bar:.0%}), rounds' median spread "
+                         f"{fmt_share(s, '-')}")
     return "\n".join(lines + warnings)
 
 
 def _load() -> str:
     return f"load {os.getloadavg()[0]:.1f}"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0%}"
 
 
 def _ms(v: float | None) -> str:

@@ -37,7 +37,7 @@ from typing import Any
 
 from kvbench.bench import metrics, repeats
 from kvbench.bench import scenarios as sc
-from kvbench.bench.formatting import fmt_median_range
+from kvbench.bench.formatting import fmt_figure, fmt_median_range, fmt_share
 from kvbench.bench.results import Results
 from kvbench.engines.registry import EngineSpec, make_adapter, parse_engine_spec
 from kvbench.sim.calibration import base_profile, interval_samples, recording
@@ -122,16 +122,18 @@ class Validation:
             lines += ["", f"{name}: {self.fits.get(name, '')}", header]
             for c in (c for c in self.comparisons if c.result.split(" [")[0] == name):
                 measured = fmt_median_range([v for v in c.rounds if v is not None], "{:,.4g}")
-                verdict = ("equal" if c.equal else "DIFFER") if c.is_count else _pct(c.error)
-                spread = "" if c.is_count else _pct(c.rounds_range)
-                lines.append(f"{c.result:40} {c.metric:22} {measured:>34} {_f(c.simulated):>11} {spread:>7} "
+                verdict = ("equal" if c.equal else "DIFFER") if c.is_count else fmt_share(c.error, "-")
+                spread = "" if c.is_count else fmt_share(c.rounds_range, "-")
+                simulated = fmt_figure(c.simulated, "{:,.4g}", "-")
+                lines.append(f"{c.result:40} {c.metric:22} {measured:>34} {simulated:>11} {spread:>7} "
                              f"{verdict:>7}")
         lines += ["", f"median relative error over every result (simulated vs the median of {self.rounds} measured "
                   "rounds | the rounds' spread, (max - min) / median):"]
         for key in TIMES:
-            lines.append(f"  {key:22} {_pct(self.median_error(key)):>8} | {_pct(self.median_rounds_range(key)):>8}  "
+            error, rounds_range = fmt_share(self.median_error(key), "-"), fmt_share(self.median_rounds_range(key), "-")
+            lines.append(f"  {key:22} {error:>8} | {rounds_range:>8}  "
                          f"({len([c for c in self._times(key) if c.error is not None])} results)")
-        pooled_error, pooled_range = _pct(self.median_error()), _pct(self.median_rounds_range())
+        pooled_error, pooled_range = fmt_share(self.median_error(), "-"), fmt_share(self.median_rounds_range(), "-")
         lines.append(f"  {'all timing metrics':22} {pooled_error:>8} | {pooled_range:>8}")
         lines.append(f"counts (preemptions by mode, recomputed tokens) equal on the step clock: {self.counts_equal}")
         return "\n".join(lines)
@@ -202,7 +204,7 @@ def validate(model_dir: str, names: Sequence[str] = (), rounds: int = 2, warmup:
             f"{c.fixed_s * 1e3:.2f} ms, per seq {c.per_seq_s * 1e6:.0f} us, "
             f"per request {c.per_request_s * 1e6:.0f} us, "
             f"dense x{c.dense:.2f}, attention x{c.attention:.2f}, memory x{c.memory:.2f}; its own step intervals: "
-            f"median error {_pct(statistics.median(held)) if held else '-'}")
+            f"median error {fmt_share(statistics.median(held) if held else None, '-')}")
         for j, s_entry in enumerate(simulated.entries):
             served = [metrics.summarize(run.entries[j].trace) for run in measured[name]]
             s = metrics.summarize(s_entry.trace)
@@ -241,11 +243,3 @@ def _measure(model_dir: str, model: sc.Model, names: list[str], rounds: int, say
                 runs.remove(shapes)
                 samples[name] += interval_samples(entry.trace, shapes, name)
     return measured, samples, described
-
-
-def _f(v: float | None) -> str:
-    return "-" if v is None else f"{v:,.4g}"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0%}"

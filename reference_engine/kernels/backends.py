@@ -12,7 +12,8 @@ one or more kernels, and ``"auto"``. The rule is the same for all three settings
   no kernel is picked on gets the first plain path.
 
 A kernel's availability is asked of its own module, imported only when asked, so resolving ``"torch"``
-never imports triton or builds C++.
+never imports triton or builds C++. (The table reads the elementwise kernels' dtypes from their module at
+import: that module builds its C++ on first use, not when imported.)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from reference_engine.kernels.cpu_elementwise import DTYPES as ELEMENTWISE_DTYPES
 
 _log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ BACKENDS: dict[str, Backend] = {
     )),
     "elementwise_backend": Backend(("torch",), (
         Kernel("cpp", ("cpu",), _cpu_elementwise_why_not, auto_devices=("cpu",),
-               auto_dtypes=(torch.float32, torch.bfloat16), names_dtype=True,
+               auto_dtypes=ELEMENTWISE_DTYPES, names_dtype=True,
                fallback_note="RMSNorm and SwiGLU use the torch path"),
     )),
 }

@@ -13,7 +13,8 @@ import pytest
 
 from kvbench.bench.workloads import WorkloadRequest
 from kvbench.core.trace import TraceRecorder
-from kvbench.engines.hf.continuous_batching import _Server
+from kvbench.drivers.release import ReleaseSchedule
+from kvbench.engines.hf.continuous_batching import HFContinuousBatchingAdapter, _Server
 
 
 class _Output:
@@ -63,7 +64,7 @@ def _serve(manager: _Manager, requests: list[WorkloadRequest], concurrency: int 
     session = SimpleNamespace(manager=manager, probe=SimpleNamespace(events=queue.Queue()))
     recorder = TraceRecorder("hf-cb", "scripted")
     order = sorted(requests, key=lambda r: r.arrival_time)
-    _Server(session, recorder, order, concurrency, timeout_s=10.0).run()
+    _Server(session, recorder, order, ReleaseSchedule(order, concurrency), timeout_s=10.0).run()
     return recorder.finish()
 
 
@@ -100,3 +101,12 @@ def test_open_loop_releases_at_arrival_and_aborts_after_release():
         r = trace.requests[rid]
         assert r.arrival == pytest.approx(arrival)  # open loop: the arrival is the workload's time
         assert r.finish_reason == "abort" and r.finished >= arrival + abort_at
+
+
+@pytest.mark.parametrize("concurrency", [0, 1.5])
+def test_a_bad_concurrency_is_refused_in_the_adapters_name_before_the_model_loads(tmp_path, concurrency):
+    adapter = HFContinuousBatchingAdapter(str(tmp_path / "no-model-here"))
+    workload = SimpleNamespace(requests=_requests(2), concurrency=concurrency)
+    with pytest.raises(ValueError, match=r"^hf-cb: workload concurrency must be None \(open loop\) or an int >= 1 "
+                                         rf"\(closed loop\), got {concurrency}$"):
+        adapter.serve(workload, TraceRecorder("hf-cb", "scripted"))

@@ -2,11 +2,13 @@
 or a finding's reproduction under ``scripts/findings/``, never an issue number, a seed file (the source
 documents are not shipped) or a section number of a source article.
 
-Three checks, in the spirit of ``tests/test_layout.py`` (read from the source, so it stays that way):
+Four checks, in the spirit of ``tests/test_layout.py`` (read from the source, so it stays that way):
 
 * no file of ``kvbench/``, ``reference_engine/`` or ``suites/`` (code, docstrings, comments, messages, the
-  report's templates) matches :data:`UNOPENABLE`;
+  report's templates, the C++ sources) matches :data:`UNOPENABLE`;
 * every ``docs/<page>.md#<anchor>`` those files cite names a heading that page has;
+* every ``tests/...py``, ``scripts/...`` and ``docs/...md`` path they cite exists (a file moved, its
+  citations moved with it);
 * a report rendered from a run's results (every declared scenario's description and parameters, the
   diagnosis a structural capacity gap produces, the policies' goal table) and the runs index
   show none of them either: the rendered text is what users read.
@@ -27,7 +29,8 @@ from tests.kvbench.trace_factory import synthetic_results
 ROOT = Path(__file__).resolve().parents[2]
 #: where code and the text it shows live (the report's templates are under kvbench/report/templates)
 SCANNED = ("kvbench", "reference_engine", "suites")
-SUFFIXES = {".py", ".html", ".j2", ".jinja", ".css", ".js", ".toml", ".md", ".txt", ".json"}
+SUFFIXES = {".py", ".html", ".j2", ".jinja", ".css", ".js", ".toml", ".md", ".txt", ".json", ".cpp", ".h", ".cu",
+            ".sh"}
 
 #: (pattern, what it cites): each is a citation a reader of the repository cannot open
 UNOPENABLE: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.IGNORECASE), what) for p, what in (
@@ -41,6 +44,9 @@ UNOPENABLE: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.IG
 ))
 #: ``docs/page.md#anchor`` as code cites it
 DOC_LINK = re.compile(r"\bdocs/([\w.-]+\.md)#([\w-]+)")
+#: a path of this repository as code cites it: a test module, a page of docs/, anything under scripts/ (a
+#: trailing full stop is the sentence's); not part of a longer path (``kvbench/tests/...`` is not ``tests/...``)
+CITED_PATH = re.compile(r"(?<![\w/.-])(tests/[\w/.-]*?\.py|docs/[\w/.-]*?\.md|scripts/[\w/.-]*[\w/])(?!\w)")
 
 
 def unopenable(text: str) -> list[tuple[int, str, str]]:
@@ -115,6 +121,19 @@ def test_a_doc_link_opens_only_onto_a_heading_that_exists():
     assert not doc_link_opens("docs/no-such-page.md#scenarios")
 
 
+@pytest.mark.parametrize(("text", "paths"), [
+    ("(tests/kvbench/test_report_contrast.py)", ["tests/kvbench/test_report_contrast.py"]),
+    ("// tests/test_cpu_elementwise.py holds these kernels", ["tests/test_cpu_elementwise.py"]),
+    ("run bash scripts/peers.sh vllm.", ["scripts/peers.sh"]),
+    ("under scripts/findings/, e.g. scripts/findings/vllm_repro.py", ["scripts/findings/",
+                                                                       "scripts/findings/vllm_repro.py"]),
+    ("docs/simulator.md#preemption-policies and docs/results.md.", ["docs/simulator.md", "docs/results.md"]),
+    ("kvbench/tests/x.py, my_docs/a.md, tests/kvbench/data/main_job_results.json.gz", []),
+])
+def test_the_path_pattern_finds_what_code_cites(text, paths):
+    assert CITED_PATH.findall(text) == paths
+
+
 # ------------------------------------------------------------------------------------ the source
 
 
@@ -132,6 +151,16 @@ def test_every_doc_section_the_code_cites_exists():
     assert cited  # the scenarios cite docs/benchmarks.md#scenarios at least
     broken = sorted(f"{path}: {link}" for path, link in cited if not doc_link_opens(link))
     assert not broken, "no such page or heading:\n" + "\n".join(broken)
+
+
+def test_every_path_the_code_cites_exists():
+    cited = {(p.relative_to(ROOT), n, path) for p in _scanned_files()
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+             for path in CITED_PATH.findall(line)}
+    assert any(path.startswith("tests/") for _, _, path in cited)  # the scan reached the citations
+    assert any(str(where).endswith(".cpp") for where, _, _ in cited)  # the C++ sources among them
+    missing = sorted(f"{where}:{n}: {path}" for where, n, path in cited if not (ROOT / path).exists())
+    assert not missing, "no such file (moved? cite where it is now):\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize("name", sorted(sc.SCENARIOS))

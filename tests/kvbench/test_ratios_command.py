@@ -79,6 +79,53 @@ def test_modes_are_kept_apart(tmp_path: Path) -> None:
     assert rows == ["| 2 | swap | output_throughput | 500 | 250 | 0.50 | 0.50 [0.50-0.50] | 0% / 0% |"]
 
 
+def test_at_least_fails_when_nothing_was_compared(tmp_path: Path) -> None:
+    results = _results()
+    # a metric every benchmark records, which this sweep's points happen not to hold
+    path = tmp_path / "results.json"
+    results.save(path)
+    out = io.StringIO()
+    assert main(["ratios", str(path), "--metrics", "tbt_p99", "--at-least", "0.9"], out=out) == 1
+    text = out.getvalue()
+    assert "no point of 'preemption_storm' has tbt_p99 for both reference and server:preset=reference" in text
+    assert "--at-least 0.9: nothing was compared for server:preset=reference against reference" in text
+    # without a gate, an empty table is only said
+    assert main(["ratios", str(path), "--metrics", "tbt_p99"], out=io.StringIO()) == 0
+
+
+def test_a_missing_figure_reads_one_way(tmp_path: Path) -> None:
+    results = Results(device="cpu (test)")
+    results.add_engine({"name": "reference", "kind": "reference"})
+    # one round each: no rounds' range, no round-by-round ratio
+    results.add_sweep_point("preemption_storm", "concurrency", 4, "reference", {"output_throughput": 100.0})
+    results.add_sweep_point("preemption_storm", "concurrency", 4, SERVER, {"output_throughput": 50.0})
+    path = tmp_path / "single.json"
+    results.save(path)
+    out = io.StringIO()
+    assert main(["ratios", str(path), "--metrics", "output_throughput"], out=out) == 0
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("| 4 ")]
+    assert rows == ["| 4 | - | output_throughput | 100 | 50 | 0.50 | n/a | n/a / n/a |"]
+
+
+def test_an_unknown_metric_is_a_usage_error(results_file: str, capsys) -> None:
+    assert main(["ratios", results_file, "--metrics", "output_throughput,thruput"], out=io.StringIO()) == 2
+    err = capsys.readouterr().err
+    assert "--metrics: unknown metric key(s) 'thruput'; known keys: requests, " in err
+    assert "output_throughput" in err and "ttft_p50" in err
+
+
+def test_a_scenarios_own_figure_is_a_known_metric(tmp_path: Path) -> None:
+    results = Results(device="cpu (test)")
+    results.add_engine({"name": "reference", "kind": "reference"})
+    for engine, cost in (("reference", 0.2), (SERVER, 0.4)):
+        results.add_sweep_point("crossover", "seq_len", 512, engine, {"cost_s": cost}, mode="swap")
+    path = tmp_path / "crossover.json"
+    results.save(path)
+    out = io.StringIO()
+    assert main(["ratios", str(path), "--scenario", "crossover", "--metrics", "cost_s"], out=out) == 0
+    assert "| 512 | swap | cost_s | 0.2 | 0.4 | 0.50 |" in out.getvalue()
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--engine", "vllm"], "--engine 'vllm' has no point in 'preemption_storm'"),
     (["--baseline", "hf"], "--baseline 'hf' has no point"),

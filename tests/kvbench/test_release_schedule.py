@@ -145,6 +145,22 @@ def test_http_closed_loop_keeps_the_concurrency_and_releases_on_finishes():
     assert all(t >= first_finish for t in later), "the fourth request waits for a slot"
 
 
+def test_http_closed_loop_refuses_a_finish_that_releases_two(monkeypatch: pytest.MonkeyPatch):
+    """A slot takes one request per finish; were a schedule to let out two, the second would go to no task
+    (never sent, never finished): the driver says so rather than lose it."""
+    from kvbench.drivers import http_driver
+
+    class TwoSlotsPerFinish(ReleaseSchedule):
+        def finished(self, request_id: str) -> None:
+            super().finished(request_id)
+            self.concurrency = (self.concurrency or 0) + 1  # a rule that frees a slot more than it took
+
+    monkeypatch.setattr(http_driver, "ReleaseSchedule", TwoSlotsPerFinish)
+    with pytest.raises(RuntimeError, match=r"closed loop: one finish released 2 requests \(r1, r2\)"):
+        run_serve(FakeStreams(gap=0.001), _reqs([0.0] * 4), TraceRecorder("fake", "closed"), concurrency=1,
+                  poll_interval=None)
+
+
 def test_http_abort_closes_the_stream_at_release_plus_abort_at():
     client, recorder = FakeStreams(gap=0.01), TraceRecorder("fake", "abort")
     reqs = [Req("x", 0.02, abort_at=0.05, prompt_token_ids=("x",), max_tokens=50),

@@ -476,14 +476,16 @@ class HFContinuousBatchingAdapter(EngineAdapter):
         requests = list(getattr(workload, "requests", workload))
         _check_requests(requests)
         concurrency = getattr(workload, "concurrency", None)
-        if concurrency is not None and concurrency < 1:
-            raise ValueError(f"hf-cb: workload concurrency must be >= 1, got {concurrency}")
         # the release order of kvbench.drivers.release (closed-loop arrivals are all 0: workload order)
         order = sorted(requests, key=lambda r: r.arrival_time)
+        try:  # the schedule checks the concurrency: before the model loads, in the adapter's name
+            schedule = ReleaseSchedule(order, concurrency)
+        except ValueError as e:
+            raise ValueError(f"hf-cb: workload {e}") from None
         sampling = _sampling_of(requests)
 
         with self._session(knobs, sampling) as session:
-            _Server(session, recorder, order, concurrency, self.timeout_s).run()
+            _Server(session, recorder, order, schedule, self.timeout_s).run()
         produced = {rid: (r.prompt_len, len(r.token_times)) for rid, r in recorder.trace.requests.items()}
         counters, recomputed, lines = _final_counters(session, produced)
         for rid in produced:
@@ -511,10 +513,11 @@ class _Server:
     """
 
     def __init__(self, session: _Session, recorder: TraceRecorder, order: list[WorkloadRequest],
-                 concurrency: int | None, timeout_s: float):
+                 schedule: ReleaseSchedule, timeout_s: float):
+        """``schedule``: a fresh :class:`ReleaseSchedule` of ``order`` (nothing released yet)."""
         self.session, self.recorder, self.order = session, recorder, order
-        self.concurrency, self.timeout_s = concurrency, timeout_s
-        self.schedule = ReleaseSchedule(order, concurrency)
+        self.schedule, self.timeout_s = schedule, timeout_s
+        self.concurrency = schedule.concurrency
         self.released = 0  # how many of ``order`` the schedule let out (it releases them in that order)
         self.in_flight: dict[str, WorkloadRequest] = {}  # accepted by the engine, not yet finished or aborted
         self.produced: dict[str, int] = {}
@@ -628,8 +631,7 @@ class _Server:
             self.recorder.finished(rid, now, "error")
             self._finished(rid)
         for request in unreleased:
-            self.recorder.arrived(request.request_id, now, len(request.prompt_token_ids), request.max_tokens,
-                                  getattr(request, "priority", 0))
+            record_arrival(self.recorder, request, now)
             self.recorder.finished(request.request_id, now, "error")
         fatal = self.session.manager.background_thread_status.fatal_error
         self.recorder.not_exposed("completion", f"hf-cb generation loop stopped early: {fatal!r}")

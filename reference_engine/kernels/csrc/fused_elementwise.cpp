@@ -2,7 +2,7 @@
 // rows instead of the five to eight tensors the torch path writes and reads again (in bfloat16 every one
 // of them also widened to float32 and rounded back). The readable oracle is the torch path in
 // reference_engine/model.py (RMSNorm.forward, MLP.forward); reference_engine/cpu_elementwise.py has the
-// measurements and the contract, and tests/test_cpu_elementwise.py holds these kernels to the torch path.
+// measurements and the contract, and tests/engine/test_cpu_elementwise.py holds these kernels to the torch path.
 //
 // The rounding follows the torch path step by step, so bfloat16 results are those of the torch path but
 // for the sum of squares (summed in another order: within float32 rounding of it):
