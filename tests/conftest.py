@@ -1,17 +1,39 @@
 """Shared fixtures of the project's own tests: a tiny checkpoint, transformers' greedy outputs as
-ground truth, and an engine factory that checks, after every test, that the pool is whole."""
+ground truth, and an engine factory that checks, after every test, that the pool is whole.
+
+And one rule: a test that starts a server process carries the ``server`` marker (``pytest -m "not server"``
+leaves every one of them out); :mod:`tests.server_marker`'s hooks, imported here, fail one that does not.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from kvbench.core.cache import cache_root
 from kvbench.models.random_llama import write_checkpoint
 from reference_engine import EngineConfig, LLMEngine, SamplingParams
+from tests.server_marker import pytest_runtest_call, pytest_runtest_setup  # noqa: F401 - hooks of this directory
 
 NUM_REQUESTS = 32
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _machine_caches() -> Iterator[None]:
+    """The machine's caches named by their variables for the whole run, so that a process whose home is
+    elsewhere still finds them: ``pytester`` gives each test a home of its own, and a child pytest that builds
+    an engine there compiled the CPU kernels again (``$TORCH_EXTENSIONS_DIR``: over a minute on 2 cores,
+    most of the slowest test's time) and rewrote the built-in checkpoints (``$KVBENCH_CACHE``). A test that
+    wants a fresh cache still sets its own."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR")
+                  or str(Path.home() / ".cache" / "torch_extensions"))  # reference_engine's kernels' default
+        mp.setenv("KVBENCH_CACHE", str(cache_root()))
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

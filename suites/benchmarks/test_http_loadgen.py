@@ -146,6 +146,7 @@ def _drive_stub(tmp_path: Path, n: int, cpus: tuple[int, int] | None, *stub_flag
         stub.stop(term_timeout=10.0, kill_timeout=5.0)
 
 
+@pytest.mark.server
 def test_http_driver_outpaces_the_reference_server(request: pytest.FixtureRequest, tmp_path: Path,
                                                    record_property) -> None:
     load_before = os.getloadavg()[0]

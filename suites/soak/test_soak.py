@@ -311,6 +311,7 @@ def _metric(samples: list[tuple[str, dict[str, str], float]], name: str, **label
     return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items()))
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("mode", list(MODES))
 def test_http_soak(mode: str, tiny_model: str, soak_minutes: float, tmp_path: Path, record_property):
     from kvbench.launch.process import ServerProcess, free_port

@@ -153,6 +153,7 @@ def wait_idle(url: str, deadline_s: float = 20.0) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------- (a) (b) (c) (d): outputs
+@pytest.mark.server
 def test_openai_client_greedy_matches_in_process_engine(client: openai.OpenAI, local_engine: LLMEngine) -> None:
     expected = [o.token_ids for o in local_engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
     for prompt, want in zip(PROMPTS, expected, strict=True):
@@ -182,6 +183,7 @@ def test_openai_client_greedy_matches_in_process_engine(client: openai.OpenAI, l
         assert usage is not None and usage.completion_tokens == 12
 
 
+@pytest.mark.server
 def test_text_prompt_round_trips_through_the_tokenizer(client: openai.OpenAI, local_engine: LLMEngine,
                                                        tiny_ckpt: str) -> None:
     from tokenizers import Tokenizer
@@ -199,6 +201,7 @@ def test_text_prompt_round_trips_through_the_tokenizer(client: openai.OpenAI, lo
     assert tok.encode(prompt_text + choice.text).ids == prompt_ids + want.token_ids
 
 
+@pytest.mark.server
 def test_seeded_sampling_matches_in_process_engine(client: openai.OpenAI, local_engine: LLMEngine) -> None:
     params = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
     [want] = local_engine.generate([PROMPTS[1]], params)
@@ -210,6 +213,7 @@ def test_seeded_sampling_matches_in_process_engine(client: openai.OpenAI, local_
         assert [t for c in chunks for ch in c.choices for t in ch.token_ids or []] == want.token_ids
 
 
+@pytest.mark.server
 def test_logprobs_top_k_and_greedy_token_is_top_1(client: openai.OpenAI) -> None:
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3,
                                      extra_body={"ignore_eos": True})
@@ -243,6 +247,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.server
 def test_any_text_is_served(main_url: str) -> None:
     """Words outside the checkpoint's vocabulary read as its unknown token (reference_engine.tokenizer), as a
     real tokenizer's would: a user's "Hello world" is served, not refused."""
@@ -252,6 +257,7 @@ def test_any_text_is_served(main_url: str) -> None:
     assert r.json()["usage"]["prompt_tokens"] == 2
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(("what", "payload", "param"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(main_url: str, what: str, payload,
                                                                           param: str) -> None:
@@ -271,6 +277,7 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(main_u
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+@pytest.mark.server
 def test_oversized_body_is_refused_naming_the_limit(main_url: str) -> None:
     r = httpx.post(main_url + "/v1/completions", json={"prompt": [5] * (MAX_BODY // 2)}, headers=AUTH, timeout=30)
     assert r.status_code == 413
@@ -278,12 +285,14 @@ def test_oversized_body_is_refused_naming_the_limit(main_url: str) -> None:
     assert httpx.get(main_url + "/v1/models", headers=AUTH, timeout=10).status_code == 200
 
 
+@pytest.mark.server
 def test_unknown_model_is_a_404(main_url: str) -> None:
     r = httpx.post(main_url + "/v1/completions", json={"model": "gpt-9", "prompt": [5]}, headers=AUTH, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 # ---------------------------------------------------------------------- (f) api key
+@pytest.mark.server
 def test_api_key_required_except_on_health(main_url: str) -> None:
     for path in ("/v1/models", "/metrics"):
         r = httpx.get(main_url + path, timeout=10)
@@ -301,6 +310,7 @@ def test_api_key_required_except_on_health(main_url: str) -> None:
 
 
 # ---------------------------------------------------------------------- (g) metrics under pressure
+@pytest.mark.server
 def test_metrics_have_vllm_names_and_counters_move_under_pressure(servers, local_engine: LLMEngine) -> None:
     url = servers["pressured"].url
     before = metrics_of(url)
@@ -337,6 +347,7 @@ def test_metrics_have_vllm_names_and_counters_move_under_pressure(servers, local
 
 
 # ---------------------------------------------------------------------- (h) many streams
+@pytest.mark.server
 def test_256_concurrent_streams_all_served_and_the_pool_is_whole_after(main_url: str) -> None:
     n = 256
 
@@ -416,6 +427,7 @@ def hang_up_mid_request(url: str, body: dict) -> bool:
     return bool(aborted)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
 def test_client_gone_mid_request_aborts_it_and_frees_its_blocks(main_url: str, stream: bool) -> None:
     # 900 tokens (the most a 57-token prompt leaves under max_model_len 1024) take hundreds of steps;

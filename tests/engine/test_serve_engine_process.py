@@ -315,6 +315,7 @@ def server(tiny_ckpt: str, tmp_path: Path, request: pytest.FixtureRequest) -> It
         log.close()
 
 
+@pytest.mark.server
 def test_when_the_engine_process_dies_requests_fail_and_health_says_so(server: tuple[str, int]) -> None:
     url, pid = server
     body = {"prompt": [5, 6, 7], "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -337,6 +338,7 @@ def test_when_the_engine_process_dies_requests_fail_and_health_says_so(server: t
         assert c.get("/metrics").status_code == 200  # the server itself still answers
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("server", [["--no-engine-process"]], indirect=True)
 def test_no_engine_process_steps_the_engine_on_a_thread_of_the_server(server: tuple[str, int]) -> None:
     url, pid = server
@@ -347,6 +349,7 @@ def test_no_engine_process_steps_the_engine_on_a_thread_of_the_server(server: tu
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
 
 
+@pytest.mark.server
 def test_stopping_the_server_stops_its_engine_process(server: tuple[str, int]) -> None:
     _url, pid = server
     engine_pid = _engine_pid(pid)
@@ -364,6 +367,7 @@ def test_stopping_the_server_stops_its_engine_process(server: tuple[str, int]) -
     assert not running(), "the engine process outlived its server"
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("mode", ["--engine-process", "--no-engine-process"])
 def test_the_cli_exits_2_naming_a_field_the_model_refuses_or_the_model_it_cannot_load(tiny_ckpt: str, mode: str,
                                                                                       tmp_path: Path) -> None:
@@ -454,6 +458,7 @@ def _affinity(pid: int) -> set[int]:
     return os.sched_getaffinity(pid)
 
 
+@pytest.mark.server
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs a core to spare")
 def test_the_server_binds_its_engine_and_http_processes_to_their_own_cores(server: tuple[str, int]) -> None:
     """One engine thread (OMP_NUM_THREADS=1, the fixture's): the engine process alone on the first core, the
@@ -464,6 +469,7 @@ def test_the_server_binds_its_engine_and_http_processes_to_their_own_cores(serve
     assert _affinity(pid) == set(cores[1:])
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("server", [["--no-bind-cpus"]], indirect=True)
 def test_no_bind_cpus_leaves_both_processes_where_the_os_puts_them(server: tuple[str, int]) -> None:
     _url, pid = server

@@ -356,7 +356,7 @@ def test_liveness_limits_are_validated_naming_the_field(value):
                                              ("preemption_mode", "teleport")])
 def test_invalid_configuration_skips_when_the_adapter_refuses_first(knob, value, model_dir, requests_greedy):
     """hf-cb's adapter refuses these values before transformers sees them: the check must not credit the
-    engine with the adapter's words (issue 18, item 6)."""
+    engine with the adapter's words (docs/checks.md#the-checks-suitesconformance, check 8)."""
     engine = make_adapter(parse_engine_spec("hf-cb"), model_dir)
     try:
         with pytest.raises(Skipped, match=rf"adapter refused {knob}=.*before the engine saw it"):
@@ -385,39 +385,43 @@ def test_the_docs_map_every_fault_to_a_check_and_an_existing_test():
     missing = [f for f in FAULTS if f"`{f}`" not in table]
     assert not missing, f"faults with no row in docs/checks.md's check -> fault -> test table: {missing}"
     for file, name in re.findall(r"`(test_[a-z_]+\.py)::(test_[a-z_]+)`", table):
-        assert f"def {name}(" in (root / "tests" / file).read_text(encoding="utf-8"), f"{file}::{name} is gone"
+        found = sorted((root / "tests").rglob(file))  # tests/engine/ or tests/kvbench/
+        assert found, f"{file}, named in docs/checks.md, is not under tests/"
+        assert f"def {name}(" in found[0].read_text(encoding="utf-8"), f"{file}::{name} is gone"
 
 
 # ----------------------------------------------------------------------------------- over HTTP
-def faulty_server(fault: str, model_dir: str, log_dir: Any):
-    """The reference server (``server`` adapter, reference preset) with ``fault`` inside its engine."""
-    from kvbench.engines.http.server import ServerAdapter
+@pytest.fixture(scope="module")
+def faulty_server(model_dir, tmp_path_factory):
+    """One patched reference server for every fault over HTTP: each test names its fault with ``use_fault``
+    and gets an engine built after that (a reconfigure in the running server), as a fresh server would have."""
+    from kvbench.conformance.faults import FaultyServerAdapter
 
-    cmd = ("{python} -m kvbench.testing.patched_server --patch kvbench.conformance.faults:apply_fault=" + fault
-           + " --model {model} --host 127.0.0.1 --port {port}")
-    return ServerAdapter(model_dir, {"preset": "reference", "cmd": cmd, "log_dir": str(log_dir)})
+    engine = FaultyServerAdapter(model_dir, {"fault": "leaks_block", "log_dir": str(tmp_path_factory.mktemp("logs"))})
+    yield engine
+    engine.close()
 
 
+def with_fault(engine: Any, fault: str) -> Any:
+    engine.use_fault(fault)
+    return engine
+
+
+@pytest.mark.server
 def test_recompute_equivalence_fails_over_http_on_a_server_that_corrupts_recomputed_output(
-        model_dir, truth, requests_greedy, truth_engine, tmp_path):
-    engine = faulty_server("corrupts_recomputed_output", model_dir, tmp_path)
-    try:
-        assert_fails(test_equivalence.test_recompute_preemption_equivalence, r"differ from the ground truth",
-                     engine=engine, truth=truth, requests_greedy=requests_greedy, truth_engine=truth_engine,
-                     near_ties=[])
-    finally:
-        engine.close()
+        faulty_server, truth, requests_greedy, truth_engine):
+    assert_fails(test_equivalence.test_recompute_preemption_equivalence, r"differ from the ground truth",
+                 engine=with_fault(faulty_server, "corrupts_recomputed_output"), truth=truth,
+                 requests_greedy=requests_greedy, truth_engine=truth_engine, near_ties=[])
 
 
-def test_over_long_prompt_check_fails_over_http_on_a_server_that_truncates(model_dir, requests_greedy, truth,
-                                                                           truth_engine, tmp_path):
-    engine = faulty_server("truncates_over_long_prompts", model_dir, tmp_path)
-    try:
-        assert_fails(test_bad_input.test_over_long_prompt_is_refused_and_others_are_served,
-                     r"the bad request was not refused", engine=engine, model_dir=model_dir,
-                     requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine, near_ties=[])
-    finally:
-        engine.close()
+@pytest.mark.server
+def test_over_long_prompt_check_fails_over_http_on_a_server_that_truncates(faulty_server, model_dir, requests_greedy,
+                                                                           truth, truth_engine):
+    assert_fails(test_bad_input.test_over_long_prompt_is_refused_and_others_are_served,
+                 r"the bad request was not refused", engine=with_fault(faulty_server, "truncates_over_long_prompts"),
+                 model_dir=model_dir, requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine,
+                 near_ties=[])
 
 
 # checks that run on a black-box engine, each failing over HTTP on the reference server with an engine fault
@@ -456,23 +460,51 @@ HTTP_CASES = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.server
 @pytest.mark.parametrize(("check", "fault", "match", "params"), HTTP_CASES)
-def test_black_box_checks_fail_over_http_on_a_faulty_server(check, fault, match, params, model_dir, truth,
-                                                            requests_greedy, truth_engine, tmp_path):
+def test_black_box_checks_fail_over_http_on_a_faulty_server(check, fault, match, params, faulty_server, model_dir,
+                                                            truth, requests_greedy, truth_engine):
     import inspect
 
     from kvbench.conformance.prove import roomy_knobs
 
-    engine = faulty_server(fault, model_dir, tmp_path)
+    engine = with_fault(faulty_server, fault)
     available = {"engine": engine, "model_dir": model_dir, "truth": truth, "requests_greedy": requests_greedy,
                  "truth_engine": truth_engine, "near_ties": [], "tolerance": near_tie_tolerance(engine), **params}
-    try:
-        if "unpressured" in inspect.signature(check).parameters:  # the suite's fixture, made the same way
-            available["unpressured"] = engine.generate(requests_greedy, roomy_knobs(engine, requests_greedy))
-        assert_fails(check, match, **{k: available[k] for k in inspect.signature(check).parameters})
-    finally:
-        engine.close()
+    if "unpressured" in inspect.signature(check).parameters:  # the suite's fixture, made the same way
+        available["unpressured"] = engine.generate(requests_greedy, roomy_knobs(engine, requests_greedy))
+    assert_fails(check, match, **{k: available[k] for k in inspect.signature(check).parameters})
+
+
+@pytest.mark.server
+def test_one_server_serves_fault_after_fault_each_in_a_fresh_engine(faulty_server, tmp_path):
+    """What the HTTP cases rest on: ``use_fault`` gives the next call an engine built after it, with that
+    fault, in the same server process (a reconfigure, not a new server); the same fault again still gets a
+    fresh engine: the blocks the previous run leaked are not held any more."""
+    import httpx
+
+    from kvbench.conformance.faults import FaultyServerAdapter
+    from kvbench.core.requests import GenRequest
+    from kvbench.drivers.server_metrics import MetricsSnapshot, blocks_in_use
+
+    def blocks_held() -> int | None:
+        argv = faulty_server.process.argv
+        url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}/metrics"
+        return blocks_in_use(MetricsSnapshot.parse(httpx.get(url, timeout=30).text))
+
+    requests = [GenRequest(f"r{i}", [5 + i] * 20, 4) for i in range(3)]  # alike: each holds as many blocks
+    with_fault(faulty_server, "leaks_block").generate(requests)
+    server, leak, reconfigures = faulty_server.process, blocks_held(), faulty_server.reconfigures
+    assert leak, "leaks_block leaked nothing: the fault did not reach the engine"
+    with_fault(faulty_server, "leaks_block").generate(requests)
+    assert faulty_server.process is server and server.running(), "use_fault started a new server"
+    assert faulty_server.reconfigures == reconfigures + 1
+    assert blocks_held() == leak, "the engine was not fresh: it still held the previous run's leak"
+    overcounting = with_fault(faulty_server, "overcounts_generated_tokens").generate(requests)
+    assert faulty_server.process is server and blocks_held() == 0
+    assert overcounting.counters["generated_tokens"] > 12, "the new fault did not reach the engine"
+    with pytest.raises(ValueError, match=r"fault='vague_config_error' is invalid"):
+        FaultyServerAdapter(faulty_server.model_dir, {"fault": "vague_config_error", "log_dir": str(tmp_path)})
 
 
 def test_a_patch_is_named_by_import_path_and_a_config_fault_is_refused():

@@ -153,6 +153,7 @@ def test_the_option_takes_auto_or_off_and_names_itself_otherwise() -> None:
         ServerAdapter.validate_options({"preset": "reference", "client_cores": "1"})
 
 
+@pytest.mark.server
 @needs_two_cores
 @pytest.mark.parametrize("option, on_engine_core", [("auto", False), ("off", True)])
 def test_the_server_adapter_sends_from_off_the_reference_servers_engine_core(
@@ -179,6 +180,7 @@ def test_the_server_adapter_sends_from_off_the_reference_servers_engine_core(
     assert os.sched_getaffinity(0) == set(CORES)
 
 
+@pytest.mark.server
 @needs_two_cores
 @pytest.mark.parametrize("option", ["free", "engine"])
 def test_helper_cores_engine_binds_the_reference_servers_unbound_helper_and_free_leaves_it(

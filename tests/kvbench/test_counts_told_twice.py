@@ -1,5 +1,6 @@
-"""Counters triangulated, not trusted (issue 18, item 4): a count an engine tells two ways must agree with
-itself and with the reuse the requests were built to produce; a disagreement fails naming both figures."""
+"""Counters triangulated, not trusted (docs/checks.md#the-checks-suitesconformance, check 11b): a count an
+engine tells two ways must agree with itself and with the reuse the requests were built to produce; a
+disagreement fails naming both figures."""
 
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ def test_prefix_check_fails_when_the_hit_counter_undercounts(model_dir, truth_en
                  truth_engine=truth_engine, near_ties=[])
 
 
+@pytest.mark.server
 def test_the_reference_server_tells_cached_tokens_per_response_and_they_agree(model_dir, truth_engine, tmp_path):
     engine = make_adapter(parse_engine_spec(f"server:preset=reference,log_dir={tmp_path}"), model_dir)
     try:

@@ -70,6 +70,7 @@ def stub(tmp_path_factory: pytest.TempPathFactory):
 # openai adapter against the stub
 
 
+@pytest.mark.server
 def test_generate_returns_the_servers_exact_token_ids(stub, model_dir):
     adapter = OpenAIAdapter(model_dir, {"url": stub})
     requests = [GenRequest(f"r{i}", [3 + i, 40, 7 * i + 5], 3 + i) for i in range(6)]
@@ -80,6 +81,7 @@ def test_generate_returns_the_servers_exact_token_ids(stub, model_dir):
     assert adapter.client.model == "stub", "the model name comes from /v1/models"
 
 
+@pytest.mark.server
 def test_counters_are_the_runs_differences_and_absent_metrics_stay_unexposed(stub, model_dir):
     adapter = OpenAIAdapter(model_dir, {"url": stub})
     prompts = [[5] * n for n in (10, 21, 33)]
@@ -96,6 +98,7 @@ def test_counters_are_the_runs_differences_and_absent_metrics_stay_unexposed(stu
         assert c.get(unexposed) is None, f"{unexposed} is not published by the stub and must not read as 0"
 
 
+@pytest.mark.server
 def test_text_only_server_ids_recovered_with_the_checkpoints_tokenizer(tmp_path, model_dir):
     server, url = _stub(tmp_path, "--no-token-ids")
     try:
@@ -112,6 +115,7 @@ def test_text_only_server_ids_recovered_with_the_checkpoints_tokenizer(tmp_path,
         server.stop()
 
 
+@pytest.mark.server
 def test_knobs_come_from_cache_config_info_and_a_mismatch_is_a_skip_not_an_error(stub, model_dir):
     adapter = OpenAIAdapter(model_dir, {"url": stub})
     assert adapter.server_knobs(adapter.scrape()) == {"block_size": 16, "num_gpu_blocks": 64,
@@ -128,6 +132,7 @@ def test_knobs_come_from_cache_config_info_and_a_mismatch_is_a_skip_not_an_error
     declared.generate([GenRequest("ok", [3], 1)], Knobs(max_num_seqs=4))
 
 
+@pytest.mark.server
 def test_serve_times_tokens_client_side_aborts_by_closing_and_samples_queues(stub, model_dir):
     adapter = OpenAIAdapter(model_dir, {"url": stub})
     workload = [WorkloadRequest(f"w{i}", [3, 4, i + 3], 40, arrival_time=0.02 * i,
@@ -154,6 +159,7 @@ def test_serve_times_tokens_client_side_aborts_by_closing_and_samples_queues(stu
     assert "engine_steps" in trace.not_exposed and "admission" in trace.not_exposed
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("interval, sampled", [("0.05", True), ("0", False)])
 def test_a_slow_metrics_answer_stalls_the_streams_and_metrics_interval_0_stops_the_sampler(
         tmp_path, model_dir, interval: str, sampled: bool):
@@ -180,6 +186,7 @@ def test_a_slow_metrics_answer_stalls_the_streams_and_metrics_interval_0_stops_t
         assert not any(e.startswith("warning: the /metrics") for e in adapter.evidence)
 
 
+@pytest.mark.server
 def test_closed_loop_keeps_the_concurrency(stub, model_dir):
     class Closed:
         concurrency = 3
@@ -357,6 +364,7 @@ def test_transformers_preset_flags_exist_in_transformers_serve_help():
 # server adapter: launch, knobs as flags, stop, no orphan
 
 
+@pytest.mark.server
 def test_server_adapter_launches_per_knob_set_and_passes_knobs_as_flags(model_dir, tmp_path):
     adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path),
                                         "keep_servers": "2"})
@@ -389,6 +397,7 @@ def test_server_adapter_launches_per_knob_set_and_passes_knobs_as_flags(model_di
         httpx.get(a.evidence[0].removeprefix("server: ") + "/health", timeout=2)
 
 
+@pytest.mark.server
 def test_servers_that_carry_state_are_not_kept_for_other_checks(model_dir, tmp_path):
     """A server with prefix caching on would give a later check hits from an earlier one's prompts; a server
     whose check failed may hold what the failure left. Neither serves another knob set or another check."""
@@ -414,6 +423,7 @@ def test_servers_that_carry_state_are_not_kept_for_other_checks(model_dir, tmp_p
         adapter.close()
 
 
+@pytest.mark.server
 def test_a_failed_check_stops_its_engines_servers_and_a_skip_does_not(pytester: pytest.Pytester, tmp_path):
     pytester.makeconftest(f"""
         import pytest
@@ -451,6 +461,7 @@ def test_a_failed_check_stops_its_engines_servers_and_a_skip_does_not(pytester: 
     result.assert_outcomes(passed=1, failed=1, skipped=1)
 
 
+@pytest.mark.server
 def test_server_that_refuses_to_start_says_why_and_leaves_nothing(model_dir, tmp_path):
     cmd = STUB + " --fail-on-start block_size=3_is_not_a_power_of_two"
     adapter = ServerAdapter(model_dir, {"cmd": cmd, "log_dir": str(tmp_path), "startup_timeout": "60"})
@@ -481,6 +492,7 @@ time.sleep(60)  # not reached: the signal ends the script
 """
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("how", ["raise", "interrupt", "terminate"])
 def test_no_orphan_when_the_run_fails_or_is_interrupted(how, tmp_path):
     pgid_file = tmp_path / "pgid"
@@ -496,6 +508,7 @@ def test_no_orphan_when_the_run_fails_or_is_interrupted(how, tmp_path):
     assert not group_alive(pgid), f"server group {pgid} outlived the kvbench process"
 
 
+@pytest.mark.server
 def test_no_orphan_after_a_failing_pytest_test(pytester: pytest.Pytester, tmp_path):
     pgid_file = tmp_path / "pgid"
     pytester.makepyfile(test_fails=f"""
@@ -536,6 +549,7 @@ def reference_server(model_dir, tmp_path_factory):
     adapter.close()
 
 
+@pytest.mark.server
 def test_reference_server_matches_in_process_under_recompute_pressure(reference_server, model_dir):
     from kvbench.engines.inprocess.reference import ReferenceAdapter
 
@@ -554,6 +568,7 @@ def test_reference_server_matches_in_process_under_recompute_pressure(reference_
     assert sum(o.num_preemptions for o in over_http.outputs) == c.preemptions
 
 
+@pytest.mark.server
 def test_reference_server_refuses_a_bad_request_and_serves_the_others(reference_server, model_dir):
     requests = conformance_requests(model_dir)[:3]
     result = reference_server.generate([*requests, GenRequest("too-long", [5] * 5000, 4)], PRESSURE)
@@ -562,6 +577,7 @@ def test_reference_server_refuses_a_bad_request_and_serves_the_others(reference_
     assert all(o.finish_reason == "length" for o in result.outputs[:-1])
 
 
+@pytest.mark.server
 def test_reference_server_serves_a_storm_with_aborts(reference_server, model_dir):
     workload = [WorkloadRequest(f"s{i}", list(range(3, 3 + 40 + 5 * i)), 24, arrival_time=0.0,
                                 abort_at=0.3 if i % 3 == 0 else None) for i in range(12)]
@@ -575,6 +591,7 @@ def test_reference_server_serves_a_storm_with_aborts(reference_server, model_dir
     assert trace.counters["preemptions_recompute"] > 0
 
 
+@pytest.mark.server
 def test_reference_server_counts_swaps_by_request_as_in_process(reference_server, model_dir):
     """Swaps are counted per request over HTTP as in-process (``swap_outs_total``, never blocks).
 
@@ -603,6 +620,7 @@ def test_reference_server_counts_swaps_by_request_as_in_process(reference_server
     assert c["swap_seconds"] > 0 and c["leaked_blocks"] == 0
 
 
+@pytest.mark.server
 def test_reference_server_invalid_configuration_is_named_by_the_server(model_dir, tmp_path):
     adapter = ServerAdapter(model_dir, {"preset": "reference", "log_dir": str(tmp_path)})
     with pytest.raises(ServerStartError) as info:
@@ -613,6 +631,7 @@ def test_reference_server_invalid_configuration_is_named_by_the_server(model_dir
     adapter.close()
 
 
+@pytest.mark.server
 def test_reference_preset_gives_other_knobs_to_one_running_server(model_dir, tmp_path):
     """The reference preset reconfigures its running server instead of starting one per knob set: one
     process for every knob set, each run's counters its own engine's (recompute, then swap, never both), its
@@ -657,6 +676,7 @@ def test_reference_preset_gives_other_knobs_to_one_running_server(model_dir, tmp
     assert not group_alive(first.pgid)
 
 
+@pytest.mark.server
 def test_a_peers_server_is_never_reconfigured(model_dir, tmp_path, monkeypatch):
     """vLLM is always started from its own command, one server per knob set, even where the server would
     take a reconfigure (the stub does: it counts them)."""
@@ -679,6 +699,7 @@ def test_a_peers_server_is_never_reconfigured(model_dir, tmp_path, monkeypatch):
         adapter.close()
 
 
+@pytest.mark.server
 def test_process_group_is_signalled_not_just_the_leader(tmp_path):
     """A server that forks a child which ignores SIGTERM: stop() still leaves nothing of the group."""
     ready = tmp_path / "child-ignores-sigterm"

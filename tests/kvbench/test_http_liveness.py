@@ -1,4 +1,5 @@
-"""A request stuck over HTTP is caught and named within the stall limit (issue 18, item 9).
+"""A request stuck over HTTP is caught and named within the stall limit
+(docs/checks.md#the-checks-suitesconformance, liveness).
 
 The stub server's fault ``--drop-if-prompt-has ID`` counts a request finished but never ends its
 response: without the watchdog the client waits for its 600 s request timeout. Each test bounds its
@@ -52,6 +53,7 @@ def _adapter(url: str, model_dir: str, stall: float, idle_grace: float) -> OpenA
     return adapter
 
 
+@pytest.mark.server
 def test_generate_names_the_request_the_server_dropped_once_it_holds_nothing(dropping_stub, model_dir):
     adapter = _adapter(dropping_stub, model_dir, stall=60, idle_grace=1.0)
     requests = [GenRequest("kept-a", [3, 4, 5], 8), GenRequest("dropped", [3, DROP, 5], 8),
@@ -64,6 +66,7 @@ def test_generate_names_the_request_the_server_dropped_once_it_holds_nothing(dro
     assert "nothing received" in info.value.stuck["dropped"]
 
 
+@pytest.mark.server
 def test_generate_fails_on_a_stall_when_the_server_still_claims_to_hold_requests(dropping_stub, model_dir):
     adapter = _adapter(dropping_stub, model_dir, stall=2.0, idle_grace=600)  # the idle rule kept out
     start = time.monotonic()
@@ -73,6 +76,7 @@ def test_generate_fails_on_a_stall_when_the_server_still_claims_to_hold_requests
     assert list(info.value.stuck) == ["dropped"]
 
 
+@pytest.mark.server
 def test_serve_names_the_dropped_stream_and_what_it_received(dropping_stub, model_dir):
     adapter = _adapter(dropping_stub, model_dir, stall=60, idle_grace=1.0)
     workload = [WorkloadRequest(f"w{i}", [3, DROP if i == 2 else 4, i + 3], 20, arrival_time=0.01 * i)
@@ -86,6 +90,7 @@ def test_serve_names_the_dropped_stream_and_what_it_received(dropping_stub, mode
     assert f"{DROPPED_AFTER} token(s) received" in info.value.stuck["w2"]
 
 
+@pytest.mark.server
 def test_a_launched_server_runs_under_the_sessions_limits(model_dir, tmp_path):
     cmd = "{python} -m kvbench.testing.stub_server --port {port} --drop-if-prompt-has " + str(DROP)
     adapter = ServerAdapter(model_dir, {"cmd": cmd, "log_dir": str(tmp_path)})
@@ -98,6 +103,7 @@ def test_a_launched_server_runs_under_the_sessions_limits(model_dir, tmp_path):
     assert list(info.value.stuck) == ["dropped"]
 
 
+@pytest.mark.server
 def test_a_healthy_server_is_never_called_stuck(dropping_stub, model_dir):
     adapter = _adapter(dropping_stub, model_dir, stall=5.0, idle_grace=0.5)
     result = adapter.generate([GenRequest(f"r{i}", [3, i + 4], 30) for i in range(4)])

@@ -35,6 +35,7 @@ def _vllm_ready() -> str | None:
     return None if done.returncode == 0 else (done.stderr.strip() or f"peers.sh exited {done.returncode}")
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_conformance_subset_against_real_vllm(tmp_path: Path) -> None:
     why = None if os.environ.get("KVBENCH_VLLM") else _vllm_ready()
