@@ -116,19 +116,16 @@ def repeat_values(result: Mapping[str, Any], metric: str) -> list[float]:
 
 
 def result_spread(result: Mapping[str, Any], metric: str) -> float:
-    """A recorded result's spread of ``metric`` (one measurement's robust sigma, :func:`spread`): from its
-    repeats when it has two or more values of it, else its stored spread, else 0.
+    """A recorded result's spread of ``metric`` (one measurement's robust sigma, :func:`spread`): the one the
+    runner stored, else :func:`spread` of its repeats' values, else 0.
 
-    The repeats come first because they are the measurements themselves: a stored spread is only what the
-    runner computed from them, and a file edited or merged by hand may carry one that no longer matches."""
-    values = repeat_values(result, metric)
-    if len(values) >= 2:
-        return spread(values)
+    The stored one comes first because it is the figure the run itself reported (the runner computes it
+    from the repeats when the result is made), so that the gate and the report read one value per fact."""
     given = result.get("spread")
     stored = given.get(metric) if isinstance(given, Mapping) else None
     if isinstance(stored, int | float) and not isinstance(stored, bool) and math.isfinite(stored):
         return float(stored)
-    return 0.0
+    return spread(repeat_values(result, metric))
 
 
 def aggregate(repeats: Sequence[Mapping[str, float | None]]) -> tuple[dict[str, float | None], dict[str, float]]:

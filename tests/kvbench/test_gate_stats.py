@@ -118,15 +118,16 @@ def test_tails_get_a_wider_floor_than_rates():
     assert d.noise == pytest.approx(gate.MIN_NOISE) and d.regressed
 
 
-def test_a_results_spread_comes_from_its_repeats_first_then_the_stored_one():
+def test_a_results_spread_is_the_stored_one_else_its_repeats():
     from kvbench.bench.repeats import result_spread, spread
 
     repeats = [{"ttft_p50": v} for v in (1.0, 1.2, 1.6)]
-    # the repeats win over a stored spread that no longer matches them (a file edited by hand)
-    measured = {"repeats": repeats, "spread": {"ttft_p50": 9.0}}
-    assert result_spread(measured, "ttft_p50") == pytest.approx(spread([1.0, 1.2, 1.6])) == pytest.approx(0.3)
-    # one value is no spread: the stored one is read, else 0
-    assert result_spread({"repeats": repeats[:1], "spread": {"ttft_p50": 0.25}}, "ttft_p50") == 0.25
-    assert result_spread({"repeats": [], "spread": {"ttft_p50": 0.25}}, "ttft_p50") == 0.25
+    # the stored spread is what the run reported: the gate and the report read that one
+    assert result_spread({"repeats": repeats, "spread": {"ttft_p50": 9.0}}, "ttft_p50") == 9.0
+    # none stored: the spread of the repeats
+    assert result_spread({"repeats": repeats}, "ttft_p50") == pytest.approx(spread([1.0, 1.2, 1.6]))
+    assert spread([1.0, 1.2, 1.6]) == pytest.approx(0.3)
+    assert result_spread({"repeats": repeats, "spread": {"ttft_p50": None}}, "ttft_p50") == pytest.approx(0.3)
+    # one value, or none, and nothing stored: 0
     assert result_spread({"repeats": repeats[:1]}, "ttft_p50") == 0.0
     assert result_spread({}, "ttft_p50") == 0.0
