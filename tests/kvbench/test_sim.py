@@ -179,7 +179,9 @@ def test_calibrate_cli_writes_a_loadable_profile_with_its_fit_error(tmp_path, ti
     assert "cell 8/8 (round 2/2): context 48, decode batch 4" in text and "(held out)" in text
     assert "median relative error" in text and "R²" in text and str(path) in text
     profile = load_profile(str(path))
-    assert profile.name == "ci" and profile.combine == "sum" and profile.coefficients.fixed_s > 0
+    # the fit explains something (which term takes the per-step cost depends on this machine's load)
+    coefficients = dataclasses.astuple(profile.coefficients)
+    assert profile.name == "ci" and profile.combine == "sum" and min(coefficients) >= 0 < max(coefficients)
     fit = profile.fit or {}
     assert fit["fit_contexts"] == [16] and fit["heldout_contexts"] == [48]
     # waking up after idle, timed apart: in the report and the profile, with the medians behind it
