@@ -4,7 +4,6 @@ following it against a fake streaming client (no server: the rule, not the netwo
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -13,16 +12,7 @@ from kvbench.core.trace import TraceRecorder
 from kvbench.drivers.http_client import Completion
 from kvbench.drivers.http_driver import run_serve
 from kvbench.drivers.release import ReleaseSchedule, step_index
-
-
-@dataclass
-class Req:
-    request_id: str
-    arrival_time: float
-    abort_at: float | None = None
-    prompt_token_ids: tuple = (1, 2)
-    max_tokens: int = 3
-    priority: int = 0
+from tests.kvbench.test_step_clock import Req
 
 
 def ids(releases) -> list[str]:
