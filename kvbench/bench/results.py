@@ -84,7 +84,7 @@ COST_METRICS: tuple[str, ...] = ("cost_s", "preempt_resume_s", "resume_s", "e2e_
 
 
 #: outcomes a conformance record may have (pytest's, with strict-xfail passes as "xpassed")
-CONFORMANCE_OUTCOMES: tuple[str, ...] = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+CONFORMANCE_OUTCOMES: tuple[str, ...] = ("passed", "failed", "skipped", "undecided", "xfailed", "xpassed", "error")
 
 
 class ResultsError(ValueError):
@@ -451,6 +451,8 @@ def _conformance_record(record: Any, index: int) -> dict[str, Any]:
                            f"got {record.get('outcome')!r}")
     record.setdefault("kind", None)
     record.setdefault("reason", None)
+    record.setdefault("proven", [])  # what the check proved fired (older files: unknown, so none)
+    record.setdefault("pressured", True)
     for key, kind, what in (("evidence", dict, "an object"), ("knob_overrides", dict, "an object"),
                             ("near_ties", int, "an integer")):
         value = record.setdefault(key, kind())

@@ -6,8 +6,9 @@ that engine kind, ``kvbench/conformance/expectations/hf-cb.toml``; anything else
 every listed check as a *strict*, *pinned* xfail: a failure whose message matches the entry's
 ``match`` is the expected one (the run passes and prints the finding); a failure that does not
 match is a failure like any other, naming the entry it did not match (a new bug in a listed check is
-never swallowed); and a listed check that passes fails the run with "now passes: the expectation is
-stale, remove it from the expectations file".
+never swallowed); and a listed check that passes, or now skips, fails the run with "the expectation is
+stale". An entry excuses one assertion: a check that states its assertions with
+:func:`kvbench.conformance.verdict.claim` goes on past the expected failure, and fails on any other.
 
 File format (``tomllib``)::
 
@@ -20,7 +21,9 @@ File format (``tomllib``)::
     reason = "why it fails (upstream behaviour)"
     reproduction = "the smallest command or snippet that shows it"
     versions = { transformers = ">=5.0,<5.26" }  # optional: only while these versions match
-                                                 # (EngineAdapter.engine_version: what the engine runs)
+                                                 # (EngineAdapter.engine_version: what the engine runs);
+                                                 # outside the range, a failure the entry matches is
+                                                 # "still reproduces on <version>", not a new failure
 
 Every field is checked when the file is read; an error names the file, the entry and the field.
 """
@@ -68,16 +71,24 @@ class Expectation:
         """True for engine ``kind`` (or ``family``) and ``check_id`` when every version range holds for the
         version ``version_of`` gives (default: what is installed here; a package it does not know never
         satisfies a range)."""
-        if self.engine not in (kind, family) or not self.matches_check(check_id):
-            return False
+        return self.names(kind, check_id, family) and not self.versions_outside(version_of)
+
+    def names(self, kind: str, check_id: str, family: str | None = None) -> bool:
+        """Whether this entry is about engine ``kind`` (or ``family``) and ``check_id``, whatever the versions."""
+        return self.engine in (kind, family) and self.matches_check(check_id)
+
+    def versions_outside(self, version_of: Callable[[str], str | None] | None = None) -> dict[str, str | None]:
+        """``{package: version}`` for each version range the engine's version does not satisfy (None: the
+        version is not known); empty when the entry's ranges all hold."""
         from packaging.specifiers import SpecifierSet
 
         version_of = version_of or installed_version
+        outside: dict[str, str | None] = {}
         for package, spec in self.versions.items():
             version = version_of(package)
             if version is None or not SpecifierSet(spec).contains(version, prereleases=True):
-                return False
-        return True
+                outside[package] = version
+        return outside
 
     def matches_failure(self, message: str) -> bool:
         """Whether a failure with this message is the expected one (``match`` found in it)."""
@@ -168,3 +179,19 @@ def matching(expectations: Sequence[Expectation], kind: str, check_id: str,
              version_of: Callable[[str], str | None] | None = None, family: str | None = None) -> Expectation | None:
     """The first expectation that applies, or None."""
     return next((e for e in expectations if e.applies(kind, check_id, version_of, family)), None)
+
+
+def out_of_range(expectations: Sequence[Expectation], kind: str, check_id: str,
+                 version_of: Callable[[str], str | None] | None = None,
+                 family: str | None = None) -> tuple[Expectation, dict[str, str]] | None:
+    """The first entry about this engine and check whose version range the engine's release is outside of,
+    with the known versions it is outside on (``{package: version}``), or None. A failure it matches is the
+    same finding on a newer (or older) release, "still reproduces on 5.25", told apart from a new failure;
+    an unknown version is no release to speak of, so it never counts."""
+    for expectation in expectations:
+        if not expectation.names(kind, check_id, family):
+            continue
+        outside = expectation.versions_outside(version_of)
+        if outside and all(v is not None for v in outside.values()):
+            return expectation, {p: str(v) for p, v in outside.items()}
+    return None

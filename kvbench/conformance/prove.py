@@ -3,9 +3,11 @@ equivalence verdicts and the proof that a mechanism fired.
 
 Two rules make a check honest:
 
-* **Prove it fired.** :func:`prove` asserts that an engine counter (preemptions of the right
-  mode, swap-ins, prefix hits, prefill chunks) is positive. If the engine exposes no such counter
-  the check is *skipped* with that reason: passing would prove nothing.
+* **Outputs first, then prove it fired.** A check compares outputs before anything else, so a wrong
+  answer fails whether or not the mechanism can be proven. Then :func:`prove` asserts that an engine
+  counter (preemptions of the right mode, swap-ins, prefix hits, prefill chunks) is positive. If the
+  engine exposes no such counter the check is *undecided* (:mod:`kvbench.conformance.verdict`), never
+  passed: matching outputs with an unproven mechanism prove nothing.
 * **Equal, or a documented near-tie.** The reference engine in float32 must match the ground truth token
   for token. Other engines, and the reference engine in bfloat16 or float16, may diverge only where the
   ground truth's top-2 logit margin is below the tolerance of the dtype they compute in
@@ -25,6 +27,7 @@ from typing import Any
 import pytest
 
 from kvbench.conformance.equivalence import Verdict, compare, confirm_near_tie, tolerance_for
+from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.core.evidence import record_evidence
 from kvbench.core.kv_budget import pressured, request_tokens, roomy
 from kvbench.engines.base import EngineAdapter, GenRequest, GenResult, Knobs
@@ -185,16 +188,23 @@ def assert_conforms(comparison: Comparison, near_ties: list[str] | None = None) 
 
 
 def prove(result: GenResult, engine: EngineAdapter, counter: str, what: str, minimum: float = 1) -> float:
-    """Assert the engine's ``counter`` reached ``minimum``; skip if the engine does not expose it.
+    """Prove the engine's ``counter`` reached ``minimum``: the mechanism the check is about fired.
 
-    The value is recorded as the running test's evidence (``kvbench.evidence.<counter>``, see
-    :mod:`kvbench.core.evidence`) before the assertion, so a failed proof shows what was seen."""
+    Call it *after* the outputs were compared, so that a wrong answer fails whatever the engine can prove.
+    An engine that does not expose ``counter`` leaves the check undecided (never passed:
+    :func:`~kvbench.conformance.verdict.undecided`); a counter below ``minimum`` fails it (a
+    :func:`~kvbench.conformance.verdict.claim`, so a pin can excuse exactly this). The value is recorded as
+    the running test's evidence (``kvbench.evidence.<counter>``) before the verdict, so a failed proof shows
+    what was seen, and a proof that holds is recorded as proven (:func:`~kvbench.conformance.verdict.record_proof`)."""
     if counter not in result.counters:
-        pytest.skip(f"{engine.name} exposes no {counter!r} counter, so nothing could prove that {what} happened")
+        undecided(f"{engine.name} exposes no {counter!r} counter, so nothing could prove that {what} happened "
+                  "(outputs that match decide nothing while the mechanism is unproven)")
     value = result.counters[counter]
     record_evidence(counter, value)
-    assert value >= minimum, (f"{what} did not happen on {engine.name} ({counter}={value}): the check would pass "
-                              f"without exercising the mechanism. Evidence: {result.evidence[:5]}")
+    claim(value >= minimum, f"{what} did not happen on {engine.name} ({counter}={value}): the check would pass "
+                            f"without exercising the mechanism. Evidence: {result.evidence[:5]}")
+    if value >= minimum:
+        record_proof(counter, value)
     return value
 
 

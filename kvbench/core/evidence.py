@@ -23,6 +23,8 @@ from typing import Any
 
 #: prefix of the ``user_properties`` names that carry counters a check proved
 EVIDENCE_PREFIX = "kvbench.evidence."
+#: the ``user_properties`` name of each mechanism a check proved fired (one entry per mechanism)
+PROVEN_PROPERTY = "kvbench.proven"
 
 
 @dataclass
@@ -53,6 +55,18 @@ def record_evidence(counter: str, value: Any) -> None:
     collector = _active.get()
     if collector is not None:
         collector.properties.append((EVIDENCE_PREFIX + counter, value))
+
+
+def record_proven(mechanism: str) -> None:
+    """Record that the running check proved ``mechanism`` fired (``kvbench.conformance.verdict.record_proof``)."""
+    collector = _active.get()
+    if collector is not None and (PROVEN_PROPERTY, mechanism) not in collector.properties:
+        collector.properties.append((PROVEN_PROPERTY, mechanism))
+
+
+def proven_of(properties: list[tuple[str, Any]]) -> list[str]:
+    """The mechanisms a check proved fired, from its ``user_properties``."""
+    return [value for name, value in properties if name == PROVEN_PROPERTY]
 
 
 def record_knob_overrides(overrides: Mapping[str, tuple[Any, Any]]) -> None:

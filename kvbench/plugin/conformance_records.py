@@ -10,12 +10,15 @@ from typing import Any
 
 import pytest
 
-from kvbench.core.evidence import collecting, evidence_of
+from kvbench.conformance.verdict import UNDECIDED_PREFIX
+from kvbench.core.evidence import collecting, evidence_of, proven_of
 from kvbench.engines.registry import EngineSpecError, adapter_class
 from kvbench.plugin.session import SESSION_KEY, KvbenchSession, engine_spec_of, is_simulator
 
 ENGINE_PROPERTY, CHECK_PROPERTY = "kvbench.engine", "kvbench.check"
 OVERRIDES_PROPERTY, NEAR_TIES_PROPERTY = "kvbench.knob_overrides", "kvbench.near_ties"
+#: whether the check puts the engine under pressure (``@pytest.mark.conformance(pressured=False)`` says not)
+PRESSURED_PROPERTY = "kvbench.pressured"
 
 
 def check_id(item: pytest.Item) -> str:
@@ -83,7 +86,8 @@ def one_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _reason(report: pytest.TestReport) -> str | None:
+def skip_reason(report: pytest.TestReport) -> str | None:
+    """A report's reason in one line: a skip's without pytest's ``Skipped:``, a failure's crash message."""
     longrepr = report.longrepr
     if longrepr is None:
         return None
@@ -99,18 +103,23 @@ def _outcome(report: pytest.TestReport) -> tuple[str, str | None] | None:
     """(outcome, reason) this phase settles, or None when it settles nothing (a passed setup/teardown)."""
     xfail_reason = getattr(report, "wasxfail", None)
     if report.when == "teardown":
-        return ("error", _reason(report)) if report.failed else None
+        return ("error", skip_reason(report)) if report.failed else None
     if report.when == "setup" and report.passed:
         return None
     if report.passed:
         return ("xpassed", f"XPASS: {xfail_reason}".rstrip(": ")) if xfail_reason is not None else ("passed", None)
     if report.skipped:
-        return ("xfailed", xfail_reason or None) if xfail_reason is not None else ("skipped", _reason(report))
+        if xfail_reason is not None:
+            return "xfailed", xfail_reason or None
+        reason = skip_reason(report)
+        if reason is not None and reason.startswith(UNDECIDED_PREFIX):
+            return "undecided", reason.removeprefix(UNDECIDED_PREFIX)
+        return "skipped", reason
     if report.when == "setup":
-        return "error", _reason(report)
+        return "error", skip_reason(report)
     if str(report.longrepr).startswith("[XPASS(strict)]"):  # an expected failure that now passes
         return "xpassed", one_line(str(report.longrepr))
-    return "failed", _reason(report)
+    return "failed", skip_reason(report)
 
 
 def conformance_record(report: pytest.TestReport, kind: str | None) -> dict[str, Any] | None:
@@ -123,6 +132,7 @@ def conformance_record(report: pytest.TestReport, kind: str | None) -> dict[str,
         return None
     return {"engine": props[ENGINE_PROPERTY], "kind": kind, "check": props[CHECK_PROPERTY], "nodeid": report.nodeid,
             "outcome": settled[0], "evidence": evidence_of(report.user_properties),
+            "proven": proven_of(report.user_properties), "pressured": bool(props.get(PRESSURED_PROPERTY, True)),
             "near_ties": int(props.get(NEAR_TIES_PROPERTY, 0)), "reason": settled[1],
             "knob_overrides": dict(props.get(OVERRIDES_PROPERTY) or {})}
 
@@ -177,26 +187,53 @@ def add_conformance_to_results(ks: KvbenchSession) -> None:
         results.add_conformance(record)
 
 
+#: outcomes that decided a check (a pin's expected failure decides it too: the rest of the check ran)
+DECIDED = ("passed", "failed", "xfailed", "xpassed", "error")
+
+
 def undecided_engines(ks: KvbenchSession) -> dict[str, list[dict[str, Any]]]:
-    """Engines for which the run decided no conformance check: every record of theirs is a skip.
-    Simulators are left out: they are skipped by design (placeholder tokens prove nothing)."""
+    """Engines whose run is not green for want of proof (*decided means proven*): no pressured check
+    passed (or failed only as pinned) with its mechanism proven. Judged over the pressured checks the run
+    selected; a run that selected none (``-k bad_input``) is judged over all it ran, and then only
+    fails when every one was skipped or undecided. Simulators are left out: they are skipped by design
+    (placeholder tokens prove nothing)."""
     by_engine: dict[str, list[dict[str, Any]]] = {}
     for record in ks.conformance.values():
         by_engine.setdefault(record["engine"], []).append(record)
     simulated = {s.name for s in ks.engine_specs if is_simulator(s)}
-    return {engine: records for engine, records in by_engine.items()
-            if engine not in simulated and all(r["outcome"] == "skipped" for r in records)}
+    out = {}
+    for engine, records in by_engine.items():
+        if engine in simulated:
+            continue
+        pressured = [r for r in records if r.get("pressured", True)]
+        if pressured:
+            if not any(r["outcome"] in ("passed", "xfailed") and r.get("proven") for r in pressured):
+                out[engine] = records
+        elif not any(r["outcome"] in DECIDED for r in records):
+            out[engine] = records
+    return out
 
 
 def undecided_message(engine: str, records: list[dict[str, Any]]) -> str:
-    """Why a run that decided nothing for ``engine`` is not green, with its most common skip reasons."""
+    """Why the run is not green for ``engine``: what it decided, and the most common reasons it did not."""
+    decided = [r for r in records if r["outcome"] in DECIDED]
+    pressured = [r for r in records if r.get("pressured", True)]
     reasons: dict[str, int] = {}
     for record in records:
-        reasons[record["reason"] or "no reason given"] = reasons.get(record["reason"] or "no reason given", 0) + 1
+        if record["outcome"] in DECIDED:
+            continue
+        why = f"{record['outcome']}: {record['reason'] or 'no reason given'}"
+        reasons[why] = reasons.get(why, 0) + 1
     common = sorted(reasons.items(), key=lambda kv: -kv[1])[:5]
-    return "\n".join([f"no conformance check was decided for {engine}: all {len(records)} skipped, so this run "
-                      "proves nothing about it (a run that decided nothing is not green). Skip reasons:",
-                      *(f"  {n} x {reason}" for reason, n in common)])
+    if not decided:
+        head = (f"no conformance check was decided for {engine}: all {len(records)} skipped or undecided, so this "
+                "run proves nothing about it (a run that decided nothing is not green).")
+    else:
+        head = (f"no check under pressure proved its mechanism on {engine}: {len(decided)} of {len(records)} checks "
+                f"decided ({', '.join(sorted({r['check'] for r in decided})[:6])}), but of its {len(pressured)} "
+                "pressured checks none passed with the mechanism it is about proven to fire, so this run "
+                "proves nothing about preemption (decided means proven).")
+    return "\n".join([head, "Not decided:" if common else "", *(f"  {n} x {reason}" for reason, n in common)])
 
 
 def conformance_summary(tr: Any, ks: KvbenchSession) -> None:
@@ -212,8 +249,8 @@ def conformance_summary(tr: Any, ks: KvbenchSession) -> None:
         tr.write_line(f"{engine}: " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
                       + (f" ({near} near-ties)" if near else ""))
     for engine in undecided_engines(ks):
-        tr.write_line(f"{engine}: NOTHING DECIDED: every check skipped, so the run fails (see kvbench::undecided"
-                      f"[{engine}])", red=True)
+        tr.write_line(f"{engine}: NOTHING PROVEN: no pressured check passed with its mechanism proven, so the run "
+                      f"fails (see kvbench::undecided[{engine}])", red=True)
     overridden: dict[tuple[str, str, str], list[str]] = {}
     for record in ks.conformance.values():
         for knob, (given, used) in record["knob_overrides"].items():

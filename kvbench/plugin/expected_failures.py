@@ -1,66 +1,131 @@
-"""``--kvbench-expectations``: checks expected to fail per engine, settled as strict, pinned xfails."""
+"""``--kvbench-expectations``: checks expected to fail per engine, settled as strict, pinned xfails that
+excuse one assertion each."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from kvbench.plugin.conformance_records import adapter_kind, check_id, one_line
+from kvbench.conformance.verdict import UNDECIDED_PREFIX, PinScope, is_undecided, pinned
+from kvbench.plugin.conformance_records import adapter_kind, check_id, one_line, skip_reason
 from kvbench.plugin.session import KvbenchSession, engine_spec_of
+
+_SCOPE_KEY = pytest.StashKey[PinScope]()
+
+
+@dataclass(frozen=True)
+class _Pin:
+    """The entry in force for one test, and the release it is outside of (``{package: version}``: the same
+    finding reproducing on another release), empty when the entry's versions hold."""
+
+    expectation: Any
+    outside: dict[str, str]
+
+    @property
+    def where(self) -> str:
+        e = self.expectation
+        return f"{e.source} (engine {e.engine!r}, check {e.check!r})"
+
+    def still_reproduces(self) -> str:
+        on = ", ".join(f"{p} {v}" for p, v in self.outside.items())
+        pinned_to = ", ".join(f"{p} {s}" for p, s in self.expectation.versions.items())
+        return (f"still reproduces on {on} (the entry is pinned to {pinned_to}: widen its versions once traced on "
+                f"this release)")
 
 
 class ExpectedFailures:
-    """Settles each conformance test an expectations entry names (engine kind or family, check id,
-    the engine's versions) as a strict, pinned xfail, from its call report: a failure whose message
-    the entry's ``match`` finds is the expected failure; any other failure stays a failure, saying
-    which entry it did not match; a pass is a failure saying the entry is stale. Keeps the findings
-    for the terminal summary. Registered only when ``--kvbench-expectations`` is given.
+    """Settles each conformance test an expectations entry names (engine kind or family, check id, the
+    engine's versions) as a strict, pinned xfail.
 
-    Decided when the test has run, not at collection: the engine's family and versions are the
-    adapter's to say (a server adapter asks its server), and the adapter exists only then."""
+    * While the test runs, the entry is its pin (:func:`kvbench.conformance.verdict.pinned`): a
+      :func:`~kvbench.conformance.verdict.claim` whose message the entry's ``match`` finds is excused and
+      the check goes on, so every later assertion still runs and can fail.
+    * From the call's report: a pass with an excused claim, or a failure whose message ``match`` finds, is
+      the expected failure; any other failure stays a failure, naming the entry it did not match (and the
+      pinned failure, where it held too); a pass with nothing excused, or a skip (an undecided check
+      included), fails saying the entry is stale.
+    * An entry whose versions the engine's release is outside of still excuses the failure it pins, as
+      "still reproduces on <release>", a finding of its own beside new failures.
+
+    Registered only when ``--kvbench-expectations`` is given. Decided when the test runs, not at
+    collection: the engine's family and versions are the adapter's to say (a server adapter asks its
+    server), and the adapter exists only then."""
 
     def __init__(self, ks: KvbenchSession):
         self.ks = ks
 
-    def _expectation_for(self, item: pytest.Item) -> Any:
-        from kvbench.conformance.expectations import matching
+    def _pin_for(self, item: pytest.Item) -> _Pin | None:
+        from kvbench.conformance.expectations import matching, out_of_range
 
         spec = engine_spec_of(item)
         if spec is None or item.get_closest_marker("conformance") is None:
             return None
         adapter = getattr(item, "funcargs", {}).get("engine")
         if adapter is not None and callable(getattr(adapter, "family", None)):
-            return matching(self.ks.expectations, adapter.kind, check_id(item), adapter.engine_version,
-                            adapter.family())
-        return matching(self.ks.expectations, adapter_kind(self.ks, spec.name) or spec.kind, check_id(item))
+            kind, version_of, family = adapter.kind, adapter.engine_version, adapter.family()
+        else:
+            kind, version_of, family = adapter_kind(self.ks, spec.name) or spec.kind, None, None
+        found = matching(self.ks.expectations, kind, check_id(item), version_of, family)
+        if found is not None:
+            return _Pin(found, {})
+        stale_release = out_of_range(self.ks.expectations, kind, check_id(item), version_of, family)
+        return _Pin(*stale_release) if stale_release is not None else None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        pin = self._pin_for(item)
+        with pinned(pin.expectation if pin is not None else None) as scope:
+            item.stash[_SCOPE_KEY] = scope
+            return (yield)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: Any):
         report = yield
-        if report.when != "call" or report.skipped or hasattr(report, "wasxfail"):
+        if report.when != "call" or hasattr(report, "wasxfail"):
             return report
-        expectation = self._expectation_for(item)
-        if expectation is None:
+        pin = self._pin_for(item)
+        if pin is None:
             return report
-        where = f"{expectation.source} (engine {expectation.engine!r}, check {expectation.check!r})"
-        if report.passed:
-            report.outcome = "failed"
-            report.longrepr = f"[XPASS(strict)] now passes: the expectation is stale, remove it from {where}"
-            self.ks.findings.append(f"NOW PASSES {item.nodeid}: the expectation is stale: remove {expectation.engine}"
-                                    f" / {expectation.check} from {expectation.source}")
-            return report
+        scope = item.stash.get(_SCOPE_KEY, None)
+        excused = scope.excused if scope is not None else []
+        e = pin.expectation
+        if report.skipped:
+            if pin.outside:  # a release the entry is not about: a skip there says nothing of the entry
+                return report
+            why = skip_reason(report) or "no reason given"
+            word = "undecided" if is_undecided(why) else "skips"
+            return self._stale(report, item, pin, f"now {word} ({why.removeprefix(UNDECIDED_PREFIX)})")
+        if report.passed and not excused:
+            if pin.outside:  # fixed on a newer release, and the entry is not about it: a plain pass
+                return report
+            return self._stale(report, item, pin, "now passes")
         message = call.excinfo.exconly() if call.excinfo is not None else str(report.longrepr)
-        if expectation.matches_failure(message):
+        if report.passed or (not excused and e.matches_failure(message)):
+            finding = pin.still_reproduces() if pin.outside else e.describe()
+            rest = " (the rest of the check passed)" if excused else ""
             report.outcome = "skipped"
-            report.wasxfail = f"expected failure ({expectation.source}): {expectation.reason}"
-            self.ks.findings.append(f"expected failure {item.nodeid}: {expectation.describe()}")
+            report.wasxfail = f"expected failure ({e.source}): {finding if pin.outside else e.reason}{rest}"
+            label = "STILL REPRODUCES" if pin.outside else "expected failure"
+            self.ks.findings.append(f"{label} {item.nodeid}: {finding}{rest}")
             return report
-        pinned = f"match {expectation.match!r}" if expectation.match else "no match pattern"
-        headline = (f"[UNEXPECTED FAILURE] failed, but not as the expected failure in {where} pins it ({pinned}): "
-                    f"{one_line(message)}")
+        pinned_by = f"match {e.match!r}" if e.match else "no match pattern"
+        if excused:
+            headline = (f"[FAILED BEYOND ITS EXPECTED FAILURE] the failure pinned in {pin.where} held, and then: "
+                        f"{one_line(message)}")
+        else:
+            headline = (f"[UNEXPECTED FAILURE] failed, but not as the expected failure in {pin.where} pins it "
+                        f"({pinned_by}): {one_line(message)}")
         report.longrepr = f"{headline}\n\n{report.longreprtext}"
-        self.ks.findings.append(f"UNEXPECTED FAILURE {item.nodeid}: does not match {expectation.engine} / "
-                                f"{expectation.check} ({pinned}) in {expectation.source}")
+        self.ks.findings.append(f"UNEXPECTED FAILURE {item.nodeid}: "
+                                + ("beyond the pinned failure of " if excused else "does not match ")
+                                + f"{e.engine} / {e.check} ({pinned_by}) in {e.source}")
         return report
 
+    def _stale(self, report: pytest.TestReport, item: pytest.Item, pin: _Pin, now: str) -> pytest.TestReport:
+        e = pin.expectation
+        report.outcome = "failed"
+        report.longrepr = f"[XPASS(strict)] {now}: the expectation is stale, remove it from {pin.where}"
+        self.ks.findings.append(f"STALE {item.nodeid}: {now}: remove {e.engine} / {e.check} from {e.source}")
+        return report

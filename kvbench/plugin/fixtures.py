@@ -10,7 +10,7 @@ import pytest
 
 from kvbench.engines.base import EngineAdapter
 from kvbench.engines.registry import EngineSpec, adapter_class, make_adapter
-from kvbench.plugin.conformance_records import CHECK_PROPERTY, ENGINE_PROPERTY, check_id
+from kvbench.plugin.conformance_records import CHECK_PROPERTY, ENGINE_PROPERTY, PRESSURED_PROPERTY, check_id
 from kvbench.plugin.session import KvbenchSession, engine_spec_of, is_simulator, session_of
 
 
@@ -48,7 +48,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=SIMULATED_REASON))  # placeholder tokens prove nothing
         if spec is not None and item.get_closest_marker("conformance"):
             # identity first, so every phase's report (and --junitxml) says which engine and check it is
-            item.user_properties += [(ENGINE_PROPERTY, spec.name), (CHECK_PROPERTY, check_id(item))]
+            # whether the check pressures the engine: @pytest.mark.conformance(pressured=False) says not
+            # (the unpressured run, bad input), so a run of those alone proves nothing about preemption
+            pressured = all(m.kwargs.get("pressured", True) for m in item.iter_markers("conformance"))
+            item.user_properties += [(ENGINE_PROPERTY, spec.name), (CHECK_PROPERTY, check_id(item)),
+                                     (PRESSURED_PROPERTY, pressured)]
 
 
 @pytest.hookimpl(wrapper=True)

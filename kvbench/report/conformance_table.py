@@ -17,7 +17,7 @@ from typing import Any
 #: where a reader must act
 OUTCOME_WORDS: dict[str, str] = {
     "passed": "passed", "failed": "**FAILED**", "error": "**ERROR**", "xfailed": "expected failure",
-    "skipped": "skipped", "xpassed": "**now passes (stale expectation)**",
+    "skipped": "skipped", "undecided": "undecided", "xpassed": "**now passes (stale expectation)**",
 }
 #: the longest reason a cell (or a footnote) shows; the results file keeps the whole of it
 REASON_CHARS = 140

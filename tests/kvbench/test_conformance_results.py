@@ -21,7 +21,8 @@ def test_records_round_trip_through_a_file(tmp_path):
     assert len(results.conformance) == 1  # the same nodeid replaces, never duplicates
     loaded = Results.load(results.save(tmp_path / "results.json"))
     assert loaded.conformance == [{**RECORD, "outcome": "failed", "reason": "recompute preemption did not happen",
-                                   "knob_overrides": {"preemption_mode": ["swap", "recompute"]}}]
+                                   "knob_overrides": {"preemption_mode": ["swap", "recompute"]},
+                                   "proven": [], "pressured": True}]
 
 
 def test_a_file_written_before_the_key_existed_still_reads(tmp_path):
@@ -36,12 +37,13 @@ def test_a_file_written_before_the_key_existed_still_reads(tmp_path):
 def test_optional_fields_are_filled():
     record = {k: RECORD[k] for k in ("engine", "check", "nodeid", "outcome")}
     assert Results().add_conformance(record) == {**record, "kind": None, "reason": None, "evidence": {},
-                                                 "knob_overrides": {}, "near_ties": 0}
+                                                 "knob_overrides": {}, "near_ties": 0, "proven": [],
+                                                 "pressured": True}
 
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"outcome": "won"}, r"conformance\[0\] \(recompute_preemption_equivalence\): 'outcome' must be one of passed, "
-                         r"failed, skipped, xfailed, xpassed, error, got 'won'"),
+                         r"failed, skipped, undecided, xfailed, xpassed, error, got 'won'"),
     ({"engine": ""}, r"conformance\[0\] needs a non-empty string 'engine'"),
     ({"check": None}, r"conformance\[0\] needs a non-empty string 'check'"),
     ({"evidence": [1]}, r"'evidence' must be an object"),

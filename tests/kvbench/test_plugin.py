@@ -247,10 +247,12 @@ def test_conformance_outcomes_are_written_to_results_json_without_benchmark(pyte
     assert all(r["engine"] == "reference" and r["kind"] == "reference" for r in records.values())
     assert records["proved"]["outcome"] == "passed"
     assert records["proved"]["evidence"] == {"preemptions_recompute": 5}
+    assert records["proved"]["proven"] == ["preemptions_recompute"] and records["did_not_fire"]["proven"] == []
     assert records["proved"]["nodeid"] == "test_checks.py::test_proved[reference]"
-    assert records["not_exposed"]["outcome"] == "skipped"
-    assert records["not_exposed"]["reason"] == ("toy exposes no 'swap_ins' counter, so nothing could prove that a "
-                                                "swap-in happened")
+    # an unprovable mechanism is undecided, never passed
+    assert records["not_exposed"]["outcome"] == "undecided"
+    assert records["not_exposed"]["reason"].startswith("toy exposes no 'swap_ins' counter, so nothing could prove "
+                                                       "that a swap-in happened")
     assert records["did_not_fire"]["outcome"] == "failed"
     assert records["did_not_fire"]["evidence"] == {"prefix_cache_hits": 0}  # what was seen, though it failed
     assert "a prefix-cache hit did not happen on toy" in records["did_not_fire"]["reason"]
@@ -263,7 +265,7 @@ def test_conformance_outcomes_are_written_to_results_json_without_benchmark(pyte
     assert data["engines"][0]["name"] == "reference" and "swap" in data["engines"][0]["capabilities"]
 
     result.stdout.fnmatch_lines(["*kvbench conformance*",
-                                 "reference: 1 error, 1 failed, 4 passed, 1 skipped, 1 xfailed, 1 xpassed "
+                                 "reference: 1 error, 1 failed, 4 passed, 1 undecided, 1 xfailed, 1 xpassed "
                                  "(1 near-ties)", f"conformance results: out?{run.name}?results.json*"])
     # --junitxml carries the evidence as properties of the test case
     junit = (pytester.path / "junit.xml").read_text()
@@ -281,6 +283,7 @@ def test_a_run_without_conformance_tests_writes_no_results(pytester: pytest.Pyte
 
 _UNDECIDED_TESTS = """
     import pytest
+    from kvbench.conformance.verdict import record_proof
 
     pytestmark = pytest.mark.conformance
 
@@ -288,23 +291,48 @@ _UNDECIDED_TESTS = """
     def test_swap(engine_spec):
         if engine_spec.name != "reference":
             pytest.skip(f"{engine_spec.name} lacks capability swap")
+        record_proof("preemptions_swap", 2)
 
 
     def test_priority(engine_spec):
         pytest.skip(f"{engine_spec.name} lacks capability priority")
+
+
+    @pytest.mark.conformance(pressured=False)
+    def test_bad_input(engine_spec):
+        pass
 """
 
 
-def test_a_run_that_decided_nothing_for_an_engine_fails_naming_it(pytester: pytest.Pytester):
+def test_a_run_that_proved_no_mechanism_for_an_engine_fails_naming_it(pytester: pytest.Pytester):
+    """hf decides only the unpressured bad-input check: that proves nothing about preemption, so its run is
+    not green (decided means proven); reference proved swap preemption."""
     pytester.makepyfile(test_checks=_UNDECIDED_TESTS)
     result = pytester.runpytest_subprocess("--engine", "reference", "--engine", "hf", "--report-dir", "out",
                                            "-p", "no:benchmark", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.assert_outcomes(passed=1, skipped=3, failed=1)  # the failure is the synthetic kvbench::undecided[hf]
-    result.stdout.fnmatch_lines(["*no conformance check was decided for hf: all 2 skipped*",
-                                 "*1 x hf lacks capability swap*", "*1 x hf lacks capability priority*",
-                                 "hf: NOTHING DECIDED: every check skipped*"])
-    assert "undecided[reference]" not in result.stdout.str()  # one check decided: reference is not undecided
+    result.assert_outcomes(passed=3, skipped=3, failed=1)  # the failure is the synthetic kvbench::undecided[hf]
+    result.stdout.fnmatch_lines(["*no check under pressure proved its mechanism on hf: 1 of 3 checks decided "
+                                 "(bad_input)*", "*1 x skipped: hf lacks capability swap*",
+                                 "*1 x skipped: hf lacks capability priority*", "hf: NOTHING PROVEN*"])
+    assert "undecided[reference]" not in result.stdout.str()
+
+
+def test_a_run_that_decided_nothing_fails_saying_so(pytester: pytest.Pytester):
+    pytester.makepyfile(test_checks=_UNDECIDED_TESTS)
+    result = pytester.runpytest_subprocess("--engine", "hf", "--report-dir", "out", "-k", "not bad_input",
+                                           "-p", "no:benchmark", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*no conformance check was decided for hf: all 2 skipped or undecided*"])
+
+
+def test_a_run_of_unpressured_checks_alone_is_judged_on_what_it_decided(pytester: pytest.Pytester):
+    """A run that selected no pressured check (``-k bad_input``) asked nothing of preemption: green when it
+    decided something."""
+    pytester.makepyfile(test_checks=_UNDECIDED_TESTS)
+    result = pytester.runpytest_subprocess("--engine", "hf", "--report-dir", "out", "-k", "bad_input",
+                                           "-p", "no:benchmark", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
 
 
 def test_a_run_that_decided_something_and_a_simulator_stay_green(pytester: pytest.Pytester):
@@ -313,8 +341,8 @@ def test_a_run_that_decided_something_and_a_simulator_stay_green(pytester: pytes
     result = pytester.runpytest_subprocess("--engine", "reference", "--engine", "sim", "--report-dir", "out",
                                            "-p", "no:benchmark", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.OK
-    result.assert_outcomes(passed=1, skipped=3)
-    assert "NOTHING DECIDED" not in result.stdout.str()
+    result.assert_outcomes(passed=2, skipped=4)
+    assert "NOTHING" not in result.stdout.str()
 
 
 _ECHO_ADAPTER = """
@@ -377,6 +405,7 @@ def test_conformance_records_survive_xdist(pytester: pytest.Pytester):
                ["conformance"]}
     assert len(records) == 9
     assert records["proved"]["evidence"] == {"preemptions_recompute": 5}
+    assert records["proved"]["proven"] == ["preemptions_recompute"] and records["did_not_fire"]["proven"] == []
     assert records["named_check"]["near_ties"] == 1
     assert records["expected_failure_now_passes"]["outcome"] == "xpassed"
     assert records["setup_error"]["outcome"] == "error"

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SYNTHETIC = """
 import os
 import pytest
+from kvbench.conformance.verdict import record_proof
 from kvbench.core.evidence import record_evidence
 
 def _record(results, name, engine="reference"):
@@ -41,7 +42,7 @@ def _record(results, name, engine="reference"):
 @pytest.mark.conformance
 @pytest.mark.parametrize("n", range(4))
 def test_proves(engine_spec, n, kvbench_session, kvbench_results):
-    record_evidence("preemptions_recompute", 10 + n)
+    record_proof("preemptions_recompute", 10 + n)
     if n == 1:
         kvbench_session.near_ties.append(f"near-tie in case {n}")
     _record(kvbench_results, f"scenario_{n}", engine_spec.name)
