@@ -126,6 +126,9 @@ class Comparison:
 
     label: str
     verdicts: list[tuple[str, Verdict]] = field(default_factory=list)
+    #: the engine's compute dtype when it is unknown (None: known), so the ground truth's float32 cannot judge
+    #: its near-ties: a mismatch then leaves the check undecided instead of failing it
+    unknown_dtype_of: str | None = None
 
     @property
     def mismatches(self) -> list[tuple[str, Verdict]]:
@@ -159,7 +162,7 @@ def compare_outputs(engine: EngineAdapter, result: GenResult, truth: GenResult, 
     ``aborted``: the ids of the requests the check itself aborted; any other abort is a mismatch.
     ``gap_of(prompt, tokens, position, token)``, if given (``HFAdapter.logit_gap``), confirms each near-tie:
     the engine's token must be within the tolerance of the ground truth's best (:func:`confirm_near_tie`)."""
-    comparison = Comparison(label)
+    comparison = Comparison(label, unknown_dtype_of=None if engine.compute_dtype() else engine.name)
     exact = exact_only(engine)
     tolerance = near_tie_tolerance(engine) if tolerance is None else tolerance
     for req, got, want in zip(requests, result.outputs, truth.outputs, strict=True):
@@ -181,6 +184,13 @@ def assert_conforms(comparison: Comparison, near_ties: list[str] | None = None) 
     if near_ties is not None:
         near_ties.extend(f"{comparison.label}: {rid}: {v.explain()}" for rid, v in comparison.near_ties)
     bad = comparison.mismatches
+    if bad and comparison.unknown_dtype_of is not None:
+        # a bfloat16 server (a GPU vLLM at --dtype auto) differs from a float32 ground truth at its near-ties;
+        # without its dtype, kvbench cannot tell those from a wrong answer
+        undecided(f"{comparison.label}: {len(bad)} of {len(comparison.verdicts)} requests differ from the float32 "
+                  f"ground truth, and {comparison.unknown_dtype_of}'s compute dtype is unknown, so kvbench cannot tell "
+                  "a reduced-precision near-tie from a wrong answer (start the server with --dtype). First: "
+                  f"{bad[0][0]}: {bad[0][1].explain()}")
     if bad:
         lines = "\n".join(f"  {rid}: {v.explain()}" for rid, v in bad[:10])
         pytest.fail(f"{comparison.label}: {len(bad)} of {len(comparison.verdicts)} requests differ from the ground "
