@@ -36,6 +36,17 @@ class RequestTrace:
     # how many times the engine reported this request finished: `finished` and `finish_reason` keep
     # the first, and anything above 1 is an engine bug that checks must see
     finish_count: int = 0
+    # set by a driver that aborts by closing the client's stream (HTTP): when it closed a stream that had not
+    # ended, and how many tokens the client had received by then. Evidence of what the client did, never of
+    # what the engine did (the engine's own counters and gauges say that)
+    abort_sent: float | None = None
+    tokens_at_abort: int | None = None
+    # what the client read, where the recorder keeps outputs (``TraceRecorder(keep_outputs=True)``): the
+    # output's token ids and its text (streamed deltas joined); None where not kept or not returned
+    output_token_ids: list[int] | None = None
+    output_text: str | None = None
+    # the server's words when a response that had begun (HTTP 200) ended in an error event, else None
+    error_event: str | None = None
 
 
 @dataclass
@@ -102,12 +113,16 @@ class Trace:
 
 class TraceRecorder:
     """Collects a :class:`Trace` as an adapter serves a workload. Not thread-safe on purpose:
-    adapters that run engines on other threads record from one thread (see ``hf.continuous_batching``)."""
+    adapters that run engines on other threads record from one thread (see ``hf.continuous_batching``).
 
-    def __init__(self, engine: str, scenario: str, clock=time.perf_counter):
+    ``keep_outputs``: keep each request's output token ids and text where the driver reads them
+    (:meth:`output`); off by default, since a benchmark's trace needs only times and counts."""
+
+    def __init__(self, engine: str, scenario: str, clock=time.perf_counter, keep_outputs: bool = False):
         self.trace = Trace(engine=engine, scenario=scenario)
         self._clock = clock
         self._t0 = clock()
+        self.keeps_outputs = keep_outputs
 
     def now(self) -> float:
         return self._clock() - self._t0
@@ -148,6 +163,25 @@ class TraceRecorder:
         if r.finished is None:
             r.finished = t
             r.finish_reason = reason
+
+    def abort_sent(self, request_id: str, t: float, tokens_received: int) -> None:
+        """The client closed ``request_id``'s stream at ``t``, before it ended, having received
+        ``tokens_received`` tokens (the first close is kept)."""
+        r = self._req(request_id)
+        if r.abort_sent is None:
+            r.abort_sent, r.tokens_at_abort = t, tokens_received
+
+    def output(self, request_id: str, token_ids: list[int] | None, text: str | None) -> None:
+        """What the client read of ``request_id``: the token ids the server returned (None where it returned
+        none) and its text; kept only with ``keep_outputs``."""
+        if self.keeps_outputs:
+            r = self._req(request_id)
+            r.output_token_ids = None if token_ids is None else list(token_ids)
+            r.output_text = text
+
+    def error_event(self, request_id: str, message: str) -> None:
+        """``request_id``'s response began and then ended in an error event saying ``message``."""
+        self._req(request_id).error_event = message
 
     def add_request_counts(self, request_id: str, recomputed_tokens: int = 0, prefix_hit_tokens: int = 0) -> None:
         r = self._req(request_id)

@@ -16,9 +16,16 @@ checkpoint tokenizer's text of the ids (special tokens written out, so they roun
 (no EOS), ``stop_token_ids`` as the ``eos_token_id`` list (plus the model's EOS unless ``ignore_eos``),
 ``top_k`` as ``top_k``. ``priority`` has no equivalent and is not sent.
 
+What a user reads is kept beside the ids: :attr:`Completion.text` is the choice's ``text`` (a stream's
+deltas joined in arrival order), as the server wrote it, so a check can hold it to the checkpoint
+tokenizer's decoding of the ids (``suites/conformance/test_user_view.py``).
+
 Errors: an HTTP error with OpenAI's envelope ``{"error": {"message": ...}}`` becomes a
 :class:`Completion` with ``finish_reason="rejected"`` (4xx) or ``"error"`` (5xx, transport) and the
-server's message, so one bad request never hides the others' outputs. A 401 is not one request's
+server's message, so one bad request never hides the others' outputs. A stream that began and then
+carries an error event (vLLM's way, and the reference server's, of failing a request mid-stream) keeps
+every token that arrived before it, ends ``"error"`` with the event's message and
+:attr:`Completion.error_event` set; nothing after the event changes that. A 401 is not one request's
 fault but the run's: it raises :class:`CredentialError`, one message naming the credential.
 """
 
@@ -60,6 +67,10 @@ class Completion:
     #: (``usage.prompt_tokens_details.cached_tokens``: vLLM with --enable-prompt-tokens-details, the
     #: reference server), where it says so
     cached_tokens: int | None = None
+    #: the text the server wrote (a stream's deltas joined in arrival order); None when it wrote none at all
+    text: str | None = None
+    #: True when a response that had begun (HTTP 200) ended in an error event (``error`` holds its message)
+    error_event: bool = False
 
 
 class TextTokens:
@@ -180,6 +191,13 @@ def _failed(response: httpx.Response) -> Completion:
     return Completion(finish_reason=reason, error=error_message(response), status=response.status_code)
 
 
+def _event_error(error: Any) -> str:
+    """An error event's message: OpenAI's ``{"message": ...}`` object, or whatever else the server sent."""
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"]
+    return str(error)
+
+
 def _count(raw: Any) -> int | None:
     return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
 
@@ -247,6 +265,8 @@ class CompletionClient:
         out = Completion(status=200)
         choice = _choice(data)
         out.token_ids = self._ids(choice, out)
+        if isinstance(choice.get("text"), str):
+            out.text = choice["text"]
         out.finish_reason = choice.get("finish_reason")
         out.num_preemptions = _count(choice.get("num_preemptions"))
         usage = data.get("usage") or {}
@@ -265,23 +285,27 @@ class CompletionClient:
         answered with the response's head. Cancelling the calling task closes the
         connection (how a client aborts a request)."""
         out = Completion()
+        texts: list[str] = []
 
         def on_event(t: float, data: Any) -> None:
             if isinstance(data, dict) and "error" in data:  # an error after the stream began (vLLM's way)
-                out.finish_reason, out.error = "error", str(data["error"])
+                out.finish_reason, out.error, out.error_event = "error", _event_error(data["error"]), True
                 return
             choice = _choice(data)
             ids = self._ids(choice, out)
+            if isinstance(choice.get("text"), str):
+                texts.append(choice["text"])
             if ids:
                 out.token_ids.extend(ids)
                 on_tokens(t, ids)
-            if choice.get("finish_reason"):
+            if choice.get("finish_reason") and not out.error_event:  # an error is the end, whatever follows
                 out.finish_reason = choice["finish_reason"]
                 out.num_preemptions = _count(choice.get("num_preemptions"))
 
         try:
             await stream_events(self.base_url, {**body, "stream": True}, self.headers(), on_event, clock, started)
             out.status = 200
+            out.text = "".join(texts) if texts else None
         except StreamError as e:
             if e.status == 401:
                 raise credential_error(self.base_url, self.api_key, 401, e.body) from None

@@ -11,7 +11,8 @@ One module per concept:
 * ``protocol``: the request and response bodies (pydantic, unknown fields refused);
 * ``detokenize``: token ids in and out of text with the checkpoint's own ``tokenizer.json``;
 * ``metrics``: ``/metrics`` in Prometheus text, vLLM's metric names plus ``reference_engine:`` extras;
-* ``app``: the FastAPI application (routes, errors, auth, body limit).
+* ``app``: the FastAPI application (routes, errors, auth, body limit);
+* ``front_end_faults``: a testing aid, front ends broken on purpose (the hidden ``--front-end-fault``).
 """
 
 from __future__ import annotations

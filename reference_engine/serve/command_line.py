@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "replaces the idle engine with one built from those flags, in the same engine process "
                              "(409 while requests are in flight; 400 naming a bad flag, the old engine serving on). "
                              "Needs --engine-process (default: off)")
+    # a testing aid, left out of --help: a front end broken on purpose (reference_engine.serve.front_end_faults)
+    server.add_argument("--front-end-fault", default=None, metavar="NAME", help=argparse.SUPPRESS)
     return parser
 
 
@@ -220,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config(args)
     except ConfigError as e:
         parser.error(str(e))
+    if args.front_end_fault is not None:
+        from reference_engine.serve.front_end_faults import apply_front_end_fault
+
+        try:
+            apply_front_end_fault(args.front_end_fault)
+        except ValueError as e:
+            parser.error(str(e))
 
     def import_http_stack() -> None:  # only a running server needs it; imported while the engine loads
         import uvicorn  # noqa: F401

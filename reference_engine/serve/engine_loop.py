@@ -18,8 +18,11 @@ Contracts:
   next step, so concurrent connections are batched together.
 * Each accepted request's queue receives ``RequestOutput`` objects (cumulative ``token_ids``) until one
   with ``finished=True``, or one :class:`EngineFailure` if a step raised: then every request in flight
-  is failed, the engine is asked to abort them, and the loop keeps serving new requests. If even the
-  aborts fail, the engine is declared broken and later ``add`` calls raise ``EngineFailure``.
+  is failed, the engine is asked to abort them, and the loop keeps serving new requests. A failed
+  request's queue first gets the tokens the engine holds for it beyond those delivered (a step can fail
+  after producing them: :func:`held_outputs`), in the same hop as its failure, so its client has every
+  token the engine produced before the error. If even the aborts fail, the engine is declared broken and
+  later ``add`` calls raise ``EngineFailure``.
 * ``stop()`` ends the thread cleanly: requests still in flight get an ``EngineFailure`` and are
   aborted, and the thread is joined.
 """
@@ -34,7 +37,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from reference_engine.outputs import RequestOutput
 from reference_engine.sampling_params import SamplingParams
@@ -168,12 +171,14 @@ class EngineLoop:
             outputs = self.engine.step().outputs
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self._in_flight))
-            self._fail_all(EngineFailure(f"engine step failed: {type(e).__name__}: {e}"))
+            sent = {rid: flight.num_tokens for rid, flight in self._in_flight.items()}
+            self._fail_all(EngineFailure(f"engine step failed: {type(e).__name__}: {e}"),
+                           self._outputs_batch(held_outputs(self.engine, sent)))
             return
-        self._deliver(outputs)
+        self._send(self._outputs_batch(outputs))
         self._stats = read_engine_stats(self.engine)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _outputs_batch(self, outputs: list[RequestOutput]) -> list[tuple[asyncio.Queue, object]]:
         now = time.monotonic()
         batch: list[tuple[asyncio.Queue, object]] = []
         for out in outputs:
@@ -184,12 +189,13 @@ class EngineLoop:
             batch.append((flight.outputs, out))
             if out.finished:
                 del self._in_flight[out.request_id]
-        self._send(batch)
+        return batch
 
-    def _fail_all(self, error: EngineFailure) -> None:
-        """Hand ``error`` to every request in flight and abort them, so none hangs and no block leaks."""
+    def _fail_all(self, error: EngineFailure, first: list[tuple[asyncio.Queue, object]] | None = None) -> None:
+        """Hand ``error`` to every request in flight and abort them, so none hangs and no block leaks;
+        ``first`` (outputs the requests are owed) goes in the same hop, ahead of the failures."""
         failed, self._in_flight = self._in_flight, {}
-        self._send([(flight.outputs, error) for flight in failed.values()])
+        self._send([*(first or []), *((flight.outputs, error) for flight in failed.values())])
         if (error := abort_and_drain(self.engine, failed, lambda: self._stopping)) is not None:
             self._broken = error
         try:
@@ -225,6 +231,20 @@ def observe_output(metrics: ServerMetrics | None, flight: InFlight, out: Request
         m.observe_finished(out.finish_reason or "abort")
     if new_tokens > 0:
         flight.num_tokens, flight.last_token_time = len(out.token_ids), now
+
+
+def held_outputs(engine, sent: dict[str, int]) -> list[RequestOutput]:
+    """For each request of ``sent`` (request id -> tokens already delivered) that the engine still holds
+    with more tokens than that, its output as the engine holds it now (not finished: the caller fails it).
+    After a step raised, these are the tokens the step gave its requests before it failed. A request the
+    failed step finished is no longer held, and its last tokens cannot be had."""
+    held = getattr(engine.scheduler, "requests", {})
+    out = []
+    for request_id, delivered in sent.items():
+        req = held.get(request_id)
+        if req is not None and len(req.output_token_ids) > delivered:
+            out.append(replace(RequestOutput.of(req), finished=False, finish_reason=None))
+    return out
 
 
 def abort_and_drain(engine, request_ids, stopping: Callable[[], bool] = lambda: False) -> Exception | None:

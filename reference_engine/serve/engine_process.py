@@ -38,6 +38,9 @@ Contracts beyond ``EngineLoop``'s:
   :class:`EngineBusy`, and the engine process checks again on its side, so a request added meanwhile
   wins); a config the engine refuses raises :class:`EngineStartError` and the old engine serves on. The
   new engine's counters start at zero, and the batch that says it is ready carries them.
+* A step that raises fails every request in flight, each after the tokens the engine holds for it beyond
+  those already sent (a step can fail after its model run produced them): the client of a failed stream
+  has every token the engine produced for it before the error.
 * If the engine process dies, every request in flight gets an ``EngineFailure`` and later ``add`` calls
   raise it; the server keeps answering ``/metrics`` and errors, and ``/health`` answers 503. The engine
   process ignores SIGINT (the server's own shutdown stops it) and exits when the server's end of the
@@ -73,6 +76,7 @@ from reference_engine.serve.engine_loop import (
     EngineFailure,
     InFlight,
     abort_and_drain,
+    held_outputs,
     observe_output,
 )
 from reference_engine.serve.prometheus import EngineStats, ServerMetrics, read_engine_stats
@@ -297,12 +301,19 @@ class _EngineCore:
         return ("ok", EngineInfo.of(engine))
 
     def _step(self) -> list[_Delta]:
+        """The step's news per request. A step that raises fails every request in flight; the tokens it
+        had already given them (a step can fail after its model run) go out first, in the same batch as
+        the failures (:func:`~reference_engine.serve.engine_loop.held_outputs`)."""
         try:
             outputs = self.engine.step().outputs
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self.sent))
+            deltas = self._deltas(held_outputs(self.engine, self.sent))
             self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
-            return []
+            return deltas
+        return self._deltas(outputs)
+
+    def _deltas(self, outputs: list[RequestOutput]) -> list[_Delta]:
         deltas: list[_Delta] = []
         for out in outputs:
             sent = self.sent.get(out.request_id)
@@ -557,6 +568,9 @@ class EngineProcess:
             request.flight.outputs.put_nowait(error)
 
     def _handle(self, batch: tuple[list, list, float, EngineStats | None, list[_Delta], str | None, list]) -> None:
+        """One batch from the engine process, in its order of events: replies to adds, then the tokens of
+        the step, then failures (a failed step's batch carries the tokens it gave its requests before they
+        failed: each request's queue gets them ahead of its failure)."""
         replies, failed, now, stats, deltas, broken, reconfigured = batch
         if stats is not None:
             self._stats = stats
@@ -576,12 +590,12 @@ class EngineProcess:
                                                    else EngineFailure(message))
             elif not request.accepted.done():  # (a cancelled caller's abort follows and ends it)
                 request.accepted.set_result(None)
+        for delta in deltas:
+            self._deliver(delta, now)
         for request_id, message in failed:
             request = self._requests.pop(request_id, None)
             if request is not None:
                 self._fail(request, EngineFailure(message))
-        for delta in deltas:
-            self._deliver(delta, now)
 
     def _reconfigured(self, token: int, answer: tuple) -> None:
         """The engine process's answer to reconfigure ``token``. On success the new engine's info and fresh
