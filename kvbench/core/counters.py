@@ -31,7 +31,9 @@ COUNTER_SPECS: tuple[CounterSpec, ...] = (
     CounterSpec("preemptions_swap", "events", "preemptions whose victim's KV was copied to host memory"),
     CounterSpec("preemptions_total", "events",
                 "preemptions of every mode as the engine's own single total (vLLM's vllm:num_preemptions_total), "
-                "where it keeps one beside the by-mode counts: it must equal their sum"),
+                "where it keeps one beside by-mode counts of its own: it must equal their sum. Where the total is "
+                "the only preemption count and is read as one mode's count (vLLM v1), it is told once and not "
+                "exposed here"),
     CounterSpec("swap_outs", "requests", "requests whose KV blocks were copied device -> host"),
     CounterSpec("swap_ins", "requests", "requests whose KV blocks were copied host -> device on resume"),
     CounterSpec("swap_fallbacks", "events",
@@ -52,6 +54,19 @@ COUNTER_SPECS: tuple[CounterSpec, ...] = (
                 "tokens computed again because a recompute preemption discarded their KV, "
                 "not counting tokens served from the prefix cache on resume"),
     CounterSpec("generated_tokens", "tokens", "output tokens sampled"),
+    CounterSpec("prompt_tokens", "tokens",
+                "prompt tokens of the requests the engine began to answer, counted once per request when its first "
+                "output token is sampled, whether computed or served from the prefix cache (vLLM's "
+                "vllm:prompt_tokens_total)"),
+    CounterSpec("finished_length", "requests",
+                "requests the engine finished at their max_tokens or the model's length "
+                "(vllm:request_success_total{finished_reason=\"length\"})"),
+    CounterSpec("finished_stop", "requests",
+                "requests the engine finished at a stop token or EOS "
+                "(vllm:request_success_total{finished_reason=\"stop\"})"),
+    CounterSpec("request_preemptions", "events",
+                "preemptions summed over the requests that finished, each request's own count (vLLM's "
+                "vllm:request_num_preemptions histogram sum): the preemptions told a second time, per request"),
     CounterSpec("aborts", "requests", "requests the engine aborted on the client's request while in flight"),
     CounterSpec("leaked_blocks", "blocks",
                 "device + host blocks still held by a request after every request finished (a gauge at the end)"),
@@ -86,6 +101,10 @@ class Counters(Mapping[str, float]):
     computed_tokens: int | None = None
     recomputed_tokens: int | None = None
     generated_tokens: int | None = None
+    prompt_tokens: int | None = None
+    finished_length: int | None = None
+    finished_stop: int | None = None
+    request_preemptions: int | None = None
     aborts: int | None = None
     leaked_blocks: int | None = None
     num_gpu_blocks: int | None = None

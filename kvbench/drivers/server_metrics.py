@@ -11,10 +11,15 @@ counts the same thing. Foreign names are renamed there and nowhere else::
     every counter below     reference_engine:<counter>_total
     preemptions_recompute   else vllm:num_preemptions_total, when the caller says that the server
     preemptions_swap        preempts in that mode only (``preemptions_are``): the other mode is 0
-    preemptions_total       vllm:num_preemptions_total (the engine's one total, checked against the modes)
+    preemptions_total       vllm:num_preemptions_total (the engine's one total, checked against the modes),
+                            unless it was read as a mode's count: then it is told once, and left out
     prefix_cache_queries    else vllm:prefix_cache_queries_total                      tokens
     prefix_cache_hits       else vllm:prefix_cache_hits_total                         tokens
     generated_tokens        else vllm:generation_tokens_total
+    prompt_tokens           else vllm:prompt_tokens_total (cached prompt tokens included)
+    finished_length         else vllm:request_success_total{finished_reason="length"}
+    finished_stop           else vllm:request_success_total{finished_reason="stop"}
+    request_preemptions     vllm:request_num_preemptions_sum (per finished request, summed)
     aborts                  else vllm:request_success_total{finished_reason="abort"}
     num_gpu_blocks          vllm:cache_config_info{num_gpu_blocks}, else reference_engine:num_gpu_blocks
     num_cpu_blocks          vllm:cache_config_info{num_cpu_blocks}
@@ -62,6 +67,10 @@ COUNTER_METRICS: dict[str, tuple[Source, ...]] = {
     "computed_tokens": (_own("computed_tokens"),),
     "recomputed_tokens": (_own("recomputed_tokens"),),
     "generated_tokens": (_own("generated_tokens"), ("vllm:generation_tokens_total", {})),
+    "prompt_tokens": (_own("prompt_tokens"), ("vllm:prompt_tokens_total", {})),
+    "finished_length": (_own("finished_length"), ("vllm:request_success_total", {"finished_reason": "length"})),
+    "finished_stop": (_own("finished_stop"), ("vllm:request_success_total", {"finished_reason": "stop"})),
+    "request_preemptions": (_own("request_preemptions"), ("vllm:request_num_preemptions_sum", {})),
     "aborts": (_own("aborts"), ("vllm:request_success_total", {"finished_reason": "abort"})),
 }
 _NOT_ROUNDED = {"swap_seconds"}
@@ -109,7 +118,9 @@ def cumulative_counters(snap: MetricsSnapshot, preemptions_are: str | None = Non
     """The contract's counters as the server's cumulative totals (subtract a before-scrape with
     :meth:`Counters.minus`), read through :data:`COUNTER_METRICS`. ``preemptions_are``
     ("recompute"|"swap") says which mode ``vllm:num_preemptions_total`` counts on a server that does
-    not count preemptions by mode (vLLM v1 only recomputes); without it that total feeds no mode."""
+    not count preemptions by mode (vLLM v1 only recomputes); without it that total feeds no mode. A total
+    read as a mode's count is told once: ``preemptions_total`` is then left out (``None``), so that no
+    check compares the one metric with itself."""
     values: dict[str, Any] = {}
     for name, sources in COUNTER_METRICS.items():
         metric, labels = next(((m, lab) for m, lab in sources if snap.has(m)), sources[0])
@@ -120,6 +131,8 @@ def cumulative_counters(snap: MetricsSnapshot, preemptions_are: str | None = Non
         values[f"preemptions_{preemptions_are}"] = values["preemptions_total"]
         # a server that cannot preempt the other way exposes that mode as a true zero
         values["preemptions_swap" if preemptions_are == "recompute" else "preemptions_recompute"] = 0
+        # the total now *is* the by-mode count: told once, so it is not offered as a second telling
+        values["preemptions_total"] = None
     values["num_gpu_blocks"], values["num_cpu_blocks"] = pool_sizes(snap)
     return Counters(**{k: v for k, v in values.items() if v is not None})
 

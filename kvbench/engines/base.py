@@ -264,6 +264,22 @@ class EngineAdapter(abc.ABC):
         except importlib.metadata.PackageNotFoundError:
             return None
 
+    def confirmed_settings(self, knobs: Knobs = DEFAULT_KNOBS) -> dict[str, Any]:
+        """The settings the *engine itself* says it runs ``knobs``' runs with (its configuration endpoint, the
+        labels of its metrics, its own log), by :class:`Knobs` field name: ``{"max_num_batched_tokens": 16,
+        "enable_chunked_prefill": True, ...}``. Only what the engine states: a setting it does not state is
+        absent, never filled in from ``knobs`` (what kvbench asked for is not evidence of what ran). A check
+        proves a mechanism from outside with it (a prompt longer than a confirmed token budget, served right,
+        was prefilled in pieces).
+
+        Default: nothing confirmed, except for an adapter that runs each call through another adapter it keeps
+        per knob set (``server_for(knobs)``: the ``server`` adapter and the server it launched for ``knobs``),
+        which answers with that adapter's. Call it after a run with the same ``knobs``."""
+        server_for = getattr(self, "server_for", None)
+        if server_for is None:
+            return {}
+        return server_for(self.knobs_for(knobs)).confirmed_settings(knobs)
+
     @abc.abstractmethod
     def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
         """Run all requests to completion (all submitted before the engine steps)."""
