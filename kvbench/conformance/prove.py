@@ -59,12 +59,26 @@ def pressured_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], facto
     # sized by what the requests really need (``outputs``), yet the largest must be admitted whatever it
     # turns out to need, so ``largest`` is its max_tokens need
     budget = replace(pressured(kv_needs(requests, outputs), factor), largest=max(kv_needs(requests), default=1))
-    return engine.pool_knobs(budget).merged(Knobs(**more))
+    knobs = engine.pool_knobs(budget).merged(Knobs(**more))
+    _mark_run(engine, requests, unpressured=False)
+    return knobs
 
 
 def roomy_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], **more: Any) -> Knobs:
-    """Knobs for a pool that holds every one of ``requests`` at once: nothing is preempted."""
-    return engine.pool_knobs(roomy(kv_needs(requests))).merged(Knobs(**more))
+    """Knobs for a run of ``requests`` in which nothing is preempted: a pool that holds every one of them at once,
+    or, on a server whose pool is fixed (:meth:`OpenAIAdapter.fixed_pool`), its own pool with the run marked
+    unpressured, so the adapter sends it in waves that each fit the pool (:meth:`OpenAIAdapter.mark_run`)."""
+    knobs = engine.pool_knobs(roomy(kv_needs(requests))).merged(Knobs(**more))
+    _mark_run(engine, requests, unpressured=True)
+    return knobs
+
+
+def _mark_run(engine: EngineAdapter, requests: Sequence[GenRequest], *, unpressured: bool) -> None:
+    """Tell an engine with a fixed pool whether the coming run of ``requests`` is to be unpressured (it then goes in
+    waves that fit the pool) or pressured (all at once); engines whose pool a check sets need not know."""
+    mark = getattr(engine, "mark_run", None)
+    if mark is not None:
+        mark(requests, unpressured=unpressured)
 
 
 def model_vocab(model_dir: str) -> tuple[int, int]:
@@ -162,7 +176,8 @@ def compare_outputs(engine: EngineAdapter, result: GenResult, truth: GenResult, 
     ``aborted``: the ids of the requests the check itself aborted; any other abort is a mismatch.
     ``gap_of(prompt, tokens, position, token)``, if given (``HFAdapter.logit_gap``), confirms each near-tie:
     the engine's token must be within the tolerance of the ground truth's best (:func:`confirm_near_tie`)."""
-    comparison = Comparison(label, unknown_dtype_of=None if engine.compute_dtype() else engine.name)
+    dtype_of = getattr(engine, "compute_dtype", None)
+    comparison = Comparison(label, unknown_dtype_of=None if dtype_of is None or dtype_of() else engine.name)
     exact = exact_only(engine)
     tolerance = near_tie_tolerance(engine) if tolerance is None else tolerance
     for req, got, want in zip(requests, result.outputs, truth.outputs, strict=True):
