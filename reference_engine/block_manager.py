@@ -71,7 +71,10 @@ class BlockManager:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            hashes.append(BlockHash.of(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            parent, block = hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]
+            # an unsalted request hashes as it always did; a salt (vLLM's cache_salt) joins the first block's hash
+            hashes.append(BlockHash.of(parent, block) if request.cache_salt is None
+                          else BlockHash.of(parent, block, request.cache_salt))
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:

@@ -32,11 +32,17 @@ class BlockHash:
     parent: int | None
     token_ids: tuple[int, ...]
 
+    #: the first block's salt (None: unsalted); later blocks inherit it through the chain
+    salt: str | None = None
+
     @classmethod
-    def of(cls, parent: BlockHash | None, token_ids: Iterable[int]) -> BlockHash:
+    def of(cls, parent: BlockHash | None, token_ids: Iterable[int], salt: str | None = None) -> BlockHash:
+        """The hash of a block after ``parent``; ``salt`` (first block only, as vLLM's ``cache_salt``) is part
+        of its identity, so blocks of the same tokens under different salts never match."""
         tokens = tuple(token_ids)
         parent_value = parent.value if parent is not None else None
-        return cls(hash((parent_value, tokens)), parent_value, tokens)
+        key = (parent_value, tokens) if salt is None or parent is not None else (parent_value, tokens, salt)
+        return cls(hash(key), parent_value, tokens, salt if parent is None else None)
 
 
 class KVBlock:

@@ -184,8 +184,10 @@ class LLMEngine:
         self.scheduler.events.add_sink(sink)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request, or raise :class:`RequestRejected` (engine untouched) if it can never run."""
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queue a request, or raise :class:`RequestRejected` (engine untouched) if it can never run.
+
+        ``cache_salt``: the request shares cached prefix blocks only with requests of the same salt."""
         try:
             self._validate(request_id, prompt_token_ids, sampling_params)
         except RequestRejected as e:
@@ -193,7 +195,8 @@ class LLMEngine:
             raise
         eos = self.model.config.eos_token_ids[0] if self.model.config.eos_token_ids else None
         req = Request(request_id, list(prompt_token_ids), sampling_params,
-                      time.monotonic() if arrival_time is None else arrival_time, priority, eos)
+                      time.monotonic() if arrival_time is None else arrival_time, priority, eos,
+                      cache_salt=cache_salt)
         self.scheduler.add(req)
 
     def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:

@@ -39,6 +39,9 @@ class Request:
     arrival_time: float
     priority: int = 0
     eos_token_id: int | None = None
+    # mixed into the hash of the first block (vLLM's cache_salt): requests share cached prefixes only with
+    # requests of the same salt, so a client can keep runs apart on one server
+    cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -113,7 +113,8 @@ def in_dialect(body: dict[str, Any], dialect: str, text_tokens: TextTokens | Non
     if text_tokens is None:
         raise ValueError("dialect transformers sends prompts as text: a tokenizer.json is needed")
     out = {k: v for k, v in body.items()
-           if k not in ("prompt", "return_token_ids", "ignore_eos", "stop_token_ids", "top_k", "priority")}
+           if k not in ("prompt", "return_token_ids", "ignore_eos", "stop_token_ids", "top_k", "priority",
+                         "cache_salt")}
     out["prompt"] = text_tokens.decode(body["prompt"])
     stops = [int(t) for t in body.get("stop_token_ids") or ()]
     if not body.get("ignore_eos", False) and eos_token_id is not None:
@@ -129,9 +130,10 @@ def in_dialect(body: dict[str, Any], dialect: str, text_tokens: TextTokens | Non
 def completion_body(model: str | None, prompt_token_ids: list[int], max_tokens: int, *, stream: bool,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     ignore_eos: bool = True, priority: int = 0,
-                    stop_token_ids: list[int] | None = None) -> dict[str, Any]:
+                    stop_token_ids: list[int] | None = None, cache_salt: str | None = None) -> dict[str, Any]:
     """The JSON body of one ``/v1/completions`` request. Fields at their neutral value are left out,
-    so a server that lacks a vLLM extra still takes the request unless the request needs it."""
+    so a server that lacks a vLLM extra still takes the request unless the request needs it.
+    ``cache_salt`` (vLLM's extra): the request shares cached prefix blocks only with requests of the same salt."""
     body: dict[str, Any] = {"prompt": list(prompt_token_ids), "max_tokens": max_tokens, "temperature": temperature,
                             "stream": stream, "return_token_ids": True, "ignore_eos": ignore_eos}
     if model:
@@ -146,6 +148,8 @@ def completion_body(model: str | None, prompt_token_ids: list[int], max_tokens: 
         body["priority"] = priority
     if stop_token_ids:
         body["stop_token_ids"] = list(stop_token_ids)
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     return body
 
 
@@ -224,9 +228,14 @@ class CompletionClient:
         self.timeout = timeout
         self.dialect = dialect
         self.eos_token_id = eos_token_id
+        #: put in every request's body while set (the adapter sets a fresh one per run, where the server takes
+        #: it): the run's requests share cached prefixes among themselves, never with an earlier run's
+        self.cache_salt: str | None = None
 
     def body(self, prompt_token_ids: list[int], max_tokens: int, *, stream: bool, **sampling: Any) -> dict[str, Any]:
         """One request's JSON body in this server's dialect (``sampling``: :func:`completion_body`'s keywords)."""
+        if self.cache_salt and "cache_salt" not in sampling:
+            sampling["cache_salt"] = self.cache_salt
         vllm = completion_body(self.model, prompt_token_ids, max_tokens, stream=stream, **sampling)
         return in_dialect(vllm, self.dialect, self.text_tokens, self.eos_token_id)
 

@@ -251,7 +251,8 @@ def build_app(engine: LLMEngine | EngineProcess, *, served_model_name: str | Non
         abort = _once(lambda: engine_loop.abort(request_id))
         try:
             outputs = await race_disconnect(
-                request, engine_loop.add(request_id, prompt_ids, params, priority=body.priority), abort)
+                request, engine_loop.add(request_id, prompt_ids, params, priority=body.priority,
+                                         cache_salt=body.cache_salt), abort)
         except RequestRejected as e:
             raise BadRequest("prompt", str(e)) from None
         except EngineFailure as e:

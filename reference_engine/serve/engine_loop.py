@@ -86,8 +86,9 @@ class EngineLoop:
         self._thread.start()
 
     async def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                  priority: int = 0) -> asyncio.Queue:
-        """Queue a request on the engine; return the queue its outputs arrive on.
+                  priority: int = 0, cache_salt: str | None = None) -> asyncio.Queue:
+        """Queue a request on the engine; return the queue its outputs arrive on (``cache_salt``: see
+        ``LLMEngine.add_request``).
 
         Raises the engine's ``RequestRejected`` (the request was never added) or :class:`EngineFailure`.
         If the caller is cancelled while waiting, it must still call :meth:`abort`.
@@ -103,7 +104,8 @@ class EngineLoop:
                 done.set_exception(EngineFailure(f"the engine is not serving: {self._broken}"))
                 return
             try:
-                self.engine.add_request(request_id, list(prompt_token_ids), params, priority=priority)
+                self.engine.add_request(request_id, list(prompt_token_ids), params, priority=priority,
+                                        cache_salt=cache_salt)
             except BaseException as e:
                 done.set_exception(e)
                 return

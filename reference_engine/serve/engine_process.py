@@ -258,12 +258,13 @@ class _EngineCore:
     def _command(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_ids, params, priority = command
+            _, request_id, prompt_ids, params, priority, *salt = command  # the salt is optional: older senders
+            cache_salt = salt[0] if salt else None
             if self.broken is not None:
                 self.replies.append((request_id, ("failure", f"the engine is not serving: {self.broken}")))
                 return
             try:
-                self.engine.add_request(request_id, prompt_ids, params, priority=priority)
+                self.engine.add_request(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt)
             except RequestRejected as e:
                 self.replies.append((request_id, ("rejected", str(e))))
                 return
@@ -414,7 +415,7 @@ class EngineProcess:
         self._writer.start()
 
     async def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                  priority: int = 0) -> asyncio.Queue:
+                  priority: int = 0, cache_salt: str | None = None) -> asyncio.Queue:
         """As ``EngineLoop.add``: the queue of ``request_id``'s outputs, or ``RequestRejected`` /
         ``EngineFailure``. A caller cancelled while waiting must still call :meth:`abort`."""
         if self._broken is not None or self._stopping:
@@ -425,7 +426,7 @@ class EngineProcess:
         accepted = asyncio.get_running_loop().create_future()
         request = _Request(InFlight(asyncio.Queue(), time.monotonic(), len(prompt)), prompt, accepted)
         self._requests[request_id] = request
-        self._outbox.put(("add", request_id, prompt, params, priority))
+        self._outbox.put(("add", request_id, prompt, params, priority, cache_salt))
         await accepted
         return request.flight.outputs
 

@@ -50,6 +50,8 @@ class CompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     priority: int = 0
     return_token_ids: bool = False
+    # vLLM's: requests share cached prefix blocks only with requests of the same salt
+    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 class UnsupportedField(ValueError):

