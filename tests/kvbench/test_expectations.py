@@ -240,7 +240,8 @@ def test_a_fixed_bug_fails_the_run_saying_the_expectation_is_stale(pytester, tmp
     path = write(tmp_path, {"engine": "reference", "check": "fixed_bug"},
                  {"engine": "hf", "check": "known_bug"})  # another kind's entry does not apply
     result = pytester.runpytest_subprocess("--engine", "reference", "--kvbench-expectations", path, "-p",
-                                           "no:cacheprovider", "-rf", "-k", "test_fixed_bug or test_known_bug or test_healthy")
+                                           "no:cacheprovider", "-rf", "-k",
+                                           "test_fixed_bug or test_known_bug or test_healthy")
     result.assert_outcomes(passed=1, failed=2)
     result.stdout.fnmatch_lines([f"*now passes: the expectation is stale, remove it from {path}*",
                                  "*STALE*test_fixed_bug*now passes*"])
