@@ -3,17 +3,17 @@
 * ``max_tokens``: every request runs to its length limit (``ignore_eos=True``).
 * ``stop_token_ids``: each request stops at a token the ground truth generates (its last, or the one
   halfway through), so the stop provably fires (at that token's first occurrence).
-* ``eos``: ``ignore_eos=False``. Greedy decoding on the built-in random checkpoints almost never
-  picks EOS, so the set adds prompts cut right before a position where the ground truth's greedy
-  choice *is* EOS (found by one teacher-forced pass over the prompts): those requests end at their
-  first token with "stop".
+* ``eos``: ``ignore_eos=False`` on a checkpoint whose EOS is a token the ground truth's greedy outputs reach
+  mid-output (:mod:`kvbench.models.eos_checkpoint`): each request that reaches it stops there, at a position
+  known in advance (:func:`eos_positions`), often after a preemption took it off and brought it back. (The
+  built-in checkpoints' own EOS is almost never picked greedily: prompts that happened to end right before it
+  gave requests that stopped at their first token, never under pressure, and none at all on some seeds.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 from kvbench.core.requests import GenRequest, GenResult
 
@@ -31,25 +31,12 @@ def stop_token_requests(requests: Sequence[GenRequest], truth: GenResult) -> lis
     return out
 
 
-def eos_prompts(model: Any, requests: Sequence[GenRequest], eos_token_ids: set[int],
-                limit: int = 6) -> list[GenRequest]:
-    """Up to ``limit`` requests whose prompt is a prefix of one of ``requests``' prompts after which
-    ``model`` (a transformers causal LM, the ground truth) greedily picks an EOS token."""
-    import torch
-
-    found: list[GenRequest] = []
-    with torch.inference_mode():
-        for r in requests:
-            ids = torch.tensor([r.prompt_token_ids], dtype=torch.long, device=model.device)
-            greedy = model(ids).logits[0].argmax(-1).tolist()  # [prompt_len]
-            for i, token in enumerate(greedy):
-                if token in eos_token_ids and len(found) < limit:
-                    found.append(replace(r, request_id=f"{r.request_id}-eos{i}",
-                                         prompt_token_ids=r.prompt_token_ids[:i + 1],
-                                         ignore_eos=False))
-    return found
+def eos_requests(requests: Sequence[GenRequest]) -> list[GenRequest]:
+    """The request set with EOS honoured."""
+    return [replace(r, ignore_eos=False) for r in requests]
 
 
-def eos_requests(requests: Sequence[GenRequest], prompts_ending_in_eos: Sequence[GenRequest]) -> list[GenRequest]:
-    """The request set with EOS honoured, plus the prompts after which EOS is the greedy choice."""
-    return [replace(r, ignore_eos=False) for r in requests] + list(prompts_ending_in_eos)
+def eos_positions(truth: GenResult, eos: int) -> dict[str, int]:
+    """Request id -> the index of the output token at which EOS ``eos`` ends it: its first ``eos`` in the
+    ground truth generated with EOS ignored; requests that never reach it are left out."""
+    return {o.request_id: o.token_ids.index(eos) for o in truth.outputs if eos in o.token_ids}

@@ -1,10 +1,11 @@
 """Check 8: bad input gets a clear error or a documented fallback, and the engine keeps serving
-everyone else: an over-long prompt, a pool too small for one request, an exhausted swap space,
-an invalid configuration."""
+everyone else: an over-long prompt, a pool too small for one request (on an engine whose pool must hold
+max_model_len: a request needing the whole pool), an exhausted swap space, an invalid configuration."""
 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -18,6 +19,8 @@ from kvbench.conformance.prove import (
     require_knobs,
     roomy_knobs,
 )
+from kvbench.conformance.verdict import claim, record_proof, undecided
+from kvbench.core.evidence import record_evidence
 from kvbench.core.kv_budget import KVBudget
 from kvbench.engines.base import AdapterRefusal, GenRequest, Knobs
 from kvbench.plugin import require
@@ -68,6 +71,7 @@ def _report(problems: list[str]) -> None:
         pytest.fail("\n".join(problems), pytrace=False)
 
 
+@pytest.mark.conformance(pressured=False)
 def test_over_long_prompt_is_refused_and_others_are_served(engine, model_dir, requests_greedy, truth, truth_engine,
                                                            near_ties, tolerance):
     """A prompt past the model's positions is refused naming max_model_len; the others are served. An engine
@@ -93,12 +97,17 @@ def test_over_long_prompt_is_refused_and_others_are_served(engine, model_dir, re
 POOL_TOKENS, SMALL, TOO_BIG = 96, 64, 136
 
 
+@pytest.mark.conformance(pressured=False)
 def test_request_larger_than_the_pool_is_refused_and_others_are_served(engine, requests_greedy, truth, truth_engine,
                                                                         near_ties, tolerance):
+    """A request that can never fit the pool is refused naming it, and the others are served. An engine that
+    refuses to start with a pool smaller than max_model_len admits no such request (a longer one is refused as
+    over-long, which that check covers): on it the check takes the largest request it allows, one needing the
+    whole pool, while others hold part of it (:func:`whole_pool_request_is_served_or_refused`)."""
     require_knobs(engine, "num_gpu_blocks", "block_size")
     if engine.kv_layout.pool_holds_max_model_len:
-        pytest.skip(f"{engine.name} refuses to start with a pool smaller than max_model_len, so no request it "
-                    "admits can outgrow the pool: a longer one is refused as over-long (that check covers it)")
+        whole_pool_request_is_served_or_refused(engine, requests_greedy, truth, truth_engine, near_ties, tolerance)
+        return
     small = [r for r, t in zip(requests_greedy, truth.outputs, strict=True)
              if len(r.prompt_token_ids) + r.max_tokens <= SMALL][:6]
     assert small, "the request set has no small requests"
@@ -112,6 +121,59 @@ def test_request_larger_than_the_pool_is_refused_and_others_are_served(engine, r
     problems += _served_the_others(engine, type(result)([o for o in result.outputs if o.request_id in wanted]),
                                    truth_small, "too-big", small, truth_engine, near_ties, tolerance)
     _report(problems)
+
+
+#: the whole-pool request: max_model_len of WHOLE_POOL_BLOCKS blocks, a pool of one block more (an engine may hold
+#: one back: vLLM keeps a null block out of every request's reach and refuses to start when max_model_len exceeds
+#: the pool less that block), and a request of exactly max_model_len (its output WHOLE_POOL_OUTPUT_BLOCKS blocks),
+#: sent with up to WHOLE_POOL_OTHERS requests of 2 to SMALL_BLOCKS blocks: none of them fits beside it
+WHOLE_POOL_BLOCKS, WHOLE_POOL_OUTPUT_BLOCKS, WHOLE_POOL_OTHERS, SMALL_BLOCKS = 8, 2, 6, 4
+#: what a clear refusal of it names: the limit it hit, in kvbench's or an engine's words
+WHOLE_POOL_WORDS = ("max_model_len", "maximum context length", "maximum model length", "blocks", "KV cache")
+
+
+def whole_pool_request_is_served_or_refused(engine, requests_greedy, truth, truth_engine, near_ties, tolerance):
+    """The largest request an engine allows, when its pool must hold max_model_len: a request exactly as long as
+    max_model_len, in a pool that holds it with at most one block to spare, sent with others that each need two
+    blocks or more, so that it can run only while none of them holds its blocks. It must be served with the ground
+    truth's tokens, or refused with an error that names the limit; the others must be served with theirs; nobody
+    may wait forever (the watchdog). Proven: the engine ran the pool it was given (its own pool size)."""
+    block = engine.kv_layout.block_size()
+    limit = WHOLE_POOL_BLOCKS * block
+    small = [r for r in requests_greedy if block < len(r.prompt_token_ids) + r.max_tokens <= SMALL_BLOCKS * block]
+    small = small[:WHOLE_POOL_OTHERS]
+    assert small, "the request set has no small requests"
+    vocab, _ = model_vocab(engine.model_dir)
+    rng = random.Random(8)
+    output = WHOLE_POOL_OUTPUT_BLOCKS * block
+    whole = GenRequest("whole-pool", [rng.randrange(3, vocab) for _ in range(limit - output)], output)
+    pool = WHOLE_POOL_BLOCKS + 1
+    knobs = Knobs(block_size=block, num_gpu_blocks=pool, max_model_len=limit, preemption_mode="recompute")
+    result = engine.generate([whole, *small], knobs)
+    got = result.outputs[0]
+    problems = []
+    if got.finish_reason in ("rejected", "error"):
+        if not got.error or not any(word in got.error for word in WHOLE_POOL_WORDS):
+            problems.append(f"the whole-pool request was refused without naming the limit it hit: {got.error!r}")
+    else:
+        want = truth_engine.generate([whole])
+        comparison = compare_outputs(engine, type(result)([got]), want, [whole], truth_engine.top2_margins,
+                                     f"{engine.name} whole-pool request", tolerance, gap_of=truth_engine.logit_gap)
+        near_ties.extend(f"{comparison.label}: {rid}: {v.explain()}" for rid, v in comparison.near_ties)
+        problems += [f"the whole-pool request was not served right: {v.explain()}" for _, v in comparison.mismatches]
+    wanted = {r.request_id for r in small}
+    problems += _served_the_others(engine, type(result)(result.outputs[1:]),
+                                   type(truth)([o for o in truth.outputs if o.request_id in wanted]), "whole-pool",
+                                   small, truth_engine, near_ties, tolerance)
+    _report(problems)
+    ran = result.counters.num_gpu_blocks
+    if ran is None:
+        undecided(f"{engine.name} does not say how large a pool it ran, so nothing proves the request needed all of it")
+    claim(ran == pool, f"{engine.name} ran a pool of {ran} blocks, not the {pool} it was given: the request did not "
+                       "need all of it")
+    record_evidence("whole_pool_request", got.finish_reason)
+    if ran == pool:
+        record_proof("whole_pool_request", limit)
 
 
 def test_exhausted_swap_space_falls_back_to_recompute(engine, requests_greedy, truth, truth_engine, near_ties,
@@ -159,6 +221,7 @@ def test_every_swap_wanted_but_not_made_is_a_counted_fallback(mode, engine, requ
                                        f"swap and recomputed ({fell_back[:10]})")
 
 
+@pytest.mark.conformance(pressured=False)
 @pytest.mark.parametrize(("knob", "value"), [("block_size", 3), ("num_gpu_blocks", -1), ("max_num_seqs", 0),
                                              ("preemption_mode", "teleport")])
 def test_invalid_configuration_names_the_field(knob, value, engine, requests_greedy):
