@@ -11,11 +11,13 @@ value skips the check, naming it; a server already running with exactly that lau
 is reused, else one is started on a free port of 127.0.0.1 and kvbench waits for ``/health``
 (``startup_timeout``). Servers stay up for later calls with the same command, across checks: up to
 ``keep_servers`` of them (default 8; least recently used stopped first), since starting one (an HTTP
-process and an engine process that imports torch) costs more than most checks' runs. Two kinds are not
-kept once a call asks for other knobs, because they carry state from one run into the next that a fresh
-server would not have: a server with prefix caching on (its cached blocks would give the next check hits
-it did not cause) and a server whose check failed (:meth:`ServerAdapter.check_failed`, called by the
-plugin).
+process and an engine process that imports torch) costs more than most checks' runs. Each run's requests
+carry a fresh ``cache_salt`` where the server honours one (vLLM, the reference server): a prefix-caching
+server then gives a run no hits from an earlier run's blocks, and is reused as a cold one. Two kinds are
+not reused at all, because they carry state from one run into the next that a fresh server would not have:
+a server that caches prefixes (by the knob, or by its preset's default: vLLM V1's) and takes no salt (its
+cached blocks would give the next run hits it did not cause), and a server whose check failed
+(:meth:`ServerAdapter.check_failed`, called by the plugin).
 
 The reference preset (its own command, not ``cmd=``) launches with ``--allow-reconfigure``: a call whose
 knobs no kept server runs first gives the most recently used server the new launch command's flags
@@ -24,6 +26,10 @@ quicker than a start: docs/results.md#the-reference-servers-overhead), with coun
 empty pool and prefix cache, as a fresh server would have, and checks that the model and its server
 flags stay as they are. Whatever it refuses falls back to a fresh start. A peer (vLLM...) and ``cmd=``
 are always started from their own command.
+
+``preset=vllm,fault=NAME`` launches vLLM with one function of its engine replaced, to show a check failing
+on it (:mod:`kvbench.launch.vllm_faults`): the launch's environment gets the fault's start-up hook first on
+``PYTHONPATH`` and the fault's name, and the installed package is left as it is.
 
 While a call sends, kvbench's own client runs off the cores the launched server binds its engine to
 (``client_cores=auto``, the default; ``off`` leaves it where the OS puts it): on a small machine the
@@ -47,7 +53,7 @@ import sys
 import tempfile
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +72,8 @@ from kvbench.engines.http.presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Prese
 from kvbench.launch.peers import PeerMissing, VllmInstall, find_vllm
 from kvbench.launch.placement import helpers_onto_engine_cores, off_the_engine_cores
 from kvbench.launch.process import ServerProcess, free_port, stop_servers
+from kvbench.launch.vllm_faults import FAULTS as VLLM_FAULTS
+from kvbench.launch.vllm_faults import check_fault, fault_environment
 
 #: servers of other knob sets kept running for reuse, by default
 DEFAULT_KEEP_SERVERS = 8
@@ -73,7 +81,7 @@ DEFAULT_KEEP_SERVERS = 8
 #: options that take one of a few words, the default first
 _CHOICES = {"client_cores": ("auto", "off"), "helper_cores": ("free", "engine")}
 _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect",
-              "metrics_interval")
+              "metrics_interval", "cache_salt")
 
 
 @dataclass
@@ -86,11 +94,16 @@ class _Launched:
     knobs: dict[str, Any]
     port: int
     reconfigured: bool = False  # running knobs given in place, not at its start
+    #: the knobs the server runs with where its launch sets none (:attr:`Preset.server_defaults`)
+    defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def carries_state(self) -> bool:
-        """Whether a run leaves state here that changes the next run (prefix caching keeps cached blocks)."""
-        return bool(self.knobs.get("enable_prefix_caching"))
+        """Whether a run leaves state here that changes the next run: prefix caching keeps cached blocks, by the
+        knob or by the server's default (vLLM V1 caches unless told not to), unless each run's requests carry a
+        fresh ``cache_salt`` the server honours, which keeps a run from hitting an earlier run's blocks."""
+        caching = self.knobs.get("enable_prefix_caching", self.defaults.get("enable_prefix_caching"))
+        return bool(caching) and not self.remote.takes_cache_salt()
 
 
 class ServerAdapter(EngineAdapter):
@@ -113,6 +126,7 @@ class ServerAdapter(EngineAdapter):
         "timeout": "seconds one request may take (default 600)",
         "settle_timeout": "seconds to wait after a run for the server's queues to empty (default 30)",
         "metrics_interval": OpenAIAdapter.option_keys["metrics_interval"],
+        "cache_salt": OpenAIAdapter.option_keys["cache_salt"],
         "preemptions_are": "recompute or swap: what vllm:num_preemptions_total counts (default: the preset's)",
         "dialect": "vllm or transformers: how requests are said (default: the preset's; vllm for cmd=)",
         "client_cores": "auto or off: while it sends, kvbench's client runs off the cores the launched server "
@@ -123,6 +137,8 @@ class ServerAdapter(EngineAdapter):
                         "kvbench.launch.placement)",
         "vllm": "preset=vllm: a Python with vllm installed, its environment folder, or a vllm command "
                 "(default: $KVBENCH_VLLM, then the environment scripts/peers.sh vllm made, then vllm on PATH)",
+        "fault": "preset=vllm: a fault patched into the launched vLLM's engine, to show a check failing on it "
+                 f"(kvbench.launch.vllm_faults), one of: {', '.join(VLLM_FAULTS)}",
     }
 
     @classmethod
@@ -146,6 +162,14 @@ class ServerAdapter(EngineAdapter):
                                  f"got {options[key]!r}")
         if "vllm" in options and preset_name != "vllm":
             raise ValueError(f"engine {cls.kind!r}: option vllm is for preset=vllm")
+        if "fault" in options:
+            if preset_name != "vllm":
+                raise ValueError(f"engine {cls.kind!r}: option fault is for preset=vllm (the reference server's "
+                                 "faults: kvbench.conformance.faults:FaultyServerAdapter)")
+            try:
+                check_fault(options["fault"])
+            except ValueError as e:
+                raise ValueError(f"engine {cls.kind!r}: option fault: {e}") from None
 
     @classmethod
     def check_available(cls, options: dict[str, str]) -> None:
@@ -180,6 +204,12 @@ class ServerAdapter(EngineAdapter):
         self.kv_layout = self.preset.kv_layout
         if self.preset.name == "vllm" and not cmd:
             self._locate_vllm()
+        #: the fault patched into a launched vLLM (option fault), None for an engine as shipped
+        self.vllm_fault: str | None = self.options.get("fault") if self.preset.name == "vllm" else None
+        if self.vllm_fault:
+            # the hook's folder goes ahead of any PYTHONPATH the server would have had; in the launch key too,
+            # so a faulted server is never reused for a plain run
+            self.env_overrides.update(fault_environment(self.vllm_fault, {**_server_env(), **self.env_overrides}))
         self.capabilities = self.preset.capabilities
         self.lacking = dict(self.preset.lacking)
         self.unsupported_knobs = dict(self.preset.unsupported) if preset_name else {
@@ -213,8 +243,10 @@ class ServerAdapter(EngineAdapter):
 
     def compute_dtype(self) -> str | None:
         """The server's ``--dtype`` flag as its launch command gives it (the last one wins, as ``args=`` comes
-        after the preset's), or None without one (the server's default, unknown here) or for ``auto``."""
-        return dtype_of_flags([*(self.command or self.preset.command), *self.extra])
+        after the preset's), else the preset's own default where it has one (the reference server computes in
+        float32), or None: the server's default is unknown here, or ``auto``."""
+        return dtype_of_flags([*(self.command or self.preset.command), *self.extra]) or \
+            (self.preset.default_dtype if self.command is None else None)
 
     def engine_version(self, package: str) -> str | None:
         if self.vllm is not None and package in ("vllm", "vllm-cpu"):
@@ -226,6 +258,8 @@ class ServerAdapter(EngineAdapter):
         if self.vllm is not None:
             described["vllm"] = {"version": self.vllm.version, "cpu_build": self.vllm.cpu_build,
                                  "found": self.vllm.source}
+        if self.vllm_fault:
+            described["fault"] = {"name": self.vllm_fault, "breaks": VLLM_FAULTS[self.vllm_fault].breaks}
         return described
 
     def argv(self, knobs: Knobs, port: int | str) -> list[str]:
@@ -254,7 +288,8 @@ class ServerAdapter(EngineAdapter):
         for which are kept)."""
         key = self.launch_key(knobs)
         launched = self._launched.get(key)
-        if launched is not None and launched.server.running():
+        # a warm server (prefix caching without a salt to keep runs apart) is never reused as if it were cold
+        if launched is not None and launched.server.running() and not launched.carries_state:
             self._launched.move_to_end(key)
             self._server = launched.server
             return launched.remote
@@ -278,7 +313,8 @@ class ServerAdapter(EngineAdapter):
         self._server = server
         server.wait_healthy(f"http://127.0.0.1:{port}", self.startup_timeout)
         remote = self._remote(port, wanted)
-        self._launched[key] = _Launched(server, remote, wanted, port)
+        self._launched[key] = _Launched(server, remote, wanted, port,
+                                        defaults=dict(self.preset.server_defaults))
         self._stop(list(self._launched)[:-self.keep_servers])  # least recently used first
         return remote
 
@@ -354,6 +390,9 @@ class ServerAdapter(EngineAdapter):
         with self._client_placed(server):
             result = remote.generate(requests, knobs)
         result.evidence.append(f"server log: {server.log_path}")
+        if self.vllm_fault:
+            result.evidence.append(f"the server runs with fault {self.vllm_fault} patched into its engine: "
+                                   f"{VLLM_FAULTS[self.vllm_fault].breaks}")
         if self._launched and self._launched[next(reversed(self._launched))].reconfigured:
             result.evidence.append("the server was given these knobs in place (POST "
                                    f"{self.preset.reconfigure_path}): a new engine in its running engine process")
