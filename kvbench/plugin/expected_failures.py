@@ -91,6 +91,11 @@ class ExpectedFailures:
         scope = item.stash.get(_SCOPE_KEY, None)
         excused = scope.excused if scope is not None else []
         e = pin.expectation
+        if report.skipped and excused:
+            # the pinned failure held, then the rest of the check could not decide: the finding reproduces, and
+            # the rest is said (an undecided remainder is not a pass of the check)
+            why = (skip_reason(report) or "no reason given").removeprefix(UNDECIDED_PREFIX)
+            return self._expected(report, item, pin, f" (the rest of the check did not decide: {why})")
         if report.skipped:
             if pin.outside:  # a release the entry is not about: a skip there says nothing of the entry
                 return report
@@ -103,13 +108,7 @@ class ExpectedFailures:
             return self._stale(report, item, pin, "now passes")
         message = call.excinfo.exconly() if call.excinfo is not None else str(report.longrepr)
         if report.passed or (not excused and e.matches_failure(message)):
-            finding = pin.still_reproduces() if pin.outside else e.describe()
-            rest = " (the rest of the check passed)" if excused else ""
-            report.outcome = "skipped"
-            report.wasxfail = f"expected failure ({e.source}): {finding if pin.outside else e.reason}{rest}"
-            label = "STILL REPRODUCES" if pin.outside else "expected failure"
-            self.ks.findings.append(f"{label} {item.nodeid}: {finding}{rest}")
-            return report
+            return self._expected(report, item, pin, " (the rest of the check passed)" if excused else "")
         pinned_by = f"match {e.match!r}" if e.match else "no match pattern"
         if excused:
             headline = (f"[FAILED BEYOND ITS EXPECTED FAILURE] the failure pinned in {pin.where} held, and then: "
@@ -121,6 +120,15 @@ class ExpectedFailures:
         self.ks.findings.append(f"UNEXPECTED FAILURE {item.nodeid}: "
                                 + ("beyond the pinned failure of " if excused else "does not match ")
                                 + f"{e.engine} / {e.check} ({pinned_by}) in {e.source}")
+        return report
+
+    def _expected(self, report: pytest.TestReport, item: pytest.Item, pin: _Pin, rest: str) -> pytest.TestReport:
+        e = pin.expectation
+        finding = pin.still_reproduces() if pin.outside else e.describe()
+        report.outcome = "skipped"
+        report.wasxfail = f"expected failure ({e.source}): {finding if pin.outside else e.reason}{rest}"
+        label = "STILL REPRODUCES" if pin.outside else "expected failure"
+        self.ks.findings.append(f"{label} {item.nodeid}: {finding}{rest}")
         return report
 
     def _stale(self, report: pytest.TestReport, item: pytest.Item, pin: _Pin, now: str) -> pytest.TestReport:
