@@ -1,5 +1,13 @@
 """Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) read from a Hugging Face checkpoint.
 
+Biases are computed where ``config.json`` asks for them, as transformers and vLLM read a Llama config:
+``attention_bias`` on the q, k, v *and* o projections, ``mlp_bias`` on gate, up and down. Every path
+carries them: the fused q/k/v and gate/up matmuls concatenate them with their weights
+(:meth:`LlamaForCausalLM.fuse_projections`), the packed oneDNN matmuls pass them to their kernel
+(:mod:`reference_engine.kernels.cpu_linear`), and the elementwise and attention kernels run after the
+matmuls that added them. A checkpoint whose bias tensors disagree with its config is refused
+(:func:`load_model`), never computed with zeros.
+
 Weights come from ``*.safetensors`` only (never pickle). Config values this module does not
 implement (a ``rope_scaling`` type, another activation, sliding windows) are refused with an
 error naming the key, rather than silently computing something else.

@@ -42,8 +42,16 @@ FAULTS: dict[str, str] = {
                                   "on != off)",
     "undercounts_prefix_hits": "the prefix-cache hit counter counts half of each admission's hit (check 3: its "
                                "responses' cached tokens and the shared prefixes' floor disagree with it)",
+    "counts_prefix_hits_per_retry": "an admission that waits for room counts its prefix-cache hit again at each "
+                                    "retry (checks 3b and 11: more hits than the requests can give, once per "
+                                    "admission)",
     "ignores_token_budget": "max_num_batched_tokens is ignored, so no prefill is ever split (check 4)",
     "never_aborts": "abort_request is accepted but does nothing (check 6)",
+    "ignores_early_abort": "an abort that arrives before a request's first token is accepted but does nothing "
+                           "(an abort before the first token)",
+    "fails_mid_stream": "the fifth step that gives out tokens and finishes no request raises once it has given "
+                        "them, failing every request in flight mid-stream (tokens before an error: a server must "
+                        "deliver those tokens ahead of its error event)",
     "aborts_preemption_victims": "a request preempted by recompute is aborted instead of resumed (checks 1, 6)",
     "finishes_twice": "a finished request is reported finished again on the next step (check 6)",
     "leaks_block": "the first request released with device blocks (finished or aborted) keeps them (check 6)",
@@ -63,9 +71,24 @@ FAULTS: dict[str, str] = {
     "preemptions_without_swaps": "per-request preemption counts leave out swap preemptions (metrics truth)",
     "overcounts_generated_tokens": "the generated-token counter counts one token too many per step (counts told "
                                    "twice)",
+    "preemptions_total_misses_a_mode": "the engine's preemption total leaves out its recompute preemptions, so the "
+                                       "server's vllm:num_preemptions_total disagrees with its by-mode counts "
+                                       "(counts told twice, over HTTP: in process no total is read)",
     "admission_ignores_headroom": "the watermark admission gate projects against the whole pool, ignoring "
                                   "admission_headroom (check 12)",
     "livelock": "after 20 steps the engine stops scheduling anything, forever (liveness)",
+    "prefix_hit_takes_no_reference": "a prefix-cache hit on a block another running request holds shares it without "
+                                     "taking a reference, so the first holder's release frees it under the other "
+                                     "(check 5 from outside: refcount safety)",
+    "starves_requests_at_max_model_len": "a request whose prompt and max_tokens reach max_model_len is never "
+                                         "admitted (an off-by-one in the admission gate), so it waits forever (a "
+                                         "request as long as the pool allows)",
+    "drops_attention_bias": "the q/k/v projection's matmul leaves out its bias (on a checkpoint with attention "
+                            "biases: the unpressured run, and with it every equivalence check)",
+    "readmitted_holds_extra_blocks": "a request readmitted after a recompute preemption is given one block more "
+                                     "than its tokens need (check 13)",
+    "uncounted_auto_fallbacks": "under preemption_mode=auto, a swap the host pool could not take is recomputed "
+                                "without counting it in swap_fallbacks or preemptions_recompute (checks 13, 8)",
 }
 
 
@@ -85,6 +108,31 @@ def apply_fault_named_in(engine: Any, path: str) -> None:
     ``--patch kvbench.conformance.faults:apply_fault_named_in=PATH`` builds each new engine (at a reconfigure)
     with whatever fault a test wrote there last."""
     apply_fault(engine, Path(path).read_text(encoding="utf-8").strip())
+
+
+#: the counters record type of fault ``preemptions_total_misses_a_mode``: the engine's own, with a total of swap
+#: preemptions only (made on first use, :func:`__getattr__`)
+_TOTAL_WITHOUT_RECOMPUTE = "CountersTotalWithoutRecompute"
+
+
+def _total_without_recompute(record: Any) -> Any:
+    """``record`` (an engine's ``EngineCounters``) with the same fields and a ``preemptions`` total that leaves
+    out recompute preemptions."""
+    return __getattr__(_TOTAL_WITHOUT_RECOMPUTE)(**record.as_dict())
+
+
+def __getattr__(name: str) -> Any:
+    """The record type of :func:`_total_without_recompute`, made on first use from the engine's record type
+    (found among the loaded modules: this module imports nothing of the engine) and kept under this module's
+    name, where the reference server's front end finds it when it unpickles the records its engine process
+    sends."""
+    if name != _TOTAL_WITHOUT_RECOMPUTE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    record_type = sys.modules["reference_engine.engine_counters"].EngineCounters
+    made = type(name, (record_type,), {"__module__": __name__, "__qualname__": name,
+                                       "preemptions": property(lambda self: self.preemptions_swap)})
+    globals()[name] = made
+    return made
 
 
 def engine_faults() -> list[str]:
@@ -168,6 +216,36 @@ class FaultyReferenceAdapter(ReferenceAdapter):
         engine.abort_request = lambda request_id: True
 
     @staticmethod
+    def _patch_ignores_early_abort(engine: Any) -> None:
+        abort = engine.abort_request
+
+        def ignoring_early(request_id):
+            req = engine.scheduler.requests.get(request_id)
+            if req is not None and not req.output_token_ids:
+                return True  # accepted, and the request goes on as if never aborted
+            return abort(request_id)
+
+        engine.abort_request = ignoring_early
+
+    @staticmethod
+    def _patch_fails_mid_stream(engine: Any) -> None:
+        # A step that fails after its model run: its tokens are in the requests and counted, then it raises.
+        # Never on a step that finished a request (a finished request is no longer held, so nobody could
+        # deliver its last tokens), and only once: the engine serves on after.
+        step, giving = engine.step, [0]
+
+        def failing_once():
+            result = step()
+            gave = [o for o in result.outputs if o.token_ids]
+            if gave and not any(o.finished for o in result.outputs):
+                giving[0] += 1
+                if giving[0] == 5:
+                    raise RuntimeError("fails_mid_stream: the step failed after giving its requests their tokens")
+            return result
+
+        engine.step = failing_once
+
+    @staticmethod
     def _patch_aborts_preemption_victims(engine: Any) -> None:
         # The engine gives up on its recompute victims: it aborts them itself (its own abort path, its
         # own "abort" finish reason) right after the step that preempted them.
@@ -222,6 +300,28 @@ class FaultyReferenceAdapter(ReferenceAdapter):
         bm.record_prefix_query = lambda num_tokens, hit_tokens: record(num_tokens, hit_tokens // 2)
 
     @staticmethod
+    def _patch_counts_prefix_hits_per_retry(engine: Any) -> None:
+        # An admission that cannot have its blocks yet is retried next step; this engine counts the hit it
+        # found each time, not once when the request is admitted.
+        scheduler, bm = engine.scheduler, engine.block_manager
+        allocate = scheduler._allocate_for_admission
+
+        def counting_each_try(req, num_new, hits, step):
+            allocated = allocate(req, num_new, hits, step)
+            if not allocated and hits:
+                bm.counters.prefix_cache_hits += len(hits) * bm.block_size
+            return allocated
+
+        scheduler._allocate_for_admission = counting_each_try
+
+    @staticmethod
+    def _patch_preemptions_total_misses_a_mode(engine: Any) -> None:
+        # The engine's counters record, as it hands it out (to the server's /metrics too), with a total that
+        # leaves out recompute preemptions; the by-mode fields stay true.
+        counters = engine.counters
+        engine.counters = lambda: _total_without_recompute(counters())
+
+    @staticmethod
     def _patch_livelock(engine: Any) -> None:
         step, taken, last = engine.step, [0], []
 
@@ -234,6 +334,35 @@ class FaultyReferenceAdapter(ReferenceAdapter):
             return replace(last[0], outputs=[], record=type(last[0].record)())
 
         engine.step = stalled
+
+    @staticmethod
+    def _patch_prefix_hit_takes_no_reference(engine: Any) -> None:
+        # A hit on a block some running request holds joins its table without a reference of its own: when the
+        # first holder lets go the block is free (and soon handed out and overwritten) under the other. The pool's
+        # double-free guard would turn that into a crash at once; an engine with this bug has no such guard, so a
+        # release of a block already at zero is dropped, and the bug shows as wrong tokens, as it would in the wild.
+        pool = engine.block_manager.pool
+        touch, free = pool.touch, pool.free
+
+        def unguarded_free(blocks):
+            for block in blocks:  # one at a time: a table may come to hold a block twice
+                if block.ref_cnt > 0:
+                    free([block])
+
+        pool.touch = lambda blocks: touch([b for b in blocks if b.ref_cnt == 0])
+        pool.free = unguarded_free
+
+    @staticmethod
+    def _patch_starves_requests_at_max_model_len(engine: Any) -> None:
+        # "<" where "<=" was meant: a request exactly as long as the engine allows is held back, every step
+        admission, limit = engine.scheduler.admission, engine.config.max_model_len
+        admits = admission.admits
+
+        def off_by_one(request, running, manager):
+            return request.num_prompt_tokens + request.sampling_params.max_tokens < limit and admits(request, running,
+                                                                                                     manager)
+
+        admission.admits = off_by_one
 
     # --- faults at the engine's intake: what add_request does with a request
     @staticmethod
@@ -415,6 +544,45 @@ class FaultyReferenceAdapter(ReferenceAdapter):
 
         scheduler._preempt = noting_fallbacks
         engine.step = step_dropping
+
+    # --- faults in the model's matmuls and in block accounting
+    @staticmethod
+    def _patch_drops_attention_bias(engine: Any) -> None:
+        # The projection each forward pass calls (the fused q/k/v matmul, whatever its backend) computes
+        # x @ W.T alone; the checkpoint's bias stays loaded. A checkpoint without attention biases is unchanged.
+        for layer in engine.model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.qkv,) if attn.qkv is not None else (attn.q_proj, attn.k_proj, attn.v_proj):
+                proj.bias = None
+
+    @staticmethod
+    def _patch_readmitted_holds_extra_blocks(engine: Any) -> None:
+        bm = engine.block_manager
+        allocate = bm.allocate_slots
+
+        def one_block_more(request, num_new_tokens, new_computed_blocks=()):
+            # a waiting request that was preempted before: a readmission after recompute. Where the extra
+            # block does not fit it is admitted as it should be (a pool sized for it alone must not stall it).
+            readmission = request.status.value == "waiting" and request.num_preemptions > 0
+            if readmission and allocate(request, num_new_tokens + bm.block_size, new_computed_blocks):
+                return True
+            return allocate(request, num_new_tokens, new_computed_blocks)
+
+        bm.allocate_slots = one_block_more
+
+    @staticmethod
+    def _patch_uncounted_auto_fallbacks(engine: Any) -> None:
+        # Auto's fallback only (fixed swap still counts its own): its events stay, its counters do not move.
+        scheduler = engine.scheduler
+        preempt, counters = scheduler._preempt, scheduler.counters
+
+        def uncounted(victim, step_builder):
+            before = counters.swap_fallbacks, counters.preemptions_recompute
+            preempt(victim, step_builder)
+            if scheduler.preemption_mode == "auto" and counters.swap_fallbacks > before[0]:
+                counters.swap_fallbacks, counters.preemptions_recompute = before
+
+        scheduler._preempt = uncounted
 
 
 class FaultyServerAdapter(ServerAdapter):

@@ -23,7 +23,19 @@ here is chosen so that
   models otherwise tend to end up repeating one token forever;
 * RMSNorm weights are not all ones, so a loader that ignores them (or uses Gemma's ``1 + w``) produces
   different tokens; the final norm's have random signs, which keeps tied-embedding models from
-  favouring the current token.
+  favouring the current token;
+* biases, where the config asks for them (Llama's ``attention_bias``: q, k, v and o projections;
+  ``mlp_bias``: gate, up and down), are drawn at ``BIAS_SCALE`` of their projection's output: enough to
+  move the logits by about one, so an engine that drops one, or a loader that skips them, produces
+  different tokens, and not so much that constant terms take over the greedy output.
+
+What real checkpoints vary, the presets cover: grouped-query attention (both presets have fewer KV heads
+than query heads), attention and MLP biases (``tiny``, the suites' default, has both, so a default run
+exercises an engine's bias path; ``small`` has none, as Llama), tied or untied embeddings (untied by
+default; ``tie_word_embeddings=True``).
+Every variant is a plain ``LlamaForCausalLM`` checkpoint, which transformers, vLLM and the reference
+engine all read the same way: ``attention_bias`` puts a bias on q, k, v *and* o, ``mlp_bias`` on gate,
+up and down.
 
 Scaling the logits does not by itself beat float32 noise, which grows with them: what counts is the
 margin against the measured noise. ``measure_margins`` reports both (float32 incremental decode vs. a
@@ -33,6 +45,7 @@ random model has some near-ties; expect roughly one position in 10^4..10^5 withi
 Command line::
 
     python -m kvbench.models.random_llama OUT_DIR --preset tiny|small [--seed N] [--tie-word-embeddings]
+        [--attention-bias|--no-attention-bias] [--mlp-bias|--no-mlp-bias]
     python -m kvbench.models.random_llama --measure-margins DIR [--num-prompts 16 ...] [--dtype bfloat16]
 
 This module imports torch and safetensors only; ``measure_margins`` imports transformers lazily.
@@ -69,6 +82,11 @@ REPEAT_MARGIN = LOGIT_STD / 4
 REPEAT_REPAIR_PASSES = 8
 # RMSNorm weights are drawn uniformly from this range (see the module docstring for why not ones).
 NORM_WEIGHT_RANGE = (0.75, 1.25)
+# A bias's std, relative to the std of its projection's output (1, or qk_gain for q and k). Measured on
+# tiny (seeds 0-2): dropping the q/k/v, the o or the MLP biases moves the logits by 0.8-1.6 on average
+# and changes the argmax at 20-40% of positions, while greedy output stays as varied as without biases;
+# at 0.15 and up the constant terms took over: runs of one token grew to 20-40 and fewer tokens were used.
+BIAS_SCALE = 0.1
 
 PRESETS: dict[str, dict[str, Any]] = {
     # For tests: a 32-request workload (prompts <= 300, outputs <= 100 tokens) runs in seconds on CPU.
@@ -83,6 +101,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
+        # biases on every projection, so the default conformance run exercises an engine's bias path
+        "attention_bias": True,
+        "mlp_bias": True,
         "qk_gain": 2.0,
     },
     # For benchmarks: wide and deep enough that a batch-64 decode step is dominated by matmuls, not by
@@ -98,6 +119,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
         "qk_gain": 1.5,
     },
 }
@@ -161,6 +184,9 @@ def build_config(preset: str = "tiny", seed: int = 0, **overrides: Any) -> dict[
     qk_gain = float(shape["qk_gain"])
     if not qk_gain > 0:
         raise ValueError(f"qk_gain={qk_gain} is invalid: expected a positive float")
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+        if not isinstance(shape[key], bool):
+            raise ValueError(f"{key}={shape[key]!r} is invalid: expected True or False")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -179,10 +205,10 @@ def build_config(preset: str = "tiny", seed: int = 0, **overrides: Any) -> dict[
         "rope_theta": rope_theta,
         "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "attention_bias": False,
+        "attention_bias": shape["attention_bias"],
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": bool(shape["tie_word_embeddings"]),
+        "mlp_bias": shape["mlp_bias"],
+        "tie_word_embeddings": shape["tie_word_embeddings"],
         "bos_token_id": BOS_TOKEN_ID,
         "eos_token_id": EOS_TOKEN_ID,
         "pad_token_id": PAD_TOKEN_ID,
@@ -198,7 +224,9 @@ def build_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
     Tensors are drawn in the order they are listed here from one ``torch.Generator`` seeded with
     ``config["kvbench_init"]["seed"]`` and then deterministically repaired
     (``_break_repeat_fixed_points``), so the result is a pure function of the config (on a given torch
-    version). With tied embeddings there is no ``lm_head.weight``.
+    version). With tied embeddings there is no ``lm_head.weight``. Biases (``attention_bias``: q, k, v, o;
+    ``mlp_bias``: gate, up, down) are drawn after every other tensor, so a checkpoint and its bias-free
+    twin (same seed) share their weight matrices, but for the output rows the repair moves.
     """
     init = config["kvbench_init"]
     qk_gain, output_scale = init["qk_gain"], init["logit_std"] / math.sqrt(config["hidden_size"])
@@ -240,6 +268,21 @@ def build_weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
     weights["model.norm.weight"] = norm() * signs
     if not config["tie_word_embeddings"]:
         weights["lm_head.weight"] = torch.randn(vocab, hidden, generator=gen) * output_scale
+
+    def bias(size: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(size, generator=gen) * (BIAS_SCALE * gain)
+
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if config["attention_bias"]:  # Llama's attention_bias: all four projections (q and k at their gain)
+            weights[p + "self_attn.q_proj.bias"] = bias(q_dim, qk_gain)
+            weights[p + "self_attn.k_proj.bias"] = bias(kv_dim, qk_gain)
+            weights[p + "self_attn.v_proj.bias"] = bias(kv_dim)
+            weights[p + "self_attn.o_proj.bias"] = bias(hidden)
+        if config["mlp_bias"]:
+            weights[p + "mlp.gate_proj.bias"] = bias(inter)
+            weights[p + "mlp.up_proj.bias"] = bias(inter)
+            weights[p + "mlp.down_proj.bias"] = bias(hidden)
     weights = {name: t.to(torch.float32).contiguous() for name, t in weights.items()}
     _break_repeat_fixed_points(config, weights)
     return weights
@@ -268,15 +311,22 @@ def repeated_token_states(
     x = weights["model.embed_tokens.weight"]  # [vocab, hidden]: one row per repeated token
     if tokens is not None:
         x = x[tokens]
+
+    def linear(name: str, inputs: torch.Tensor) -> torch.Tensor:
+        out = inputs @ weights[name + ".weight"].T
+        bias = weights.get(name + ".bias")  # present where the config asks for biases
+        return out if bias is None else out + bias
+
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        v = _rms_norm(x, weights[p + "input_layernorm.weight"], eps) @ weights[p + "self_attn.v_proj.weight"].T
+        # q and k (and their biases) only move the softmax weights, which sum to 1 over equal values.
+        v = linear(p + "self_attn.v_proj", _rms_norm(x, weights[p + "input_layernorm.weight"], eps))
         # GQA: query head h reads KV head h // group, as transformers' repeat_kv lays them out.
         v = v.view(-1, kv_heads, head_dim).repeat_interleave(group, dim=1).flatten(1)  # [vocab, q_dim]
-        x = x + v @ weights[p + "self_attn.o_proj.weight"].T
+        x = x + linear(p + "self_attn.o_proj", v)
         n = _rms_norm(x, weights[p + "post_attention_layernorm.weight"], eps)
-        gate = torch.nn.functional.silu(n @ weights[p + "mlp.gate_proj.weight"].T)
-        x = x + (gate * (n @ weights[p + "mlp.up_proj.weight"].T)) @ weights[p + "mlp.down_proj.weight"].T
+        gate = torch.nn.functional.silu(linear(p + "mlp.gate_proj", n))
+        x = x + linear(p + "mlp.down_proj", gate * linear(p + "mlp.up_proj", n))
     return _rms_norm(x, weights["model.norm.weight"], eps)
 
 
@@ -436,6 +486,14 @@ def main(argv: list[str] | None = None) -> int:
         "--tie-word-embeddings", action="store_true", help="share the embedding with lm_head (no lm_head.weight tensor)"
     )
     parser.add_argument(
+        "--attention-bias", action=argparse.BooleanOptionalAction, default=None,
+        help="biases on the q, k, v and o projections (default: the preset's; tiny has them, small not)",
+    )
+    parser.add_argument(
+        "--mlp-bias", action=argparse.BooleanOptionalAction, default=None,
+        help="biases on the gate, up and down projections (default: the preset's)",
+    )
+    parser.add_argument(
         "--measure-margins",
         metavar="DIR",
         help="measure greedy top-1/top-2 margins of the checkpoint in DIR (needs transformers)",
@@ -469,7 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset not in PRESETS:
         parser.error(f"unknown preset {args.preset!r}: expected one of {sorted(PRESETS)}")
 
-    overrides = {"tie_word_embeddings": True} if args.tie_word_embeddings else {}
+    overrides: dict[str, Any] = {"tie_word_embeddings": True} if args.tie_word_embeddings else {}
+    overrides.update({key: value for key, value in (("attention_bias", args.attention_bias),
+                                                    ("mlp_bias", args.mlp_bias)) if value is not None})
     out = write_checkpoint(args.out_dir, preset=args.preset, seed=args.seed, **overrides)
     config = json.loads((out / CONFIG_FILE).read_text())
     with safe_open(str(out / WEIGHTS_FILE), framework="pt") as f:
@@ -482,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         f"preset={args.preset} seed={args.seed} vocab={config['vocab_size']} "
         f"hidden={config['hidden_size']} layers={config['num_hidden_layers']} "
         f"heads={config['num_attention_heads']} kv_heads={config['num_key_value_heads']} "
-        f"intermediate={config['intermediate_size']} tied={config['tie_word_embeddings']}"
+        f"intermediate={config['intermediate_size']} tied={config['tie_word_embeddings']} "
+        f"attention_bias={config['attention_bias']} mlp_bias={config['mlp_bias']}"
     )
     return 0
 

@@ -100,8 +100,43 @@ def test_config_json_is_plain_llama(tiny_dir: pathlib.Path) -> None:
     assert config["torch_dtype"] == config["dtype"] == "float32"
     assert config["hidden_act"] == "silu"
     assert config["rope_scaling"] is None
-    assert config["attention_bias"] is False and config["mlp_bias"] is False
+    # tiny has the biases some real models have (small, as Llama, none): every loader must compute them
+    assert config["attention_bias"] is True and config["mlp_bias"] is True
+    assert build_config("small")["attention_bias"] is False and build_config("small")["mlp_bias"] is False
+    assert config["num_key_value_heads"] < config["num_attention_heads"]  # grouped-query attention
     assert config["kvbench_init"]["seed"] == 0 and config["kvbench_init"]["preset"] == "tiny"
+
+
+def test_biases_are_written_where_the_config_asks_for_them(tiny_dir: pathlib.Path) -> None:
+    """Llama's layout: attention_bias puts a bias on q, k, v and o; mlp_bias on gate, up and down; never on
+    lm_head or the norms. Each is a real draw (not zeros), at about BIAS_SCALE of its projection's output."""
+    tensors = load_file(str(tiny_dir / WEIGHTS_FILE))
+    biases = sorted(name for name in tensors if name.endswith(".bias"))
+    layers = PRESETS["tiny"]["num_hidden_layers"]
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert biases == sorted(f"model.layers.{i}.{p}.bias" for i in range(layers) for p in projections)
+    for name in biases:
+        weight = tensors[name.removesuffix(".bias") + ".weight"]
+        assert tensors[name].shape == (weight.shape[0],), name
+        gain = PRESETS["tiny"]["qk_gain"] if ("q_proj" in name or "k_proj" in name) else 1.0
+        assert 0.3 < tensors[name].std().item() / (checkpoint.BIAS_SCALE * gain) < 3, name
+    for overrides, absent in ((dict(attention_bias=False), "self_attn"), (dict(mlp_bias=False), "mlp.")):
+        config = build_config("tiny", **overrides)
+        assert not [n for n in build_weights(config) if n.endswith(".bias") and absent in n], overrides
+
+
+def test_the_bias_free_twin_shares_the_weight_matrices(tiny_dir: pathlib.Path) -> None:
+    """Biases are drawn after everything else: the same seed without them gives the same matrices, but for the
+    output rows the repeated-token repair moves (it sees the biases)."""
+    with_biases = load_file(str(tiny_dir / WEIGHTS_FILE))
+    twin = build_weights(build_config("tiny", attention_bias=False, mlp_bias=False))
+    assert set(twin) == {n for n in with_biases if not n.endswith(".bias")}
+    for name in twin:
+        if name != "lm_head.weight":
+            assert torch.equal(twin[name], with_biases[name]), name
+    moved = (twin["lm_head.weight"] != with_biases["lm_head.weight"]).any(-1).sum().item()
+    assert moved < PRESETS["tiny"]["vocab_size"] // 10
 
 
 def test_same_seed_gives_identical_bytes(tmp_path: pathlib.Path) -> None:
@@ -178,6 +213,20 @@ def test_bad_overrides_are_rejected_with_the_reason(tmp_path: pathlib.Path) -> N
         build_config("tiny", num_key_value_heads=3)
     with pytest.raises(ValueError, match="seed=-1"):
         build_config("tiny", seed=-1)
+    with pytest.raises(ValueError, match="attention_bias=1 is invalid: expected True or False"):
+        build_config("tiny", attention_bias=1)
+
+
+def test_builtin_variants_are_named_by_what_differs_from_the_preset() -> None:
+    from kvbench.models.builtin import variant_name
+
+    assert variant_name("tiny") == variant_name("tiny", attention_bias=True) == "tiny"
+    assert variant_name("tiny", 32, attention_bias=False, mlp_bias=False) == "tiny-hd32-noattnbias-nomlpbias"
+    assert variant_name("small", tie_word_embeddings=True, mlp_bias=True) == "small-mlpbias-tied"
+    with pytest.raises(ValueError, match=r"unknown variant setting\(s\) \['qk_gain'\]"):
+        variant_name("tiny", qk_gain=1.0)
+    with pytest.raises(ValueError, match="mlp_bias='yes' is invalid"):
+        variant_name("tiny", mlp_bias="yes")
 
 
 def test_cli_writes_and_reports(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -185,6 +234,12 @@ def test_cli_writes_and_reports(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
     printed = capsys.readouterr().out
     assert str(tmp_path / WEIGHTS_FILE) in printed and "tied=True" in printed
     assert json.loads((tmp_path / CONFIG_FILE).read_text())["kvbench_init"]["seed"] == 3
+
+
+def test_cli_turns_biases_off(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert checkpoint.main([str(tmp_path), "--preset", "tiny", "--no-attention-bias", "--no-mlp-bias"]) == 0
+    assert "attention_bias=False mlp_bias=False" in capsys.readouterr().out
+    assert not [n for n in load_file(str(tmp_path / WEIGHTS_FILE)) if n.endswith(".bias")]
 
 
 def test_cli_rejects_unknown_preset(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
