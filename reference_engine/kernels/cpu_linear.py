@@ -76,13 +76,24 @@ PACKED_MIN_FLOAT32_WEIGHT = 1 << 16
 
 def packing_pays(weight: torch.Tensor) -> bool:
     """Whether :func:`pack_linears` packs a layer with this weight: every weight but a float32 one of
-    fewer than ``PACKED_MIN_FLOAT32_WEIGHT`` elements.
+    fewer than ``PACKED_MIN_FLOAT32_WEIGHT`` elements, and but a bfloat16 one where oneDNN cannot pack it.
 
     Not decided by row count as well: at a prefill's row counts packing gained nothing on ``small``'s
     shapes, and sending float32 prefills to ``F.linear`` (MKL) made the torch attention path's later decode
     steps slower in the same process, a side effect not understood, so not taken (the measurements:
     docs/journal/reference-engine.md, "Matmul packing decided per weight")."""
+    if weight.dtype == torch.bfloat16 and not bf16_packing_supported():
+        return False  # oneDNN refuses to pack bfloat16 on a CPU without AVX-512 (or AVX-NE-CONVERT)
     return weight.dtype != torch.float32 or weight.numel() >= PACKED_MIN_FLOAT32_WEIGHT
+
+
+def bf16_packing_supported() -> bool:
+    """Whether oneDNN can pack and compute bfloat16 weights on this CPU (it needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; on an AVX2-only CPU its reorder raises)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class PackedLinear(nn.Module):
