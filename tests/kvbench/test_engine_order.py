@@ -10,11 +10,11 @@ pytest_plugins = ["pytester"]
 def test_engines_keep_the_order_given(pytester: pytest.Pytester):
     pytester.makepyfile("""
         import pytest
-        from kvbench.core.evidence import record_evidence
+        from kvbench.conformance.verdict import record_proof
 
         @pytest.mark.conformance
         def test_proves(engine_spec):
-            record_evidence("preemptions_recompute", 1)
+            record_proof("preemptions_recompute", 1)
     """)
     engines = ["reference:preemption_mode=swap", "reference", "reference:preemption_mode=auto"]
     args = [a for e in engines for a in ("--engine", e)]
