@@ -81,7 +81,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
-def one_line(text: str, limit: int = 300) -> str:
+#: the longest reason a record keeps: long enough for the figures at the end of a failure message with a long
+#: engine name (a spec with its options and log folder), which a shorter cut lost
+REASON_LIMIT = 1000
+
+
+def one_line(text: str, limit: int = REASON_LIMIT) -> str:
+    """The first non-blank line of ``text``, cut at ``limit`` characters."""
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
