@@ -32,8 +32,6 @@ from kvbench.core.evidence import record_evidence, record_proven
 
 #: how an undecided verdict's skip reason begins (the exception's name, as pytest prints a skip)
 UNDECIDED_PREFIX = "Undecided: "
-#: the evidence key under which proven mechanisms are listed
-PROVEN_KEY = "proven"
 
 
 class Undecided(pytest.skip.Exception):  # type: ignore[misc,name-defined]
