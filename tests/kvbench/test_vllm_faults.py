@@ -258,12 +258,9 @@ CASES = [
     Case("eviction_keeps_hash", "recompute_preemption_equivalence", r"differ from the ground truth", ENGINE_CORE),
     Case("registers_block_under_wrong_hash", "prefix_caching_equivalence_and_hits", r"differ from the ground truth",
          ENGINE_CORE),
-    Case("hit_takes_no_reference", "prefix_caching_equivalence_and_hits", r"differ from the ground truth",
-         ENGINE_CORE, finding=(
-             "the check runs with a pool that holds every request at once, so a block released while another request "
-             "still reads it waits at the tail of the free queue and is not handed out again before that reader "
-             "finishes; the checks run under pressure send requests that share no prefix, and the refcount state "
-             "machine (check 5) needs block tables, which vLLM does not expose")),
+    # caught by vLLM dying under it (the next request is refused), not by a token mismatch
+    Case("hit_takes_no_reference", "shared_blocks_survive_pressure_from_outside",
+         r"differ from the ground truth|ConnectError|Connection refused", ENGINE_CORE),
     Case("ignores_abort", "every_request_finishes_exactly_once",
          r"aborts counter \d+ but|the aborts never reached the engine", ENGINE_CORE, finding=(
         "over HTTP the one engine-side proof that an abort happened is vllm:request_success_total"
