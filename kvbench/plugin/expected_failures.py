@@ -13,6 +13,7 @@ from kvbench.plugin.conformance_records import adapter_kind, check_id, one_line,
 from kvbench.plugin.session import KvbenchSession, engine_spec_of
 
 _SCOPE_KEY = pytest.StashKey[PinScope]()
+_PIN_KEY = pytest.StashKey["_Pin | None"]()
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class ExpectedFailures:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
-        pin = self._pin_for(item)
+        pin = item.stash[_PIN_KEY] = self._pin_for(item)  # once per test: a server adapter asks its server
         with pinned(pin.expectation if pin is not None else None) as scope:
             item.stash[_SCOPE_KEY] = scope
             return (yield)
@@ -85,7 +86,7 @@ class ExpectedFailures:
         report = yield
         if report.when != "call" or hasattr(report, "wasxfail"):
             return report
-        pin = self._pin_for(item)
+        pin = item.stash[_PIN_KEY] if _PIN_KEY in item.stash else self._pin_for(item)
         if pin is None:
             return report
         scope = item.stash.get(_SCOPE_KEY, None)
