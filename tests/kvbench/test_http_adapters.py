@@ -177,12 +177,17 @@ def test_a_slow_metrics_answer_stalls_the_streams_and_metrics_interval_0_stops_t
     gaps = [b - a for r in trace.requests.values() for a, b in itertools.pairwise(r.token_times)]
     assert len(gaps) == 2 * 149 and trace.counters.generated_tokens == 300, "the counters were read around the run"
     evidence = next(e for e in adapter.evidence if e.startswith("driver:"))
+    # Counted, not maxed: a loaded 2-core CI machine stalls a stream for 40 ms now and then on its own
+    # (one such gap failed a max() here); a sampler every 50 ms over the ~0.35 s of streaming holds both
+    # streams at every scrape, several long gaps each.
+    long_gaps = sum(g >= 0.035 for g in gaps)
     if sampled:
-        assert trace.steps and max(gaps) >= 0.035, "each scrape held every stream for its 40 ms"
+        assert trace.steps and long_gaps >= 4, f"each scrape held every stream for its 40 ms ({long_gaps} long gaps)"
         assert "answered in" in evidence and float(evidence.split("answered in ")[1].split(" ms")[0]) >= 35
         assert any(e.startswith("warning: the /metrics sampler's scrapes took") for e in adapter.evidence)
     else:
-        assert not trace.steps and max(gaps) < 0.035 and "0 /metrics samples" in evidence
+        assert not trace.steps and "0 /metrics samples" in evidence
+        assert long_gaps <= 2, f"{long_gaps} gaps of 35 ms or more with no sampler: something scraped during the run"
         assert not any(e.startswith("warning: the /metrics") for e in adapter.evidence)
 
 
