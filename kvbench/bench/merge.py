@@ -162,6 +162,8 @@ def merge_results(parts: Sequence[tuple[str, Results]]) -> Results:
             seen_records[record["nodeid"]] = source
             record.setdefault("machine", host)
             merged.data["conformance"].append(record)
+        for skip in data.get("skipped_scenarios", []):  # each shard's skips, kept with their reasons
+            merged.add_skipped_scenario(skip["scenario"], skip["engine"], skip["reason"])
     merged.data["machine"] = _combined_machine(machines)
     merged.data["machines"] = machines
     merged.data["merge"] = {"sources": [source for source, _ in parts],

@@ -255,8 +255,9 @@ def _preemption_times(trace: Trace) -> list[tuple[float, str, str]]:
     return sorted((t, mode, rid) for rid, r in trace.requests.items() for t, mode in r.preemptions)
 
 
-def _per_request_preemptions_known(trace: Trace) -> bool:
-    """Whether per-request preemption records can be trusted as complete."""
+def per_request_preemptions_known(trace: Trace) -> bool:
+    """Whether per-request preemption records can be trusted as complete: the adapter saw every preemption
+    (none declared ``not_exposed``) and recorded some wherever the engine counted some."""
     if _hidden(trace, _PREEMPTION_ALIASES):
         return False
     counted = sum(_counter(trace, k) or 0.0 for k in ("preemptions_recompute", "preemptions_swap"))
@@ -292,7 +293,7 @@ def _throughput(trace: Trace, df: pd.DataFrame) -> dict[str, float | None]:
 
 def _preemptions(trace: Trace, df: pd.DataFrame) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
-    known = _per_request_preemptions_known(trace)
+    known = per_request_preemptions_known(trace)
     recorded = _preemption_times(trace)
     for mode in ("recompute", "swap"):
         key = f"preemptions_{mode}"
@@ -399,7 +400,7 @@ def _spikes(trace: Trace, gaps: _Gaps, factor: float) -> dict[str, float | None]
             # prefill steps that ended in (t0, t1]: a difference of the running count
             lo, hi = np.searchsorted(step_t, [t0, t1], "right")
             by_prefill += int(prefill_cum[hi] > prefill_cum[lo])
-    known = _per_request_preemptions_known(trace)
+    known = per_request_preemptions_known(trace)
     steps_known = step_tokens_known(trace)  # sampled steps carry no prefill counts: not "no prefill"
     out["tbt_spikes_preemption_share"] = by_pre / n if known else None
     out["tbt_spikes_prefill_share"] = by_prefill / n if steps_known else None
@@ -428,7 +429,7 @@ def preemption_waits(trace: Trace) -> list[float]:
 
 
 def _starvation(trace: Trace) -> dict[str, float | None]:
-    if not _per_request_preemptions_known(trace):
+    if not per_request_preemptions_known(trace):
         return {"starvation_max_s": None, "starvation_mean_s": None}
     waits = preemption_waits(trace)
     if not waits:

@@ -144,10 +144,12 @@ def ratios_table(ratios: Sequence[PointRatio], baseline: str, engine: str) -> st
     """The ratios as a Markdown table, a heading line first saying the direction. A figure that is missing
     (a range of fewer than two rounds, round ratios that do not pair up) reads "n/a"; the mode column reads "-"
     for a point that has no variant (not a missing figure)."""
+    base_col, engine_col = baseline.replace("|", "/"), engine.replace("|", "/")
     lines = [f"{engine} against {baseline} (> 1: {engine} ahead; higher-is-better metrics {engine}/{baseline}, "
              f"others {baseline}/{engine})",
-             "| point | mode | metric | baseline | engine | ratio of medians | ratio by round: median [min-max] | "
-             "rounds' range baseline / engine |",
+             # the columns name both engines (a "|" in a name would end a cell)
+             f"| point | mode | metric | {base_col} | {engine_col} | ratio of medians | "
+             f"ratio by round: median [min-max] | rounds' range {base_col} / {engine_col} |",
              "|---|---|---|---|---|---|---|---|"]
     for r in ratios:
         lines.append(f"| {r.x:g} | {r.mode or '-'} | {r.metric} | {r.baseline:.4g} | {r.engine:.4g} | "

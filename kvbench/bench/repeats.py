@@ -19,6 +19,7 @@ import math
 import re
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 #: scales the MAD of normally distributed values to their standard deviation
@@ -144,3 +145,158 @@ def aggregate(repeats: Sequence[Mapping[str, float | None]]) -> tuple[dict[str, 
 def differing(repeats: Sequence[Mapping[str, float | None]], keys: Sequence[str]) -> list[str]:
     """The ``keys`` whose values differ between repeats (an empty list: all identical)."""
     return [k for k in keys if len({rep.get(k) for rep in repeats}) > 1]
+
+
+# --------------------------------------------------------------------------------------------
+# honest noise: what the repeats, the rounds and identical schedules each say
+
+
+#: the counts that identify a schedule on the step clock: two results of one engine equal in all of them
+#: served the same requests before the same steps with the same preemptions
+SCHEDULE_KEYS = ("requests", "prompt_tokens", "output_tokens", "steps", "preemptions", "recomputed_tokens",
+                 "swap_outs", "prefix_cache_hits", "prefill_chunks")
+
+
+#: figures recorded beside a repeat's metrics that describe the machine, not the engine
+NOT_MEASURED_FIGURES = frozenset({"machine_load_1min"})
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How far apart two or more results of one identical schedule landed (medians of ``metric``): the
+    noise a comparison must at least carry, since back-to-back repeats can agree more closely with each
+    other than measurements of the same thing taken minutes apart."""
+
+    metric: str
+    share: float  # (max - min) / median of the identical schedules' medians
+    where: str
+
+    def words(self) -> str:
+        return f"one workload measured twice differed by {self.share * 100:.0f}%: {self.where}"
+
+
+def schedule_key(result: Mapping[str, Any]) -> tuple | None:
+    """What makes two results one measurement taken twice, or None when it cannot be told:
+
+    * the engine, its clock and the ``workload_key`` the runner records (the same requests under the same
+      effective settings, :func:`kvbench.bench.scenarios.common.job_key`), and on the step clock with
+      exact counts also :data:`SCHEDULE_KEYS` (the same steps, preemptions...: an identical schedule);
+    * without a ``workload_key`` (older files), the step clock's exact counts alone.
+    """
+    clock = result.get("clock")
+    name = clock.get("clock", "wall") if isinstance(clock, Mapping) else "wall"
+    exact = isinstance(clock, Mapping) and name == "step" and bool(clock.get("exact_counts"))
+    metrics = result.get("metrics") or {}
+    counts = tuple(metrics.get(k) for k in SCHEDULE_KEYS) if exact else ()
+    if exact and any(v is None for v in counts[:4]):
+        return None
+    workload = result.get("workload_key")
+    if workload is None and not exact:
+        return None
+    return (result.get("engine"), name, workload, *counts)
+
+
+def identical_schedule_drift(scenarios: Sequence[Mapping[str, Any]]) -> dict[str, Drift]:
+    """Per timed metric, the widest gap between results of one identical schedule (:func:`schedule_key`)
+    found anywhere in a results file's ``scenarios`` (e.g. a surge served in its own scenario and again as
+    the policies scenario's static control); {} when no schedule was served twice."""
+    groups: dict[tuple, list[tuple[str, Mapping[str, Any]]]] = {}
+    for sc in scenarios:
+        for r in sc.get("results", []):
+            key = schedule_key(r)
+            if key is not None:
+                where = sc.get("name", "?") + (f" [{r['mode']}]" if r.get("mode") else "")
+                groups.setdefault(key, []).append((where, r))
+    out: dict[str, Drift] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        names = [k for _, r in members for k in (r.get("metrics") or {})]
+        for metric in dict.fromkeys(names):
+            if is_count(metric) or metric in NOT_MEASURED_FIGURES:
+                continue
+            share = relative_range([(r.get("metrics") or {}).get(metric) for _, r in members])
+            if share is None or (metric in out and out[metric].share >= share):
+                continue
+            engine = members[0][1].get("engine")
+            loads = [median(repeat_values(r, "machine_load_1min")) for _, r in members]
+            load_words = (" (machine load " + " vs ".join(f"{v:.1f}" for v in loads if v is not None) + ")"
+                          if all(v is not None for v in loads) else "")
+            out[metric] = Drift(metric, share, " vs ".join(w for w, _ in members) + f" on {engine}" + load_words)
+    return out
+
+
+def _repeat_list(result: Mapping[str, Any], metric: str) -> list[float | None]:
+    """Every repeat's value of ``metric``, in repeat order, None where missing (aligned, unlike
+    :func:`repeat_values`)."""
+    reps = result.get("repeats")
+    if not isinstance(reps, list):
+        return []
+    out: list[float | None] = []
+    for rep in reps:
+        m = rep.get("metrics", rep) if isinstance(rep, Mapping) else None
+        v = m.get(metric) if isinstance(m, Mapping) else None
+        out.append(float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None)
+    return out
+
+
+def paired_ratios(a: Mapping[str, Any], b: Mapping[str, Any], metric: str) -> list[float]:
+    """Repeat i of ``a`` ÷ repeat i of ``b``, for results served in the same rounds (each names the other
+    in ``clock.interleaved``) with as many repeats each; [] otherwise."""
+    together = [set((r.get("clock") or {}).get("interleaved") or []) if isinstance(r.get("clock"), Mapping)
+                else set() for r in (a, b)]
+    if not ({a.get("engine"), b.get("engine")} <= together[0] and {a.get("engine"), b.get("engine")} <= together[1]):
+        return []
+    va, vb = _repeat_list(a, metric), _repeat_list(b, metric)
+    if len(va) != len(vb):
+        return []
+    return [x / y for x, y in zip(va, vb, strict=True) if x is not None and y]
+
+
+def _relative(result: Mapping[str, Any], metric: str) -> float | None:
+    vals = repeat_values(result, metric)
+    if len(vals) < 2:
+        return None
+    med = (result.get("metrics") or {}).get(metric)
+    med = float(med) if isinstance(med, int | float) and not isinstance(med, bool) else statistics.median(vals)
+    return abs(result_spread(result, metric) / med) if med else None
+
+
+def honest_ratio_noise(a: Mapping[str, Any], b: Mapping[str, Any], metric: str,
+                       drift: Drift | None = None) -> tuple[float | None, list[str]]:
+    """The noise of ``a ÷ b`` of ``metric`` (a share: 0.1 is ±10%), as the widest of what was measured:
+
+    * the repeats' spreads: twice both relative spreads added (about two standard deviations);
+    * the ratio taken round by round (:func:`paired_ratios`): twice its relative spread;
+    * ``drift``: how far two runs of one identical schedule in the same file landed apart.
+
+    Returns (noise, the words of the one that decided it), or (None, []) when nothing was measured (a
+    single run). Repeats served back to back share the machine's load of that minute, so on their own
+    they can claim ±1% where the same schedule measured later differs by 17%."""
+    found: list[tuple[float, str]] = []
+    sa, sb = _relative(a, metric), _relative(b, metric)
+    n = max(len(repeat_values(a, metric)), len(repeat_values(b, metric)))
+    if sa is not None or sb is not None:
+        found.append((2 * ((sa or 0.0) + (sb or 0.0)), f"spread of {n} repeats"))
+    ratios = paired_ratios(a, b, metric)
+    if len(ratios) >= 2:
+        mid = statistics.median(ratios)
+        if mid:
+            found.append((2 * spread(ratios) / abs(mid), f"ratio round by round over {len(ratios)} rounds"))
+    if drift is not None:
+        found.append((drift.share, drift.words()))
+    if not found:
+        return None, []
+    noise, words = max(found, key=lambda f: f[0])
+    return noise, [words]
+
+
+def drift_for(drift: Mapping[str, Drift], metric: str) -> Drift | None:
+    """The drift measured for ``metric``, else for the figure it is a part of (``ttft_p99_after_surge``
+    -> ``ttft_p99``: the same quantity over a subset of the requests), else None."""
+    parts = metric.split("_")
+    for n in range(len(parts), 1, -1):
+        found = drift.get("_".join(parts[:n]))
+        if found is not None:
+            return found
+    return None

@@ -19,7 +19,9 @@ report draws. Skeleton (``schema_version`` 1)::
                      "metrics": {"output_throughput": 812.5, "tbt_p99": 0.09, ...},   # metrics.summarize
                      "series": {"t": [...], "kv_usage": [...], ...},                # metrics.series
                      "checks": {"preemptions happened": true},
-                     "undecided": {"a claim": "why it could not be decided"},
+                     "undecided": {"a claim": "not exposed: why it could not be decided"},
+                     "undecided_kinds": {"a claim": "not exposed"},  # or "did not fire", "not reached"
+                     "claim_evidence": {"preemptions happened": "the preemption counter moved by 17 over the run"},
                      "notes": ["..."],
                      "repeats": [{"output_throughput": 800.1, ...}, ...],  # every repeat's values
                      "spread": {"output_throughput": 6.2, ...},            # kvbench.bench.repeats.spread
@@ -30,6 +32,8 @@ report draws. Skeleton (``schema_version`` 1)::
                                 "metrics": {"output_throughput": 700.0, ...},
                                 "repeats": [...], "spread": {...}}]}]
       }],
+      "skipped_scenarios": [{"scenario": "swap_vs_recompute", "engine": "server:preset=vllm",
+                             "reason": "server:preset=vllm lacks capability events"}],   # optional (older: [])
       "conformance": [{                       # one record per engine x check; optional (older files: [])
         "engine": "reference:preemption_mode=swap", "kind": "reference",
         "check": "recompute_preemption_equivalence",        # see kvbench.plugin.check_id
@@ -49,6 +53,12 @@ step, ``step_seconds`` virtual seconds each: counts repeat exactly when ``exact_
 one's (repeat i of each next to repeat i of the others, what the gate's per-repeat ratios pair;
 :func:`kvbench.bench.scenarios.run_interleaved`), empty when it ran alone or absent in older files.
 Files written before repeats existed have ``repeats: []``, ``spread: {}``, ``clock: null``.
+
+Undecided claims: ``undecided`` says why in words, ``undecided_kinds`` which way the claim stayed open
+(:data:`kvbench.bench.scenarios.claims.KINDS`): ``"not exposed"`` (the engine publishes nothing that tells),
+``"did not fire"`` (it does, and the counter did not move), ``"not reached"`` (the workload did not reach the
+pressure it was built for on this engine). ``skipped_scenarios`` lists each scenario a run did not measure on an
+engine, or measured without deciding any claim of (its results are kept), with the reason the test was skipped.
 
 Conventions the report relies on: ``mode`` names a variant of one engine inside a scenario
 (``"recompute"``/``"swap"``, ``"chunked"``/``"unchunked"``, ``"prefix_caching"``/``"no_prefix_caching"``);
@@ -85,6 +95,9 @@ COST_METRICS: tuple[str, ...] = ("cost_s", "preempt_resume_s", "resume_s", "e2e_
 
 #: outcomes a conformance record may have (pytest's, with strict-xfail passes as "xpassed")
 CONFORMANCE_OUTCOMES: tuple[str, ...] = ("passed", "failed", "skipped", "undecided", "xfailed", "xpassed", "error")
+#: which way an undecided claim stayed open (kvbench.bench.scenarios.claims.KINDS, restated here so that
+#: reading a results file needs no scenario)
+UNDECIDED_KINDS: tuple[str, ...] = ("not exposed", "did not fire", "not reached")
 
 
 class ResultsError(ValueError):
@@ -159,7 +172,7 @@ class Results:
         if data is None:
             data = {"schema_version": SCHEMA_VERSION, "kvbench_version": __version__, "created": _now(),
                     "machine": machine_info(device), "commit": commit_info(cwd), "engines": [],
-                    "scenarios": [], "conformance": []}
+                    "scenarios": [], "conformance": [], "skipped_scenarios": []}
         self.data = validate(data)
 
     # -- building ---------------------------------------------------------------------------
@@ -207,7 +220,9 @@ class Results:
                             description: str | None = None, repeats: list[Mapping[str, Any]] | None = None,
                             spread: Mapping[str, float] | None = None,
                             clock: Mapping[str, Any] | None = None,
-                            counters: Counters | Mapping[str, Any] | None = None) -> dict[str, Any]:
+                            counters: Counters | Mapping[str, Any] | None = None,
+                            undecided_kinds: Mapping[str, str] | None = None,
+                            claim_evidence: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Add (or replace) the result of ``engine`` (in ``mode``) on ``scenario``; returns the entry.
 
         ``counters`` (the engine's own: :class:`~kvbench.core.counters.Counters` or a mapping of its
@@ -215,7 +230,9 @@ class Results:
         exposed; omitted, the entry's ``counters`` is null (not recorded).
 
         ``checks`` are the claims decided (True held, False failed); ``undecided`` the claims that could not
-        be decided, each with its reason: never counted as passed.
+        be decided, each with its reason: never counted as passed; ``undecided_kinds`` which way each stayed open
+        (one of :data:`UNDECIDED_KINDS`; ResultsError naming the claim otherwise); ``claim_evidence`` what each
+        decided check was decided on, in words, where its judge said.
 
         ``metrics`` are the figures shown (the medians when the point was repeated); ``repeats`` every
         repeat's figures, ``spread`` their spreads, ``clock`` how arrivals were released (module docstring).
@@ -225,12 +242,25 @@ class Results:
         entry = jsonable({"engine": name, "mode": mode, "metrics": dict(metrics), "series": dict(series or {}),
                            "checks": {str(k): bool(v) for k, v in (checks or {}).items()},
                            "undecided": {str(k): str(v) for k, v in (undecided or {}).items()},
+                           "undecided_kinds": _undecided_kinds(undecided_kinds, f"{scenario} [{name}]"),
+                           "claim_evidence": {str(k): str(v) for k, v in (claim_evidence or {}).items()},
                            "notes": [str(n) for n in (notes or [])],
                            "repeats": [dict(r) for r in (repeats or [])], "spread": dict(spread or {}),
                            "clock": dict(clock) if clock else None,
                            "counters": None if counters is None else _as_counters(counters).to_dict()})
         sc["results"] = [r for r in sc["results"] if (r["engine"], r.get("mode")) != (name, mode)]
         sc["results"].append(entry)
+        return entry
+
+    def add_skipped_scenario(self, scenario: str, engine: Mapping[str, Any] | str, reason: str) -> dict[str, Any]:
+        """Note that ``scenario`` was not measured on ``engine`` (or measured without deciding anything), and
+        why: the skip's reason. Replaces an earlier note of the same pair; returns the entry."""
+        name = self.add_engine(engine)["name"]
+        if not scenario or not str(reason).strip():
+            raise ResultsError(f"a skipped scenario needs a 'scenario' and a 'reason', got {scenario!r}, {reason!r}")
+        entry = {"scenario": str(scenario), "engine": name, "reason": str(reason)}
+        self.data["skipped_scenarios"] = [s for s in self.data["skipped_scenarios"]
+                                          if (s["scenario"], s["engine"]) != (entry["scenario"], name)] + [entry]
         return entry
 
     def add_trace(self, trace: Any, *, engine: Mapping[str, Any] | str | None = None,
@@ -276,6 +306,11 @@ class Results:
     def conformance(self) -> list[dict[str, Any]]:
         """The conformance records (engine x check outcomes), in the order the tests ran."""
         return self.data["conformance"]
+
+    @property
+    def skipped_scenarios(self) -> list[dict[str, Any]]:
+        """``{"scenario", "engine", "reason"}`` of every scenario the run skipped on an engine, in order."""
+        return self.data["skipped_scenarios"]
 
     @property
     def engines(self) -> list[dict[str, Any]]:
@@ -369,6 +404,17 @@ class Results:
         return cls(validate(data))
 
 
+def _undecided_kinds(kinds: Mapping[str, Any] | None, where: str) -> dict[str, str]:
+    """``{claim: kind}`` checked against :data:`UNDECIDED_KINDS` (ResultsError naming the claim otherwise)."""
+    out = {}
+    for claim, kind in (kinds or {}).items():
+        if kind not in UNDECIDED_KINDS:
+            raise ResultsError(f"{where}: undecided_kinds[{claim!r}] must be one of {', '.join(UNDECIDED_KINDS)}, "
+                               f"got {kind!r}")
+        out[str(claim)] = str(kind)
+    return out
+
+
 def _as_counters(counters: Counters | Mapping[str, Any]) -> Counters:
     return counters if isinstance(counters, Counters) else Counters.from_dict(counters)
 
@@ -397,6 +443,11 @@ def validate(data: Any) -> dict[str, Any]:
     if not isinstance(conformance, list):
         raise ResultsError(f"'conformance' must be a list, got {type(conformance).__name__}")
     data["conformance"] = [_conformance_record(r, i) for i, r in enumerate(conformance)]
+    skipped = data.setdefault("skipped_scenarios", [])  # absent from files written before it existed
+    if not isinstance(skipped, list) or not all(
+            isinstance(s, dict) and all(isinstance(s.get(k), str) for k in ("scenario", "engine", "reason"))
+            for s in skipped):
+        raise ResultsError("'skipped_scenarios' must be a list of {scenario, engine, reason} strings")
     data.setdefault("kvbench_version", None)
     data.setdefault("created", None)
     data.setdefault("machine", {})
@@ -421,6 +472,8 @@ def validate(data: Any) -> dict[str, Any]:
                                  ("spread", {}), ("clock", None)):
                 res.setdefault(key, default)
             res.setdefault("counters", None)  # absent from files written before the counter contract
+            res["undecided_kinds"] = _undecided_kinds(res.get("undecided_kinds"), f"{sc['name']} [{res['engine']}]")
+            res.setdefault("claim_evidence", {})  # absent from files written before it existed
             try:
                 result_counters(res)
             except (TypeError, ValueError) as e:

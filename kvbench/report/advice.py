@@ -35,6 +35,7 @@ from kvbench.bench.scenarios import policies
 from kvbench.bench.scenarios.declare import num, ratio_noise, result_of
 from kvbench.report import figures
 from kvbench.report.scoreboard import pressure_of
+from kvbench.report.words import scenario_title as titled
 
 #: preemptions per request a pool should keep under at the peak (``kvbench simulate``'s default budget)
 PREEMPTION_BUDGET = 0.01
@@ -66,6 +67,9 @@ class Advice:
     detail: str
     evidence: list[Evidence] = field(default_factory=list)
     measured: bool = True  # False: nothing in this run speaks to it (``detail`` says why)
+    #: False: the run measured it but its evidence does not earn a recommendation (no setting met the goal, no
+    #: cost curve behind a size, no mode cheaper beyond the noise); ``detail`` says what was found
+    earned: bool = True
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,11 @@ class PoolRow:
     needed_blocks: int | None  # None: within budget, or no estimate (``note`` says why)
     needed_bytes: float | None
     note: str = ""
+
+    @property
+    def title(self) -> str:
+        """The scenario's title in words."""
+        return titled(self.scenario)
 
 
 @dataclass
@@ -180,6 +189,9 @@ def mode_advice(cx: figures.Crossover | None, href: str) -> Advice:
     decided = {m for m, _, _ in spans if m}
     if not decided:
         setting = "either mode"
+        return Advice(setting, f"Swap and recompute cost the same within the noise at every length measured "
+                      f"({cx.xs[0]:,.0f}–{cx.xs[-1]:,.0f} tokens), so this run recommends neither.",
+                      [Evidence(f"{titled(cx.scenario)}: “Preempt-and-resume cost” chart", href)], earned=False)
     elif len(decided) == 1:
         (only,) = decided
         first = next(lo for m, lo, _ in spans if m)
@@ -189,12 +201,13 @@ def mode_advice(cx: figures.Crossover | None, href: str) -> Advice:
     i_max = len(cx.xs) - 1
     costs = (f"at {cx.xs[i_max]:,.0f} tokens swap {fmt_time(cx.swap[i_max])} vs recompute "
              f"{fmt_time(cx.recompute[i_max])}")
-    where = (f"crossover {cx.text} ({cx.engine})" + (", inside the noise floor" if cx.within_noise else "")
-             if cx.x is not None else f"no crossover within {cx.xs[0]:,.0f}–{cx.xs[-1]:,.0f} tokens")
-    detail = (f"Cheaper mode by sequence length at preemption: {'; '.join(span_text(*s) for s in spans)}. "
-              f"{where[0].upper() + where[1:]}; {costs} ({cx.metric}, medians of the repeats).")
-    return Advice(setting, detail, [Evidence(f"{cx.scenario}: “Preempt-and-resume cost” and “Swap ÷ recompute "
-                                             "cost” charts", href)])
+    # one statement, read off the same medians the cost chart draws: where the curves cross inside the noise,
+    # the crossing is not a landmark and is not named (the spans already say "either" there)
+    where = (f" The curves cross near {cx.text} tokens." if cx.x is not None and not cx.within_noise else "")
+    detail = (f"Cheaper mode by sequence length at preemption: {'; '.join(span_text(*s) for s in spans)}; "
+              f"{costs} (medians of the repeats, as the cost chart draws them).{where}")
+    return Advice(setting, detail, [Evidence(f"{titled(cx.scenario)}: “Preempt-and-resume cost” and “Swap ÷ "
+                                             "recompute cost” charts", href)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,7 +264,10 @@ def pool_row(sc: Mapping[str, Any], res: Mapping[str, Any], href: str, bytes_per
 
 
 def pool_advice(rows: list[PoolRow], bytes_per_token: float | None, bytes_note: str, block_size: float | None,
-                budget: float = PREEMPTION_BUDGET) -> Advice:
+                budget: float = PREEMPTION_BUDGET, plan_href: str | None = None) -> Advice:
+    """The pool from the scenarios' peaks. A size is recommended only beside its cost curve (preemptions
+    against pool size, the capacity plan's at ``plan_href``): one estimate from a run's peak, without the
+    curve, is not evidence enough to size a pool by, so without a plan the estimate stays in the table."""
     if not rows:
         return Advice("not measured", "No scenario drove this engine's own configuration past its pool (the "
                       "surges, the storm).", measured=False)
@@ -261,14 +277,25 @@ def pool_advice(rows: list[PoolRow], bytes_per_token: float | None, bytes_note: 
                                           if bytes_per_token and block_size else "")
 
     over = [r for r in rows if r.needed_blocks is not None]
-    evidence = [Evidence(f"{r.scenario}: “Waiting requests” and “KV usage” timelines", r.href) for r in rows]
+    evidence = [Evidence(f"{titled(r.scenario)}: “Waiting requests” and “KV usage” timelines", r.href)
+                for r in rows]
     kv = (f" KV size: {bytes_note}; for another model, the same blocks hold the same tokens at its KV size."
           if bytes_per_token else f" Sizes in blocks only: {bytes_note}.")
+    if over and not plan_href:
+        worst = max(over, key=lambda r: r.needed_blocks or 0)
+        return Advice("no size earned", f"The pool ran short: on the {titled(worst.scenario).lower()}, "
+                      f"{fmt_metric('preemptions', worst.preemptions)} preemptions in a pool of "
+                      f"{size(worst.pool_blocks)} ({worst.per_request:.2g} per request, budget {budget:g}). No cost "
+                      "curve (preemptions against pool size) backs a size, so none is recommended; the capacity "
+                      "plan draws that curve (kvbench simulate --report DIR, beside this report).", evidence,
+                      earned=False)
     if over:
         worst = max(over, key=lambda r: r.needed_blocks or 0)
+        evidence.append(Evidence("the capacity plan: preemptions against pool size", plan_href or ""))
         setting = f"≈ {size(worst.needed_blocks or 0)}"
-        detail = (f"The largest estimate, from {worst.scenario}: {worst.peak_in_flight:,.0f} requests in flight at "
-                  f"the peak, at the mean request's full length ({worst.request_tokens:,.0f} tokens), need "
+        detail = (f"The largest estimate, from the {titled(worst.scenario).lower()}: "
+                  f"{worst.peak_in_flight:,.0f} requests in flight at the peak, at the mean request's full length "
+                  f"({worst.request_tokens:,.0f} tokens), need "
                   f"{size(worst.needed_blocks or 0)} against the {size(worst.pool_blocks)} that preempted "
                   f"{fmt_metric('preemptions', worst.preemptions)} times: a pool that size holds every request in "
                   f"flight at once, so none has to give up its blocks (budget: {budget:g} preemptions per "
@@ -280,7 +307,7 @@ def pool_advice(rows: list[PoolRow], bytes_per_token: float | None, bytes_note: 
                   f"the largest was {size(largest.pool_blocks)}.{kv}")
     else:
         setting = "no estimate"
-        detail = "; ".join(f"{r.scenario}: {r.note}" for r in rows if r.note) + "." + kv
+        detail = "; ".join(f"{titled(r.scenario)}: {r.note}" for r in rows if r.note) + "." + kv
     return Advice(setting, detail, evidence)
 
 
@@ -317,47 +344,76 @@ def admission_advice(results: Results, engine: str, href_of: Mapping[str, str]) 
 
 def _pick_admission(sc: Mapping[str, Any], surge: str, static: Mapping[str, Any], gated: list[Mapping[str, Any]],
                     href: str) -> Advice:
-    evidence = [Evidence(f"{sc['name']}: “Admission control: the trade-off against static” table and the "
-                         "watermark-headroom charts", href)]
+    evidence = [Evidence(f"{titled(sc['name'])}: “Admission control: the trade-off against static” table and "
+                         "the watermark-headroom charts", href)]
+    on = f"On the {titled(surge).lower()}"
     sp = num(static["metrics"].get("preemptions"))
     if not sp:
-        return Advice("admission_policy=none", f"On the {surge}, static admission did not preempt: admission control "
+        return Advice("admission_policy=none", f"{on}, static admission did not preempt: admission control "
                       "has nothing to save here.", evidence)
-    kept = []
+    met = []
     for r in gated:
         c = policies.goal_check(static["metrics"], r["metrics"])
-        if c.throughput_kept is not None and c.throughput_kept >= policies.GOAL_THROUGHPUT_KEPT:
-            kept.append((num(r["metrics"].get("preemptions")) or 0.0, r, c))
-    best = min(kept, key=lambda k: k[0]) if kept else None  # min keeps the first (smallest headroom) of ties
-    if best is None or best[0] >= sp:
-        return Advice("admission_policy=none", f"On the {surge}, no watermark setting preempted less than static "
-                      f"({fmt_metric('preemptions', sp)}) while keeping {policies.GOAL_THROUGHPUT_KEPT:.0%} of its "
-                      "throughput.", evidence)
+        if goal_met_beyond_noise(c, r, static):
+            met.append((num(r["metrics"].get("preemptions")) or 0.0, r, c))
+    best = min(met, key=lambda k: k[0]) if met else None  # min keeps the first (smallest headroom) of ties
+    if best is None:
+        return Advice("no setting earned", f"{on}, no admission-controlled setting met the goal beyond "
+                      f"the noise (≥ {policies.GOAL_PREEMPTIONS_FEWER:g}× fewer preemptions, ≥ "
+                      f"{policies.GOAL_TBT_LOWER:g}× lower p99 TBT, ≥ {policies.GOAL_THROUGHPUT_KEPT:.0%} of static's "
+                      "throughput; see the trade-off table's “goal met” column), so this run recommends none.",
+                      evidence, earned=False)
     n, r, c = best
     noise = ratio_noise(r, static, "output_throughput")
     variant = str(r.get("mode") or "").partition("/")[2]
     return Advice(admission_setting(variant),
-                  f"On the {surge}: {fmt_metric('preemptions', n)} preemptions against static's "
+                  f"{on}: {fmt_metric('preemptions', n)} preemptions against static's "
                   f"{fmt_metric('preemptions', sp)}, at {c.throughput_kept:.0%}"
                   f"{f' ± {noise:.0%}' if noise else ''} of its output throughput (p99 TBT "
                   f"{fmt_time(num(r['metrics'].get('tbt_p99')))} vs {fmt_time(num(static['metrics'].get('tbt_p99')))}):"
-                  f" the fewest preemptions among the settings that kept ≥ {policies.GOAL_THROUGHPUT_KEPT:.0%} of "
-                  "static's throughput (ties: the smallest headroom).", evidence)
+                  f" the fewest preemptions among the settings that met the goal beyond the noise (ties: the "
+                  "smallest headroom).", evidence)
+
+
+def goal_met_beyond_noise(c: policies.GoalCheck, gated: Mapping[str, Any], static: Mapping[str, Any]) -> bool:
+    """The trade-off table's "goal met: yes": the goal holds with each time ratio moved against it by its
+    noise (the policies scenario's rule; "within noise" and "no" earn no recommendation)."""
+    if not c.met or c.lower_tbt is None or c.throughput_kept is None:
+        return False
+    tbt_noise = ratio_noise(gated, static, "tbt_p99") or 0.0
+    tput_noise = ratio_noise(gated, static, "output_throughput") or 0.0
+    return (c.lower_tbt / (1 + tbt_noise) >= policies.GOAL_TBT_LOWER
+            and c.throughput_kept * (1 - tput_noise) >= policies.GOAL_THROUGHPUT_KEPT)
 
 
 # --------------------------------------------------------------------------------------------
 # entry point
 
 
+def same_engine_but_mode(results: Results, a: str, b: str) -> bool:
+    """True when engines ``a`` and ``b`` are one kind with the same options apart from ``preemption_mode``."""
+    da, db = results.engine(a) or {}, results.engine(b) or {}
+
+    def rest(d: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in (d.get("options") or {}).items() if k != "preemption_mode"}
+
+    return a != b and bool(da) and da.get("kind") == db.get("kind") and rest(da) == rest(db)
+
+
 def recommendations(results: Results, run_facts: figures.Facts | None = None,
-                    budget: float = PREEMPTION_BUDGET) -> list[Recommendation]:
-    """One :class:`Recommendation` per engine of ``results`` (section links ``#scenario-N`` as rendered)."""
+                    budget: float = PREEMPTION_BUDGET, plan_href: str | None = None) -> list[Recommendation]:
+    """One :class:`Recommendation` per engine of ``results`` (section links ``#scenario-N`` as rendered);
+    ``plan_href``: the capacity plan beside the report, whose cost curve a pool size needs."""
     run_facts = run_facts or figures.Facts.of(results)
     href_of = {sc["name"]: f"#scenario-{i + 1}" for i, sc in enumerate(results.scenarios)}
     pool_scenarios = _pool_scenarios(results)
     out = []
     for engine in results.engine_names():
         cx = run_facts.crossovers.get(engine)
+        shared = ""
+        if cx is None:  # the crossover scenario forces each mode: an engine that differs only in its mode shares it
+            shared = next((e for e in run_facts.crossovers if same_engine_but_mode(results, e, engine)), "")
+            cx = run_facts.crossovers.get(shared) if shared else None
         per_token, bytes_note = kv_bytes_per_token(results, engine)
         rows, block = [], None
         for _, sc in pool_scenarios:
@@ -369,8 +425,13 @@ def recommendations(results: Results, run_facts: figures.Facts | None = None,
                 rows.append(row)
                 block = block or num(sc.get("parameters", {}).get("block_size"))
         simulated = bool((results.engine(engine) or {}).get("simulated"))
-        out.append(Recommendation(engine, mode_advice(cx, href_of.get(cx.scenario, "") if cx else ""),
-                                  pool_advice(rows, per_token, bytes_note, block, budget), rows,
+        mode = mode_advice(cx, href_of.get(cx.scenario, "") if cx else "")
+        if shared:  # said once, where it was measured; here a pointer to it
+            mode = Advice(mode.setting, f"As for {shared}: the same engine with another preemption mode, and the "
+                          "swap-vs-recompute scenario sets the mode itself, so its measurement holds here.",
+                          mode.evidence, mode.measured, mode.earned)
+        out.append(Recommendation(engine, mode,
+                                  pool_advice(rows, per_token, bytes_note, block, budget, plan_href), rows,
                                   admission_advice(results, engine, href_of),
                                   "simulated: times are simulated seconds" if simulated else ""))
     return out

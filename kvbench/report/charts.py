@@ -7,6 +7,7 @@ scenario names (which come from the command line) cannot inject markup; the func
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -14,7 +15,17 @@ from dataclasses import dataclass, field
 
 from markupsafe import Markup, escape
 
-PALETTE = ("#3b6fd4", "#e8772e", "#2e9d6a", "#b04fb3", "#d9434e", "#1f9fb0", "#c9a227", "#7a6a58")
+#: series colours: the first three (a run's usual engines) sit far apart in hue (blue, orange, green), and every
+#: pair is at least 38 apart in CIELAB (tests/kvbench/test_report_charts.py); past eight, dashes and marker
+#: shapes tell series apart
+PALETTE = ("#1f5fbf", "#e66100", "#2a9d3a", "#c2258e", "#404040", "#8b5cf6", "#b8860b", "#0aa3b5")
+#: marker shapes, one per series of a chart with several: two series drawn on top of each other still show
+#: both shapes, at different places along the line
+SHAPES = ("circle", "square", "triangle", "diamond", "triangle-down", "cross")
+#: how many markers a series without per-point dots carries along its length
+MARKS_PER_LINE = 5
+#: how far apart (px) the markers of series marked at every point are set at one x
+DODGE_PX = 3.5
 PREEMPT_COLORS = {"recompute": "#d9434e", "swap": "#7c4dff"}
 #: how much wider each series beneath another is drawn, and the most it ever gets (px)
 EXTRA_WIDTH, MAX_EXTRA_WIDTH = 1.0, 2.0
@@ -36,6 +47,9 @@ class Line:
     step: bool = False  # draw as a step function (CDFs)
     dots: bool = False  # mark each point (sweeps: few points, each a measurement)
     width: float = 2.0
+    #: (low, high) per point, drawn as an error bar (None: no bar at that point)
+    errors: Sequence[tuple[float, float] | None] | None = None
+    shape: str | None = None  # a marker shape of SHAPES; render() assigns one when a chart has several series
 
 
 @dataclass
@@ -118,21 +132,78 @@ def _log_ticks(lo: float, hi: float) -> list[float]:
     return ticks or [lo, hi]
 
 
+#: font sizes (px, in the chart's own units) of the CSS classes the text is estimated with: report.css keeps
+#: the same sizes (a chart 440 units wide drawn about 395 px wide at 1400 px keeps ticks above 11 px)
+TITLE_SIZE, SUB_SIZE, TICK_SIZE = 14.0, 12.5, 12.5
+LINE_GAP = 3.0
+
+
+def wrap(text: str, width: float, size: float) -> list[str]:
+    """``text`` broken at spaces into lines no wider than ``width`` (by :func:`text_width` at ``size``); a
+    single word wider than that stays whole on its own line."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and text_width(f"{lines[-1]} {word}", size) <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return lines
+
+
+def _header(chart: Chart, w: int) -> tuple[list[Markup], float]:
+    """The title and subtitle, wrapped to the chart's width (never cut off at its edge), and the height they take."""
+    x, room, y = 10, w - 20, 0.0
+    parts: list[Markup] = []
+    for text, size, cls in ((chart.title, TITLE_SIZE, "c-title"), (chart.subtitle, SUB_SIZE, "c-sub")):
+        for line in wrap(text, room, size) if text else []:
+            y += size + LINE_GAP
+            parts.append(tag("text", line, x=x, y=f"{y:.0f}", class_=cls))
+    return parts, y
+
+
+def _assign_shapes(lines: list[Line]) -> None:
+    """One marker shape per series when a chart has more than one (a series given a shape keeps it)."""
+    if len(lines) < 2:
+        return
+    for i, ln in enumerate(lines):
+        if ln.shape is None:
+            ln.shape = SHAPES[i % len(SHAPES)]
+
+
 def render(chart: Chart, uid: str | None = None) -> Markup:
-    """The chart as an inline ``<svg>`` that scales with its container."""
-    w, h = chart.width, chart.height
-    left, right, top, bottom = 62, 16, 40 + (12 if chart.markers else 0), 44
+    """The chart as an inline ``<svg>`` that scales with its container.
+
+    Every text stays outside the plotted area: title and subtitle wrap above it, the labels of reference
+    lines (``vlines``, ``hlines``) go to the legend beneath it, so no label is ever drawn over the data.
+    A chart of several series marks each with its own shape at different places along the line, so a
+    series drawn exactly beneath another still shows."""
+    w = chart.width
+    header, head_h = _header(chart, w)
+    # the header's extra lines make the chart taller rather than the plot smaller
+    h = chart.height + max(0, round(head_h - 2 * (TITLE_SIZE + LINE_GAP)))
+    left, right, top, bottom = 64, 16, head_h + 12 + (12 if chart.markers else 0), 46
     pw, ph = w - left - right, h - top - bottom
-    xs = [x for ln in chart.lines for x, y in zip(ln.xs, ln.ys, strict=False) if y is not None]
+    lines = [dataclasses.replace(ln) for ln in chart.lines]  # shapes are assigned on copies
+    _assign_shapes([ln for ln in lines if not ln.area])
+    xs = [x for ln in lines for x, y in zip(ln.xs, ln.ys, strict=False) if y is not None]
     xs += [v.x for v in chart.vlines] + [m.x for m in chart.markers]
-    ys = [y for ln in chart.lines for y in ln.ys if y is not None] + [v.x for v in chart.hlines]
-    parts: list[Markup] = [tag("title", chart.title)]
-    parts.append(tag("text", chart.title, x=left, y=16, class_="c-title"))
-    if chart.subtitle:
-        parts.append(tag("text", chart.subtitle, x=left, y=30, class_="c-sub"))
+    ys = [y for ln in lines for y in ln.ys if y is not None] + [v.x for v in chart.hlines]
+    ys += [e for ln in lines for pair in (ln.errors or []) if pair is not None for e in pair]
+    parts: list[Markup] = [tag("title", chart.title), *header]
     if not xs or not ys:
         parts.append(tag("text", "no data", x=w / 2, y=h / 2, class_="c-empty", text_anchor="middle"))
         return _svg(parts, w, h, chart.title, Markup(""))
+
+    y_lo = chart.y_min if chart.y_min is not None else min(ys)
+    y_hi = chart.y_max if chart.y_max is not None else max(ys)
+    yt = nice_ticks(min(y_lo, min(ys)) if chart.y_min is None else y_lo, max(y_hi, y_lo + 1e-12), 5,
+                    integer=chart.y_integer)
+    if chart.y_max is not None:
+        yt = [t for t in yt if t <= chart.y_max + 1e-12] or yt
+    y0, y1 = yt[0], max(yt[-1], chart.y_max or yt[-1])
+    # the plot starts right of the widest y tick label, which starts right of the rotated axis title
+    left = max(left, round(28 + max(text_width(chart.y_format(t), TICK_SIZE) for t in yt)))
+    pw = w - left - right
 
     x_lo, x_hi = min(xs), max(xs)
     if chart.log_x and x_lo > 0:
@@ -143,20 +214,14 @@ def render(chart: Chart, uid: str | None = None) -> Markup:
         def sx(x: float) -> float:
             return left + (math.log10(max(x, 1e-12)) - lx0) / (lx1 - lx0) * pw
     else:
-        xt = nice_ticks(x_lo, x_hi, 6)
+        # fewer ticks on a narrow chart: a tick label is up to five characters at TICK_SIZE
+        xt = nice_ticks(x_lo, x_hi, 6 if pw > 420 else 5)
         # the axis ends at the data (a time axis padded to the next round tick looks like missing data)
         x0, x1 = xt[0], (x_hi if x_hi > xt[0] else xt[-1])
         xt = [t for t in xt if t <= x1 + 1e-12]
 
         def sx(x: float) -> float:
             return left + (x - x0) / (x1 - x0 or 1.0) * pw
-    y_lo = chart.y_min if chart.y_min is not None else min(ys)
-    y_hi = chart.y_max if chart.y_max is not None else max(ys)
-    yt = nice_ticks(min(y_lo, min(ys)) if chart.y_min is None else y_lo, max(y_hi, y_lo + 1e-12), 5,
-                    integer=chart.y_integer)
-    if chart.y_max is not None:
-        yt = [t for t in yt if t <= chart.y_max + 1e-12] or yt
-    y0, y1 = yt[0], max(yt[-1], chart.y_max or yt[-1])
 
     def sy(y: float) -> float:
         return top + ph - (y - y0) / (y1 - y0 or 1.0) * ph
@@ -166,65 +231,127 @@ def render(chart: Chart, uid: str | None = None) -> Markup:
         parts.append(tag("line", x1=left, x2=left + pw, y1=f"{sy(t):.1f}", y2=f"{sy(t):.1f}", class_="c-grid"))
         parts.append(tag("text", chart.y_format(t), x=left - 6, y=f"{sy(t) + 4:.1f}", class_="c-tick",
                          text_anchor="end"))
+    last_right = -math.inf
     for t in xt:
         parts.append(tag("line", x1=f"{sx(t):.1f}", x2=f"{sx(t):.1f}", y1=top + ph, y2=top + ph + 4,
                          class_="c-axis"))
-        parts.append(tag("text", chart.x_format(t), x=f"{sx(t):.1f}", y=top + ph + 17, class_="c-tick",
-                         text_anchor="middle"))
+        text = chart.x_format(t)
+        half = text_width(text, TICK_SIZE) / 2
+        if sx(t) - half < last_right + 4:
+            continue  # crowded (a log axis' 1, 2, 5 near its top): the tick stays, its label goes
+        last_right = sx(t) + half
+        parts.append(tag("text", text, x=f"{sx(t):.1f}", y=top + ph + 18, class_="c-tick", text_anchor="middle"))
     parts.append(tag("line", x1=left, x2=left + pw, y1=top + ph, y2=top + ph, class_="c-axis"))
     # a log axis says so: 2, 4, 8, 16 evenly spaced reads as linear otherwise
     x_label = chart.x_label if not chart.log_x or "log scale" in chart.x_label else f"{chart.x_label} (log scale)"
     parts.append(tag("text", x_label, x=left + pw / 2, y=h - 6, class_="c-label", text_anchor="middle"))
-    parts.append(tag("text", chart.y_label, x=14, y=top + ph / 2, class_="c-label", text_anchor="middle",
-                     transform=f"rotate(-90 14 {top + ph / 2:.1f})"))
+    parts.append(tag("text", chart.y_label, x=16, y=top + ph / 2, class_="c-label", text_anchor="middle",
+                     transform=f"rotate(-90 16 {top + ph / 2:.1f})"))
 
-    clip = "clip-" + (uid or hashlib.sha1(repr((chart.title, chart.subtitle, [ln.name for ln in chart.lines],
+    clip = "clip-" + (uid or hashlib.sha1(repr((chart.title, chart.subtitle, [ln.name for ln in lines],
                                                  len(ys))).encode()).hexdigest()[:10])
-    parts.append(Markup(f'<defs><clipPath id="{clip}"><rect x="{left}" y="{top - 2}" width="{pw}" '
-                        f'height="{ph + 4}"/></clipPath></defs>'))
+    parts.append(Markup(f'<defs><clipPath id="{clip}"><rect x="{left - 6}" y="{top - 6}" width="{pw + 12}" '
+                        f'height="{ph + 12}"/></clipPath></defs>'))
     plot: list[Markup] = []
-    labels: list[Markup] = []
     for hl in chart.hlines:
         y = sy(hl.x)
         plot.append(tag("line", tag("title", hl.label), x1=left, x2=left + pw, y1=f"{y:.1f}", y2=f"{y:.1f}",
                         stroke=hl.color, class_="c-ref"))
-        # above the line, or below it when the line runs along the top of the plot
-        ly = y - 4 if y - top > 14 else y + 13
-        labels.append(tag("text", hl.label, x=left + pw - 4, y=f"{ly:.1f}", class_="c-reflabel",
-                          text_anchor="end", fill=hl.color))
-    thin = [ln for ln in chart.lines if not ln.area]
-    for ln in chart.lines:
+    thin = [ln for ln in lines if not ln.area]
+    # series marked at every point (sweeps) set their markers and error bars a few pixels apart ("dodged"), so
+    # two series with equal values at a point both show there
+    dotted = [ln for ln in lines if ln.dots]
+    dodge = {id(ln): (k - (len(dotted) - 1) / 2) * DODGE_PX for k, ln in enumerate(dotted)} if len(dotted) > 1 else {}
+    for i, ln in enumerate(lines):
         # Lines drawn earlier are drawn a little wider: where two series coincide, the one beneath still
-        # shows as a rim around the one on top (their dash patterns and the legend tell them apart). The
-        # widening stops at MAX_EXTRA_WIDTH: a dozen series once made 13 px blobs.
+        # shows as a rim around the one on top (their dash patterns, marker shapes and the legend tell them
+        # apart). The widening stops at MAX_EXTRA_WIDTH: a dozen series once made 13 px blobs.
         extra = min(MAX_EXTRA_WIDTH, EXTRA_WIDTH * (len(thin) - 1 - thin.index(ln))) \
             if ln in thin and len(thin) > 1 else 0.0
         plot.extend(_line(ln, sx, sy, top + ph, extra, buckets=max(40, int(pw // 9))))
+        shift = dodge.get(id(ln), 0.0)
+        plot.extend(_error_bars(ln, lambda x, d=shift: sx(x) + d, sy))
+        if ln.shape is not None:
+            where = _dot_points(ln) if ln.dots else _mark_points(ln, thin.index(ln) if ln in thin else i,
+                                                                  len(thin), x_lo, x_hi)
+            # a sweep's dot is a measurement and says so on hover; a marker along a timeline only tells series
+            # apart (no tooltip: a report has hundreds of them)
+            plot.extend(_shape(ln.shape, sx(x) + shift, sy(y), ln.color,
+                               f"{ln.name}: x={x:g}, y={y:.4g}" if ln.dots else "")
+                        for x, y in where)
+        elif ln.dots:
+            plot.extend(tag("circle", tag("title", f"{ln.name}: x={x:g}, y={y:.4g}"), cx=f"{sx(x):.1f}",
+                            cy=f"{sy(y):.1f}", r=3.5, fill="#fff", stroke=ln.color, class_="c-dot")
+                        for x, y in _dot_points(ln))
     parts.append(tag("g", Markup("").join(plot), clip_path=f"url(#{clip})"))
-    parts.extend(labels)
-    placed: list[float] = []
     for x_val, color, label in _merge_vlines(chart.vlines):
         x = sx(x_val)
-        # stagger labels of nearby lines so they never print over each other
-        row = sum(1 for p in placed if abs(p - x) < 150)
-        placed.append(x)
         parts.append(tag("line", tag("title", label), x1=f"{x:.1f}", x2=f"{x:.1f}", y1=top, y2=top + ph,
                          stroke=color, class_="c-vline"))
-        # the label goes beside its line, on whichever side keeps it inside the plot (never over the ticks)
-        width = text_width(label, 10.5)
-        anchor = "end" if x > left + pw * 0.6 else "start"
-        if anchor == "end" and x - 5 - width < left + 2:
-            anchor = "start"
-        if anchor == "start" and x + 5 + width > left + pw and x - 5 - width >= left + 2:
-            anchor = "end"
-        tx = x - 5 if anchor == "end" else max(x + 5, left + 4) if x + 5 + width <= left + pw else left + 4
-        parts.append(tag("text", label, x=f"{tx:.1f}", y=top + 12 + 13 * row,
-                         class_="c-vlabel", fill=color, text_anchor=anchor))
     for m in chart.markers:
         x = sx(m.x)
         parts.append(tag("path", tag("title", m.tip), d=f"M{x - 3.5:.1f},{top - 12} h7 l-3.5,6 z", fill=m.color,
                          class_="c-marker"))
-    return _svg(parts, w, h, chart.title, _legend(chart))
+    return _svg(parts, w, h, chart.title, _legend(chart, lines))
+
+
+def _dot_points(ln: Line) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for seg in _segments(ln) for x, y in seg]
+
+
+def _mark_points(ln: Line, index: int, count: int, x_lo: float, x_hi: float) -> list[tuple[float, float]]:
+    """Where series ``index`` of ``count`` carries its markers: MARKS_PER_LINE places spread over the x range,
+    each series shifted along by its share of a stretch, so coinciding series mark different places."""
+    points = _dot_points(ln)
+    if not points:
+        return []
+    stretch = (x_hi - x_lo) / MARKS_PER_LINE
+    out = []
+    for k in range(MARKS_PER_LINE):
+        target = x_lo + stretch * (k + (index + 1) / (count + 1))
+        before = [p for p in points if p[0] <= target]
+        if not before or target > points[-1][0]:
+            continue
+        if ln.step:
+            out.append((target, before[-1][1]))  # a step line holds its last value until the next point
+            continue
+        after = next((p for p in points if p[0] >= target), before[-1])
+        (xa, ya), (xb, yb) = before[-1], after
+        out.append((target, ya if xb == xa else ya + (yb - ya) * (target - xa) / (xb - xa)))
+    return out
+
+
+def _shape(shape: str, x: float, y: float, color: str, tip: str = "", r: float = 4.0) -> Markup:
+    """A marker of ``shape`` centred on (x, y): white inside, outlined in the series' colour (whole units:
+    about a pixel each, and a third of the bytes of one decimal)."""
+    x, y = round(x), round(y)
+    a, b, c = round(r), round(r * .8), round(r * 1.2)
+    paths = {
+        "square": f"M{x - b},{y - b}h{2 * b}v{2 * b}h{-2 * b}z",
+        "triangle": f"M{x},{y - c}L{x + a},{y + b}L{x - a},{y + b}z",
+        "triangle-down": f"M{x},{y + c}L{x + a},{y - b}L{x - a},{y - b}z",
+        "diamond": f"M{x},{y - c}L{x + a},{y}L{x},{y + c}L{x - a},{y}z",
+        "cross": f"M{x - a},{y}h{2 * a}M{x},{y - a}v{2 * a}",
+    }
+    title = tag("title", tip) if tip else ""
+    if shape in paths:
+        return tag("path", title, d=paths[shape], fill="#fff", stroke=color, class_="c-dot", data_shape=shape)
+    return tag("circle", title, cx=x, cy=y, r=f"{r * .9:g}", fill="#fff", stroke=color, class_="c-dot",
+               data_shape="circle")
+
+
+def _error_bars(ln: Line, sx: Callable[[float], float], sy: Callable[[float], float]) -> list[Markup]:
+    """A vertical bar with caps from each point's low to its high (the repeats' range)."""
+    out = []
+    for x, pair in zip(ln.xs, ln.errors or [], strict=False):
+        if pair is None or x is None:
+            continue
+        lo, hi = sorted(pair)
+        px, y_lo, y_hi = sx(float(x)), sy(lo), sy(hi)
+        out.append(tag("path", tag("title", f"{ln.name}: {lo:.4g} to {hi:.4g} over the repeats"),
+                       d=f"M{px:.1f},{y_lo:.1f}V{y_hi:.1f}M{px - 4:.1f},{y_lo:.1f}h8M{px - 4:.1f},{y_hi:.1f}h8",
+                       stroke=ln.color, class_="c-err"))
+    return out
 
 
 def _merge_vlines(vlines: list[VLine]) -> list[tuple[float, str, str]]:
@@ -322,28 +449,38 @@ def _line(ln: Line, sx: Callable[[float], float], sy: Callable[[float], float], 
             out.append(tag("polygon", points=poly, fill=ln.color, class_="c-area"))
         out.append(tag("polyline", tag("title", ln.name), points=" ".join(pts), stroke=ln.color,
                        stroke_width=f"{ln.width + extra:g}", stroke_dasharray=ln.dash, class_="c-line"))
-        if ln.dots:
-            for x, y in seg:
-                out.append(tag("circle", tag("title", f"{ln.name}: x={x:g}, y={y:.4g}"), cx=f"{sx(x):.1f}",
-                               cy=f"{sy(y):.1f}", r=3.5, fill="#fff", stroke=ln.color, class_="c-dot"))
     return out
 
 
 def legend_key(ln: Line) -> Markup:
     """A line's legend key: a short stretch of the line itself, in its colour and its own dash pattern
-    (a CSS border draws every pattern alike)."""
-    line = tag("line", x1=0, y1=5, x2=LEGEND_KEY_W, y2=5, stroke=ln.color, stroke_width=2.5,
+    (a CSS border draws every pattern alike), with its marker shape in the middle."""
+    line = tag("line", x1=0, y1=6, x2=LEGEND_KEY_W, y2=6, stroke=ln.color, stroke_width=2.5,
                stroke_dasharray=ln.dash)
-    return tag("svg", line, class_="lg-key", width=LEGEND_KEY_W, height=10, viewBox=f"0 0 {LEGEND_KEY_W} 10",
-               aria_hidden="true")
+    mark = _shape(ln.shape, LEGEND_KEY_W / 2, 6, ln.color, r=3.5) if ln.shape else Markup("")
+    return tag("svg", line + mark, class_="lg-key", width=LEGEND_KEY_W, height=12,
+               viewBox=f"0 0 {LEGEND_KEY_W} 12", aria_hidden="true")
 
 
-def _legend(chart: Chart) -> Markup:
-    """The legend as HTML under the chart: it wraps on narrow screens and long names never overlap."""
-    items = [tag("span", legend_key(ln) + escape(ln.name), class_="lg-line") for ln in chart.lines]
+def _ref_key(color: str, vertical: bool) -> Markup:
+    """The legend key of a reference line: a short dashed stroke, upright for a vline."""
+    coords = {"x1": 7, "y1": 0, "x2": 7, "y2": 12} if vertical else {"x1": 0, "y1": 6, "x2": 14, "y2": 6}
+    return tag("svg", tag("line", **coords, stroke=color, stroke_width=2, stroke_dasharray="3 2"),
+               class_="lg-key", width=14, height=12, viewBox="0 0 14 12", aria_hidden="true")
+
+
+def _legend(chart: Chart, lines: list[Line] | None = None) -> Markup:
+    """The legend as HTML under the chart: it wraps on narrow screens and long names never overlap. It also
+    names the reference lines (a surge's start, a knee, "equal cost"), whose labels stay off the plot."""
+    lines = chart.lines if lines is None else lines
+    items = [tag("span", legend_key(ln) + escape(ln.name), class_="lg-line") for ln in lines] \
+        if len(lines) > 1 or any(ln.shape for ln in lines) else []
+    items += [tag("span", _ref_key(color, True) + escape(label), class_="lg-ref")
+              for _, color, label in _merge_vlines(chart.vlines)]
+    items += [tag("span", _ref_key(hl.color, False) + escape(hl.label), class_="lg-ref") for hl in chart.hlines]
     items += [tag("span", tag("i", "", style=f"border-top-color: {color}") + escape(label), class_="lg-marker")
               for label, color in chart.marker_legend.items()]
-    if len(items) <= 1 and not chart.marker_legend:
+    if not items:
         return Markup("")
     return tag("figcaption", Markup("").join(items), class_="legend")
 
@@ -368,14 +505,16 @@ def text_width(text: str, size: float = 12.0) -> float:
     return len(text) * CHAR_W * size / 12.0
 
 
-def ratio_bars(title: str, bars: Sequence[Bar], subtitle: str = "", width: int = 900) -> Markup:
+def ratio_bars(title: str, bars: Sequence[Bar], subtitle: str = "", width: int = 900,
+               axis_label: str = "ratio (log scale)") -> Markup:
     """Horizontal bars of ratios on a log scale centred on 1× (0.25× .. 4×, clipped beyond).
 
     The label column is as wide as the longest label (never clipped); a value is written beside its
     bar's end, or beside the 1× axis when the bar runs so far left that it would cover the labels."""
-    row_h, top = 22, 44 if subtitle else 30
+    header, head_h = _header(Chart(title, "", "", subtitle=subtitle), width)
+    row_h, top = 22, head_h + 14
     label_w = int(min(width * 0.55, max([120.0] + [text_width(b.label) + 22 for b in bars])))
-    h = top + row_h * max(1, len(bars)) + 28
+    h = int(top + row_h * max(1, len(bars)) + 44)
     left, right = label_w, width - 70
     span = math.log2(4.0)
 
@@ -383,10 +522,9 @@ def ratio_bars(title: str, bars: Sequence[Bar], subtitle: str = "", width: int =
         v = max(-span, min(span, math.log2(max(r, 1e-9))))  # 0x and beyond 4x sit at the ends
         return left + (v + span) / (2 * span) * (right - left)
 
-    parts: list[Markup] = [tag("title", title), tag("text", title, x=12, y=16, class_="c-title")]
-    if subtitle:
-        parts.append(tag("text", subtitle, x=12, y=30, class_="c-sub"))
+    parts: list[Markup] = [tag("title", title), *header]
     bottom = top + row_h * len(bars)
+    parts.append(tag("text", axis_label, x=f"{sx(1.0):.1f}", y=bottom + 36, class_="c-label", text_anchor="middle"))
     for r in (0.25, 0.5, 1.0, 2.0, 4.0):
         x = sx(r)
         parts.append(tag("line", x1=f"{x:.1f}", x2=f"{x:.1f}", y1=top - 4, y2=bottom,
@@ -409,5 +547,37 @@ def ratio_bars(title: str, bars: Sequence[Bar], subtitle: str = "", width: int =
             tx, anchor = sx(1.0) + 6, "start"  # no room left of the bar: write it right of the 1× axis
         parts.append(tag("text", value, x=f"{tx:.1f}", y=y + row_h / 2 + 4, class_="c-value",
                          text_anchor=anchor, fill=color))
+    svg = Markup(f'<svg class="chart" viewBox="0 0 {width} {h}" role="img" aria-label="{escape(title)}">')
+    return tag("figure", svg + Markup("").join(parts) + Markup("</svg>"), class_="chart-fig")
+
+
+def share_bars(title: str, items: Sequence[tuple[str, float, str]], subtitle: str = "", width: int = 440) -> Markup:
+    """Horizontal bars of shares (0 to 1, written as %): ``items`` are (label, share, colour). A share is a
+    measured value; an item without one does not belong here (the caller leaves it out, never draws 0)."""
+    header, head_h = _header(Chart(title, "", "", subtitle=subtitle), width)
+    row_h, top = 24, head_h + 14
+    label_w = int(min(width * 0.5, max([80.0] + [text_width(label) + 16 for label, _, _ in items])))
+    left, right = label_w, width - 52
+    bottom = top + row_h * max(1, len(items))
+    h = int(bottom + 44)
+
+    def sx(v: float) -> float:
+        return left + max(0.0, min(1.0, v)) * (right - left)
+
+    parts: list[Markup] = [tag("title", title), *header]
+    for t in (0.0, 0.25, 0.5, 0.75, 1.0):
+        parts.append(tag("line", x1=f"{sx(t):.1f}", x2=f"{sx(t):.1f}", y1=top - 4, y2=bottom,
+                         class_="c-axis" if t == 0 else "c-grid"))
+        parts.append(tag("text", f"{t * 100:g}", x=f"{sx(t):.1f}", y=bottom + 18, class_="c-tick",
+                         text_anchor="middle"))
+    parts.append(tag("text", "share of requests (%)", x=f"{(left + right) / 2:.1f}", y=bottom + 38, class_="c-label",
+                     text_anchor="middle"))
+    for i, (label, share, color) in enumerate(items):
+        y = top + i * row_h
+        parts.append(tag("text", label, x=label_w - 8, y=y + row_h / 2 + 4, class_="c-legend", text_anchor="end"))
+        parts.append(tag("rect", tag("title", f"{label}: {share:.1%}"), x=f"{left:.1f}", y=y + 4,
+                         width=f"{max(sx(share) - left, 1.5):.1f}", height=row_h - 8, rx=3, fill=color))
+        parts.append(tag("text", f"{share:.0%}", x=f"{sx(share) + 5:.1f}", y=y + row_h / 2 + 4, class_="c-value",
+                         fill=color))
     svg = Markup(f'<svg class="chart" viewBox="0 0 {width} {h}" role="img" aria-label="{escape(title)}">')
     return tag("figure", svg + Markup("").join(parts) + Markup("</svg>"), class_="chart-fig")

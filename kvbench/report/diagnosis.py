@@ -28,7 +28,7 @@ from typing import Any
 from kvbench.bench.formatting import fmt_metric, fmt_ratio, fmt_time
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import NOISE_FLOOR_S, Pressure, num, plural
-from kvbench.report.figures import Crossover, Facts
+from kvbench.report.figures import Crossover, Facts, clock_of
 from kvbench.report.scoreboard import pressure_of
 
 OK, BETTER, WATCH, PROBLEM, NOT_MEASURED = "ok", "better than expected", "watch", "problem", "not measured"
@@ -103,9 +103,10 @@ def engine_mode(results: Results, engine: str) -> str:
 
 
 def _peers(results: Results, sc: dict, res: dict, key: str) -> list[tuple[str, float]]:
-    """Other engines' values of ``key`` on the same scenario and mode."""
+    """Other engines' values of ``key`` on the same scenario and mode, measured on the same clock (figures
+    from two clocks are never set against each other)."""
     return [(r["engine"], v) for r in sc["results"] if r["engine"] != res["engine"] and r.get("mode") == res.get("mode")
-            and (v := num(r["metrics"].get(key))) is not None]
+            and clock_of(r) == clock_of(res) and (v := num(r["metrics"].get(key))) is not None]
 
 
 def _worse_than_peers(results: Results, sc: dict, res: dict, key: str, value: float) -> str:
@@ -121,8 +122,10 @@ def _worse_than_peers(results: Results, sc: dict, res: dict, key: str, value: fl
 
 def _check_preemptions(results: Results, engine: str, rows: list[Row]) -> dict[str, Any]:
     title = "Is the preemption count growing?"
-    knob = ("Lower max_num_seqs toward the knee; give the KV pool more blocks (gpu_memory_utilization, "
-            "num_gpu_blocks).")
+    # "toward the knee" only for an engine whose concurrency sweep has one (R2): without it there is no target
+    knee, _ = concurrency_knee(results, engine)
+    knob = ((f"Lower max_num_seqs toward the knee ({knee:g}); give" if knee is not None else "Give")
+            + " the KV pool more blocks (gpu_memory_utilization, num_gpu_blocks).")
     known = [(sc, res, v) for sc, res in rows if (v := num(res["metrics"].get("preemptions"))) is not None]
     if not known:
         return _check(1, title, NOT_MEASURED, "The engine does not expose preemptions.", "")

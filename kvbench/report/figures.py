@@ -23,7 +23,7 @@ from typing import Any
 from kvbench.bench import gate, metrics, repeats
 from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio
 from kvbench.bench.results import COST_METRICS, Results
-from kvbench.bench.scenarios.declare import MIN_RATIO_NOISE, NOISE_FLOOR_S, is_time, num, ratio_noise
+from kvbench.bench.scenarios.declare import MIN_RATIO_NOISE, NOISE_FLOOR_S, is_time, num, ratio_noise, within_noise
 
 #: the sweep whose throughput curve has a knee
 KNEE_SWEEP = "concurrency"
@@ -64,19 +64,37 @@ def clock_of(result: Mapping[str, Any]) -> str:
     return str(clock.get("clock", "wall")) if isinstance(clock, Mapping) else "wall"
 
 
-def closed_loop(sc: Mapping[str, Any]) -> bool:
-    """A closed-loop workload has no arrival times (a request comes when one finishes): the clock it
-    ran on cannot change what it served."""
-    return any("closed loop" in str(v) for v in sc.get("parameters", {}).values())
-
-
-def clocks_differ(sc: Mapping[str, Any], *results: Mapping[str, Any]) -> str:
-    """Why ``results`` of scenario ``sc`` are not like for like ("" when they are): open-loop arrivals
-    released by engine step for one and by the wall clock for another."""
+def clocks_differ(sc: Mapping[str, Any] | None, *results: Mapping[str, Any]) -> str:
+    """Why ``results`` (of scenario ``sc``) are not like for like ("" when they are): they ran on two
+    clocks. Never compared, closed loop or not: on the step clock idle gaps are jumped and arrivals come
+    by engine step, while one of the engines stepped in lockstep with another, so even a closed loop's
+    times answer another question than the wall clock's (a run decides one clock for all its engines,
+    :mod:`kvbench.bench.clock_rule`; two clocks meet only in files merged from several runs)."""
     clocks = sorted({clock_of(r) for r in results})
-    if len(clocks) < 2 or closed_loop(sc):
+    if len(clocks) < 2:
         return ""
-    return f"different clocks ({' vs '.join(clocks)}): arrivals came at different times"
+    return f"different clocks ({' vs '.join(clocks)}): measured under different rules, not compared"
+
+
+def clock_groups(results: list[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Engines by the clock they ran on, e.g. {"step": ["reference"], "wall": ["hf-cb"]} (each engine once)."""
+    groups: dict[str, list[str]] = {}
+    for r in results:
+        names = groups.setdefault(clock_of(r), [])
+        if r.get("engine") not in names:
+            names.append(str(r.get("engine")))
+    return groups
+
+
+def mixed_clocks_words(results: list[Mapping[str, Any]]) -> str:
+    """"" when ``results`` share one clock, else a sentence naming which engine ran on which clock."""
+    groups = clock_groups(results)
+    if len(groups) < 2:
+        return ""
+    return ("this results file mixes clocks (" + "; ".join(f"{c} clock: {', '.join(n)}" for c, n in
+                                                          sorted(groups.items()))
+            + "), as a file from before the one-clock rule or one merged from separate runs can: figures from "
+              "two clocks are not compared here")
 
 
 @dataclass(frozen=True)
@@ -97,7 +115,7 @@ class Comparison:
             return False
         if is_time(self.metric) and max(abs(self.a or 0.0), abs(self.b or 0.0)) < NOISE_FLOOR_S:
             return False  # both under one step's jitter on a shared machine
-        return abs(self.ratio - 1.0) > max(self.noise or 0.0, MIN_RATIO_NOISE)
+        return not within_noise(self.ratio, self.noise)
 
     @property
     def verdict(self) -> str:

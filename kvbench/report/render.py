@@ -25,15 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 from markupsafe import Markup
 
 from kvbench import __version__
 from kvbench.bench import gate
 from kvbench.bench.formatting import fmt_bytes, fmt_metric, fmt_ratio, fmt_time, metric_label
 from kvbench.bench.results import Results
-from kvbench.bench.scenarios.declare import num
-from kvbench.report import advice, figures, scoreboard, sim_validation, trend
+from kvbench.bench.scenarios.declare import num, within_noise
+from kvbench.report import advice, extra_charts, figures, first_screen, scoreboard, sim_validation, trend, words
 from kvbench.report import charts as rc
+from kvbench.report import side_by_side as side_by_side_view
 from kvbench.report.diagnosis import baseline_engine_name, diagnose
 
 #: what report files are written with: readable by everyone like any document (a results file written
@@ -95,6 +97,23 @@ def _find_scenario(results: Results, *needles: str) -> dict[str, Any] | None:
     return None
 
 
+def clock_rule(results: Results) -> dict[str, Any] | None:
+    """The run's clock decision as results.json states it (``clock_rule``); for a file without one, what its
+    results show when they all ran on one clock; None when they mix clocks (each section then says so)."""
+    stated = results.data.get("clock_rule")
+    if isinstance(stated, dict) and stated.get("clock"):
+        return stated
+    everything = [r for _, r in results.iter_results()]
+    mixed = figures.mixed_clocks_words(everything)
+    if mixed:
+        return {"clock": "", "step_seconds": None, "mixed": True, "why": mixed[0].upper() + mixed[1:]}
+    clocks = {figures.clock_of(r) for r in everything}
+    if not clocks:
+        return None
+    return {"clock": clocks.pop(), "step_seconds": None,
+            "why": "every result of this file was measured on it (the file does not state the run's rule)"}
+
+
 def headline_ratios(results: Results) -> list[dict[str, Any]]:
     """One headline card per scenario in the results, each the scenario's own declaration."""
     return scoreboard.headlines(results, baseline_engine_name(results))
@@ -106,27 +125,31 @@ def headline_ratios(results: Results) -> list[dict[str, Any]]:
 
 def _better(metric: str, ratio: float, noise: float | None = None) -> str:
     """CSS class for a ratio of other / reference (or current / baseline): good or bad only beyond ``noise``."""
-    if not math.isfinite(ratio) or abs(ratio - 1) <= max(noise or 0.0, figures.MIN_RATIO_NOISE):
+    if not math.isfinite(ratio) or within_noise(ratio, noise):
         return "same"
     up_good = metric in gate.HIGHER_IS_BETTER
     return "good" if (ratio > 1) == up_good else "bad"
 
 
 def summary_table(results: Results) -> dict[str, Any]:
+    # goodput exists only with --slo: without it the column would read "n/a" in every row (R2)
+    columns = [k for k in SUMMARY_COLUMNS if k != "goodput"
+               or any(num(r["metrics"].get(k)) is not None for _, r in results.iter_results())]
     rows = []
     for sc, res in results.iter_results():
         checks, undecided = res.get("checks", {}), res.get("undecided") or {}
         held = f"{sum(map(bool, checks.values()))}/{len(checks)}" if checks else ""
-        rows.append({"scenario": sc["name"], "engine": res["engine"], "mode": res.get("mode"),
-                     "cells": [figures.fmt_value(k, res) for k in SUMMARY_COLUMNS],
-                     "sort": [num(res["metrics"].get(k)) for k in SUMMARY_COLUMNS],
+        rows.append({"scenario": words.scenario_title(sc["name"]), "engine": res["engine"], "mode": res.get("mode"),
+                     "cells": [figures.fmt_value(k, res) for k in columns],
+                     "sort": [num(res["metrics"].get(k)) for k in columns],
                      # undecided claims are said apart: they never count as held
                      "checks": " · ".join(filter(None, [held, f"{len(undecided)} undecided" if undecided else ""])),
                      "checks_ok": all(checks.values()), "machine": res.get("machine") or "",
                      "clock": figures.clock_of(res)})
     # merged shards (kvbench merge) keep each result's machine: a column when there is more than one
     show_machine = len({r["machine"] for r in rows}) > 1
-    return {"columns": [metric_label(k) for k in SUMMARY_COLUMNS], "rows": rows, "show_machine": show_machine}
+    return {"columns": [metric_label(k) for k in columns], "rows": rows, "show_machine": show_machine,
+            "goodput": "goodput" in columns}
 
 
 def _ratio_cell(c: figures.Comparison) -> dict[str, Any]:
@@ -209,14 +232,25 @@ BASELINE_METRICS: tuple[str, ...] = (
 def baseline_section(results: Results, baseline: Results) -> dict[str, Any]:
     """A matrix of (scenario, engine, mode) x key metrics: current value and change from the baseline,
     with the regressions of the gate's default thresholds listed first and shaded."""
-    regressions = gate.compare(results, baseline, gate.DEFAULT_THRESHOLDS)
+    # a figure and its baseline measured on two clocks (a run from before the one-clock rule) are not compared:
+    # the cell and any "regression" between them are set aside and said so
+    flagged_all = gate.compare(results, baseline, gate.DEFAULT_THRESHOLDS)
+    across = [d for d in flagged_all if _across_clocks(d, results, baseline)]
+    regressions = [d for d in flagged_all if not _across_clocks(d, results, baseline)]
     flagged = {(d.scenario, d.engine, d.mode, d.metric) for d in regressions}
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
+    not_compared: set[str] = set()
     # the cells show both runs' own values (absolute): a same-run ratio to the reference engine, which the
     # gate compares times by, would read as a value in the metric's unit ("1.0 tok/s") and leave the
     # reference engine's own times empty
     for d in gate.deltas(results, baseline, [f"{k}:+0%" for k in BASELINE_METRICS], absolute=True):
         key = (d.scenario, d.engine, d.mode)
+        if _across_clocks(d, results, baseline):
+            not_compared.add(_label(f"{d.scenario} / {d.engine}", d.mode))
+            cells.setdefault(key, {})[d.metric] = {
+                "current": fmt_metric(d.metric, d.current), "baseline": fmt_metric(d.metric, d.baseline),
+                "change": "not compared", "cls": "na", "word": "≠ clock", "regressed": False}
+            continue
         cls = _delta_class(d)
         cells.setdefault(key, {})[d.metric] = {
             "current": fmt_metric(d.metric, d.current), "baseline": fmt_metric(d.metric, d.baseline),
@@ -228,8 +262,24 @@ def baseline_section(results: Results, baseline: Results) -> dict[str, Any]:
     only_cur, only_base = gate.unmatched(results, baseline)
     return {"label": _run_label(baseline), "columns": [metric_label(k) for k in BASELINE_METRICS], "rows": rows,
             "thresholds": ", ".join(gate.DEFAULT_THRESHOLDS), "regressions": [d.describe() for d in regressions],
+            "not_compared": sorted(not_compared | {_label(f"{d.scenario} / {d.engine}", d.mode) for d in across}),
             "only_current": [_label(f"{s} / {e}", m) for s, e, m in only_cur],
             "only_baseline": [_label(f"{s} / {e}", m) for s, e, m in only_base]}
+
+
+def _result_clock(results: Results, scenario: str, engine: str, mode: str | None) -> str | None:
+    res = results.result(scenario, engine, mode)
+    return figures.clock_of(res) if res is not None else None
+
+
+def _across_clocks(d: gate.Delta, results: Results, baseline: Results) -> bool:
+    """Whether a delta sets figures of two clocks against each other: the result's clock moved between the
+    runs, or (a same-run ratio) the engine and the one it is a ratio to ran on different clocks in either."""
+    engines = [d.engine]
+    if d.basis.startswith("ratio to "):
+        engines.append(d.basis.removeprefix("ratio to "))
+    clocks = {_result_clock(run, d.scenario, e, d.mode) for run in (results, baseline) for e in engines}
+    return len(clocks - {None}) > 1
 
 
 def _delta_class(d: gate.Delta) -> str:
@@ -332,6 +382,9 @@ class _Charts:
         modes = list(dict.fromkeys(r.get("mode") for r in with_series))
         one_engine = len({r["engine"] for r in with_series}) == 1
         event = _scenario_event(sc)
+        # the step clock's timelines are drawn on the workload's own seconds (step index x seconds per
+        # step), where its arrivals and its surge are; the wall seconds those steps took are stated apart
+        to_workload = {id(r): _workload_axis(r) for r in with_series}
         out = []
         for x_key, y_key, title, unit, fmt, y_max, integer in self.TIMELINES:
             if keys is not None and y_key not in keys:
@@ -348,18 +401,28 @@ class _Charts:
                         continue
                     color, dash = self.style(r["engine"], r.get("mode"), modes, one_engine=one_engine)
                     label = _label(r["engine"], r.get("mode"))
-                    lines.append(rc.Line(label, s.get(x_key, []), s.get(y_key, []), color, dash=dash))
+                    move = to_workload[id(r)] if x_key != "server_t" else None
+                    xs = s.get(x_key, [])
+                    lines.append(rc.Line(label, [move(x) for x in xs] if move else xs, s.get(y_key, []), color,
+                                         dash=dash))
                     if y_key == "gap_max":
                         for t, mode in zip(s.get("preempt_t", []), s.get("preempt_mode", []), strict=False):
+                            t = move(t) if move else t
                             c = rc.PREEMPT_COLORS.get(mode, "#d9434e")
                             marks.append(rc.Marker(t, c, f"{label}: preempted ({mode}) at {t:.3f} s"))
                             legend[f"preemption ({mode})"] = c
                 if not lines:
                     continue
                 sub = f"{clock} clock only: not comparable with the other clock" if split else "one scale for all"
+                stepped = [r for r in members if to_workload[id(r)] is not None and y_key in r["series"]]
+                x_title = "time (s)"
+                if stepped and x_key != "server_t":
+                    x_title, note = _step_axis_words(stepped)
+                    sub += "; " + note
                 vlines = []
                 if event is not None:
-                    at = {_label(r["engine"], r.get("mode")): _event_time(r, event[1]) for r in members}
+                    at = {_label(r["engine"], r.get("mode")): (event[1] if to_workload[id(r)] is not None else
+                                                               _event_time(r, event[1])) for r in members}
                     if len({round(t, 3) for t in at.values() if t is not None}) == 1 and None not in at.values():
                         vlines.append(rc.VLine(next(iter(at.values())), event[0], "#1b2a4a"))
                     else:
@@ -368,7 +431,8 @@ class _Charts:
                                    for label, t in at.items() if t is not None]
                     sub += f"; {event[0]} at {event[1]:g} s of the workload" + (
                         "" if vlines else " (not on this axis)")
-                chart = rc.Chart(title + (f" ({clock} clock)" if split else "") + f" — {sc['name']}", "time (s)",
+                chart = rc.Chart(title + (f" ({clock} clock)" if split else "")
+                                 + f" — {words.scenario_title(sc['name'])}", x_title,
                                  unit, lines=lines, markers=marks, marker_legend=legend, vlines=vlines,
                                  y_format=fmt, y_max=top, y_integer=integer, subtitle=sub, width=440,
                                  height=TIMELINE_HEIGHT)
@@ -399,7 +463,7 @@ class _Charts:
                 xs = [x for ln in lines for x in ln.xs if x and x > 0]
                 log = bool(xs) and max(xs) / min(xs) > 50
                 out.append(self.render(rc.Chart(
-                    f"{title}" + (f" ({clock} clock)" if clock else "") + f" — {sc['name']}",
+                    f"{title}" + (f" ({clock} clock)" if clock else "") + f" — {words.scenario_title(sc['name'])}",
                     f"{key.upper()} (ms)" + (", log scale" if log else ""),
                     "share of " + ("requests" if key == "ttft" else "gaps") + " (%)", lines=lines, log_x=log,
                     subtitle=f"{clock} clock only: not comparable with the other clock's chart" if clock else "",
@@ -408,6 +472,18 @@ class _Charts:
         return out
 
     def sweep(self, sc: dict[str, Any], sw: dict[str, Any]) -> list[Markup]:
+        """The sweep's charts, engines overlaid on one scale; engines measured on different clocks (a file
+        merged from separate runs) get one set of charts per clock, never one scale across them."""
+        clock = {r["engine"]: figures.clock_of(r) for r in sc["results"]}
+        by_clock: dict[str, list[dict[str, Any]]] = {}
+        for p in sw["points"]:
+            by_clock.setdefault(clock.get(p["engine"], "wall"), []).append(p)
+        if len(by_clock) < 2:
+            return self._sweep_charts(sc, sw, "")
+        return [c for name, pts in sorted(by_clock.items())
+                for c in self._sweep_charts(sc, {**sw, "points": pts}, name)]
+
+    def _sweep_charts(self, sc: dict[str, Any], sw: dict[str, Any], clock: str) -> list[Markup]:
         modes = list(dict.fromkeys(p.get("mode") for p in sw["points"]))
         groups: dict[tuple[str, str | None], list[dict]] = {}
         for p in sw["points"]:
@@ -444,7 +520,10 @@ class _Charts:
             if metric == "output_throughput" and sw["name"] == figures.KNEE_SWEEP:
                 sub = "knee: throughput gains < 5% beyond it" + (
                     f"; none within the sweep for {', '.join(no_knee)}" if no_knee else "")
-            out.append(self.render(rc.Chart(f"{title} vs {sw['x_label']}", sw["x_label"], unit, width=440,
+            if clock:
+                sub = "; ".join(x for x in (f"{clock} clock only: not comparable with the other clock", sub) if x)
+            out.append(self.render(rc.Chart(f"{title} vs {sw['x_label']}" + (f" ({clock} clock)" if clock else ""),
+                                            sw["x_label"], unit, width=440,
                                             height=300, lines=lines, vlines=vlines, y_format=fmt, log_x=log,
                                             y_integer=metric == "preemptions", subtitle=sub)))
         return out
@@ -467,7 +546,8 @@ class _Charts:
                 ratio_lines.append(rc.Line(eng, list(cx.xs), [s / r if r else None for s, r in
                                                               zip(cx.swap, cx.recompute, strict=True)],
                                            self.colors.get(eng, rc.PALETTE[0]), dots=True))
-                if cx.x is not None:
+                # a crossing inside the noise is no landmark (R2): the advice and the chart say the same thing
+                if cx.x is not None and not cx.within_noise:
                     vlines.append(rc.VLine(cx.x, f"crossover {cx.text} ({eng})", self.colors.get(eng, "#444")))
         cost = self.render(rc.Chart(f"Preempt-and-resume cost by {sw['x_label']}", sw["x_label"], "cost (ms)",
                                     lines=lines, vlines=vlines, log_x=log, y_format=lambda v: f"{v * 1000:g}",
@@ -491,6 +571,38 @@ def _scenario_event(sc: dict[str, Any]) -> tuple[str, float] | None:
         if t is not None:
             return f"{name} starts", t
     return None
+
+
+def _workload_axis(res: dict[str, Any]) -> Any:
+    """On the step clock, a function from a trace time (the wall seconds the engine's steps took) to the
+    workload's seconds (step index x seconds per step), interpolated between the recorded steps; None on
+    the wall clock (its trace times are the workload's) or without the mapping (older results)."""
+    if figures.clock_of(res) != "step":
+        return None
+    s = res.get("series", {})
+    pairs = [(float(t), float(w)) for t, w in zip(s.get("t", []), s.get("workload_t", []), strict=False)
+             if t is not None and w is not None]
+    if len(pairs) < 2:
+        return None
+    ts, ws = [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def move(t: float) -> float:
+        return float(np.interp(t, ts, ws))
+
+    return move
+
+
+def _step_axis_words(stepped: list[dict[str, Any]]) -> tuple[str, str]:
+    """(x-axis title, subtitle note) of a timeline drawn on the step clock's workload seconds: the stated
+    seconds per step beside what a step measured, so neither is mistaken for the other."""
+    per_step = sorted({float(v) for r in stepped if (v := num((r.get("clock") or {}).get("step_seconds")))})
+    measured = [v for r in stepped if (v := num(r["metrics"].get("step_duration_mean"))) is not None]
+    stated = " / ".join(fmt_time(v) for v in per_step) or "a fixed time"
+    note = f"1 step = {stated} of workload"
+    if measured:
+        lo, hi = min(measured), max(measured)
+        note += ", measured " + (fmt_time(lo) if abs(hi - lo) < 1e-4 else f"{fmt_time(lo)}–{fmt_time(hi)}")
+    return "workload time (s, by engine step)", note
 
 
 def _event_time(res: dict[str, Any], t_workload: float) -> float | None:
@@ -532,6 +644,16 @@ def claims_matrix(sc: dict[str, Any]) -> dict[str, Any] | None:
             "rows": [{"claim": k, "cells": [c.get(k) for _, c in columns]} for k in claims]}
 
 
+def _one_clock_tables(sc: dict[str, Any], tables: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A scenario's own tables, said to be across clocks when its results mix them: rows side by side
+    are then not to be compared, and each table says so (a run puts every engine on one clock)."""
+    mixed = figures.mixed_clocks_words(sc["results"])
+    if not mixed:
+        return tables
+    return [{**t, "note": "; ".join(x for x in (t.get("note") or "", "not comparable row to row: " + mixed) if x)}
+            for t in tables]
+
+
 def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
     views = []
     for sc in results.scenarios:
@@ -546,7 +668,7 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
         pressure = scoreboard.pressure_of(sc)
         views.append({"name": sc["name"], "description": sc.get("description", ""), "sweep_columns":
                       3 if len(sweeps) % 3 == 0 else 2,
-                      "tables": decl.tables(sc) if decl is not None else [],
+                      "tables": _one_clock_tables(sc, decl.tables(sc) if decl is not None else []),
                       "pressure": pressure.describe() if pressure is not None else [],
                       # a fact recorded at run time (from one repeat) is shown where the report computes it
                       "parameters": {k: v for k, v in sc.get("parameters", {}).items()
@@ -556,7 +678,10 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
                       "more_charts": [*charts.timelines(sc, [t[1] for t in charts.TIMELINES
                                                              if t[1] not in charts.FIRST_TIMELINES]),
                                       *charts.cdfs(sc, ("tbt",))], "claims": claims_matrix(sc),
-                      "sweeps": sweeps, "results": res_views})
+                      "sweeps": sweeps, "results": res_views,
+                      # a title in words, notes every result shares said once, the extra views (R2)
+                      "title": words.scenario_title(sc["name"]), "common_notes": words.common_notes(sc["results"]),
+                      "extras": extra_charts.scenario_extras(sc, charts, lambda e, m: charts.style(e, m, [m]))})
     return views
 
 
@@ -571,7 +696,8 @@ def render_report(results: Results, baseline: Results | None = None, *, previous
     ``plan_href``: the capacity plan (``kvbench simulate --report``) the recommendation links."""
     charts = _Charts(results)
     base = baseline_section(results, baseline) if baseline is not None else None
-    headlines = [{**h, "verdict": ""} for h in headline_ratios(results)]
+    verdicts = first_screen.verdicts(results)
+    headlines = [{**h, "verdict": ""} for h in scoreboard.agree_with_verdicts(headline_ratios(results), verdicts)]
     if base is not None:  # a card says whether its scenario regressed
         for h in headlines:
             regressed = [r for r in base["regressions"] if r.startswith(h["scenario"] + " /")]
@@ -587,13 +713,17 @@ def render_report(results: Results, baseline: Results | None = None, *, previous
         "reference": baseline_engine_name(results),
         "headlines": headlines, "previous": previous, "index_href": index_href,
         "scoreboard": scoreboard.scoreboard(results, baseline_engine_name(results)),
+        "verdicts": verdicts,
+        "clock_rule": clock_rule(results),
         "conformance": scoreboard.conformance_matrix(results),
         "preemption_costs": scoreboard.preemption_costs(results),
         "diagnosis": diagnose(results),
-        "recommendations": advice.recommendations(results, charts.facts) if results.scenarios else [],
+        "recommendations": (advice.recommendations(results, charts.facts, plan_href=plan_href)
+                            if results.scenarios else []),
         "caveat": advice.caveat(results), "budget": f"{advice.PREEMPTION_BUDGET:g}", "plan_href": plan_href,
+        "glossary": words.engine_glossary(results.engines),  # R2: each engine kind explained once
         "summary": summary_table(results),
-        "side_by_side": side_by_side(results),
+        "side_by_side": side_by_side_view.tables(results),  # R2: engines named, each metric once
         "sim_validation": sim_validation.section(results),
         "scenarios": _scenario_views(results, charts),
         "baseline": base,
@@ -639,6 +769,11 @@ def write_text_file(path: str | os.PathLike[str], text: str) -> Path:
     return path
 
 
+def _clocks(results: Results) -> set[str]:
+    """The clocks a file's results ran on: a run compares itself by default only with runs on the same."""
+    return {figures.clock_of(r) for _, r in results.iter_results()}
+
+
 def _scales(results: Results) -> set[str]:
     return {str(sc.get("parameters", {}).get("scale")) for sc in results.scenarios}
 
@@ -660,7 +795,8 @@ def previous_run(report_dir: str | os.PathLike[str], results: Results,
             continue
         when = other.data.get("created") or ""
         if (when < created and set(other.engine_names()) == set(results.engine_names())
-                and _scales(other) == _scales(results) and (best is None or when > best[0])):
+                and _scales(other) == _scales(results) and _clocks(other) == _clocks(results)
+                and (best is None or when > best[0])):
             best = (when, path)
     return best[1] if best else None
 

@@ -7,6 +7,7 @@ Everything here reads a results file and the scenarios' declarations
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio, fmt_time
@@ -24,7 +25,7 @@ from kvbench.bench.scenarios.declare import (
     ratio_noise,
     within_noise,
 )
-from kvbench.report.figures import clock_of, closed_loop, fmt_value
+from kvbench.report.figures import clock_of, fmt_value, mixed_clocks_words
 
 #: the score of a scenario this kvbench does not know (a results file from elsewhere)
 DEFAULT_SCORE = Score("output_throughput", True, label="output throughput")
@@ -56,8 +57,30 @@ def headlines(results: Results, reference: str | None) -> list[dict[str, Any]]:
         h: Headline = (decl.headline(sc, reference) if decl is not None else
                        ratio_headline(sc, reference, title=sc["name"], metric="output_throughput",
                                       what="output throughput"))
+        mixed = mixed_clocks_words(sc["results"])
+        if mixed and h.value is not None:
+            # a scenario's own headline compares its engines: not across two clocks
+            h = Headline(h.title, "not compared", mixed[0].upper() + mixed[1:])
         cards.append({**h.to_dict(), "scenario": sc["name"]})
     return cards
+
+
+def agree_with_verdicts(cards: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Headline cards that do not contradict the first screen: where the verdict found its scenario level
+    within the noise (which may count more noise than the card's own repeats: one workload measured twice),
+    a card still showing a ratio beyond its noise is marked within noise and points at the verdict."""
+    level = {v["scenario"]: v for v in verdicts if v.get("status") == "level"}
+    out = []
+    for card in cards:
+        v = level.get(card.get("scenario"))
+        # the card's ratio is "<engine> ÷ <engine> ...": reconciled only when both are level in the verdict
+        pair = re.match(r"(\S+) ÷ (\S+) ", str(card.get("caption", "")))
+        same = v is not None and pair is not None and {pair.group(1), pair.group(2)} <= set(v.get("level") or [])
+        if same and card.get("measured") and not card.get("within_noise") and "×" in str(card.get("value")):
+            caption = f"{card['caption']}: {card['value']}, within the noise the verdict counts ({v['noise']})"
+            card = {**card, "within_noise": True, "value": "within noise", "caption": caption}
+        out.append(card)
+    return out
 
 
 def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
@@ -94,12 +117,13 @@ def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
             row["leader"] = row["leader"] if not idle else ""
             row["standings"] = [f"{r['engine']}: did not preempt" for r in idle]
             continue
-        clocks = {clock_of(r) for r, _ in entries}
-        if len(clocks) > 1 and not closed_loop(sc):
-            # On the step clock arrivals come by engine step, on the wall clock by time: a fast engine on
-            # the step clock sees the same requests sooner. Open-loop figures are then not like for like.
-            row["note"] = ("not ranked: engines ran on different clocks (" + ", ".join(sorted(clocks)) +
-                           "), so their arrivals differed; closed-loop scenarios and counts within one clock compare")
+        mixed = mixed_clocks_words([r for r, _ in entries])
+        if mixed:
+            # figures from two clocks are never compared (kvbench.bench.clock_rule): a run puts all its
+            # engines on one clock, so two clocks in one file mean results merged from separate runs
+            row["note"] = "not ranked: " + mixed
+            row["standings"] = [f"{r['engine']}: {fmt_value(score.metric, r)} ({clock_of(r)} clock)"
+                                for r, _ in entries]
             continue
         entries.sort(key=lambda e: e[1], reverse=score.higher_is_better)
         (best, bv), (second, sv) = entries[0], entries[1]

@@ -23,7 +23,7 @@ from kvbench.bench.formatting import fmt_metric, metric_label
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num, result_of
 from kvbench.report import charts as rc
-from kvbench.report import figures
+from kvbench.report import figures, words
 from kvbench.report.scoreboard import DEFAULT_SCORE, declaration
 
 #: metrics drawn for every scenario beside its own scoreboard metric
@@ -159,7 +159,7 @@ def trend_view(runs: Sequence[Run]) -> dict[str, Any]:
     scales = []
     for scale in dict.fromkeys(scale_of(r.results) for r in runs):
         in_scale = [r for r in runs if scale_of(r.results) == scale]
-        rows = [{"scenario": name,
+        rows = [{"scenario": words.scenario_title(name),
                  "charts": [{"title": p.title, "svg": small_multiple(p, len(in_scale), styles, in_scale)} for p in row]}
                 for name, row in panels(in_scale).items()]
         if rows:

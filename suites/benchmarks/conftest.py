@@ -17,10 +17,14 @@ Choices made here, once for every benchmark:
 * **Repeats and clocks.** Every job of a scenario is served ``--benchmark-repeats`` times (3 by
   default at ``quick`` scale, 1 at ``full``: :data:`kvbench.plugin.DEFAULT_REPEATS`); results keep
   each repeat's figures, their medians and spreads (the gate's noise floor), and the number in every
-  scenario's parameters. A ``steppable`` engine (the reference engine) runs on the step clock
-  (:data:`kvbench.bench.scenarios.common.STEP_SECONDS` virtual seconds per step): arrivals and aborts are
-  released by engine step, so its counts are identical every repeat and every run, while its
-  times stay on the wall clock. Other engines (hf-cb's own loop thread) run on the wall clock.
+  scenario's parameters.
+* **One clock per session** (:mod:`kvbench.bench.clock_rule`), decided once from every ``--engine``
+  given: when all of them are ``steppable`` (the reference engine), all run on the step clock
+  (:data:`kvbench.bench.scenarios.common.STEP_SECONDS` virtual seconds per step): arrivals and aborts
+  are released by engine step, so counts are identical every repeat and every run (exact gating),
+  while times stay on the wall clock. When any is not (hf-cb's own loop thread, a server), every
+  engine runs on the wall clock, the reference engine included, so every engine is ranked against
+  every other on one clock. The decision is written to results.json (``clock_rule``).
 * **Engines interleaved.** pytest shows one test per scenario and engine, but a scenario is served
   once per session on all its engines together (:class:`StormScheduler`): the first of its tests
   to run serves round 1 of every job on every engine (job by job, engine after engine), then
@@ -46,10 +50,11 @@ from typing import Any
 import pytest
 
 from kvbench.bench import scenarios as sc
+from kvbench.bench.clock_rule import ClockRule, session_clock
 from kvbench.bench.scenarios.common import STEP_SECONDS
 from kvbench.bench.threads import pinned_torch_threads
 from kvbench.engines.base import EngineAdapter
-from kvbench.engines.registry import EngineSpec, make_adapter
+from kvbench.engines.registry import EngineSpec, adapter_class, make_adapter
 
 #: engine options that only say how to preempt (or where to swap): scenarios that fix the mode ignore them
 MODE_OPTIONS = frozenset({"preemption_mode", "swap_space", "num_cpu_blocks_override", "cpu_offload_gib"})
@@ -195,6 +200,11 @@ class StormScheduler:
         self.model = model
         self._adapters: dict[str, EngineAdapter] = {}  # by spec name (specs are not hashable)
         self._runs: dict[tuple[str, str], dict[str, sc.Outcome | Exception]] = {}
+        #: the session's one clock, from every --engine given (not from a scenario's selection), so that
+        #: every scenario of the run is measured on the same clock
+        self.clock: ClockRule = session_clock(
+            {spec.name: bool(getattr(adapter_class(spec.kind), "steppable", False)) for spec in ks.engine_specs},
+            STEP_SECONDS[ks.scale])
 
     def adapter(self, spec: EngineSpec) -> EngineAdapter:
         """The one adapter of ``spec`` on the benchmark model, made on first use."""
@@ -228,12 +238,12 @@ class StormScheduler:
             with progress_for(total, f"{scenario.name} [{names}]") as progress:
                 self._runs[key] = sc.run_interleaved(
                     scenario, {s.name: self.adapter(s) for s in engines}, self.model, scale, progress,
-                    repeats=repeats, step_seconds=STEP_SECONDS[scale])
+                    repeats=repeats, step_seconds=self.clock.step_seconds)
         runs = self._runs[key]
         if spec.name not in runs:  # selected after its scenario was served (not expected): serve it alone
             runs[spec.name] = sc.run_interleaved(scenario, {spec.name: self.adapter(spec)}, self.model,
                                                  self.ks.scale, None, repeats=self.ks.repeats,
-                                                 step_seconds=STEP_SECONDS[self.ks.scale])[spec.name]
+                                                 step_seconds=self.clock.step_seconds)[spec.name]
         outcome = runs.pop(spec.name)
         if not runs:
             del self._runs[key]
@@ -271,6 +281,7 @@ def run_storm(request: pytest.FixtureRequest, storm_scheduler: StormScheduler, b
         outcome.parameters["repeats"] = kvbench_session.repeats
         outcome.parameters["clock"] = ("wall" if outcome.step_seconds is None else
                                        f"step ({outcome.step_seconds:g} s per engine step)")
+        kvbench_results.data["clock_rule"] = storm_scheduler.clock.to_dict()
         if outcome.interleaved:
             outcome.parameters["interleaved"] = ", ".join(outcome.interleaved)
         sc.record(outcome, kvbench_results, adapter.describe(), slos=kvbench_session.slos)

@@ -6,9 +6,12 @@ claims: the storm preempted, the surge filled the pool, the crossover holds both
 time. What each scenario serves and claims is in :mod:`kvbench.bench.scenarios`; the fixtures (model,
 threads, progress bar, de-duplication of equivalent engines) in this folder's ``conftest.py``.
 
-A benchmark whose every claim is undecidable on the engine (it exposes none of the counters the
-claims need) is skipped with that reason after its runs are recorded: it proved nothing, so it must
-not read as passed.
+A claim that cannot be decided says which way it stayed open (:mod:`kvbench.bench.scenarios.claims`):
+the engine does not expose what it needs, its counter did not move, or the workload did not reach the
+pressure it was built for on this engine (never a failure: that is the workload's doing). A benchmark
+whose every claim is undecided is skipped with each claim's reason after its runs are recorded: it
+proved nothing, so it must not read as passed. Every skip, this one or the engine's (a capability or a
+knob it lacks), is listed in results.json's ``skipped_scenarios`` with its reason, for the report.
 
 Run with ``pytest suites/benchmarks --benchmark``; without ``--benchmark`` every test here is skipped.
 """
@@ -18,18 +21,29 @@ from __future__ import annotations
 import pytest
 
 from kvbench.bench import scenarios as sc
+from kvbench.bench.scenarios.claims import undecided_summary
 
 pytestmark = pytest.mark.benchmark
 
 
 @pytest.fixture
-def storm(run_storm):
-    """``run_storm`` (serve, record, assert no claim failed), then skip if no claim could be decided."""
+def storm(run_storm, storm_scheduler, engine_spec, kvbench_results):
+    """``run_storm`` (serve, record, assert no claim failed), then skip if no claim could be decided; every skip
+    recorded in the results with its reason."""
+
+    def skipped(scenario: sc.Scenario, reason: str) -> None:
+        engine = storm_scheduler.adapter(engine_spec).describe()
+        kvbench_results.add_skipped_scenario(scenario.name, engine, reason)
 
     def run(scenario: sc.Scenario) -> sc.Outcome:
-        outcome = run_storm(scenario)
-        reason = outcome.undecided_reason()
+        try:
+            outcome = run_storm(scenario)
+        except pytest.skip.Exception as e:  # the engine cannot run it (a capability, a knob): said in the results
+            skipped(scenario, str(e.msg or "skipped"))
+            raise
+        reason = undecided_summary(outcome)
         if reason:
+            skipped(scenario, reason)
             pytest.skip(reason)
         return outcome
 

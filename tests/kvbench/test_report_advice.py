@@ -31,9 +31,9 @@ def test_mode_by_length_follows_the_crossover():
     cx = crossover([0.020, 0.021, 0.022, 0.024], [0.008, 0.016, 0.032, 0.064])
     advice = operator_advice.mode_advice(cx, "#scenario-2")
     assert advice.setting == "recompute from 128 then swap from 512 tokens"
-    assert f"crossover {cx.text} (eng)" in advice.detail.lower()
+    assert f"The curves cross near {cx.text} tokens." in advice.detail
     assert "128–256 tokens: recompute; 512–1,024 tokens: swap" in advice.detail
-    assert advice.evidence[0].href == "#scenario-2" and "swap_vs_recompute" in advice.evidence[0].text
+    assert advice.evidence[0].href == "#scenario-2" and "Swap vs recompute" in advice.evidence[0].text
 
 
 def test_mode_one_mode_everywhere_and_within_the_noise():
@@ -43,6 +43,15 @@ def test_mode_one_mode_everywhere_and_within_the_noise():
     advice = operator_advice.mode_advice(cx, "")
     assert advice.setting == "swap from 512 tokens"
     assert "128–256 tokens: either (within the noise)" in advice.detail
+    # a crossing inside the noise is no landmark: the advice does not name it (the headline's "within noise" and
+    # the advice's "swap from 512" then say one thing, the chart's)
+    assert "cross near" not in advice.detail and "swap 5 ms vs recompute 20 ms" in advice.detail
+
+
+def test_no_mode_is_recommended_when_every_length_is_within_the_noise():
+    advice = operator_advice.mode_advice(crossover([0.0010, 0.0011, 0.0012, 0.0013],
+                                                   [0.0009, 0.0012, 0.0011, 0.0014]), "")
+    assert advice.measured and not advice.earned and "recommends neither" in advice.detail
 
 
 def test_mode_not_measured_without_a_crossover():
@@ -56,10 +65,10 @@ def test_the_recommendation_states_the_facts_crossover_not_the_run_time_copy():
     f = figures.Facts.of(res)
     recs = {r.engine: r for r in operator_advice.recommendations(res, f)}
     for engine, cx in f.crossovers.items():
-        assert f"Crossover {cx.text} ({engine})" in recs[engine].mode.detail
+        assert (f"cross near {cx.text} tokens" in recs[engine].mode.detail) != cx.within_noise
     text = page_text(render_report(res))
-    stated = set(re.findall(r"[Cc]rossover ([\d,.]+) \(reference\)", text))
-    assert stated == {f.crossovers["reference"].text}
+    stated = set(re.findall(r"cross near ([\d,.]+) tokens", text))
+    assert stated <= {cx.text for cx in f.crossovers.values()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,9 +93,18 @@ def test_pool_for_the_peak_holds_every_request_in_flight():
     # peak in flight 8 + 6 + 0 = 14; the mean request 160 tokens = 10 blocks of 16
     assert (row.peak_in_flight, row.per_request, row.within_budget) == (14, 0.5, False)
     assert row.needed_blocks == 140 and row.needed_bytes == 140 * 16 * 512
+    advice = operator_advice.pool_advice([row], 512.0, "tiny", 16, plan_href="plan.html")
+    assert advice.setting == "≈ 140 blocks (1.09 MiB)" and advice.earned
+    assert advice.evidence[0].href == "#scenario-1" and advice.evidence[-1].href == "plan.html"
+
+
+def test_no_pool_size_without_its_cost_curve():
+    """"≈ 140 blocks" only beside the curve of preemptions against pool size (the capacity plan)."""
+    sc, res = surge()
+    row = operator_advice.pool_row(sc, res, "#scenario-1", 512.0)
     advice = operator_advice.pool_advice([row], 512.0, "tiny", 16)
-    assert advice.setting == "≈ 140 blocks (1.09 MiB)"
-    assert advice.evidence[0].href == "#scenario-1"
+    assert not advice.earned and advice.setting == "no size earned"
+    assert "140" not in advice.setting + advice.detail and "cost curve" in advice.detail
 
 
 def test_pool_within_budget_needs_nothing_more():
@@ -137,11 +155,12 @@ def test_the_builtin_kv_sizes_match_the_checkpoints(preset):
 # admission
 
 
-def policies_scenario(**modes: tuple[float, float]) -> dict:
-    """A policies scenario with the evening surge's modes: {variant: (preemptions, output throughput)}."""
+def policies_scenario(**modes: tuple[float, ...]) -> dict:
+    """A policies scenario with the evening surge's modes: {variant: (preemptions, output throughput[, p99 TBT])}
+    (p99 TBT 30 ms by default)."""
     results = [{"engine": "eng", "mode": f"evening_surge/{variant.replace('_', '-')}",
-                "metrics": {"preemptions": p, "output_throughput": t, "tbt_p99": 0.03}}
-               for variant, (p, t) in modes.items()]
+                "metrics": {"preemptions": v[0], "output_throughput": v[1], "tbt_p99": v[2] if len(v) > 2 else 0.03}}
+               for variant, v in modes.items()]
     for r in results:
         r["mode"] = r["mode"].replace("plus", "+")
     return {"name": "preemption_policies", "parameters": {}, "results": results, "sweeps": []}
@@ -155,7 +174,7 @@ def admission(sc: dict) -> operator_advice.Advice:
 
 
 def test_admission_fewest_preemptions_among_those_that_keep_throughput():
-    advice = admission(policies_scenario(static=(10, 100), watermark=(2, 97), watermark_headroom_0_2=(0, 80),
+    advice = admission(policies_scenario(static=(10, 100, 0.06), watermark=(2, 97), watermark_headroom_0_2=(0, 80),
                                          watermarkpluspacing=(1, 96)))
     assert advice.setting == "admission_policy=watermark, admission_headroom=0.05, prefill_pacing_tokens=1"
     assert "1 preemptions against static's 10, at 96%" in advice.detail
@@ -163,7 +182,7 @@ def test_admission_fewest_preemptions_among_those_that_keep_throughput():
 
 
 def test_admission_ties_go_to_the_smallest_headroom():
-    sc = policies_scenario(static=(10, 100), watermark=(2, 97))
+    sc = policies_scenario(static=(10, 100, 0.06), watermark=(2, 97))
     sc["results"].append({"engine": "eng", "mode": "evening_surge/watermark-headroom-0.2",
                           "metrics": {"preemptions": 2, "output_throughput": 99, "tbt_p99": 0.03}})
     assert admission(sc).setting == "admission_policy=watermark, admission_headroom=0.05"
@@ -171,8 +190,17 @@ def test_admission_ties_go_to_the_smallest_headroom():
 
 def test_admission_static_when_nothing_to_gain_or_every_watermark_costs_throughput():
     assert admission(policies_scenario(static=(0, 100), watermark=(0, 100))).setting == "admission_policy=none"
-    costly = admission(policies_scenario(static=(10, 100), watermark=(0, 80)))
-    assert costly.setting == "admission_policy=none" and "no watermark setting" in costly.detail
+    costly = admission(policies_scenario(static=(10, 100, 0.06), watermark=(0, 80)))
+    assert not costly.earned and "no admission-controlled setting met the goal" in costly.detail
+
+
+def test_no_admission_setting_where_every_row_misses_the_goal():
+    """The issue's case: watermark kept the throughput and preempted less, but p99 TBT was not 2x lower, so the
+    trade-off table says "goal met: no" on every row; the advice recommends nothing."""
+    advice = admission(policies_scenario(static=(5, 100, 0.021), watermark=(0, 114, 0.0184),
+                                         watermark_headroom_0_2=(0, 101, 0.02)))
+    assert not advice.earned and advice.setting == "no setting earned"
+    assert "watermark" not in advice.setting
 
 
 def test_admission_not_measured_without_the_policies_scenario():
@@ -219,3 +247,40 @@ def test_the_plan_is_linked_when_one_was_made(tmp_path, results):
     assert '<a href="../plan/plan.html">plan.html</a>' in page
     (run / "plan.html").write_text("<html></html>")
     assert plan_href(run) == "plan.html"
+
+
+def test_a_crossing_inside_the_noise_is_named_nowhere():
+    """The headline's "within noise", the advice and the cost chart say one thing: where both costs sit under the
+    noise floor, no page element names the crossing as a landmark."""
+    res = synthetic_results()
+    sc = res.scenario("swap_vs_recompute")
+    for p in sc["sweeps"][0]["points"]:  # every cost under a millisecond: any crossing is jitter
+        p["metrics"] = {k: (v / 1000 if isinstance(v, float) else v) for k, v in p["metrics"].items()}
+        p.pop("repeats", None)
+    cx = figures.Facts.of(res).crossovers["reference"]
+    assert cx.x is not None and cx.within_noise
+    text = page_text(render_report(res))
+    assert f"crossover {cx.text} (reference)" not in text  # not on the cost chart
+    rec = next(r for r in operator_advice.recommendations(res) if r.engine == "reference")
+    assert "cross near" not in rec.mode.detail
+
+
+def test_lower_max_num_seqs_toward_the_knee_only_where_the_sweep_has_one():
+    """The diagnosis' knob names the knee only for an engine whose concurrency sweep found one."""
+    from kvbench.report.diagnosis import concurrency_knee, diagnose
+
+    res = synthetic_results()
+    for sc in res.scenarios:  # the storm's structural problem: preemptions before a surge, so the knob is shown
+        for r in sc["results"]:
+            r["metrics"]["preemptions_before_surge"] = 3
+    knobs = {d["engine"]: d["checks"][0]["knob"] for d in diagnose(res)}
+    for engine, knob in knobs.items():
+        knee, _ = concurrency_knee(res, engine)
+        assert ("toward the knee" in knob) == (knee is not None), (engine, knob)
+    assert any("toward the knee" in k for k in knobs.values())  # the synthetic storm has a knee
+    storm = res.scenario("preemption_storm")
+    for p in storm["sweeps"][0]["points"]:  # throughput rising to the top of the sweep: no knee
+        p["metrics"]["output_throughput"] = 100.0 * p["x"]
+        p.pop("repeats", None)
+    knobs = {d["engine"]: d["checks"][0]["knob"] for d in diagnose(res)}
+    assert knobs and all("knee" not in k and k.startswith("Give the KV pool") for k in knobs.values()), knobs

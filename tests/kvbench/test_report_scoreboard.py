@@ -178,7 +178,8 @@ def test_preemptions_where_none_is_declared_are_a_problem_with_advice():
     res.add_scenario_result(CHUNKED, "reference", {"preemptions": 3.0}, mode="chunked")
     check = _diag(res, "reference")["checks"][0]
     assert check["status"] == "problem" and "declares no preemption" in check["finding"]
-    assert "max_num_seqs" in check["knob"]
+    # a knob, but not "toward the knee": this engine ran no concurrency sweep, so it has no knee
+    assert "KV pool more blocks" in check["knob"] and "knee" not in check["knob"]
 
 
 def test_a_storm_without_preemptions_is_better_than_expected_and_worse_peers_are_watched():
@@ -192,6 +193,17 @@ def test_a_storm_without_preemptions_is_better_than_expected_and_worse_peers_are
     other = _diag(res2, "other")["checks"][0]
     assert other["status"] == "watch" and "worse than reference" in other["finding"] and other["knob"]
     assert _diag(res2, "reference")["checks"][0]["status"] == "ok"
+
+
+def test_the_diagnosis_never_sets_one_clocks_figure_against_anothers():
+    """The issue's "hf-cb's 343 ms wait against the swap engine's 37.2 ms" across clocks: the same figures on
+    one clock are compared, on two they are not."""
+    for clocks, compared in ((("wall", "wall"), True), (("step", "wall"), False)):
+        res = _results()
+        for engine, clock, n in (("reference", clocks[0], 4.0), ("other", clocks[1], 20.0)):
+            res.add_scenario_result(STORM, engine, {"preemptions": n}, clock={"clock": clock})
+        other = _diag(res, "other")["checks"][0]
+        assert ("worse than reference" in other["finding"]) is compared, other
 
 
 def test_swap_advice_goes_only_to_a_swap_engine():
@@ -300,17 +312,27 @@ def test_cli_report_says_what_it_wrote_re_renders_beside_its_results_and_asks_be
     assert other.read_text() == before
 
 
-def test_scoreboard_does_not_rank_open_loop_runs_on_different_clocks():
-    """A step-clock engine sees an open-loop workload's arrivals sooner than a wall-clock one: not like for like.
-    A closed-loop workload has no arrival times, so there the clocks do not matter."""
-    for workload, ranked in (("72 requests, Poisson 8/s", False), ("16 requests, outputs 192, closed loop", True)):
+def test_scoreboard_never_ranks_results_of_two_clocks():
+    """A results file mixing clocks (shards of separate runs merged) is never ranked across them, open
+    loop or closed: the row says so and names each engine's clock; the headline card does not compare."""
+    for workload in ("72 requests, Poisson 8/s", "16 requests, outputs 192, closed loop"):
         r = Results()
         for engine, clock, ttft in (("reference", "step", 1.3), ("hf-cb", "wall", 0.1)):
-            r.add_scenario_result("flash_crowd", engine, {"ttft_p99_after_surge": ttft, "output_throughput": 1 / ttft},
+            r.add_scenario_result("flash_crowd", engine, {"ttft_p99_after_surge": ttft, "output_throughput": 1 / ttft,
+                                                          "preemptions_before_surge": 0.0,
+                                                          "preemptions_after_surge": 3.0},
                                   parameters={"workload": workload}, clock={"clock": clock})
         row = next(x for x in scoreboard.scoreboard(r, "reference") if x["scenario"] == "flash_crowd")
-        assert bool(row["leader"]) is ranked, row
-        assert ranked or "different clocks" in row["note"]
+        assert not row["leader"] and not row["by"], row
+        assert "mixes clocks" in row["note"] and "step clock: reference" in row["note"]
+        assert "wall clock: hf-cb" in row["note"]
+        card = next(c for c in scoreboard.headlines(r, "reference") if c["scenario"] == "flash_crowd")
+        assert card["value"] == "not compared" and "mixes clocks" in card["caption"]
+    # one clock: ranked
+    r = Results()
+    for engine, ttft in (("reference", 1.3), ("hf-cb", 0.1)):
+        r.add_scenario_result("flash_crowd", engine, {"ttft_p99_after_surge": ttft}, clock={"clock": "wall"})
+    assert next(x for x in scoreboard.scoreboard(r, "reference"))["leader"] == "hf-cb"
 
 
 def test_a_lead_on_a_preemption_cost_needs_the_cost_to_have_arisen():
@@ -337,5 +359,7 @@ def test_the_verdict_names_every_engines_standing():
     (row,) = scoreboard.scoreboard(res, "reference")
     assert [s.split(":")[0] for s in row["standings"]] == ["other", "third", "reference"]
     assert "level with the best" in row["standings"][1] and "behind by 2.50×" in row["standings"][2]
-    page = render_report(res)
-    assert "third: level with the best" in page and "reference: behind by 2.50×" in page
+    page = render_report(res)  # the first screen's verdict names them too
+    first = page[page.index('id="verdict"'):page.index('id="headlines"')]
+    assert "third: 248.0 tok/s (level with the best)" in first
+    assert "reference: 100.0 tok/s (behind by 2.50×)" in first

@@ -40,7 +40,7 @@ def save_runs(root, base: Results, speeds=SPEEDS, *, without_report: int | None 
 
 def storm_panel_svg(index: str, title: str = "output throughput") -> str:
     """The SVG of the storm's throughput small multiple."""
-    start = index.index("preemption_storm</div>")
+    start = index.index("Preemption storm</div>")  # the scenario as titled
     fig = index.index(title, start)
     return index[index.index("<svg", fig):index.index("</svg>", fig)]
 

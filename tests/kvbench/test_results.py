@@ -38,8 +38,8 @@ def test_skeleton_has_every_section():
     assert sc["results"][0] == {"engine": "reference", "mode": None,
                                 "metrics": {"output_throughput": 100.0, "tbt_p99": 0.05, "goodput": None},
                                 "series": {"t": [0.0, 1.0]}, "checks": {"preempted": True, "no leak": False},
-                                "undecided": {}, "notes": ["hello"], "repeats": [], "spread": {}, "clock": None,
-                                "counters": None}
+                                "undecided": {}, "undecided_kinds": {}, "claim_evidence": {}, "notes": ["hello"],
+                                "repeats": [], "spread": {}, "clock": None, "counters": None}
     sweep = sc["sweeps"][0]
     assert sweep["name"] == "concurrency" and sweep["x_label"] == "max_num_seqs"
     assert sweep["points"][1] == {"x": 8, "engine": "reference", "mode": "recompute",
@@ -92,8 +92,8 @@ def test_minimal_file_gets_optional_parts_filled(tmp_path):
         {"name": "s", "results": [{"engine": "e", "metrics": {"x": 1}}]}]}))
     res = Results.load(path)
     assert res.result("s", "e") == {"engine": "e", "mode": None, "metrics": {"x": 1}, "series": {}, "checks": {},
-                                    "undecided": {}, "notes": [], "repeats": [], "spread": {}, "clock": None,
-                                    "counters": None}
+                                    "undecided": {}, "undecided_kinds": {}, "claim_evidence": {}, "notes": [],
+                                    "repeats": [], "spread": {}, "clock": None, "counters": None}
     assert res.scenarios[0]["sweeps"] == []
 
 

@@ -194,12 +194,36 @@ def _served(scenario: sc.Scenario, traces: list) -> list[sc.Served]:
     return [sc.Served(job, trace) for job, trace in zip(jobs, traces, strict=True)]
 
 
-def test_storm_checker_rejects_a_storm_without_preemptions():
+def test_a_storm_that_never_came_is_undecided_never_passed_nor_failed():
+    """A sweep whose top never preempted did not reach the pressure it was built for on this engine: its storm
+    claim is undecided ("did not fire": the counter is published and stayed at 0), the claims resting on it "not
+    reached", and nothing of it reads as passed."""
     jobs = sc.PREEMPTION_STORM.plan("quick", TINY)
     outcome = sc.PREEMPTION_STORM.judge(_served(sc.PREEMPTION_STORM, [_quiet_trace() for _ in jobs]), "quick", TINY)
-    assert "the highest concurrency preempted (a storm)" in outcome.failures()
-    assert "preemptions grew with concurrency" in outcome.failures()
-    assert "preempted work was recomputed or swapped" in outcome.failures()
+    assert outcome.failures() == []
+    storm, grew, redone = ("the highest concurrency preempted (a storm)", "preemptions grew with concurrency",
+                           "preempted work was recomputed or swapped")
+    assert {c: outcome.claims[c] for c in (storm, grew, redone)} == dict.fromkeys((storm, grew, redone))
+    assert outcome.undecided_kinds[storm] == "did not fire"
+    assert "published and did not move" in outcome.undecided_reasons[storm]
+    assert outcome.undecided_kinds[grew] == outcome.undecided_kinds[redone] == "not reached"
+    assert outcome.claims["the lowest concurrency ran without preemption"] is True
+
+
+def test_a_storm_that_preempted_without_redoing_anything_fails():
+    """Past the pressure, the mechanism is the engine's: preemptions counted with 0 recomputed tokens and 0 swaps
+    fail, saying the counters did not move."""
+    calm = {"preemptions": 0.0, "recomputed_tokens": 0.0, "swap_outs": 0.0}
+    broken = {"preemptions": 9.0, "recomputed_tokens": 0.0, "swap_outs": 0.0}
+    decisions = sc.storm_decisions([calm, broken], [2, 16])
+    assert decisions["preempted work was recomputed or swapped"].held is False
+    assert decisions["preempted work was recomputed or swapped"].kind == "did not fire"
+    assert decisions["the highest concurrency preempted (a storm)"].held is True
+    # a sweep that does not start below capacity has not reached its pressure: undecided, not failed
+    busy = sc.storm_decisions([broken, broken], [2, 16])
+    assert busy["the lowest concurrency ran without preemption"].held is None
+    assert busy["the lowest concurrency ran without preemption"].kind == "not reached"
+    assert busy["preemptions grew with concurrency"].kind == "not reached"
 
 
 def test_storm_checker_accepts_a_storm():
@@ -216,17 +240,27 @@ def test_storm_checker_leaves_unexposed_counters_undecided():
     assert claims["preempted work was recomputed or swapped"] is None
 
 
-def test_surge_checker_rejects_a_surge_that_never_filled_the_pool():
-    outcome = sc.EVENING_SURGE.judge(_served(sc.EVENING_SURGE, [_quiet_trace(kv=0.5)]), "quick", TINY)
-    assert "the wave filled the KV pool (peak usage > 90%)" in outcome.failures()
-    assert "the wave preempted running requests" in outcome.failures()
+def test_a_surge_that_never_filled_the_pool_is_undecided_not_failed():
+    """The pool filling and the wave preempting are the workload's own pressure: an engine on which it was not
+    reached is undecided, never failed, and never passed."""
+    wave_at = sc.EVENING_SURGE.size("quick").wave_start_s
+    quiet = _quiet_trace(kv=0.5)
+    quiet.steps.append(step(wave_at + 0.5, kv=0.5))
+    outcome = sc.EVENING_SURGE.judge(_served(sc.EVENING_SURGE, [quiet]), "quick", TINY)
+    filled, preempted = "the wave filled the KV pool (peak usage > 90%)", "the wave preempted running requests"
+    assert outcome.failures() == []
+    assert outcome.claims[filled] is None and outcome.claims[preempted] is None
+    assert outcome.undecided_kinds[filled] == "not reached" and "peak KV usage" in outcome.undecided_reasons[filled]
+    assert outcome.undecided_kinds[preempted] == "did not fire"
 
 
-def test_flash_crowd_checker_rejects_flat_traffic_and_no_preemption():
+def test_flash_crowd_checker_leaves_flat_traffic_and_no_preemption_undecided():
     outcome = sc.FLASH_CROWD.judge(_served(sc.FLASH_CROWD, [_quiet_trace()]), "quick", TINY)
-    failures = outcome.failures()
-    assert any("traffic doubled" in f for f in failures)
-    assert "the surge pushed concurrency over capacity (preemptions after it began)" in failures
+    assert outcome.failures() == []
+    doubled = next(c for c in outcome.claims if "traffic doubled" in c)
+    assert outcome.claims[doubled] is None and outcome.undecided_kinds[doubled] == "not reached"
+    over = "the surge pushed concurrency over capacity (preemptions after it began)"
+    assert outcome.claims[over] is None and outcome.undecided_kinds[over] == "did not fire"
 
 
 def test_surge_claims_count_only_preemptions_after_the_surge_began():
@@ -236,7 +270,10 @@ def test_surge_claims_count_only_preemptions_after_the_surge_began():
                        req("b", t_surge + 0.5, [t_surge + 1.0]),
                        steps=[step(0.4, kv=0.95), step(t_surge + 1.0, kv=0.95)], duration=t_surge + 1.0)
     outcome = sc.FLASH_CROWD.judge(_served(sc.FLASH_CROWD, [early]), "quick", TINY)
-    assert "the surge pushed concurrency over capacity (preemptions after it began)" in outcome.failures()
+    # the pressure came before the surge: the surge did not reach it, undecided with the split in words
+    over = "the surge pushed concurrency over capacity (preemptions after it began)"
+    assert outcome.claims[over] is None and outcome.undecided_kinds[over] == "not reached"
+    assert "every preemption came before the surge began" in outcome.undecided_reasons[over]
     (entry,) = outcome.entries
     assert entry.extra["preemptions_before_surge"] == 1 and entry.extra["preemptions_after_surge"] == 0
     late = make_trace(req("a", 0.0, [0.5, t_surge + 1.0], preemptions=[(t_surge + 0.2, "recompute")],
@@ -245,13 +282,14 @@ def test_surge_claims_count_only_preemptions_after_the_surge_began():
     assert claims["the surge pushed concurrency over capacity (preemptions after it began)"] is True
     # an engine without per-request preemption records cannot tell before from after: undecided
     blind = make_trace(req("a", 0.0, [0.5]), not_exposed={"preemptions": "no events"})
-    blind_claims = sc.FLASH_CROWD.judge(_served(sc.FLASH_CROWD, [blind]), "quick", TINY).claims
-    assert blind_claims["the surge pushed concurrency over capacity (preemptions after it began)"] is None
+    blind_out = sc.FLASH_CROWD.judge(_served(sc.FLASH_CROWD, [blind]), "quick", TINY)
+    assert blind_out.claims[over] is None and blind_out.undecided_kinds[over] == "not exposed"
     wave_at = sc.EVENING_SURGE.size("quick").wave_start_s
     before_wave = make_trace(req("a", 0.0, [0.5], preemptions=[(0.2, "recompute")], resumes=[0.3]),
                              steps=[step(0.5, kv=0.99)])
     ev = sc.EVENING_SURGE.judge(_served(sc.EVENING_SURGE, [before_wave]), "quick", TINY)
-    assert "the wave preempted running requests" in ev.failures() and wave_at > 0.2
+    assert ev.claims["the wave preempted running requests"] is None and wave_at > 0.2
+    assert ev.undecided_kinds["the wave preempted running requests"] == "not reached"
 
 
 def test_storm_knee_is_none_within_the_sweep_when_throughput_still_rises():
@@ -310,10 +348,17 @@ def test_prefix_checker_rejects_no_hits_and_no_savings():
     claims = sc.prefix_claims(same, same)
     assert claims["with caching, the shared prompt hit the cache"] is False
     assert claims["caching recomputed fewer tokens"] is False
+    # a recompute preemption that recomputed nothing: the mechanism is the engine's, so it fails
+    lazy = {"preemptions": 4.0, "recomputed_tokens": 0.0, "prefix_cache_hits": 0.0}
+    assert sc.prefix_claims(lazy, same)["without caching, preempted work was recomputed"] is False
+    # never past capacity: the workload's pressure was not reached, undecided (not failed), and so are the
+    # claims resting on it
     nothing = {"preemptions": 0.0, "recomputed_tokens": 0.0, "prefix_cache_hits": 0.0}
-    claims = sc.prefix_claims(nothing, nothing)
-    assert claims["without caching, the closed loop went past capacity (preemptions)"] is False
-    assert claims["without caching, preempted work was recomputed"] is False
+    decisions = sc.prefix_decisions(nothing, nothing)
+    assert decisions["without caching, the closed loop went past capacity (preemptions)"].kind == "did not fire"
+    assert decisions["without caching, preempted work was recomputed"].kind == "not reached"
+    assert decisions["caching recomputed fewer tokens"].kind == "not reached"
+    assert decisions["with caching, the shared prompt hit the cache"].held is False  # the mechanism: fails
 
 
 def test_chunked_checker_rejects_no_stall_and_no_split():
@@ -333,7 +378,8 @@ def test_chunked_checker_rejects_no_stall_and_no_split():
 def test_priority_checker():
     quiet = make_trace(req("on", 1.0, [1.1], admitted=1.05), req("off", 0.0, [0.1, 2.0]))
     quiet.requests["on"].priority, quiet.requests["off"].priority = sc.HIGH, sc.LOW
-    assert sc.priority_claims(quiet)["online traffic preempted offline work"] is False
+    quiet_decision = sc.priority_decisions(quiet)["online traffic preempted offline work"]
+    assert quiet_decision.held is None and quiet_decision.kind == "did not fire"  # the pressure never came
     # an online request preempted while offline work kept running: the policy did not protect it
     wrong = make_trace(req("on", 1.0, [1.1, 1.9], admitted=1.05, preemptions=[(1.5, "recompute")], resumes=[1.8]),
                        req("off", 0.0, [0.1, 2.0], admitted=0.05, preemptions=[(1.2, "recompute")], resumes=[1.3]))
@@ -437,19 +483,20 @@ class CalmAdapter(EngineAdapter):
                                "swap_outs": 0})
 
 
-def test_run_and_record_a_calm_storm_fails_its_claims_but_is_recorded():
+def test_run_and_record_a_calm_storm_leaves_its_pressure_undecided_and_is_recorded():
     progress: list[int] = []
     outcome = sc.run(sc.PREEMPTION_STORM, CalmAdapter("none"), TINY, "quick", progress.append)
     assert sum(progress) == sc.PREEMPTION_STORM.num_requests("quick", TINY)
-    assert "the highest concurrency preempted (a storm)" in outcome.failures()
-    assert "highest concurrency preempted" in outcome.explain()
+    assert outcome.failures() == [] and outcome.claims["the highest concurrency preempted (a storm)"] is None
     results = Results()
     sc.record(outcome, results, CalmAdapter("none").describe())
     validate(results.to_dict())
     scenario = results.scenario("preemption_storm")
     assert scenario["parameters"]["num_gpu_blocks"] == sc.PREEMPTION_STORM.size("quick").num_gpu_blocks
     (entry,) = scenario["results"]
-    assert entry["checks"]["the highest concurrency preempted (a storm)"] is False
+    assert "the highest concurrency preempted (a storm)" not in entry["checks"]
+    assert entry["undecided_kinds"]["the highest concurrency preempted (a storm)"] == "did not fire"
+    assert entry["undecided"]["the highest concurrency preempted (a storm)"].startswith("did not fire: ")
     assert entry["metrics"]["knee_concurrency"] is not None
     (sweep,) = scenario["sweeps"]
     assert len(sweep["points"]) == len(sc.PREEMPTION_STORM.size("quick").concurrencies)
@@ -558,6 +605,7 @@ def test_undecided_claims_are_their_own_field_never_a_passed_check():
     outcome = sc.PREEMPTION_STORM.judge(_served(sc.PREEMPTION_STORM, [_quiet_trace()] * len(
         sc.PREEMPTION_STORM.plan("quick", TINY))), "quick", TINY)
     outcome.claims = {"preemptions grew with concurrency": True, "the highest concurrency preempted (a storm)": None}
+    outcome.undecided_reasons, outcome.undecided_kinds = {}, {}  # a judge that gave no reason: the generic one
     results = Results()
     sc.record(outcome, results, "reference")
     (entry,) = results.scenario("preemption_storm")["results"]

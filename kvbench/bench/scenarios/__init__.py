@@ -47,11 +47,22 @@ claims), :mod:`~kvbench.bench.scenarios.surges` (evening surge, flash crowd),
 :mod:`~kvbench.bench.scenarios.storms` (preemption storm, swap-space exhaustion),
 :mod:`~kvbench.bench.scenarios.crossover` (swap vs recompute), :mod:`~kvbench.bench.scenarios.mechanisms`
 (prefix caching, chunked prefill, priority), :mod:`~kvbench.bench.scenarios.policies` (static vs
-auto preemption vs admission control). Everything public is re-exported here.
+auto preemption vs admission control), :mod:`~kvbench.bench.scenarios.claims` (how claims read the
+engine's own evidence, and the three ways one stays undecided). Everything public is re-exported here.
 """
 
 from __future__ import annotations
 
+from kvbench.bench.scenarios.claims import (
+    DID_NOT_FIRE,
+    NOT_EXPOSED,
+    NOT_REACHED,
+    Decision,
+    PreemptionSplit,
+    kv_filled,
+    preempted_after,
+    preemption_split,
+)
 from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     DOUBLED,
@@ -100,11 +111,15 @@ from kvbench.bench.scenarios.mechanisms import (
     PriorityOnlineOffline,
     PrioritySize,
     chunked_claims,
+    chunked_decisions,
     class_figures,
     first_token_steps,
     prefix_claims,
+    prefix_decisions,
     priority_claims,
+    priority_decisions,
     priority_vs_fcfs_claims,
+    priority_vs_fcfs_decisions,
     stall_steps,
 )
 from kvbench.bench.scenarios.policies import PoliciesSize, PreemptionPolicies, auto_vs_fixed_claims
@@ -114,9 +129,11 @@ from kvbench.bench.scenarios.storms import (
     StormSize,
     SwapSpaceExhaustion,
     exhaustion_claims,
+    exhaustion_decisions,
     first_fallback,
     knee_within,
     storm_claims,
+    storm_decisions,
 )
 from kvbench.bench.scenarios.surges import (
     EveningSurge,
@@ -146,6 +163,7 @@ __all__ = [
     "BLOCK_SIZE",
     "CHUNKED_PREFILL",
     "COST_CLOCK_CLAIM",
+    "DID_NOT_FIRE",
     "DOUBLED",
     "EVENING_SURGE",
     "FLASH_CROWD",
@@ -153,6 +171,8 @@ __all__ = [
     "HIGH",
     "LOW",
     "MODEL_PRESETS",
+    "NOT_EXPOSED",
+    "NOT_REACHED",
     "PREEMPTION_POLICIES",
     "PREEMPTION_STORM",
     "PREFIX_CACHING",
@@ -166,6 +186,7 @@ __all__ = [
     "ChunkedPrefillStalls",
     "ChunkedSize",
     "CrossoverSize",
+    "Decision",
     "EveningSurge",
     "ExhaustionSize",
     "FlashCrowd",
@@ -175,6 +196,7 @@ __all__ = [
     "Outcome",
     "PoliciesSize",
     "PreemptionPolicies",
+    "PreemptionSplit",
     "PreemptionStorm",
     "PrefixCachingRecompute",
     "PrefixSize",
@@ -197,19 +219,27 @@ __all__ = [
     "build_workload",
     "check_crossover_length",
     "chunked_claims",
+    "chunked_decisions",
     "class_figures",
     "describe_spec",
     "exhaustion_claims",
+    "exhaustion_decisions",
     "first_fallback",
     "first_token_steps",
     "knee_within",
+    "kv_filled",
     "last_event",
     "percentile",
     "positive",
+    "preempted_after",
+    "preemption_split",
     "preemptions_between",
     "prefix_claims",
+    "prefix_decisions",
     "priority_claims",
+    "priority_decisions",
     "priority_vs_fcfs_claims",
+    "priority_vs_fcfs_decisions",
     "record",
     "resume_cost",
     "run",
@@ -217,6 +247,7 @@ __all__ = [
     "serve",
     "stall_steps",
     "storm_claims",
+    "storm_decisions",
     "summarize_costs",
     "ttft_by",
 ]

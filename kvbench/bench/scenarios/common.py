@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -88,6 +89,9 @@ class Served:
     job: Job
     trace: Trace
     _metrics: dict[str, float | None] | None = field(default=None, init=False, repr=False)
+    #: what the engine itself said it ran the job with (:meth:`EngineAdapter.confirmed_settings`), read right
+    #: after the job for a scenario that ``reads_settings``; empty otherwise
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def metrics(self) -> dict[str, float | None]:
@@ -132,6 +136,10 @@ class Outcome:
     claims: dict[str, bool | None] = field(default_factory=dict)
     #: why a claim left None could not be decided, where the judge knows better than UNDECIDED_REASON
     undecided_reasons: dict[str, str] = field(default_factory=dict)
+    #: which way each undecided claim stayed open (:data:`kvbench.bench.scenarios.claims.KINDS`)
+    undecided_kinds: dict[str, str] = field(default_factory=dict)
+    #: the evidence each decided claim was decided on, in words, where its judge says (results: ``claim_evidence``)
+    claim_evidence: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     #: the judged outcomes of every repeat, this one first; their entries and points line up
     #: index by index with this one's (same plan, same judge). Filled in by :func:`run`.
@@ -141,6 +149,11 @@ class Outcome:
     #: the engines whose repeats were served in the same rounds as this one's (this one among them;
     #: empty when it ran alone): repeat i of each was measured next to repeat i of the others
     interleaved: tuple[str, ...] = ()
+    #: each entry's trace (by ``id``) -> :func:`job_key` of the job that served it. Filled in by :func:`run`
+    job_keys: dict[int, str] = field(default_factory=dict, repr=False)
+    #: the machine's 1-minute load average when this repeat's round began (None where the OS has none):
+    #: repeats served back to back share it, measurements minutes apart may not (recorded per repeat)
+    machine_load: float | None = None
 
     def failures(self) -> list[str]:
         return [claim for claim, held in self.claims.items() if held is False]
@@ -194,6 +207,9 @@ class Scenario:
     #: purpose, the metric the scoreboard ranks engines by (None: no ranking, e.g. one engine's modes)
     pressure: Pressure = Pressure()
     score: Score | None = Score("output_throughput", True, label="output throughput")
+    #: True: each job's :attr:`Served.settings` holds what the engine confirms it ran with (a claim proven from
+    #: outside, as chunked prefill's split from the budget the server states)
+    reads_settings: bool = False
 
     def size(self, scale: str) -> Any:
         if scale not in SCALES:
@@ -284,14 +300,15 @@ def _accepts_progress(adapter: EngineAdapter) -> bool:
 
 
 def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | None = None,
-          step_seconds: float | None = None, recorder: TraceRecorder | None = None) -> Trace:
+          step_seconds: float | None = None, recorder: TraceRecorder | None = None,
+          settings: dict[str, Any] | None = None) -> Trace:
     """Serve one job and return its trace, its duration ending at the last token or finish.
 
     ``step_seconds``: serve on the step clock (:mod:`kvbench.drivers.step_loop`) when the adapter is
     ``steppable``; ignored (wall clock) otherwise. Progress is reported per finished request when
     the adapter can (``serve(progress=...)``), else all at once when the workload is done.
     ``recorder``: record into this one (a lockstep participant's, :mod:`kvbench.drivers.lockstep`)
-    instead of a new one.
+    instead of a new one. ``settings``: filled with what the engine confirms it ran this job with.
     """
     recorder = recorder if recorder is not None else TraceRecorder(adapter.name, scenario)
     # the scenario's pools are in the reference engine's blocks: the same pressure, in tokens, in this
@@ -309,6 +326,8 @@ def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | 
             progress(len(job.workload))
     trace = recorder.finish()
     trace.duration = last_event(trace) or trace.duration
+    if settings is not None:  # asked right after the run, with the knobs it ran with (a server keeps them)
+        settings.update(adapter.confirmed_settings(job.knobs))
     return trace
 
 
@@ -377,6 +396,7 @@ def run_interleaved(scenario: Scenario, adapters: Mapping[str, EngineAdapter], m
     judged: dict[str, list[Outcome]] = {name: [] for name in adapters}
     failed: dict[str, Exception] = {}
     for _ in range(repeats):
+        load = machine_load()
         live = [name for name in adapters if name not in failed]
         plans = {name: scenario.plan(scale, model) for name in live}  # fresh workloads for every serve
         served: dict[str, list[Served]] = {name: [] for name in live}
@@ -395,18 +415,23 @@ def run_interleaved(scenario: Scenario, adapters: Mapping[str, EngineAdapter], m
                         served[name].append(Served(plans[name][j], _ended(trace)))
             for name in (n for n in now if n not in lockstep):
                 job = plans[name][j]
+                said: dict[str, Any] | None = {} if scenario.reads_settings else None
                 try:
                     served[name].append(Served(job, serve(adapters[name], job, scenario.name, progress,
-                                                          clocks[name])))
+                                                          clocks[name], settings=said), settings=said or {}))
                 except Exception as e:  # handed to that engine's benchmark, which raises it
                     failed[name] = e
         for name in live:
             if name in failed:
                 continue
             try:
-                judged[name].append(scenario.judge(served[name], scale, model))
+                outcome = scenario.judge(served[name], scale, model)
             except Exception as e:  # as above
                 failed[name] = e
+                continue
+            outcome.job_keys = {id(s.trace): job_key(s.job, adapters[name]) for s in served[name]}
+            outcome.machine_load = load
+            judged[name].append(outcome)
     together = tuple(adapters) if len(adapters) > 1 else ()
     result: dict[str, Outcome | Exception] = {}
     for name in adapters:
@@ -417,6 +442,38 @@ def run_interleaved(scenario: Scenario, adapters: Mapping[str, EngineAdapter], m
         first.repeats, first.step_seconds, first.interleaved = judged[name], clocks[name], together
         result[name] = first
     return result
+
+
+def machine_load() -> float | None:
+    """The machine's 1-minute load average (None where the OS does not report one)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):  # pragma: no cover - Windows
+        return None
+
+
+def job_key(job: Job, adapter: EngineAdapter | None = None) -> str:
+    """A short fingerprint of what a job serves: every request (tokens, lengths, arrival, abort, priority,
+    sampling) and the settings: the adapter's effective engine configuration where it offers one
+    (``engine_config(knobs)``: a knob left unset and one set to the engine's default then agree), else the
+    knobs. Two results of one engine with the same key served an identical workload under identical
+    settings, wherever in a run they were measured: what they differ by is the measurement's own noise
+    (:func:`kvbench.bench.repeats.identical_schedule_drift`)."""
+    import contextlib
+    import dataclasses
+    import hashlib
+
+    settings: Any = job.knobs.as_dict()
+    config = getattr(adapter, "engine_config", None)
+    if callable(config):
+        # an adapter whose config cannot be built here keeps its knobs: they say enough
+        with contextlib.suppress(Exception):
+            settings = dataclasses.asdict(config(job.knobs))
+    w = job.workload
+    payload = {"concurrency": w.concurrency, "settings": settings,
+               "requests": [[r.prompt_token_ids, r.max_tokens, round(r.arrival_time, 6), r.priority, r.abort_at,
+                             r.temperature, r.seed] for r in w.requests]}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 #: why a claim left None is undecided: the scenario's judge could not tell from what the engine exposes (its
@@ -436,7 +493,11 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
     clock = {"clock": "wall" if outcome.step_seconds is None else "step", "step_seconds": outcome.step_seconds,
              "interleaved": list(outcome.interleaved)}
     for j, entry in enumerate(outcome.entries):
-        per_repeat = [{**metrics.summarize(o.entries[j].trace, slos), **o.entries[j].extra} for o in runs]
+        # each repeat's machine load beside its figures: what two measurements of one workload minutes apart
+        # differ by is mostly the shared machine's load (docs/benchmarks.md#noise)
+        per_repeat = [{**metrics.summarize(o.entries[j].trace, slos), **o.entries[j].extra,
+                       **({"machine_load_1min": o.machine_load} if o.machine_load is not None else {})}
+                      for o in runs]
         medians, spreads = repeats.aggregate(per_repeat)
         notes = [*entry.notes, *outcome.notes]
         exact = outcome.step_seconds is not None
@@ -444,11 +505,18 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
             # the step clock makes a deterministic engine's counts repeat; these did not
             exact = False
             notes.append(f"counts differed between step-clock repeats (gated with statistics): {', '.join(moved)}")
-        results.add_scenario_result(outcome.scenario.name, engine, medians, series=metrics.series(entry.trace),
-                                    checks=checks, undecided=undecided, notes=notes, mode=entry.mode,
-                                    parameters=params, description=outcome.scenario.description,
-                                    repeats=per_repeat, spread=spreads, clock={**clock, "exact_counts": exact},
-                                    counters=entry.trace.counters)  # the first repeat's, as the series
+        added = results.add_scenario_result(outcome.scenario.name, engine, medians,
+                                            series=metrics.series(entry.trace),
+                                            checks=checks, undecided=undecided, notes=notes, mode=entry.mode,
+                                            parameters=params, description=outcome.scenario.description,
+                                            repeats=per_repeat, spread=spreads, clock={**clock, "exact_counts": exact},
+                                            undecided_kinds={c: outcome.undecided_kinds[c] for c in undecided
+                                                             if c in outcome.undecided_kinds},
+                                            claim_evidence={c: e for c, e in outcome.claim_evidence.items()
+                                                            if c in checks},
+                                            counters=entry.trace.counters)  # the first repeat's, as the series
+        if (key := outcome.job_keys.get(id(entry.trace))) is not None:
+            added["workload_key"] = key  # identical workloads found across scenarios: the noise they show
     # the declared pressure travels with the results, so a report of this file can judge against it
     results.scenario(outcome.scenario.name, create=True, parameters=params,
                      description=outcome.scenario.description)["pressure"] = outcome.scenario.pressure.to_dict()

@@ -84,6 +84,8 @@ class Score:
     higher_is_better: bool
     mode: str | None = None
     label: str = ""
+    #: why this metric decides the scenario (shown beside the verdict on the report's first screen)
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,11 @@ def within_noise(ratio: float | None, noise: float | None) -> bool:
     """Whether a ratio is indistinguishable from 1 given ``noise`` (a single run still has jitter)."""
     if ratio is None:
         return False
-    return abs(ratio - 1.0) <= max(noise or 0.0, MIN_RATIO_NOISE)
+    if ratio <= 0:
+        return False
+    # symmetric in the ratio's direction: 0.41× and its inverse 2.4× with the same ±95% get one verdict
+    # (a plain |ratio - 1| test called the first within the noise and the second beyond it)
+    return abs(math.log(ratio)) <= math.log1p(max(noise or 0.0, MIN_RATIO_NOISE))
 
 
 def plural(n: float, word: str, many: str | None = None) -> str:

@@ -4,12 +4,27 @@ and decode stalls, priority scheduling of online beside offline work."""
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio, fmt_time
 from kvbench.bench.metrics import step_tokens_known
+from kvbench.bench.scenarios.claims import (
+    DID_NOT_FIRE,
+    Decision,
+    count_claim,
+    decide,
+    held,
+    not_exposed,
+    not_reached,
+    not_shown,
+    preemption_total,
+    pressure,
+    resting_on,
+    shown,
+)
 from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     Job,
@@ -22,7 +37,6 @@ from kvbench.bench.scenarios.common import (
     build_workload,
     describe_spec,
     percentile,
-    positive,
     ttft_by,
 )
 from kvbench.bench.scenarios.declare import (
@@ -80,7 +94,8 @@ class PrefixCachingRecompute(Scenario):
     }
     modes = ("no_prefix_caching", "prefix_caching")
     pressure = Pressure(preemptions=True, kv_pinned=True, forced_mode="recompute")
-    score = Score("recomputed_tokens", False, mode="prefix_caching", label="tokens recomputed with caching")
+    score = Score("recomputed_tokens", False, mode="prefix_caching", label="tokens recomputed with caching",
+                  why="the scenario asks how much work a preemption throws away once the shared prefix is cached")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -99,7 +114,7 @@ class PrefixCachingRecompute(Scenario):
         off, on = by_mode["no_prefix_caching"].metrics, by_mode["prefix_caching"].metrics
         for sv in served:
             out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode))
-        out.claims = prefix_claims(off, on)
+        decide(out, prefix_decisions(off, on))
         out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
         if off["recomputed_tokens"] and on["recomputed_tokens"] is not None:
             out.notes.append(f"prefix caching recomputed {on['recomputed_tokens']:,.0f} tokens against "
@@ -123,15 +138,28 @@ class PrefixCachingRecompute(Scenario):
         return Headline(title, None, "needs results with and without prefix caching")
 
 
-def prefix_claims(off: Mapping[str, float | None], on: Mapping[str, float | None]) -> dict[str, bool | None]:
-    """Claims of the prefix-caching scenario from the metrics without (``off``) and with (``on``) caching."""
+def prefix_decisions(off: Mapping[str, float | None], on: Mapping[str, float | None]) -> dict[str, Decision]:
+    """Claims of the prefix-caching scenario from the metrics without (``off``) and with (``on``) caching: going
+    past capacity without caching is the workload's pressure; recomputing, hitting the cache and saving
+    recomputation are the mechanisms, read from the engine's counters over each run."""
     rec_off, rec_on = off.get("recomputed_tokens"), on.get("recomputed_tokens")
+    past = pressure(count_claim(off.get("preemptions"), "preemption"))
+    recomputed = resting_on(count_claim(rec_off, "recomputed-token"), past)
     return {
-        "without caching, the closed loop went past capacity (preemptions)": positive(off["preemptions"]),
-        "without caching, preempted work was recomputed": positive(rec_off),
-        "with caching, the shared prompt hit the cache": positive(on.get("prefix_cache_hits")),
-        "caching recomputed fewer tokens": None if rec_off is None or rec_on is None else rec_on < rec_off,
+        "without caching, the closed loop went past capacity (preemptions)": past,
+        "without caching, preempted work was recomputed": recomputed,
+        "with caching, the shared prompt hit the cache": count_claim(on.get("prefix_cache_hits"), "prefix-cache hit"),
+        "caching recomputed fewer tokens": resting_on(
+            not_exposed("this engine publishes no recomputed-token counter") if rec_off is None or rec_on is None
+            else not_reached("nothing was recomputed without caching, so there was nothing to save") if rec_off == 0
+            else shown(f"{rec_on:,.0f} with caching vs {rec_off:,.0f} without") if rec_on < rec_off
+            else not_shown(f"{rec_on:,.0f} with caching vs {rec_off:,.0f} without"), past),
     }
+
+
+def prefix_claims(off: Mapping[str, float | None], on: Mapping[str, float | None]) -> dict[str, bool | None]:
+    """:func:`prefix_decisions` as plain verdicts."""
+    return held(prefix_decisions(off, on))
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,7 +203,9 @@ class ChunkedPrefillStalls(Scenario):
     }
     modes = ("unchunked", "chunked", "chunked_large")
     pressure = Pressure()  # a roomy pool: any preemption is a deviation
-    score = Score("tbt_p99", False, mode="chunked", label="p99 TBT, chunked at the small budget")
+    reads_settings = True  # the budget a server confirms proves its split from outside (chunked_decisions)
+    score = Score("tbt_p99", False, mode="chunked", label="p99 TBT, chunked at the small budget",
+                  why="chunked prefill exists to keep long prompts from stalling running decodes: the tail gap")
 
     def budget_of(self, mode: str, scale: str) -> int | None:
         small, large = self.size(scale).budgets
@@ -213,11 +243,17 @@ class ChunkedPrefillStalls(Scenario):
                                                   default=0)) if known else None,
                      "stall_steps": float(len(stall_steps(sv.trace, long_from))) if known else None}
             out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode, extra=extra))
-        out.claims = chunked_claims(by_mode["unchunked"].trace,
-                                    {self.budget_of(m, scale) or 0: by_mode[m].trace for m in self.modes[1:]},
-                                    long_from)
-        out.claims["no preemption muddied the comparison"] = all(
-            sv.metrics["preemptions"] in (0, None) for sv in served)
+        decide(out, chunked_decisions(by_mode["unchunked"].trace,
+                                      {self.budget_of(m, scale) or 0: by_mode[m].trace for m in self.modes[1:]},
+                                      long_from,
+                                      {self.budget_of(m, scale) or 0: by_mode[m].settings for m in self.modes[1:]}))
+        counts = {sv.job.mode: sv.metrics["preemptions"] for sv in served}
+        # a roomy pool is the workload's own condition: a preemption means it was not roomy on this engine
+        decide(out, {"no preemption muddied the comparison": pressure(
+            not_exposed("this engine publishes no preemption counter") if None in counts.values()
+            else shown("0 preemptions in every mode") if not any(counts.values())
+            else not_shown("the pool was not roomy on this engine: " + ", ".join(
+                f"{n:,.0f} preemptions {mode}" for mode, n in counts.items() if n)))})
         out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
         return out
 
@@ -245,23 +281,69 @@ def stall_steps(trace: Trace, long_from: int) -> list[int]:
     return [i for i, s in enumerate(trace.steps) if s.num_prefill_tokens >= long_from and s.num_decode_tokens > 0]
 
 
-def chunked_claims(unchunked: Trace, chunked: Mapping[int, Trace], long_from: int) -> dict[str, bool | None]:
-    """Claims from the unchunked run and the chunked runs by budget. A claim about per-step token
-    counts is None (undecidable) for a trace whose steps do not carry them (``/metrics`` samples)."""
-    claims: dict[str, bool | None] = {
-        "unchunked: a long prompt was prefilled in one step beside decodes":
-            bool(stall_steps(unchunked, long_from)) if step_tokens_known(unchunked) else None,
-    }
+#: why a claim about the make-up of engine steps stays open on an engine reached from outside
+NO_STEPS = ("a client sees no engine step's make-up: this engine's step records are /metrics samples, which carry "
+            "no per-step token counts")
+
+
+def split_from_outside(trace: Trace, settings: Mapping[str, Any]) -> Decision:
+    """"Long prompts were split into chunks" for an engine that counts no prefill chunks, from what it confirms
+    (:meth:`~kvbench.engines.base.EngineAdapter.confirmed_settings`, never what kvbench asked for), as the
+    conformance check does (:mod:`kvbench.conformance.chunking`): one step computes at most its token budget
+    ``B``, so with chunked prefill on and prefix caching off, a prompt longer than ``B`` that the engine answered
+    had its prefill computed in at least ``ceil(L / B)`` steps. Rests on the engine's word for its budget."""
+    if settings.get("enable_chunked_prefill") is not True:
+        said = settings.get("enable_chunked_prefill")
+        return not_exposed("this engine counts no prefill chunks and does not confirm chunked prefill on" if said
+                           is None else f"this engine counts no prefill chunks and says enable_chunked_prefill={said}")
+    budget = settings.get("max_num_batched_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        return not_exposed("this engine counts no prefill chunks and does not confirm its step's token budget")
+    if settings.get("enable_prefix_caching") is not False:
+        return not_exposed("this engine counts no prefill chunks and does not confirm prefix caching off (a cached "
+                           "prefix could have served part of a long prompt)")
+    longer = [r.prompt_len for r in trace.requests.values() if r.token_times and r.prompt_len > budget]
+    if not longer:
+        return not_reached(f"no answered prompt was longer than the confirmed budget of {budget} tokens")
+    pieces = sum(math.ceil(n / budget) - 1 for n in longer)
+    return shown(f"the engine confirms chunked prefill at a budget of {budget} tokens and answered {len(longer)} "
+                 f"prompts longer than it: at least {pieces} prefill chunks")
+
+
+def chunked_decisions(unchunked: Trace, chunked: Mapping[int, Trace], long_from: int,
+                      settings: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Decision]:
+    """Claims from the unchunked run and the chunked runs by budget: the engine's own step records where it keeps
+    them, its ``prefill_chunks`` counter for the split, else the budget it confirms it ran each chunked run with
+    (``settings`` by budget: :func:`split_from_outside`). A claim about per-step token counts is
+    :data:`~kvbench.bench.scenarios.claims.NOT_EXPOSED` for a trace whose steps are ``/metrics`` samples."""
+    def by_steps(trace: Trace, test: Any, words: str) -> Decision:
+        if not step_tokens_known(trace):
+            return not_exposed(NO_STEPS)
+        return shown(words) if test(trace.steps) else not_shown(f"no engine step: {words}", DID_NOT_FIRE)
+
+    out = {"unchunked: a long prompt was prefilled in one step beside decodes": by_steps(
+        unchunked, lambda _: bool(stall_steps(unchunked, long_from)),
+        f"a step prefilled >= {long_from} tokens beside decodes")}
     for budget, trace in chunked.items():
         chunks = trace.counters.get("prefill_chunks")
-        claims[f"budget {budget}: long prompts were split into chunks"] = (
-            None if chunks is None else chunks > 0)
+        out[f"budget {budget}: long prompts were split into chunks"] = (
+            count_claim(chunks, "prefill-chunk") if chunks is not None
+            else split_from_outside(trace, (settings or {}).get(budget, {})))
         known = step_tokens_known(trace)
-        claims[f"budget {budget}: no step went over the budget"] = all(
-            s.num_prefill_tokens + s.num_decode_tokens <= budget for s in trace.steps) if known else None
-        claims[f"budget {budget}: prefill chunks rode along with decodes"] = any(
-            s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 for s in trace.steps) if known else None
-    return claims
+        over = [s.num_prefill_tokens + s.num_decode_tokens for s in trace.steps
+                if s.num_prefill_tokens + s.num_decode_tokens > budget] if known else []
+        out[f"budget {budget}: no step went over the budget"] = (
+            not_exposed(NO_STEPS) if not known else shown(f"every one of {len(trace.steps)} steps within {budget}")
+            if not over else not_shown(f"{len(over)} steps over {budget} tokens (the largest {max(over)})"))
+        out[f"budget {budget}: prefill chunks rode along with decodes"] = by_steps(
+            trace, lambda steps: any(s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 for s in steps),
+            "a step carried prefill and decode tokens")
+    return out
+
+
+def chunked_claims(unchunked: Trace, chunked: Mapping[int, Trace], long_from: int) -> dict[str, bool | None]:
+    """:func:`chunked_decisions` as plain verdicts."""
+    return held(chunked_decisions(unchunked, chunked, long_from))
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +387,8 @@ class PriorityOnlineOffline(Scenario):
     }
     modes = ("priority", "fcfs")
     pressure = Pressure(preemptions=True, kv_pinned=True, starvation=True)
-    score = Score("ttft_p50_high", False, mode="priority", label="online p50 TTFT under the priority policy")
+    score = Score("ttft_p50_high", False, mode="priority", label="online p50 TTFT under the priority policy",
+                  why="priority scheduling exists to answer online users first while batch work waits")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -325,8 +408,8 @@ class PriorityOnlineOffline(Scenario):
             out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode, extra=class_figures(sv.trace)))
         prio = next(sv for sv in served if sv.job.mode == "priority")
         fcfs = next(sv for sv in served if sv.job.mode == "fcfs")
-        out.claims = priority_claims(prio.trace)
-        out.claims.update(priority_vs_fcfs_claims(prio.trace, fcfs.trace))
+        decide(out, priority_decisions(prio.trace))
+        decide(out, priority_vs_fcfs_decisions(prio.trace, fcfs.trace))
         out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
         return out
 
@@ -402,34 +485,66 @@ def first_token_steps(trace: Trace, level: int) -> list[float] | None:
             for r in trace.requests.values() if r.priority == level and r.token_times]
 
 
-def priority_vs_fcfs_claims(priority: Trace, fcfs: Trace) -> dict[str, bool | None]:
+def priority_vs_fcfs_decisions(priority: Trace, fcfs: Trace) -> dict[str, Decision]:
     """The priority policy against its FCFS control (same requests, same pool): online requests got
     their first token in fewer engine steps, at the median and at p99. Steps, not seconds, so the
     claim does not ride on timing noise; the report shows the TTFTs in seconds beside it."""
     p, f = first_token_steps(priority, HIGH), first_token_steps(fcfs, HIGH)
-    out: dict[str, bool | None] = {}
+    out: dict[str, Decision] = {}
     for q in (50, 99):
         pq = percentile(p, q) if p else None
         fq = percentile(f, q) if f else None
-        # An FCFS control whose online requests waited at most one step had nothing for a priority
-        # policy to win back (the online wave arrived after the offline work, as on a fast engine
-        # served on the wall clock): undecidable, not a failure of the policy.
-        out[f"online p{q} TTFT (in engine steps) better with priority than under FCFS"] = (
-            None if pq is None or fq is None or fq <= 1 else pq < fq)
+        claim = f"online p{q} TTFT (in engine steps) better with priority than under FCFS"
+        if p is None or f is None:
+            out[claim] = not_exposed("a client sees no engine steps: this engine's step records are /metrics "
+                                     "samples, and counting polls would make a wall-clock claim of it")
+        elif pq is None or fq is None:
+            out[claim] = not_reached("no online request got a first token in one of the runs")
+        elif fq <= 1:
+            # An FCFS control whose online requests waited at most one step had nothing for a priority
+            # policy to win back (the online wave arrived after the offline work, as on a fast engine
+            # served on the wall clock): the workload's pressure was not reached, not a failure of the policy.
+            out[claim] = not_reached(f"under FCFS online requests waited {fq:g} engine step(s) at p{q}: nothing "
+                                     "for a priority policy to win back")
+        else:
+            words = f"{pq:g} steps with priority vs {fq:g} under FCFS"
+            out[claim] = shown(words) if pq < fq else not_shown(words)
     return out
 
 
-def priority_claims(trace: Trace) -> dict[str, bool | None]:
-    """Claims of the priority-policy run (per-request preemption records required)."""
+def priority_vs_fcfs_claims(priority: Trace, fcfs: Trace) -> dict[str, bool | None]:
+    """:func:`priority_vs_fcfs_decisions` as plain verdicts."""
+    return held(priority_vs_fcfs_decisions(priority, fcfs))
+
+
+def priority_decisions(trace: Trace) -> dict[str, Decision]:
+    """Claims of the priority-policy run (per-request preemption records required: which request was
+    preempted; a server's counter says how many, not whose). Online traffic preempting offline work is the
+    workload's pressure; never preempting online work while offline work ran is the policy."""
+    first, second = "online traffic preempted offline work", "no online request was preempted while offline work ran"
     if "preemptions" in trace.not_exposed or "events" in trace.not_exposed:
-        return {"online traffic preempted offline work": None,
-                "no online request was preempted while offline work ran": None}
+        total = preemption_total(trace)
+        if total == 0:  # none at all, whoever's: the pressure did not come, whatever a client cannot see
+            preempted = pressure(count_claim(total, "preemption"))
+            return {first: preempted, second: resting_on(not_exposed(""), preempted)}
+        why = ("a client sees no preemption per request, so whose work was preempted cannot be told"
+               + ("" if total is None else f" (the engine counted {total:,.0f} preemptions in all)"))
+        return {first: not_exposed(why), second: not_exposed(why)}
     low = [t for r in trace.requests.values() if r.priority == LOW for t, _ in r.preemptions]
     high = [t for r in trace.requests.values() if r.priority == HIGH for t, _ in r.preemptions]
-    return {"online traffic preempted offline work": bool(low),
-            # A high-priority victim is legitimate only when nothing of low priority was left running.
-            "no online request was preempted while offline work ran": not any(
-                any(_running_at(r, t) for r in trace.requests.values() if r.priority == LOW) for t in high)}
+    preempted = pressure(shown(f"{len(low)} preemptions of offline work") if low
+                         else not_shown("no offline request was preempted", DID_NOT_FIRE))
+    # A high-priority victim is legitimate only when nothing of low priority was left running.
+    wrong = [t for t in high if any(_running_at(r, t) for r in trace.requests.values() if r.priority == LOW)]
+    # with no preemption of either class the policy was never put to the test: resting on the pressure
+    protected = shown(f"{len(high)} online preemptions, none beside running offline work") if not wrong \
+        else not_shown(f"{len(wrong)} online preemptions while offline work ran")
+    return {first: preempted, second: protected if wrong or high else resting_on(protected, preempted)}
+
+
+def priority_claims(trace: Trace) -> dict[str, bool | None]:
+    """:func:`priority_decisions` as plain verdicts."""
+    return held(priority_decisions(trace))
 
 
 def _running_at(r: Any, t: float) -> bool:

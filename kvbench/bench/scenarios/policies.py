@@ -43,6 +43,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, fmt_time
+from kvbench.bench.scenarios.claims import (
+    NOT_EXPOSED,
+    NOT_REACHED,
+    count_claim,
+    decide,
+    not_exposed,
+    not_shown,
+    pressure,
+    resting_on,
+    shown,
+)
 from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     Job,
@@ -166,16 +177,20 @@ class PreemptionPolicies(Scenario):
             return num(m[mode].get(key))
 
         swap_a, rec_a = count("mixed/auto", "preemptions_swap"), count("mixed/auto", "preemptions_recompute")
-        out.claims = {
+        fb_auto, fb_swap = count("mixed/auto", "swap_fallbacks"), count("mixed/swap", "swap_fallbacks")
+        decide(out, {
             # Which modes auto picks depends on the prices it measured on this machine: a note, not a claim
-            # (tests/engine/test_policies.py proves both fire, at fixed prices).
-            "auto preempted on the mixed workload (its choice made per victim)": _positive(
-                None if swap_a is None or rec_a is None else swap_a + rec_a),
-            "auto fell back to recompute no more often than the swap mode": _le(
-                count("mixed/auto", "swap_fallbacks"), count("mixed/swap", "swap_fallbacks")),
-            "the fixed modes preempted on the mixed workload (the comparison has victims)": _positive(
-                count("mixed/recompute", "preemptions")),
-        }
+            # (tests/engine/test_policies.py proves both fire, at fixed prices). Preempting at all is the
+            # mixed workload's pressure.
+            "auto preempted on the mixed workload (its choice made per victim)": pressure(count_claim(
+                None if swap_a is None or rec_a is None else swap_a + rec_a, "preemption")),
+            "auto fell back to recompute no more often than the swap mode": (
+                not_exposed("this engine publishes no swap-fallback counter") if fb_auto is None or fb_swap is None
+                else shown(f"{fb_auto:,.0f} vs {fb_swap:,.0f}") if fb_auto <= fb_swap
+                else not_shown(f"{fb_auto:,.0f} fallbacks in auto vs {fb_swap:,.0f} in swap mode")),
+            "the fixed modes preempted on the mixed workload (the comparison has victims)": pressure(count_claim(
+                count("mixed/recompute", "preemptions"), "preemption")),
+        })
         cost_clock = all(_on_cost_clock(by_mode[f"mixed/{mode}"].trace) for mode in MIXED_MODES)
         mixed = bool(swap_a) and bool(rec_a)
         out.claims.update(auto_vs_fixed_claims(
@@ -187,18 +202,28 @@ class PreemptionPolicies(Scenario):
             out.undecided_reasons.update(dict.fromkeys(auto_claims, (
                 "decided on the simulator's cost clock only: one wall-clock run's times spread more than the 2% "
                 "margin on a shared machine")))
+            out.undecided_kinds.update(dict.fromkeys(auto_claims, NOT_EXPOSED))
         elif not mixed:
             out.notes.append("auto priced every victim of the mixed workload one way: 'beat both' undecided "
                              "(kvbench simulate --workload mixed_victims shows the mix at Llama-3-8B/H200 scale)")
             out.undecided_reasons.update(dict.fromkeys(auto_claims, (
                 "auto priced every victim of the mixed workload one way: nothing for it to beat both modes with")))
+            out.undecided_kinds.update(dict.fromkeys(auto_claims, NOT_REACHED))
         for surge in self.size(scale).surges:
             static, gated = count(f"{surge}/static", "preemptions"), count(f"{surge}/watermark", "preemptions")
-            out.claims[f"admission control preempted fewer times than static on {surge}"] = (
-                None if static is None or gated is None else static > 0 and gated < static)
             curve = [count(mode, "preemptions") for mode in admission_modes(surge)]
-            out.claims[f"every admission-controlled run preempted no more often than static on {surge}"] = (
-                None if static is None or None in curve else all(c <= static for c in curve))
+            # static preempting is the surge's pressure: with none, admission control had nothing to spare
+            pressured = pressure(count_claim(static, "preemption"))
+            decide(out, {
+                f"admission control preempted fewer times than static on {surge}": resting_on(
+                    not_exposed("this engine publishes no preemption counter") if static is None or gated is None
+                    else shown(f"{static:,.0f} -> {gated:,.0f}") if gated < static
+                    else not_shown(f"{static:,.0f} static vs {gated:,.0f} with the watermark"), pressured),
+                f"every admission-controlled run preempted no more often than static on {surge}": (
+                    not_exposed("this engine publishes no preemption counter") if static is None or None in curve
+                    else shown(f"at most {max(curve):,.0f} vs {static:,.0f} static") if all(c <= static for c in curve)
+                    else not_shown(f"up to {max(curve):,.0f} vs {static:,.0f} static")),
+            })
             for h in HEADROOMS:
                 run_ = by_mode[admission_mode(surge, h)]
                 out.points.append(SweepPoint("admission_headroom", "watermark headroom", h, run_.metrics,
@@ -345,14 +370,6 @@ def _times(ratio: float | None) -> str:
     if ratio is None:
         return "–"
     return "all" if math.isinf(ratio) else f"{ratio:.2f}x"
-
-
-def _le(a: float | None, b: float | None) -> bool | None:
-    return None if a is None or b is None else a <= b
-
-
-def _positive(a: float | None) -> bool | None:
-    return None if a is None else a > 0
 
 
 def _metric(recorded: Mapping[str, Any], engine: str, mode: str, key: str) -> float | None:

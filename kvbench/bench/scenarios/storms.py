@@ -10,6 +10,18 @@ from typing import Any
 
 from kvbench.bench import metrics
 from kvbench.bench.formatting import fmt_metric
+from kvbench.bench.scenarios.claims import (
+    DID_NOT_FIRE,
+    Decision,
+    count_claim,
+    decide,
+    held,
+    not_exposed,
+    not_shown,
+    pressure,
+    resting_on,
+    shown,
+)
 from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     Job,
@@ -22,7 +34,6 @@ from kvbench.bench.scenarios.common import (
     all_finished,
     build_workload,
     describe_spec,
-    positive,
 )
 from kvbench.bench.scenarios.declare import Headline, Pressure, Score, engines_reference_first, num, ratio_headline
 from kvbench.bench.workloads import (
@@ -65,7 +76,8 @@ class PreemptionStorm(Scenario):
                           concurrencies=(4, 8, 12, 16, 24), num_gpu_blocks=160),
     }
     pressure = Pressure(preemptions=True, kv_pinned=True)
-    score = Score("output_throughput", True, label="output throughput at the top of the sweep")
+    score = Score("output_throughput", True, label="output throughput at the top of the sweep",
+                  why="past capacity a storm costs throughput: what the engine still delivers when overloaded")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -91,7 +103,8 @@ class PreemptionStorm(Scenario):
         # repeats' medians (one number per fact)
         out.entries.append(ResultEntry(top.trace, extra=extra, notes=[
             f"the storm at concurrency {top.job.x:g}, the top of the sweep"]))
-        out.claims = storm_claims([sv.metrics for sv in points], [sv.trace for sv in points])
+        decide(out, storm_decisions([sv.metrics for sv in points], xs))
+        out.claims["every request finished at every point"] = all(all_finished(sv.trace) for sv in points)
         return out
 
 
@@ -139,19 +152,41 @@ def _knee_rows(recorded: Mapping[str, Any]) -> list[list[str]]:
     return rows
 
 
-def storm_claims(sweep: Sequence[Mapping[str, float | None]], traces: Sequence[Trace]) -> dict[str, bool | None]:
-    """Claims of a concurrency sweep, given each point's metrics (lowest concurrency first)."""
+def storm_decisions(sweep: Sequence[Mapping[str, float | None]],
+                    xs: Sequence[float] | None = None) -> dict[str, Decision]:
+    """Claims of a concurrency sweep from each point's metrics (lowest concurrency first; ``xs`` its
+    concurrencies, for the words). Preemption counts are the engine's own counters over each point's run (a
+    server's ``/metrics`` scraped before and after it): exact on every engine that publishes them.
+
+    The sweep's two ends are the workload's own pressure (below capacity at the bottom, past it at the top):
+    not reached is undecided, and the claims resting on them say so."""
     low, top = sweep[0], sweep[-1]
-    pre_low, pre_top = low["preemptions"], top["preemptions"]
-    waste = [top.get("recomputed_tokens"), top.get("swap_outs")]
-    waste_known = [w for w in waste if w is not None]
-    return {
-        "the lowest concurrency ran without preemption": None if pre_low is None else pre_low == 0,
-        "the highest concurrency preempted (a storm)": positive(pre_top),
-        "preemptions grew with concurrency": None if pre_low is None or pre_top is None else pre_top > pre_low,
-        "preempted work was recomputed or swapped": None if not waste_known else sum(waste_known) > 0,
-        "every request finished at every point": all(all_finished(t) for t in traces),
-    }
+    at_low, at_top = (f" at concurrency {xs[0]:g}", f" at concurrency {xs[-1]:g}") if xs else ("", "")
+    pre_low, pre_top = low.get("preemptions"), top.get("preemptions")
+    calm = pressure(
+        not_exposed("this engine publishes no preemption counter") if pre_low is None
+        else shown(f"0 preemptions{at_low}") if pre_low == 0
+        else not_shown(f"the sweep does not start below this engine's capacity: {pre_low:,.0f} preemptions{at_low}"))
+    storm = pressure(count_claim(pre_top, "preemption"))
+    grew = resting_on(
+        not_exposed("this engine publishes no preemption counter") if pre_low is None or pre_top is None
+        else shown(f"{pre_low:,.0f}{at_low} -> {pre_top:,.0f}{at_top}") if pre_top > pre_low
+        else not_shown(f"{pre_low:,.0f}{at_low} -> {pre_top:,.0f}{at_top}"), calm, storm)
+    waste = {k: top.get(k) for k in ("recomputed_tokens", "swap_outs")}
+    known = {k: v for k, v in waste.items() if v is not None}
+    redone = resting_on(
+        not_exposed("this engine publishes neither a recomputed-token nor a swap-out counter") if not known
+        else shown(", ".join(f"{k} {v:,.0f}" for k, v in known.items())) if sum(known.values()) > 0
+        else not_shown(", ".join(f"{k} 0" for k in known) + f" beside {pre_top or 0:,.0f} preemptions{at_top}",
+                       DID_NOT_FIRE), storm)
+    return {"the lowest concurrency ran without preemption": calm, "the highest concurrency preempted (a storm)": storm,
+            "preemptions grew with concurrency": grew, "preempted work was recomputed or swapped": redone}
+
+
+def storm_claims(sweep: Sequence[Mapping[str, float | None]], traces: Sequence[Trace]) -> dict[str, bool | None]:
+    """:func:`storm_decisions` as plain verdicts, with "every request finished at every point"."""
+    return {**held(storm_decisions(sweep)), "every request finished at every point": all(all_finished(t)
+                                                                                        for t in traces)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,7 +218,8 @@ class SwapSpaceExhaustion(Scenario):
     }
     modes = ("ample_swap_space", "exhausted_swap_space")
     pressure = Pressure(preemptions=True, kv_pinned=True, forced_mode="swap", swap_fallback=True)
-    score = Score("output_throughput", True, mode="exhausted_swap_space", label="output throughput, small host pool")
+    score = Score("output_throughput", True, mode="exhausted_swap_space", label="output throughput, small host pool",
+                  why="when the host pool runs out, swap falls back to recompute: what that costs in work done")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -203,7 +239,7 @@ class SwapSpaceExhaustion(Scenario):
         for sv in served:
             out.entries.append(ResultEntry(sv.trace, mode=sv.job.mode, extra={
                 **first_fallback(sv.trace), "num_cpu_blocks": float(sv.job.knobs.num_cpu_blocks or 0)}))
-        out.claims = exhaustion_claims(by_mode["ample_swap_space"].metrics, by_mode["exhausted_swap_space"].metrics)
+        decide(out, exhaustion_decisions(by_mode["ample_swap_space"].metrics, by_mode["exhausted_swap_space"].metrics))
         out.claims["every request finished"] = all(all_finished(sv.trace) for sv in served)
         return out
 
@@ -239,11 +275,24 @@ def first_fallback(trace: Trace) -> dict[str, float | None]:
             "cpu_kv_usage_at_first_fallback": usage[-1] if usage else None}
 
 
-def exhaustion_claims(ample: Mapping[str, float | None], small: Mapping[str, float | None]) -> dict[str, bool | None]:
-    fb_ample, fb_small = ample.get("swap_fallbacks"), small.get("swap_fallbacks")
+def exhaustion_decisions(ample: Mapping[str, float | None], small: Mapping[str, float | None]) -> dict[str, Decision]:
+    """Claims of the two host pools from their runs' metrics. Swapping at all is the workload's pressure (a
+    storm in swap mode); falling back, with a host pool too small, is the mechanism."""
+    fb_ample = ample.get("swap_fallbacks")
+    swapped = pressure(count_claim(ample.get("preemptions_swap"), "swap-preemption"))
+    swapped_small = pressure(count_claim(small.get("preemptions_swap"), "swap-preemption"))
     return {
-        "ample host pool: preempted by swap": positive(ample.get("preemptions_swap")),
-        "ample host pool: never fell back to recompute": None if fb_ample is None else fb_ample == 0,
-        "small host pool: swapped before it ran out": positive(small.get("preemptions_swap")),
-        "small host pool: swap fell back to recompute": positive(fb_small),
+        "ample host pool: preempted by swap": swapped,
+        "ample host pool: never fell back to recompute": resting_on(
+            not_exposed("this engine publishes no swap-fallback counter") if fb_ample is None
+            else shown("0 swap fallbacks") if fb_ample == 0 else not_shown(f"{fb_ample:,.0f} swap fallbacks"),
+            swapped),
+        "small host pool: swapped before it ran out": swapped_small,
+        "small host pool: swap fell back to recompute": resting_on(count_claim(small.get("swap_fallbacks"),
+                                                                               "swap-fallback"), swapped_small),
     }
+
+
+def exhaustion_claims(ample: Mapping[str, float | None], small: Mapping[str, float | None]) -> dict[str, bool | None]:
+    """:func:`exhaustion_decisions` as plain verdicts."""
+    return held(exhaustion_decisions(ample, small))

@@ -8,6 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, fmt_time
+from kvbench.bench.scenarios.claims import (
+    decide,
+    kv_filled,
+    not_shown,
+    preempted_after,
+    pressure,
+    shown,
+)
 from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     DOUBLED,
@@ -22,7 +30,6 @@ from kvbench.bench.scenarios.common import (
     build_workload,
     describe_spec,
     percentile,
-    positive,
     preemptions_between,
     ttft_by,
 )
@@ -69,7 +76,8 @@ class EveningSurge(Scenario):
             wave_start_s=10.0, num_gpu_blocks=160),
     }
     pressure = Pressure(preemptions=True, kv_pinned=True)
-    score = Score("ttft_p99_wave", False, label="p99 TTFT of the long-context wave")
+    score = Score("ttft_p99_wave", False, label="p99 TTFT of the long-context wave",
+                  why="the surge is the long-context wave: how long its slowest users wait for a first token")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -84,7 +92,7 @@ class EveningSurge(Scenario):
 
     def judge(self, served: list[Served], scale: str, model: Model) -> Outcome:
         (run_,) = served
-        s, m, trace = self.size(scale), run_.metrics, run_.trace
+        s, trace = self.size(scale), run_.trace
         long_from = s.wave.input_len.bounds()[0]
         out = self.outcome(scale, model)
         wave, steady = ttft_by(trace, lambda r: r.prompt_len >= long_from), ttft_by(trace, lambda r: r.prompt_len
@@ -93,13 +101,15 @@ class EveningSurge(Scenario):
                  "ttft_p50_wave": percentile(wave, 50), "ttft_p99_wave": percentile(wave, 99),
                  **before_after(trace, s.wave_start_s)}
         out.entries.append(ResultEntry(trace, extra=extra))
-        kv = m["kv_usage_max"]
-        out.claims = {
-            f"the wave filled the KV pool (peak usage > {FULL_POOL:.0%})": None if kv is None else kv > FULL_POOL,
+        # both are the wave's own pressure, read from the engine's evidence (its preemption counter, its own
+        # steps) before a sampled gauge: not reached is undecided, never the engine's failure
+        decide(out, {
+            f"the wave filled the KV pool (peak usage > {FULL_POOL:.0%})": pressure(
+                kv_filled(trace, s.wave_start_s, FULL_POOL)),
             # counted from the wave's start: preemptions of the steady traffic alone would not show it
-            "the wave preempted running requests": positive(extra["preemptions_after_surge"]),
-            "every request finished": all_finished(trace),
-        }
+            "the wave preempted running requests": pressure(preempted_after(trace, s.wave_start_s, "the wave")),
+        })
+        out.claims["every request finished"] = all_finished(trace)
         return out
 
 
@@ -146,7 +156,8 @@ class FlashCrowd(Scenario):
                                        StepSurge(((8.0, 3.5), (8.0, 7.0))), seed=2), num_gpu_blocks=128),
     }
     pressure = Pressure(preemptions=True, kv_pinned=True)
-    score = Score("ttft_p99_after_surge", False, label="p99 TTFT of requests arriving after the surge")
+    score = Score("ttft_p99_after_surge", False, label="p99 TTFT of requests arriving after the surge",
+                  why="a flash crowd is felt as waiting: how long the slowest newcomers wait once traffic doubles")
 
     def plan(self, scale: str, model: Model) -> list[Job]:
         s = self.size(scale)
@@ -171,13 +182,17 @@ class FlashCrowd(Scenario):
                          "(docs/benchmarks.md#diagnosis)")
         out.entries.append(ResultEntry(trace, extra=extra, notes=notes))
         ratio = extra["arrival_rate_ratio"]
-        out.claims = {
-            f"traffic doubled at t={t_surge:g}s (arrival rate x{DOUBLED} or more)": ratio is not None
-            and ratio >= DOUBLED,
+        decide(out, {
+            # the workload's own doing (the driver released it): a precondition, never the engine's failure
+            f"traffic doubled at t={t_surge:g}s (arrival rate x{DOUBLED} or more)": pressure(
+                shown(f"arrival rate x{ratio:.2f}") if ratio is not None and ratio >= DOUBLED
+                else not_shown("arrival rate " + ("not measurable (no arrival before the surge)" if ratio is None
+                                                  else f"x{ratio:.2f} only"))),
             # counted from the step: preemptions before it would not be the surge's doing
-            "the surge pushed concurrency over capacity (preemptions after it began)": positive(after),
-            "every request finished": all_finished(trace),
-        }
+            "the surge pushed concurrency over capacity (preemptions after it began)": pressure(
+                preempted_after(trace, t_surge, "the surge")),
+        })
+        out.claims["every request finished"] = all_finished(trace)
         return out
 
 

@@ -31,3 +31,17 @@
     });
   });
 })();
+// a link to a collapsed section (the navigation, the evidence of a recommendation) opens it
+(function () {
+  "use strict";
+  function openTarget() {
+    var el = location.hash ? document.getElementById(location.hash.slice(1)) : null;
+    for (; el; el = el.parentElement) {
+      if (el.tagName === "DETAILS") { el.open = true; }
+      var inner = el.querySelector && el.querySelector(":scope > details");
+      if (inner) { inner.open = true; }
+    }
+  }
+  window.addEventListener("hashchange", openTarget);
+  openTarget();
+})();
