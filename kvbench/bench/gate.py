@@ -32,6 +32,21 @@ What is compared, and how (:func:`gate`):
 * **Nothing missing.** Every result of the baseline (scenario, engine, mode) must be in the current
   run, and every thresholded metric the baseline has must have a value; anything missing fails the
   gate and is named. Results only in the current run are listed, not failed.
+* **One clock per comparison.** A result measured on one clock in the baseline and on another in the
+  current run (:mod:`kvbench.bench.clock_rule`: a session with any engine that cannot be stepped runs
+  all of them on the wall clock) is **set aside**: not compared, neither a pass nor a fail, and named
+  in the verdict (:class:`SetAside`, one note per reason). Two step clocks of different
+  ``step_seconds`` count as different clocks (the same workload becomes another schedule of
+  arrivals by step). A same-run ratio whose engine and reference engine ran on different clocks
+  inside one run (a file from before the one-clock rule, or merged from two runs) is set aside the
+  same way: it would divide a figure of one clock by a figure of the other. No figure is treated as
+  clock-free, counts included: preemptions, recomputed tokens, swaps and prefix hits follow from which
+  requests share the engine at each step, which the release of arrivals decides (by engine step on one
+  clock, by elapsed seconds on the other: at 1 ms a step the wall clock releases a surge ten times
+  sooner, in steps, than the step clock at 0.01 s a step); only a workload released all at once would
+  be immune, and a results file does not say that a workload was.
+* **Never a silent pass.** A gate that compared nothing at all (every result set aside, or no
+  thresholded metric with a value on both sides) fails, and says why (:attr:`Verdict.nothing_compared`).
 
 Why these numbers (measured on a 2-core machine at load average ~12, flash crowd at quick scale,
 reference engine in both preemption modes, 3 repeats): served one engine after the other, the
@@ -261,38 +276,86 @@ class Missing:
         return f"missing from the current run: {where}: {self.metric} (has a value in the baseline)"
 
 
+@dataclass(frozen=True)
+class SetAside:
+    """A baseline result (``metric`` None: all its figures) or one of its figures the gate did not compare,
+    because the two figures were measured on different clocks (``why`` says which). Neither a pass nor a fail."""
+
+    scenario: str
+    engine: str
+    mode: str | None
+    metric: str | None
+    why: str
+
+    @property
+    def where(self) -> str:
+        where = f"{self.scenario} / {self.engine}" + (f" [{self.mode}]" if self.mode else "")
+        return where + (f": {self.metric}" if self.metric else "")
+
+    def describe(self) -> str:
+        return f"not compared: {self.where}: {self.why}"
+
+
 @dataclass
 class Verdict:
-    """What the gate found: every comparison, the regressions among them, what was missing, notes."""
+    """What the gate found: every comparison, the regressions among them, what was missing, what was set
+    aside (different clocks), notes."""
 
     deltas: list[Delta] = field(default_factory=list)
     missing: list[Missing] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    set_aside: list[SetAside] = field(default_factory=list)
 
     @property
     def regressions(self) -> list[Delta]:
         return [d for d in self.deltas if d.regressed]
 
     @property
+    def nothing_compared(self) -> bool:
+        """No figure was compared at all: a gate that passed so would be a hidden pass, so it fails."""
+        return not self.deltas
+
+    @property
     def failed(self) -> bool:
-        return bool(self.regressions or self.missing)
+        return bool(self.regressions or self.missing or self.nothing_compared)
 
     def failure_lines(self) -> list[str]:
-        """One line per regression and per missing result, naming it."""
-        return ([f"REGRESSION {d.describe()}" for d in self.regressions]
-                + [f"MISSING {m.describe()}" for m in self.missing])
+        """One line per regression and per missing result, naming it; one more when nothing was compared."""
+        lines = ([f"REGRESSION {d.describe()}" for d in self.regressions]
+                 + [f"MISSING {m.describe()}" for m in self.missing])
+        if self.nothing_compared:
+            lines.append(f"NOTHING COMPARED {self._nothing_why()}")
+        return lines
+
+    def _nothing_why(self) -> str:
+        if self.set_aside:
+            n = len({(s.scenario, s.engine, s.mode) for s in self.set_aside})
+            return (f"no figure of the baseline could be compared with this run: {n} result{'s' if n != 1 else ''} "
+                    "set aside because the two were measured on different clocks, and a gate that compares nothing "
+                    "would be a hidden pass. Gate against a baseline measured on the same clock: a session runs "
+                    "every engine on the step clock only when all of them can be stepped from outside, so a "
+                    "baseline made with the same --engine options is on the same clock (kvbench.bench.clock_rule)")
+        return ("no thresholded figure has a value in both runs, so the gate compared nothing, and a gate that "
+                "compares nothing would be a hidden pass (check the thresholds' metrics against the results, "
+                "or gate times with --gate-absolute where a run has only the reference engine)")
 
     def summary(self) -> str:
-        """One line: what failed, or what passed."""
+        """One line: what failed, or what passed (and how much was set aside)."""
         if not self.failed:
             exact = sum(d.basis == "exact" for d in self.deltas)
-            return f"no regression ({len(self.deltas)} comparisons, {exact} exact counts)"
+            aside = len({(s.scenario, s.engine, s.mode, s.metric) for s in self.set_aside})
+            tail = f"; {aside} set aside, measured on different clocks" if aside else ""
+            return f"no regression ({len(self.deltas)} comparisons, {exact} exact counts{tail})"
+        if self.nothing_compared and not (self.regressions or self.missing):
+            return "regression gate failed: nothing compared"
         parts = []
         if self.regressions:
             n = len(self.regressions)
             parts.append(f"{n} regression{'s' if n != 1 else ''}")
         if self.missing:
             parts.append(f"{len(self.missing)} missing result{'s' if len(self.missing) != 1 else ''}")
+        if self.nothing_compared:
+            parts.append("nothing compared")
         return "regression gate failed: " + ", ".join(parts)
 
 
@@ -324,6 +387,27 @@ def reference_engine_name(results: Results) -> str | None:
     if "reference" in names:
         return "reference"
     return next((e["name"] for e in results.engines if e.get("kind") == "reference"), None)
+
+
+Clock = tuple[str, "float | None"]
+
+
+def clock_of(res: Mapping[str, Any]) -> Clock:
+    """("step", seconds a step) or ("wall", None): how a result's arrivals were released. A result without a
+    ``clock`` (older files) is on the wall clock, as the report reads it (:func:`kvbench.report.figures.clock_of`)."""
+    clock = res.get("clock")
+    if not isinstance(clock, Mapping) or clock.get("clock", "wall") != "step":
+        return ("wall", None)
+    seconds = clock.get("step_seconds")
+    return ("step", None if seconds is None else float(seconds))
+
+
+def clock_words(clock: Clock) -> str:
+    """"the wall clock", "the step clock (0.01 s a step)"."""
+    name, seconds = clock
+    if name == "step" and seconds is not None:
+        return f"the step clock ({seconds:g} s a step)"
+    return f"the {name} clock"
 
 
 def _exact(res: Mapping[str, Any]) -> bool:
@@ -402,6 +486,11 @@ def gate(current: Results, baseline: Results, thresholds: Sequence[str | Thresho
             verdict.missing.append(Missing(*key))
             continue
         scenario, engine, mode = key
+        if clock_of(b_res) != clock_of(c_res):
+            why = (f"the baseline measured it on {clock_words(clock_of(b_res))}, "
+                   f"this run on {clock_words(clock_of(c_res))}")
+            verdict.set_aside.append(SetAside(*key, None, why))
+            continue
         for th in parsed:
             b, c = _value(b_res, th.metric), _value(c_res, th.metric)
             if b is None:
@@ -418,8 +507,13 @@ def gate(current: Results, baseline: Results, thresholds: Sequence[str | Thresho
                 if engine == ref_name or ref_name is None:
                     skipped_ratio.add(engine if ref_name else "(no reference engine)")
                     continue
-                b_pair = _ratio_and_spread(b_res, base.get((scenario, ref_name, mode)) or {}, th.metric)
-                c_pair = _ratio_and_spread(c_res, cur.get((scenario, ref_name, mode)) or {}, th.metric)
+                b_ref, c_ref = base.get((scenario, ref_name, mode)) or {}, cur.get((scenario, ref_name, mode)) or {}
+                mixed = _mixed_ratio(b_res, b_ref, "the baseline") or _mixed_ratio(c_res, c_ref, "this run")
+                if mixed:
+                    verdict.set_aside.append(SetAside(*key, th.metric, f"as a ratio to {ref_name}: {mixed}"))
+                    continue
+                b_pair = _ratio_and_spread(b_res, b_ref, th.metric)
+                c_pair = _ratio_and_spread(c_res, c_ref, th.metric)
                 if b_pair is None or c_pair is None:
                     continue  # the reference lacks this figure here (its own absence is reported as missing)
                 (b, sb), (c, sc) = b_pair, c_pair
@@ -431,10 +525,30 @@ def gate(current: Results, baseline: Results, thresholds: Sequence[str | Thresho
     for name in sorted(skipped_ratio):
         verdict.notes.append(f"times of {name} are not gated: ratios divide by the reference engine "
                              "(--gate-absolute or abs:NAME:... gates absolute times)")
+    verdict.notes += set_aside_notes(verdict.set_aside)
     only_current = sorted(set(cur) - set(base), key=str)
     verdict.notes += [f"only in the current run (not gated): {s} / {e}" + (f" [{m}]" if m else "")
                       for s, e, m in only_current]
     return verdict
+
+
+def _mixed_ratio(res: Mapping[str, Any], ref: Mapping[str, Any], run: str) -> str:
+    """Why a same-run ratio of ``res`` to ``ref`` in ``run`` would divide figures of two clocks ("" if it
+    would not, or ``ref`` is absent: its absence is reported elsewhere)."""
+    if not ref or clock_of(res) == clock_of(ref):
+        return ""
+    return (f"in {run} it ran on {clock_words(clock_of(res))} and the reference engine on "
+            f"{clock_words(clock_of(ref))}, so the ratio would divide figures of two clocks")
+
+
+def set_aside_notes(set_aside: Sequence[SetAside]) -> list[str]:
+    """One note per reason, naming every result (or figure) set aside for it."""
+    by_why: dict[str, list[str]] = {}
+    for s in set_aside:
+        where = s.where
+        if where not in by_why.setdefault(s.why, []):
+            by_why[s.why].append(where)
+    return [f"not compared, neither a pass nor a fail ({why}): {', '.join(wheres)}" for why, wheres in by_why.items()]
 
 
 def deltas(current: Results, baseline: Results, thresholds: Sequence[str | Threshold], *, absolute: bool = False,

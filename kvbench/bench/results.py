@@ -10,6 +10,7 @@ report draws. Skeleton (``schema_version`` 1)::
       "machine": {"hostname": "...", "platform": "...", "python": "3.11.9", "cpu_count": 2,
                   "torch": "2.13.0", "device": "cpu"},
       "commit": {"id": "abc123...", "branch": "main", "dirty": false},   # nulls without git
+      "command": "pytest suites/benchmarks --benchmark --engine reference",  # null in older files
       "engines": [{"name": "reference", "kind": "reference", "options": {}, "capabilities": ["swap", ...]}],
       "scenarios": [{
         "name": "preemption_storm",
@@ -151,6 +152,25 @@ def commit_info(cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
             "dirty": None if status is None else bool(status)}
 
 
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that is writing these results, as a reader would type it again (``sys.argv`` by default):
+    pytest's and kvbench's entry points (a console script or ``python -m``) are named ``pytest`` and
+    ``kvbench``; any other program by its file name."""
+    import shlex
+
+    words = list(sys.argv if argv is None else argv)
+    if not words:
+        return ""
+    head = Path(words[0])
+    if head.name in ("pytest", "py.test") or (head.name == "__main__.py" and head.parent.name == "pytest"):
+        words[0] = "pytest"
+    elif head.name == "kvbench" or (head.name == "__main__.py" and head.parent.name == "kvbench"):
+        words[0] = "kvbench"
+    else:
+        words[0] = head.name
+    return shlex.join(words)
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
@@ -171,7 +191,8 @@ class Results:
                  cwd: str | os.PathLike[str] | None = None):
         if data is None:
             data = {"schema_version": SCHEMA_VERSION, "kvbench_version": __version__, "created": _now(),
-                    "machine": machine_info(device), "commit": commit_info(cwd), "engines": [],
+                    "machine": machine_info(device), "commit": commit_info(cwd), "command": command_line(),
+                    "engines": [],
                     "scenarios": [], "conformance": [], "skipped_scenarios": []}
         self.data = validate(data)
 
@@ -451,6 +472,7 @@ def validate(data: Any) -> dict[str, Any]:
     data.setdefault("kvbench_version", None)
     data.setdefault("created", None)
     data.setdefault("machine", {})
+    data.setdefault("command", None)  # absent from files written before it was recorded
     data["commit"] = {"id": None, "branch": None, "dirty": None, **(data.get("commit") or {})}
     for i, eng in enumerate(data["engines"]):
         if not isinstance(eng, dict) or not eng.get("name"):

@@ -5,7 +5,7 @@ thread: on a shared machine with few cores, OpenMP threads that spin while waiti
 every step many times slower, and by different amounts from run to run, so a demo showed a large
 "difference" between two modes that vanished with one thread; the same held at ``full`` scale on the
 ``small`` model, most of all beside another process (the figures:
-docs/results.md#torch-threads-on-a-shared-machine). Both faces pin the same number so that what the
+docs/journal/measurements.md#torch-threads-on-a-shared-machine). Both faces pin the same number so that what the
 demo shows is what the benchmarks measure.
 """
 

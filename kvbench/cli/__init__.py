@@ -10,6 +10,7 @@
     kvbench head-to-head --engine [LABEL=]SPEC ... [--model NAME] [--dtype D] [--knob ENGINE:KEY=VALUE] [--json OUT]
     kvbench ratios RESULTS.json [--baseline ENGINE] [--engine ENGINE] [--at-least RATIO]
     kvbench conformance RESULTS.json [--footnotes]
+    kvbench results-page RESULTS.json ... [-o PAGE.md]
     kvbench validate-sim [--scenario NAME ...] [--repeats N] [--warmup N] [--profile-out FILE] [--out DIR]
     kvbench predict [--engines reference,vllm] [--rounds N] [--json OUT] [--small]
     kvbench admission-sweep [--surge NAME] [--scale quick|full] [--repeats N] [--engine SPEC] HEADROOM:PACING ...
@@ -24,17 +25,18 @@ in both preemption modes (:mod:`kvbench.cli.preemption_demo`); ``calibrate`` fit
 model on this machine and ``simulate`` serves a workload at scale on the simulator and prints a capacity
 plan (:mod:`kvbench.cli.simulator`); ``head-to-head`` serves several engines on the same work, rounds
 interleaved; ``ratios`` compares two engines at every point of a saved sweep; ``conformance`` prints a
-run's verdicts as a Markdown table (these two read results files only); ``validate-sim`` and ``predict``
-check the simulator against the reference engine and against real engines; ``admission-sweep`` serves one
-surge under admission settings against static admission; ``measure-gpu`` measures the reference engine's
-CUDA paths against the memory-bandwidth roofline. Each command lives in a module of this package
-(:data:`COMMAND_MODULES`); this module holds only what they share: :class:`CLIError`, the exit statuses,
-:func:`load_results`, :func:`writable_folder`, :func:`build_parser` and :func:`main`.
+run's verdicts as a Markdown table; ``results-page`` writes docs/results.md from results files (these three
+read results files only); ``validate-sim`` and ``predict`` check the simulator against the reference engine
+and against real engines; ``admission-sweep`` serves one surge under admission settings against static
+admission; ``measure-gpu`` measures the reference engine's CUDA paths against the memory-bandwidth roofline.
+Each command lives in a module of this package (:data:`COMMAND_MODULES`); this module holds only what they
+share: :class:`CLIError`, the exit statuses, :func:`load_results`, :func:`writable_folder`,
+:func:`build_parser` and :func:`main`.
 
-Three groups: results files (``report``, ``compare``, ``merge``, ``ratios``, ``conformance`` read what a run
-wrote and re-run nothing); engines (``engines`` lists the kinds; ``demo``, ``head-to-head``,
-``admission-sweep``, ``measure-gpu`` build and serve them); the simulator (``calibrate``, ``simulate``,
-``validate-sim``, ``predict``).
+Three groups: results files (``report``, ``compare``, ``merge``, ``ratios``, ``conformance``,
+``results-page`` read what a run wrote and re-run nothing); engines (``engines`` lists the kinds; ``demo``,
+``head-to-head``, ``admission-sweep``, ``measure-gpu`` build and serve them); the simulator (``calibrate``,
+``simulate``, ``validate-sim``, ``predict``).
 
 Exit status: 0 success; 1 the command's check failed (``compare``: a regression or a baseline result missing
 from the current run; each command's ``--help`` says what its check is, and each failure is named); 2 usage or
@@ -60,8 +62,8 @@ EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
 #: ``add_command(subparsers)``, which adds its parser(s) with a ``handler`` default (``handler(args, out) ->
 #: exit status``, raising :class:`CLIError` for a usage or file problem)
 COMMAND_MODULES: tuple[str, ...] = ("results_files", "engines", "preemption_demo", "simulator", "head_to_head",
-                                   "ratios", "conformance", "validate_sim", "predict", "admission_sweep",
-                                   "measure_gpu")
+                                   "ratios", "conformance", "results_page", "validate_sim", "predict",
+                                   "admission_sweep", "measure_gpu")
 
 #: what a command's parser sets as its ``handler`` default
 Handler = Callable[[argparse.Namespace, TextIO], int]
@@ -112,10 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbench",
         description="kvbench's command line, three groups. Results files (read only, nothing re-runs an "
-                    "engine): report, compare, merge, ratios, conformance. Engines (listed, then served here): "
-                    "engines, demo, head-to-head, admission-sweep, measure-gpu. The simulator: calibrate, "
-                    "simulate, validate-sim, predict. The conformance checks and the benchmarks run under pytest "
-                    "(pytest suites/ [--benchmark] [--engine SPEC ...]).",
+                    "engine): report, compare, merge, ratios, conformance, results-page. Engines (listed, then "
+                    "served here): engines, demo, head-to-head, admission-sweep, measure-gpu. The simulator: "
+                    "calibrate, simulate, validate-sim, predict. The conformance checks and the benchmarks run "
+                    "under pytest (pytest suites/ [--benchmark] [--engine SPEC ...]).",
         epilog="Exit status: 0 success; 1 the command's check failed (see kvbench COMMAND --help); 2 a usage or "
                "file error.")
     parser.add_argument("--version", action="version", version=f"kvbench {__version__}")

@@ -68,7 +68,7 @@ __all__ = [
 # ---------------------------------------------------------------------------- settings
 PROFILES: dict[str, dict[str, Any]] = {
     # CI: 200 runs of up to 30 steps, seconds on one core (hypothesis's own overhead dominates;
-    # docs/results.md#the-refcount-state-machines-ci-profile).
+    # docs/journal/measurements.md#the-refcount-state-machines-ci-profile).
     "kvbench-ci": {"max_examples": 200, "stateful_step_count": 30, "deadline": None},
     # Before a release or after touching the block manager: minutes, longer runs.
     "kvbench-deep": {"max_examples": 5000, "stateful_step_count": 100, "deadline": None},

@@ -359,7 +359,7 @@ def run_serve(client: CompletionClient, requests: Sequence[Any], recorder: Trace
     """:func:`serve_workload` on a fresh event loop (callers are synchronous), and the blind spots noted.
 
     The loop is uvloop's where installed (:func:`event_loop_name`): its connections and reads are cheaper,
-    which lowers the driver's CPU per streamed token (docs/results.md#serving-over-http)."""
+    which lowers the driver's CPU per streamed token (docs/journal/measurements.md#serving-over-http)."""
     for what, why in CLIENT_SIDE_BLIND_SPOTS.items():
         recorder.not_exposed(what, why)
     if event_loop_name() == "uvloop":

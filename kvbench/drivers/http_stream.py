@@ -5,7 +5,7 @@ decoders, ``aiter_lines``) an event cost as much client CPU as the reference ser
 token, so the driver would have been the bottleneck it must never be. This protocol reads the response
 as it arrives (``data_received``), un-chunks HTTP/1.1 chunked encoding, splits SSE lines and hands each
 ``data:`` payload on with the time its bytes arrived, at a small fraction of that cost (the figures:
-docs/results.md#the-http-drivers-stream-parser).
+docs/journal/measurements.md#the-http-drivers-stream-parser).
 
 Scope, on purpose: plain HTTP/1.1 to a loopback or LAN server (no TLS, no proxies, no redirects),
 one connection per request (``Connection: close``), as the driver opens one per in-flight request.
@@ -83,7 +83,7 @@ class _SSEProtocol(asyncio.Protocol):
                         if payload == "[DONE]":
                             self._finish()
                             return
-                        # cheaper than json.loads on bytes (docs/results.md#the-http-drivers-stream-parser)
+                        # cheaper than json.loads on bytes (docs/journal/measurements.md#the-http-drivers-stream-parser)
                         data, end = _DECODER.raw_decode(payload)
                         if end != len(payload):
                             raise ValueError(f"data after the event's JSON: {payload[end:end + 40]!r}")

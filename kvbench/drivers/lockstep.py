@@ -3,7 +3,7 @@
 Why: a same-run ratio (engine / reference engine, what the gate compares) cancels the machine's
 load only if both engines see the same load. On a shared 2-core machine the load moves within
 seconds, so even serving one engine's job right after the other's left per-repeat throughput ratios
-widely spread (docs/results.md#lockstep). In lockstep the engines take turns step
+widely spread (docs/journal/measurements.md#lockstep). In lockstep the engines take turns step
 by step (milliseconds apart), so a busy second hits both alike.
 
 How (:func:`serve_lockstep`): each engine's ``adapter.serve`` runs on its own thread, but only the

@@ -7,7 +7,7 @@ work. Left to the OS, kvbench's client landed on the engine's core now and then,
 never sleeps held it off the CPU: on 2 cores, with the client on vLLM's worker core, streams the server
 had written one event per token were read in one piece, long after they were sent, and vLLM's
 throughput moved severalfold from round to round with the client's placement (the figures:
-docs/results.md#predicting-real-engines).
+docs/journal/measurements.md#predicting-real-engines).
 
 :func:`client_cores` reads the server's process group from ``/proc``: every thread of every process in
 it but the leader (the front end kvbench started) whose affinity is narrower than the machine's is
@@ -24,7 +24,7 @@ on ``sched_yield`` while its worker computes (``SpinCondition``, ``busy_loop_s``
 a stream's tokens reach the client in one chunk and throughput falls severalfold. With the scheduler
 beside its worker, the two take turns (one computes while the other waits), the front end keeps its
 core, and vLLM's throughput from round to round steadies (the figures:
-docs/results.md#predicting-real-engines; the reproduction: scripts/findings/vllm_front_end_cores.py).
+docs/journal/measurements.md#predicting-real-engines; the reproduction: scripts/findings/vllm_front_end_cores.py).
 Linux only (``sched_setaffinity``); elsewhere it does nothing.
 """
 

@@ -39,7 +39,7 @@ up and down.
 
 Scaling the logits does not by itself beat float32 noise, which grows with them: what counts is the
 margin against the measured noise. ``measure_margins`` reports both (float32 incremental decode vs. a
-float64 forward); the built-in checkpoints' figures are in docs/results.md#checkpoints. Any continuous
+float64 forward); the built-in checkpoints' figures are in docs/journal/measurements.md#checkpoints. Any continuous
 random model has some near-ties; expect roughly one position in 10^4..10^5 within noise of a tie.
 
 Command line::

@@ -109,9 +109,11 @@ class Distribution:
             return
         if self.worker_parts:
             from kvbench.bench.merge import merge_results
+            from kvbench.bench.results import command_line
 
             parts = ([("controller", ks.results)] if ks.results is not None else []) + self.worker_parts
             ks.results = merge_results(parts)
+            ks.results.data["command"] = command_line()  # the controller's: a worker's argv is not what was typed
         if self.shard is not None and (ks.results is not None or ks.conformance):
             ks.get_results().data["shard"] = self.shard.to_dict()
 

@@ -393,7 +393,7 @@ def decimate(seg: list[tuple[float, float]], sx: Callable[[float], float], bucke
     """At most two points per bucket of a few pixels (its lowest and highest, in x order) plus the ends,
     when a segment has more than that: the drawing looks the same at the chart's size, spikes included,
     and a report of a hundred long charts stays a page a browser opens at once (its size with and
-    without: docs/results.md#report-size-and-chart-decimation)."""
+    without: docs/journal/measurements.md#report-size-and-chart-decimation)."""
     if len(seg) <= 2 * buckets:
         return seg
     x0, x1 = sx(seg[0][0]), sx(seg[-1][0])

@@ -234,7 +234,8 @@ def baseline_section(results: Results, baseline: Results) -> dict[str, Any]:
     with the regressions of the gate's default thresholds listed first and shaded."""
     # a figure and its baseline measured on two clocks (a run from before the one-clock rule) are not compared:
     # the cell and any "regression" between them are set aside and said so
-    flagged_all = gate.compare(results, baseline, gate.DEFAULT_THRESHOLDS)
+    gated = gate.gate(results, baseline, gate.DEFAULT_THRESHOLDS)  # the gate sets aside what crossed clocks
+    flagged_all = gated.regressions
     across = [d for d in flagged_all if _across_clocks(d, results, baseline)]
     regressions = [d for d in flagged_all if not _across_clocks(d, results, baseline)]
     flagged = {(d.scenario, d.engine, d.mode, d.metric) for d in regressions}
@@ -243,7 +244,10 @@ def baseline_section(results: Results, baseline: Results) -> dict[str, Any]:
     # the cells show both runs' own values (absolute): a same-run ratio to the reference engine, which the
     # gate compares times by, would read as a value in the metric's unit ("1.0 tok/s") and leave the
     # reference engine's own times empty
-    for d in gate.deltas(results, baseline, [f"{k}:+0%" for k in BASELINE_METRICS], absolute=True):
+    absolute_cells = gate.gate(results, baseline, [f"{k}:+0%" for k in BASELINE_METRICS], absolute=True)
+    not_compared |= {_label(f"{s.scenario} / {s.engine}", s.mode)
+                     for s in [*gated.set_aside, *absolute_cells.set_aside]}
+    for d in absolute_cells.deltas:
         key = (d.scenario, d.engine, d.mode)
         if _across_clocks(d, results, baseline):
             not_compared.add(_label(f"{d.scenario} / {d.engine}", d.mode))

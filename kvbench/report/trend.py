@@ -8,6 +8,13 @@ names), p99 TBT and preemptions. Every chart shares one x axis, the runs in the 
 a change lines up down the page; each engine keeps one colour and dash pattern everywhere (a legend at
 the top); each point is a link to its run's report, and its tooltip says the run, the value, the clock
 and the machine. The charts are inline SVG; every text and attribute is escaped (:func:`charts.tag`).
+
+One clock per line: a scenario whose results over the runs were measured on more than one clock (runs from
+before the one-clock rule, :mod:`kvbench.bench.clock_rule`, or sessions with different sets of engines) gets
+one row of small multiples per clock, each with its own y axis, and the row's title names the clock. No line
+joins a step-clock point to a wall-clock one and no axis holds both: figures from two clocks are not like for
+like (two step clocks of different seconds a step count as two clocks, as in the gate,
+:func:`kvbench.bench.gate.clock_of`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
+from kvbench.bench import gate
 from kvbench.bench.formatting import fmt_metric, metric_label
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num, result_of
@@ -83,23 +91,41 @@ def scenario_metrics(name: str) -> tuple[str | None, list[tuple[str, str]]]:
     return score.mode, metrics
 
 
-def panels(runs: Sequence[Run]) -> dict[str, list[Panel]]:
-    """{scenario: [Panel per metric]} over ``runs`` of one scale (oldest first; a point's x is its run's
-    index); a panel with no point is left out."""
-    out: dict[str, list[Panel]] = {}
+RowKey = tuple[str, gate.Clock]
+
+
+def panels(runs: Sequence[Run]) -> dict[RowKey, list[Panel]]:
+    """{(scenario, clock): [Panel per metric]} over ``runs`` of one scale (oldest first; a point's x is its
+    run's index): each result goes to the row of the clock it was measured on (:func:`kvbench.bench.gate.clock_of`),
+    so no series mixes clocks; a panel with no point is left out."""
+    out: dict[RowKey, list[Panel]] = {}
     for i, run in enumerate(runs):
         for sc in run.results.scenarios:
             mode, metrics = scenario_metrics(sc["name"])
             if not any(r.get("mode") == mode for r in sc["results"]):
                 continue  # e.g. a scenario with only sweeps, or a score mode this run did not serve
-            row = out.setdefault(sc["name"], [Panel(m, label, mode) for m, label in metrics])
-            for panel in row:
-                for engine in dict.fromkeys(r["engine"] for r in sc["results"]):
-                    res = result_of(sc, engine, mode)
-                    v = num(res["metrics"].get(panel.metric)) if res else None
+            for engine in dict.fromkeys(r["engine"] for r in sc["results"]):
+                res = result_of(sc, engine, mode)
+                if res is None:
+                    continue
+                row = out.setdefault((sc["name"], gate.clock_of(res)), [Panel(m, label, mode) for m, label in metrics])
+                for panel in row:
+                    v = num(res["metrics"].get(panel.metric))
                     if v is not None:
                         panel.series.setdefault(engine, []).append((i, v, run, res))
-    return {name: kept for name, row in out.items() if (kept := [p for p in row if p.series])}
+    return {key: kept for key, row in out.items() if (kept := [p for p in row if p.series])}
+
+
+def clock_label(clock: gate.Clock) -> str:
+    """"step clock, 0.01 s a step" / "wall clock": a row's clock as its title names it."""
+    name, seconds = clock
+    return f"{name} clock" + (f", {seconds:g} s a step" if name == "step" and seconds is not None else "")
+
+
+def row_title(scenario: str, clock: gate.Clock, clocks_of_scenario: int) -> str:
+    """The scenario's title, with its clock when the scenario has rows on more than one clock."""
+    title = words.scenario_title(scenario)
+    return title if clocks_of_scenario < 2 else f"{title} ({clock_label(clock)})"
 
 
 def engine_styles(runs: Sequence[Run]) -> dict[str, tuple[str, str | None]]:
@@ -159,11 +185,20 @@ def trend_view(runs: Sequence[Run]) -> dict[str, Any]:
     scales = []
     for scale in dict.fromkeys(scale_of(r.results) for r in runs):
         in_scale = [r for r in runs if scale_of(r.results) == scale]
-        rows = [{"scenario": words.scenario_title(name),
+        found = panels(in_scale)
+        # a scenario's rows side by side, in the order the scenarios first appear
+        by_row = {key: found[key] for name in dict.fromkeys(n for n, _ in found) for key in found if key[0] == name}
+        clocks_per_scenario = {name: sum(n == name for n, _ in by_row) for name, _ in by_row}
+        rows = [{"scenario": row_title(name, clock, clocks_per_scenario[name]), "clock": clock_label(clock),
                  "charts": [{"title": p.title, "svg": small_multiple(p, len(in_scale), styles, in_scale)} for p in row]}
-                for name, row in panels(in_scale).items()]
+                for (name, clock), row in by_row.items()]
+        clocks = list(dict.fromkeys(clock_label(clock) for _, clock in by_row))
+        note = ("" if len(clocks) < 2 else
+                f"These runs were measured on {len(clocks)} clocks ({'; '.join(clocks)}): a scenario measured on more "
+                "than one has a row per clock, each with its own axis, and no line joins two clocks (figures from "
+                "two clocks are not like for like).")
         if rows:
-            scales.append({"scale": scale, "runs": len(in_scale), "rows": rows,
+            scales.append({"scale": scale, "runs": len(in_scale), "rows": rows, "clocks": clocks, "clock_note": note,
                            "first": in_scale[0].created[:10], "last": in_scale[-1].created[:10]})
     legend = [{"engine": e, "color": c, "dash": d or ""} for e, (c, d) in styles.items()]
     return {"scales": scales, "legend": legend, "runs": len(runs)}

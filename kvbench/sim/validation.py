@@ -21,7 +21,7 @@ tokens) is equal. With ``keep_results`` it also holds kvbench's own results of t
 validate-sim --out DIR`` writes them with their report): per scenario the reference engine's rounds and
 the leave-one-out simulation, the latter under the one engine name :data:`SIM_ENGINE` (marked simulated,
 clock=step), so the report's "Simulator vs measured" section shows the comparison.
-Figures: docs/results.md#the-simulator.
+Figures: docs/journal/measurements.md#the-simulator.
 """
 
 from __future__ import annotations

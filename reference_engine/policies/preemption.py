@@ -29,7 +29,7 @@ one :class:`VictimFacts` in, one :class:`Decision` out, a value that says what w
 (:attr:`Decision.mode`), whether it is a swap fallback (:attr:`Decision.fell_back`) and why
 (:attr:`Decision.why`, a :class:`Why`). Each ``preempted`` event of auto carries ``why`` (the
 :class:`Why` member's name), ``reason`` (its words), ``estimated_swap_s`` and ``estimated_recompute_s``.
-What auto measured against the fixed modes: docs/results.md#preemption-policies.
+What auto measured against the fixed modes: docs/journal/measurements.md#preemption-policies.
 
 Constructible from plain numbers: the decision needs no model and no tensors.
 """

@@ -16,7 +16,7 @@ Two sources behind one protocol (:class:`PreemptionCosts`, two methods):
   wait, the readmission step is full of their prompts and compute-bound, and a recomputed token displaces
   one of theirs. Priced beside the decodes only, auto recomputed many short victims that a swap would
   have served for less, and lost throughput to fixed swap in the simulator
-  (docs/results.md#preemption-policies has what auto measured against the fixed modes).
+  (docs/journal/measurements.md#preemption-policies has what auto measured against the fixed modes).
 
 Until the engine hands it measured or profiled prices, the scheduler prices with :data:`DEFAULT_COSTS`.
 """

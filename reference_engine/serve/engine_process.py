@@ -17,7 +17,7 @@ It is a drop-in for :class:`~reference_engine.serve.engine_loop.EngineLoop` (sam
 ``abort``, ``stats``, ``stop`` and the same contracts), chosen by ``python -m reference_engine.serve``
 unless ``--no-engine-process``. Why: with the engine on a thread of the server, every streamed token
 costs the event loop CPU under the same GIL the steps need, and the server fell well short of the
-in-process engine's throughput on two cores (docs/results.md#the-reference-servers-overhead); vLLM's V1
+in-process engine's throughput on two cores (docs/journal/measurements.md#the-reference-servers-overhead); vLLM's V1
 engine core runs in its own process for the same reason.
 
 Contracts beyond ``EngineLoop``'s:
@@ -136,7 +136,7 @@ def default_engine_threads(env: dict[str, str] | None = None, cores: int | None 
     Why one core is left: the HTTP process streams every token and shares the machine with the engine.
     At torch's default (a thread per core) the engine's OpenMP threads spin on the core the HTTP process
     needs: on 2 cores the tiny model served several times fewer tokens per second than with one engine
-    thread (docs/results.md#reference-engine-vs-vllm-cpu). vLLM's CPU build does the same: its
+    thread (docs/journal/measurements.md#reference-engine-vs-vllm-cpu). vLLM's CPU build does the same: its
     ``VLLM_CPU_OMP_THREADS_BIND=auto`` binds the worker's threads to all cores but one it reserves."""
     env = os.environ if env is None else env
     raw = env.get("OMP_NUM_THREADS", "").strip()
@@ -154,7 +154,7 @@ def split_cpus(threads: int, cpus: Sequence[int] | None = None) -> tuple[list[in
     The engine takes the first ``threads`` cores, the HTTP process the rest, as vLLM's CPU build binds its
     worker's threads to all cores but the ones it reserves for its front end (``VLLM_CPU_OMP_THREADS_BIND``
     auto). Unbound, the OS moved the HTTP process and a client on the same machine onto the engine's core
-    and the engine's step waited for them (docs/results.md, the reference server's overhead)."""
+    and the engine's step waited for them (docs/journal/measurements.md#the-reference-servers-overhead)."""
     if cpus is None:
         if not hasattr(os, "sched_getaffinity"):
             return None

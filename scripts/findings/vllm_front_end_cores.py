@@ -23,7 +23,7 @@ process was sampled running on.
     bash scripts/peers.sh vllm && PYTHONPATH=$PWD python scripts/findings/vllm_front_end_cores.py
 
 Seen here (docs/journal/simulator.md, "2026-12-03, late"): the figures of the last run are in
-docs/results.md#predicting-real-engines. Not filed upstream.
+docs/journal/measurements.md#predicting-real-engines. Not filed upstream.
 """
 
 from __future__ import annotations

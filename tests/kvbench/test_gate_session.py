@@ -17,12 +17,13 @@ def test_records(kvbench_results):
 """
 
 
-def baseline(path, results: dict[tuple[str, str], float]) -> str:
+def baseline(path, results: dict[tuple[str, str], float], clock: str = "step") -> str:
     scenarios: dict[str, list] = {}
     for (scenario, engine), preemptions in results.items():
         scenarios.setdefault(scenario, []).append(
             {"engine": engine, "metrics": {"preemptions": preemptions}, "repeats": [{"preemptions": preemptions}] * 3,
-             "clock": {"clock": "step", "step_seconds": 0.01, "exact_counts": True}})
+             "clock": {"clock": clock, "step_seconds": 0.01 if clock == "step" else None,
+                       "exact_counts": clock == "step"}})
     data = {"schema_version": 1, "engines": [{"name": "reference", "kind": "reference"}],
             "scenarios": [{"name": n, "results": r} for n, r in scenarios.items()]}
     path.write_text(json.dumps(data))
@@ -49,3 +50,14 @@ def test_a_regression_and_a_missing_result_fail_the_session_named_and_counted(py
                                  "*MISSING missing from the current run: flash_crowd / reference (in the baseline)*"])
     result.stdout.fnmatch_lines(["FAILED kvbench::regression-gate*"])
     assert "1 failed, 1 passed" in result.stdout.lines[-1]  # the gate counts; the last line is not "1 passed"
+
+
+def test_a_baseline_on_another_clock_fails_the_session_as_nothing_compared(pytester: pytest.Pytester):
+    """A wall-clock baseline (a session with a server or hf-cb) against a step-clock run: nothing may be compared,
+    and a gate that compared nothing must not end green."""
+    result = run(pytester, 17, baseline(pytester.path / "b.json", {("storm", "reference"): 17}, clock="wall"))
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*NOTHING COMPARED no figure of the baseline could be compared*",
+                                 "*not compared, neither a pass nor a fail (the baseline measured it on the wall "
+                                 "clock, this run on the step clock (0.01 s a step)): storm / reference*"])
+    assert "1 failed, 1 passed" in result.stdout.lines[-1]

@@ -87,8 +87,9 @@ def test_paired_ratios_need_the_same_number_of_repeats():
     # without pairs, the ratio of medians with its propagated spread (older results files)
     base = two_engines([100, 80, 60], [50, 40, 30])
     lone = Results(data={"schema_version": 1, "engines": [], "scenarios": []})
-    for name, value in ((REF, 80.0), (ENGINE, 40.0)):
-        lone.add_scenario_result("storm", {"name": name, "kind": "reference"}, {"output_throughput": value})
+    for name, value in ((REF, 80.0), (ENGINE, 40.0)):  # on the baseline's clock: another clock is set aside
+        lone.add_scenario_result("storm", {"name": name, "kind": "reference"}, {"output_throughput": value},
+                                 clock={"clock": "step", "step_seconds": 0.01})
     [d] = gate.gate(lone, base, ["throughput:-10%"]).deltas
     assert d.current == pytest.approx(0.5) and not d.regressed
 

@@ -3,7 +3,7 @@ in-process engines on the same work, and the reference engine in process against
 server's thread settings read back.
 
 vLLM's side needs the peer environment (``bash scripts/peers.sh vllm``) and minutes of start-up; the
-figures it gives are in docs/results.md, not asserted anywhere.
+figures it gives are in docs/journal/measurements.md, not asserted anywhere.
 """
 
 from __future__ import annotations

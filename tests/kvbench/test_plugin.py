@@ -145,9 +145,10 @@ def test_benchmark_run_writes_results_report_and_index_then_gates_on_a_baseline(
     assert (pytester.path / "out" / "index.html").is_file()
     first.stdout.fnmatch_lines(["*kvbench*", "*report:*report.html*"])
 
-    # same run against itself: no regression
+    # same run against itself: no regression (absolute times: with one engine and no counts, the default
+    # same-run ratios would compare nothing, and a gate that compares nothing fails rather than pass silently)
     same = pytester.runpytest_subprocess("--benchmark", "--report-dir", "out2", "--baseline", str(results),
-                                         "-p", "no:benchmark")
+                                         "--gate-absolute", "-p", "no:benchmark")
     assert same.ret == 0
     same.stdout.fnmatch_lines(["*no regression*against*"])
 

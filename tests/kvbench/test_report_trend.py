@@ -155,3 +155,56 @@ def test_compare_html_to_an_unwritable_place_is_a_usage_error(files, tmp_path):
     blocker.write_text("")
     code, _ = run("compare", str(a), str(a), "--html", str(blocker / "x.html"))
     assert code == 2
+
+
+# --------------------------------------------------------------------------------------------
+# one clock per line
+
+
+def on_clock(results: Results, clock: str, engines: tuple[str, ...] | None = None) -> Results:
+    """``results`` with every result (or those of ``engines``) recorded on ``clock``."""
+    for _, r in results.iter_results():
+        if engines is None or r["engine"] in engines:
+            r["clock"] = {"clock": clock, "step_seconds": 0.01 if clock == "step" else None}
+    return results
+
+
+def test_runs_on_two_clocks_get_a_row_per_clock_and_no_line_joins_them(tmp_path, base):
+    names = save_runs(tmp_path, base, speeds=(1.0, 1.0, 1.0))
+    for name, clock in zip(names, ("step", "step", "wall"), strict=True):  # the third run: another session's clock
+        path = tmp_path / name / "results.json"
+        on_clock(Results.load(path), clock).save(path)
+    runs = [trend.Run(n, Results.load(tmp_path / n / "results.json").data["created"], "", True,
+                      Results.load(tmp_path / n / "results.json")) for n in names]
+    [scale] = trend.trend_view(runs)["scales"]
+    storm = [r for r in scale["rows"] if r["scenario"].startswith("Preemption storm")]
+    assert [r["scenario"] for r in storm] == ["Preemption storm (step clock, 0.01 s a step)",
+                                              "Preemption storm (wall clock)"]
+    step_svg, wall_svg = (str(r["charts"][0]["svg"]) for r in storm)
+    # the step row joins the two step runs; the wall row holds the third run alone: a point, no line to the others
+    assert step_svg.count("<polyline") == 2 and step_svg.count("<circle") == 4  # two engines x two runs
+    assert wall_svg.count("<polyline") == 0 and wall_svg.count("<circle") == 2
+    assert "run-03" not in step_svg and "run-01" not in wall_svg
+    assert "2 clocks (step clock, 0.01 s a step; wall clock)" in scale["clock_note"]
+    index = write_index(tmp_path).read_text()
+    assert "no line joins two clocks" in index and "Preemption storm (wall clock)" in index
+
+
+def test_a_run_mixing_clocks_puts_each_engine_in_its_own_clock_row(tmp_path, base):
+    """A file from before the one-clock rule: the reference on the step clock, the other engine on the wall."""
+    run_ = on_clock(on_clock(scaled(base, 1.0), "wall"), "step", engines=("reference",))
+    run_.data["created"] = "2026-01-01T00:00:00+00:00"
+    rows = trend.panels([trend.Run("r", run_.data["created"], "", True, run_)])
+    step = {e for (name, clock), row in rows.items() if name == "preemption_storm" and clock[0] == "step"
+            for p in row for e in p.series}
+    wall = {e for (name, clock), row in rows.items() if name == "preemption_storm" and clock[0] == "wall"
+            for p in row for e in p.series}
+    assert step == {"reference"} and wall == {"other"}
+
+
+def test_runs_on_one_clock_keep_one_row_per_scenario_and_no_clock_note(tmp_path, base):
+    names = save_runs(tmp_path, base, speeds=(1.0, 1.2))
+    runs = [trend.Run(n, f"2026-01-0{i + 1}", "", True, Results.load(tmp_path / n / "results.json"))
+            for i, n in enumerate(names)]
+    [scale] = trend.trend_view(runs)["scales"]
+    assert scale["clock_note"] == "" and [r["scenario"] for r in scale["rows"]].count("Preemption storm") == 1

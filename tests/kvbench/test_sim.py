@@ -389,7 +389,7 @@ def test_served_interval_fit_recovers_per_step_and_per_request_costs(tiny):
 
 def test_simulate_cli_mixed_victims_prints_auto_claims(capsys):
     """``kvbench simulate --workload mixed_victims`` with the three modes swept judges the scenario's
-    claims on auto (figures not asserted here: docs/results.md has them at scale)."""
+    claims on auto (figures not asserted here: docs/journal/measurements.md has them at scale)."""
     import io
 
     from kvbench.bench.scenarios import auto_vs_fixed_claims

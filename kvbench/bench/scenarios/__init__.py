@@ -36,7 +36,7 @@ tiny model holds 1,024), but not production sizes. On CPU a ``small`` step costs
 a part per prefilled token, and its decode attention reads every key up to the batch's longest
 sequence, so the first full sizes (3,000-token prompts, batches of up to 48) were priced at hours per
 repeat on the reference engine alone (the step costs and that price:
-docs/results.md#step-costs-behind-the-scenario-sizes). How the sizes were chosen: the reference
+docs/journal/measurements.md#step-costs-behind-the-scenario-sizes). How the sizes were chosen: the reference
 engine's full schedule (every step's batch shape, from the simulator on the step clock, whose counts
 are the engine's) priced by that step cost, then one run of each scenario
 (``test_every_claim_holds_on_the_reference_engines_schedule`` in tests/kvbench/test_scenarios.py keeps

@@ -35,7 +35,7 @@ from kvbench.engines.base import EngineAdapter, Knobs
 
 SCALES = ("quick", "full")
 #: virtual seconds per engine step on the step clock, by scale: about one decode step of the scale's
-#: model on a 2-core CPU (docs/results.md#step-costs-behind-the-scenario-sizes), so open-loop rates mean
+#: model on a 2-core CPU (docs/journal/measurements.md#step-costs-behind-the-scenario-sizes), so open-loop rates mean
 #: what they say
 STEP_SECONDS = {"quick": 0.01, "full": 0.1}
 BLOCK_SIZE = 16

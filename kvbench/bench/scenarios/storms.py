@@ -71,7 +71,7 @@ class PreemptionStorm(Scenario):
         # attention grows with batch x longest sequence, so with 384-token prompts throughput stayed flat
         # over the sweep and the pool admitted the same batch from concurrency 8 up (one schedule at
         # four points); at these lengths throughput rises to a knee, then preemptions take it back
-        # (docs/results.md#the-full-preemption-storm)
+        # (docs/journal/measurements.md#the-full-preemption-storm)
         "full": StormSize(WorkloadSpec("storm", 32, Uniform(64, 192), Fixed(128), ClosedLoop(1), seed=3),
                           concurrencies=(4, 8, 12, 16, 24), num_gpu_blocks=160),
     }

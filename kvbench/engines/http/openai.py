@@ -144,7 +144,7 @@ class OpenAIAdapter(EngineAdapter):
         "metrics_interval": f"seconds between /metrics samples (queues, KV usage over time) during a timed run "
                             f"(default {DEFAULT_METRICS_INTERVAL:g}; 0: none, the counters are still read before "
                             "and after). Each scrape is server work the streams may wait for "
-                            "(docs/results.md#predicting-real-engines)",
+                            "(docs/journal/measurements.md#predicting-real-engines)",
         "dialect": "vllm (default: token-id prompts, vLLM's extra fields) or transformers (transformers serve: "
                    "text prompts, extras through its generation_config field)",
         "cache_salt": "auto (default: asked of the server once), on or off: whether each run's requests carry a "

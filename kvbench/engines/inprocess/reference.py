@@ -178,7 +178,7 @@ class ReferenceAdapter(EngineAdapter):
         is the same), so ``scripts/gate_selfcheck.sh`` can check that the gate catches a time
         regression and names it. It is not an engine setting and never applies to ``generate``. A
         sleep lasts at least this long: on a loaded machine a short one costs more, since the thread
-        then waits for a core again (docs/results.md#a-short-step-delay)."""
+        then waits for a core again (docs/journal/measurements.md#a-short-step-delay)."""
         return self._step_delay_of(self.options)
 
     def engine_config(self, knobs: Knobs = DEFAULT_KNOBS):
