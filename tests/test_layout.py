@@ -25,7 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"core"},
     "drivers": {"core"},
     "launch": {"core"},
-    "engines": {"core", "drivers", "launch"},
+    # models: an adapter may convert the checkpoint into the format its engine loads (llama.cpp's GGUF)
+    "engines": {"core", "drivers", "launch", "models"},
     "testing": {"core", "drivers", "launch", "models"},
     "bench": {"core", "drivers", "engines", "models"},
     "sim": {"core", "drivers", "engines", "bench", "models"},

@@ -196,7 +196,10 @@ def with_dtype(contender: Contender, dtype: str | None) -> dict[str, str]:
     if "dtype" in options or "--dtype" in options.get("args", "").split():
         raise ValueError(f"--dtype {dtype}: engine {contender.name!r} names its own dtype in its spec; "
                          "give the dtype one way")
-    if "dtype" in keys:
+    # the server kind's own dtype option is llama.cpp's (which GGUF to convert to); every other preset
+    # takes the --dtype flag its server documents
+    launched_with_flag = "args" in keys and options.get("preset", "reference") != "llamacpp"
+    if "dtype" in keys and not launched_with_flag:
         options["dtype"] = dtype
     elif "args" in keys:
         options["args"] = f"{options.get('args', '')} --dtype {dtype}".strip()

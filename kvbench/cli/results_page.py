@@ -1,6 +1,6 @@
 """``kvbench results-page``: docs/results.md generated from results files.
 
-The command's face only; the page is :mod:`kvbench.report.results_page`'s. Nothing is re-run.
+The command's face only; the page is :mod:`kvbench.report.results_tables`'s. Nothing is re-run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from kvbench.cli import EXIT_OK, CLIError, load_results
 
 
 def _cmd_results_page(args: argparse.Namespace, out: TextIO) -> int:
-    from kvbench.report.results_page import Source, results_page
+    from kvbench.report.results_tables import Source, results_page
 
     sources = [Source(path, load_results(path, "results file")) for path in args.results]
     try:

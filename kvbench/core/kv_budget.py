@@ -7,6 +7,11 @@ hold ``max_model_len``, the head sizes its attention kernels take), and :func:`p
 into the other. So a check means the same pressure on every engine: on the reference engine (any block
 size; 16 preferred) the pressured conformance pool is 24 blocks of 16, on vLLM's CPU build (multiples of
 32) 12 blocks of 32: the same 384 tokens.
+
+A slot-based cache (llama.cpp's server) has no blocks: its KV cells hold one token each, so its block size
+is 1 and its pool is a number of tokens (``-c``), which the engine rounds up (llama.cpp: to a multiple of
+256). Its slots either draw on one pool (unified KV) or each own an equal share of it (``slots="per_slot"``):
+then each share must hold the largest request, and the pool is sized so that it does.
 """
 
 from __future__ import annotations
@@ -27,20 +32,52 @@ class KVLayout:
     ``pool_holds_max_model_len``: the engine refuses to start with a pool smaller than ``max_model_len``
     (vLLM), so a pool is given together with the ``max_model_len`` its workload needs.
     ``head_sizes``: head sizes its attention takes (None: any).
+    ``only_block_size``: the one block size the engine has, whatever a check asks (a slot-based cache of
+    one-token cells: 1); None: sizes as ``block_multiple`` says.
+    ``pool_multiple``: the engine rounds its pool up to a multiple of this many tokens (llama.cpp pads its
+    context to 256), so a pool is asked for in those steps and is what the engine really runs.
+    ``slots``: None for a paged pool shared block by block; ``"unified"``: slots draw on one pool of tokens;
+    ``"per_slot"``: the pool is split evenly among ``default_slots`` slots, each padded to ``pool_multiple``.
     """
 
     block_multiple: int = 1
     preferred_block_size: int = 16
     pool_holds_max_model_len: bool = False
     head_sizes: frozenset[int] | None = None
+    only_block_size: int | None = None
+    pool_multiple: int = 1
+    slots: str | None = None
+    default_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.slots not in (None, "unified", "per_slot"):
+            raise ValueError(f"KVLayout.slots must be None, 'unified' or 'per_slot', got {self.slots!r}")
+        if self.slots == "per_slot" and not self.default_slots:
+            raise ValueError("KVLayout.slots='per_slot' needs default_slots: the pool is split among them")
+        if self.pool_multiple < 1:
+            raise ValueError(f"KVLayout.pool_multiple must be >= 1, got {self.pool_multiple}")
 
     def block_size(self, wanted: int | None = None) -> int:
         """``wanted`` (or the preferred size) rounded up to a size this engine takes."""
+        if self.only_block_size is not None:
+            return self.only_block_size
         size = wanted or self.preferred_block_size
         return max(self.block_multiple, math.ceil(size / self.block_multiple) * self.block_multiple)
 
     def takes_block_size(self, size: int) -> bool:
+        if self.only_block_size is not None:
+            return size == self.only_block_size
         return size > 0 and size % self.block_multiple == 0
+
+    def pool_tokens(self, tokens: int, largest: int) -> int:
+        """The pool, in tokens, that gives at least ``tokens`` and that this engine runs as asked: rounded up to
+        ``pool_multiple``; for per-slot pools, each slot's share at least ``largest``, in whole multiples."""
+        step = self.pool_multiple
+        if self.slots == "per_slot":
+            assert self.default_slots
+            share = max(math.ceil(tokens / self.default_slots), largest)
+            return self.default_slots * math.ceil(share / step) * step
+        return math.ceil(max(tokens, largest) / step) * step
 
     def takes_head_size(self, size: int) -> bool:
         return self.head_sizes is None or size in self.head_sizes
@@ -95,7 +132,11 @@ def pool_knobs(budget: KVBudget, layout: KVLayout = ANY_LAYOUT, block_size: int 
     size = layout.block_size(block_size)
     largest_blocks = math.ceil(budget.largest / size)
     blocks = max(math.ceil(budget.tokens / size), largest_blocks)
+    if layout.slots is not None or layout.pool_multiple > 1:
+        blocks = math.ceil(layout.pool_tokens(blocks * size, budget.largest) / size)
     knobs = Knobs(block_size=size, num_gpu_blocks=blocks)
+    if layout.slots == "per_slot":  # the share each slot gets depends on how many there are: say it
+        knobs = knobs.merged(Knobs(max_num_seqs=layout.default_slots))
     if layout.pool_holds_max_model_len:
         knobs = knobs.merged(Knobs(max_model_len=largest_blocks * size))
     return knobs

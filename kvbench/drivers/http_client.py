@@ -16,6 +16,17 @@ checkpoint tokenizer's text of the ids (special tokens written out, so they roun
 (no EOS), ``stop_token_ids`` as the ``eos_token_id`` list (plus the model's EOS unless ``ignore_eos``),
 ``top_k`` as ``top_k``. ``priority`` has no equivalent and is not sent.
 
+``llamacpp`` (llama.cpp's ``llama-server``, checked against its sources, tools/server/ at 0c1e570): its
+``/v1/completions`` takes token-id prompts, ``ignore_eos``, ``seed`` and ``top_k``, ignores fields it does not
+know, and returns text only; but a request with ``return_tokens`` and ``verbose`` carries llama.cpp's own
+result beside OpenAI's (``__verbose``), whose ``tokens`` are the exact generated ids, one per streamed chunk
+(every sampled token is its own chunk, even one whose text is held back) and all of them in a non-streamed
+answer; its ``truncated`` says a request was cut short by a full context. The ids are read from there
+(:attr:`Completion.token_ids`, never from text). Its sampler defaults are not OpenAI's (``top_k`` 40, ``top_p``
+0.95, ``min_p`` 0.05), so every request states the neutral values kvbench means (``top_k`` 0, ``top_p`` 1,
+``min_p`` 0); ``priority``, ``stop_token_ids`` and ``cache_salt`` have no equivalent and are not sent (the
+preset declares them lacking, so no check relies on them being honoured).
+
 What a user reads is kept beside the ids: :attr:`Completion.text` is the choice's ``text`` (a stream's
 deltas joined in arrival order), as the server wrote it, so a check can hold it to the checkpoint
 tokenizer's decoding of the ids (``suites/conformance/test_user_view.py``).
@@ -71,6 +82,9 @@ class Completion:
     text: str | None = None
     #: True when a response that had begun (HTTP 200) ended in an error event (``error`` holds its message)
     error_event: bool = False
+    #: the server says it cut the request short because its context was full (llama.cpp's ``truncated``), where
+    #: it says so; None otherwise
+    truncated: bool | None = None
 
 
 class TextTokens:
@@ -99,7 +113,7 @@ class TextTokens:
         return self._tokenizer().decode(list(ids), skip_special_tokens=False)
 
 
-DIALECTS = ("vllm", "transformers")
+DIALECTS = ("vllm", "transformers", "llamacpp")
 
 
 def in_dialect(body: dict[str, Any], dialect: str, text_tokens: TextTokens | None = None,
@@ -108,6 +122,13 @@ def in_dialect(body: dict[str, Any], dialect: str, text_tokens: TextTokens | Non
     (see the module docstring). ValueError naming what is missing (a tokenizer for text prompts)."""
     if dialect == "vllm":
         return body
+    if dialect == "llamacpp":
+        out = {k: v for k, v in body.items()
+               if k not in ("return_token_ids", "priority", "stop_token_ids", "cache_salt")}
+        # neutral sampling stated outright: llama-server's own defaults would truncate the distribution
+        out.update(return_tokens=True, verbose=True, top_k=int(body.get("top_k") or 0),
+                   top_p=float(body.get("top_p", 1.0)), min_p=0.0)
+        return out
     if dialect != "transformers":
         raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, got {dialect!r}")
     if text_tokens is None:
@@ -207,8 +228,19 @@ def _count(raw: Any) -> int | None:
 
 
 def _choice(data: dict[str, Any]) -> dict[str, Any]:
+    """The first choice; llama.cpp's exact ids (``__verbose.tokens``, dialect ``llamacpp``) as its ``token_ids``."""
     choices = data.get("choices") or [{}]
-    return choices[0] or {}
+    choice = choices[0] or {}
+    native = data.get("__verbose")
+    if isinstance(native, dict) and "token_ids" not in choice and isinstance(native.get("tokens"), list):
+        choice = {**choice, "token_ids": native["tokens"]}
+    return choice
+
+
+def _truncated(data: dict[str, Any]) -> bool | None:
+    native = data.get("__verbose")
+    flag = native.get("truncated") if isinstance(native, dict) else None
+    return flag if isinstance(flag, bool) else None
 
 
 class CompletionClient:
@@ -278,6 +310,7 @@ class CompletionClient:
             out.text = choice["text"]
         out.finish_reason = choice.get("finish_reason")
         out.num_preemptions = _count(choice.get("num_preemptions"))
+        out.truncated = _truncated(data)
         usage = data.get("usage") or {}
         if isinstance(usage.get("completion_tokens"), int):
             out.server_token_count = usage["completion_tokens"]
@@ -310,6 +343,7 @@ class CompletionClient:
             if choice.get("finish_reason") and not out.error_event:  # an error is the end, whatever follows
                 out.finish_reason = choice["finish_reason"]
                 out.num_preemptions = _count(choice.get("num_preemptions"))
+                out.truncated = _truncated(data)
 
         try:
             await stream_events(self.base_url, {**body, "stream": True}, self.headers(), on_event, clock, started)

@@ -27,6 +27,22 @@ counts the same thing. Foreign names are renamed there and nowhere else::
                             num_free_gpu_blocks), else round(vllm:kv_cache_usage_perc x num_gpu_blocks);
                             plus round(reference_engine:cpu_cache_usage_perc x num_cpu_blocks)
 
+llama.cpp's server (``llamacpp:`` names, tools/server/server-task.cpp at 0c1e570) is read so::
+
+    generated_tokens        llamacpp:tokens_predicted_total (added when a slot is released: finished,
+                            cancelled or failed alike)
+    prefix_cache_hits       llamacpp:prompt_tokens_cached_total                        tokens
+    prompt_tokens           llamacpp:prompt_tokens_total (computed prompt tokens, counted as each batch is
+    prefix_cache_queries    decoded) + llamacpp:prompt_tokens_cached_total: every prompt token once per request
+    in flight (queues)      llamacpp:requests_processing + llamacpp:requests_deferred
+
+Preemptions stay "not exposed" on it: llama.cpp has no preemption (a slot is released only when its request
+ends), but a zero kvbench wrote in would read as a count the server made, and a check that needs pressure
+shown by preemptions must say it could not show it, not that it saw none.
+
+and nothing else: it publishes no finish reasons, no aborts, no pool size and (since 0c1e570) no KV usage
+gauge, so ``finished_*``, ``aborts``, ``num_gpu_blocks`` and ``leaked_blocks`` stay "not exposed" on it.
+
 A metric the server does not publish leaves its counter ``None`` ("not exposed"), never 0. Counts are
 rounded to integers; ``swap_seconds`` is not.
 """
@@ -62,11 +78,13 @@ COUNTER_METRICS: dict[str, tuple[Source, ...]] = {
     "swapped_in_bytes": (_own("swapped_in_bytes"),),
     "swap_seconds": (_own("swap_seconds"),),
     "prefix_cache_queries": (_own("prefix_cache_queries"), ("vllm:prefix_cache_queries_total", {})),
-    "prefix_cache_hits": (_own("prefix_cache_hits"), ("vllm:prefix_cache_hits_total", {})),
+    "prefix_cache_hits": (_own("prefix_cache_hits"), ("vllm:prefix_cache_hits_total", {}),
+                          ("llamacpp:prompt_tokens_cached_total", {})),
     "prefill_chunks": (_own("prefill_chunks"),),
     "computed_tokens": (_own("computed_tokens"),),
     "recomputed_tokens": (_own("recomputed_tokens"),),
-    "generated_tokens": (_own("generated_tokens"), ("vllm:generation_tokens_total", {})),
+    "generated_tokens": (_own("generated_tokens"), ("vllm:generation_tokens_total", {}),
+                         ("llamacpp:tokens_predicted_total", {})),
     "prompt_tokens": (_own("prompt_tokens"), ("vllm:prompt_tokens_total", {})),
     "finished_length": (_own("finished_length"), ("vllm:request_success_total", {"finished_reason": "length"})),
     "finished_stop": (_own("finished_stop"), ("vllm:request_success_total", {"finished_reason": "stop"})),
@@ -74,6 +92,15 @@ COUNTER_METRICS: dict[str, tuple[Source, ...]] = {
     "aborts": (_own("aborts"), ("vllm:request_success_total", {"finished_reason": "abort"})),
 }
 _NOT_ROUNDED = {"swap_seconds"}
+#: llama.cpp: prompt tokens computed, and prompt tokens served from a slot's cache (their sum: every prompt token)
+LLAMACPP_PROMPT = ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total")
+#: llama.cpp's queue gauges: slots processing a request, and requests waiting for a slot
+LLAMACPP_QUEUES = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
+
+
+def is_llamacpp(snap: MetricsSnapshot) -> bool:
+    """Whether ``snap`` is llama.cpp's server's ``/metrics``."""
+    return snap.has(LLAMACPP_QUEUES[0])
 _USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second is vLLM v0's name
 CONFIG_INFO = "vllm:cache_config_info"
 
@@ -133,8 +160,27 @@ def cumulative_counters(snap: MetricsSnapshot, preemptions_are: str | None = Non
         values["preemptions_swap" if preemptions_are == "recompute" else "preemptions_recompute"] = 0
         # the total now *is* the by-mode count: told once, so it is not offered as a second telling
         values["preemptions_total"] = None
+    if is_llamacpp(snap):
+        _llamacpp_counts(snap, values)
     values["num_gpu_blocks"], values["num_cpu_blocks"] = pool_sizes(snap)
     return Counters(**{k: v for k, v in values.items() if v is not None})
+
+
+def _llamacpp_counts(snap: MetricsSnapshot, values: dict[str, Any]) -> None:
+    """llama.cpp's counts that are not one metric each (see the module docstring's table)."""
+    computed, cached = (snap.value(name) for name in LLAMACPP_PROMPT)
+    if computed is not None and cached is not None:
+        for name in ("prompt_tokens", "prefix_cache_queries"):
+            if values.get(name) is None:
+                values[name] = round(computed + cached)
+
+
+def _queues(snap: MetricsSnapshot) -> tuple[float | None, float | None]:
+    """(running, waiting) requests: vLLM's gauges, else llama.cpp's (slots processing, tasks deferred)."""
+    running, waiting = snap.value("vllm:num_requests_running"), snap.value("vllm:num_requests_waiting")
+    if running is None and waiting is None and is_llamacpp(snap):
+        running, waiting = (snap.value(name) for name in LLAMACPP_QUEUES)
+    return running, waiting
 
 
 def pool_sizes(snap: MetricsSnapshot) -> tuple[int | None, int | None]:
@@ -172,7 +218,7 @@ def blocks_in_use(snap: MetricsSnapshot) -> int | None:
 
 def in_flight(snap: MetricsSnapshot) -> int | None:
     """Requests the server holds (running + waiting + swapped); None without the queue gauges."""
-    running, waiting = snap.value("vllm:num_requests_running"), snap.value("vllm:num_requests_waiting")
+    running, waiting = _queues(snap)
     if running is None or waiting is None:
         return None
     return round(running + waiting + (snap.value("reference_engine:num_requests_swapped") or 0))
@@ -240,7 +286,7 @@ def sampled_step(snap: MetricsSnapshot, t: float, since_last: float,
     token counts or per-step preemptions (``sampled=True``: metrics read those as not exposed, never as 0);
     with ``first`` (the run's first sample) they carry the server's own cumulative counts since then
     (``server_preemptions``, ``server_prefix_hits``, ``server_prefix_queries``), for the report's timelines."""
-    running, waiting = snap.value("vllm:num_requests_running"), snap.value("vllm:num_requests_waiting")
+    running, waiting = _queues(snap)
     if running is None or waiting is None:
         return None
     usage = next((snap.value(n) for n in _USAGE if snap.has(n)), None)

@@ -66,6 +66,9 @@ def pytest_configure(config: pytest.Config) -> None:
     configure_distribution(config, ks)
     configure_soak(config)
     configure_conformance(config, ks)
+    from kvbench.plugin.launch_order import LaunchOrder
+
+    config.pluginmanager.register(LaunchOrder(config), "kvbench-launch-order")
 
 
 def _check_engines_available(specs: list[EngineSpec]) -> None:

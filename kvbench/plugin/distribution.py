@@ -113,7 +113,8 @@ class Distribution:
 
             parts = ([("controller", ks.results)] if ks.results is not None else []) + self.worker_parts
             ks.results = merge_results(parts)
-            ks.results.data["command"] = command_line()  # the controller's: a worker's argv is not what was typed
+            # the controller's: a worker's argv is not what was typed
+            ks.results.data["command"] = ks.redacted(command_line())
         if self.shard is not None and (ks.results is not None or ks.conformance):
             ks.get_results().data["shard"] = self.shard.to_dict()
 

@@ -50,7 +50,19 @@ class KvbenchSession:
             from kvbench.bench.results import Results
 
             self.results = Results()
+            self.results.data["command"] = self.redacted(self.results.data.get("command") or "")
         return self.results
+
+    def redacted(self, text: str) -> str:
+        """``text`` (the command line, or anything quoting an ``--engine`` value) with the value of every
+        secret option of the session's engines replaced by ``***``: results files are shared."""
+        from kvbench.engines.base import REDACTED
+
+        values = {spec.options[key] for spec in self.engine_specs for key in spec.secret
+                  if spec.options.get(key)}
+        for value in sorted(values, key=len, reverse=True):
+            text = text.replace(value, REDACTED)
+        return text
 
 
 def session_of(config: pytest.Config) -> KvbenchSession:

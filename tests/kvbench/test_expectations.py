@@ -123,7 +123,7 @@ def test_the_shipped_files_load_and_name_checks_that_exist_with_a_pin():
 def test_a_bare_engine_kind_names_the_shipped_file(tmp_path, monkeypatch):
     assert resolve("hf-cb") == SHIPPED / "hf-cb.toml"
     assert load_expectations("hf-cb") == load_expectations(SHIPPED / "hf-cb.toml")
-    with pytest.raises(ExpectationsError, match=r"'sglang': not a shipped file \(shipped: hf, hf-cb, vllm\)"):
+    with pytest.raises(ExpectationsError, match=r"'sglang': not a shipped file \(shipped: hf, hf-cb, llamacpp, vllm\)"):
         resolve("sglang")
     # anything that is a file, or looks like a path, is taken as given, never as a shipped name
     monkeypatch.chdir(tmp_path)

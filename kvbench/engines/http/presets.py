@@ -22,6 +22,15 @@ Flag names were checked against each server's own documentation or ``--help``:
   and run here on CPU. Where it is installed and how it is launched is :mod:`kvbench.launch.peers`; its KV
   layout (:data:`VLLM_CPU_LAYOUT`, :data:`VLLM_GPU_LAYOUT`) and CPU serving settings
   (:func:`vllm_cpu_settings`: ``--enable-prompt-tokens-details`` and ``/server_info`` among them) are below.
+* ``llamacpp``: llama.cpp's ``llama-server`` (found by :func:`kvbench.launch.peers.find_llamacpp`) on the
+  checkpoint converted to GGUF (:func:`kvbench.models.gguf.gguf_checkpoint`, float32 unless the server
+  adapter's ``dtype`` option asks for float16/bfloat16), with ``--metrics`` and a KV cache of the GGUF's own
+  type (``-ctk``/``-ctv``: llama.cpp's default f16 cache would judge a float32 model in half precision).
+  Flags checked against the vendored sources' ``common/arg.cpp`` and ``tools/server/README.md`` (llama.cpp
+  0c1e570, as llama-cpp-python 0.3.36 ships it): ``-c`` (context in tokens, padded up to 256),
+  ``--parallel``, ``--kv-unified``, ``--kv-unified-per-slot``, ``-b``/``-ub``, ``--[no-]cache-prompt``,
+  ``--cache-ram``. A slot-based cache of one-token cells (:data:`LLAMACPP_LAYOUT`); it never preempts.
+  Speaks the ``llamacpp`` dialect (:mod:`kvbench.drivers.http_client`).
 * ``sglang``: ``python -m sglang.launch_server --model-path MODEL`` (``--page-size``, ``--max-total-tokens``
   in tokens, ``--max-running-requests``, ``--chunked-prefill-size`` (-1 = off), ``--disable-radix-cache``,
   ``--context-length``, ``--schedule-policy``, ``--enable-metrics``). Documented, not run here. Its metrics
@@ -36,9 +45,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.core.kv_budget import ANY_LAYOUT, KVLayout
+from kvbench.engines.http import llamacpp
 
 #: (value, all knobs of the run) -> flags
 FlagRule = Callable[[Any, dict[str, Any]], list[str]]
+
+
+@dataclass(frozen=True)
+class LaunchParts:
+    """What a preset's launch hook adds to its command: placeholder values and flags."""
+
+    values: dict[str, str] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
 
 
 def value_flag(flag: str) -> FlagRule:
@@ -77,6 +95,18 @@ class Preset:
     #: here is unknown. kvbench reads it to know a launched server's state: vLLM V1 caches prefixes unless
     #: told not to, so a server launched without the knob still carries cached blocks from run to run
     server_defaults: dict[str, Any] = field(default_factory=dict)
+    #: (checkpoint directory, the adapter's options) -> what the launch needs beyond the checkpoint: values for
+    #: the command's placeholders (``{model}`` among them, replacing the checkpoint directory) and flags put
+    #: after the command. Runs at each launch; may raise PeerMissing (no server to launch) or ValueError
+    launch: Callable[[str, dict[str, str]], LaunchParts] | None = None
+    #: (the adapter's options) -> the KV layout of a server launched with them; None: :attr:`kv_layout`
+    layout_of: Callable[[dict[str, str]], KVLayout] | None = None
+    #: (the adapter's options) -> the dtype the server computes in; None: :attr:`default_dtype` and ``--dtype``
+    dtype_of: Callable[[dict[str, str]], str | None] | None = None
+
+    def layout_for(self, options: dict[str, str]) -> KVLayout:
+        """The KV layout of this preset's server launched with ``options``."""
+        return self.layout_of(options) if self.layout_of is not None else self.kv_layout
 
     def server_args(self, argv: list[str]) -> list[str]:
         """The server's own arguments in a launch command made by :meth:`argv` (the launcher left out)."""
@@ -97,13 +127,20 @@ class Preset:
         return out, refused
 
     def argv(self, model: str, port: int | str, knobs: dict[str, Any], extra: list[str] | None = None,
-             command: tuple[str, ...] | None = None) -> list[str]:
-        """The full command line. Raises ValueError naming the knobs this preset cannot set."""
+             command: tuple[str, ...] | None = None, options: dict[str, str] | None = None) -> list[str]:
+        """The full command line: the command, the :attr:`launch` hook's flags, the knobs' flags, then ``extra``
+        (which come last, so a user's flags win). Raises ValueError naming the knobs this preset cannot set."""
         flags, refused = self.flags(knobs)
         if refused:
             raise ValueError("; ".join(f"{k}: {why}" for k, why in refused.items()))
         values = {"python": sys.executable, "model": model, "port": str(port)}
-        return [part.format(**values) for part in (command or self.command)] + flags + list(extra or [])
+        launch_flags: list[str] = []
+        if self.launch is not None:
+            parts = self.launch(model, dict(options or {}))
+            values.update(parts.values)
+            launch_flags = list(parts.flags)
+        return [part.format(**values) for part in (command or self.command)] + launch_flags + flags + \
+            list(extra or [])
 
 
 _ALL = frozenset({"recompute", "swap", "prefix_caching", "chunked_prefill", "priority", "sampling", "abort",
@@ -127,7 +164,7 @@ REFERENCE = Preset(
     },
     capabilities=_ALL,
     # a new engine in the running server's engine process, far quicker than a fresh start
-    # (docs/results.md#the-reference-servers-overhead)
+    # (docs/journal/measurements.md#the-reference-servers-overhead)
     reconfigure_path="/kvbench/reconfigure",
     launcher_len=3,
     default_dtype="float32",  # EngineConfig.dtype's default
@@ -211,8 +248,9 @@ VLLM = Preset(
     capabilities=_ALL - {"swap"},
     preemptions_are="recompute",
     kv_layout=VLLM_GPU_LAYOUT,
-    # vLLM V1's EngineArgs: prefix caching and chunked prefill on unless a flag turns them off
-    server_defaults={"enable_prefix_caching": True, "enable_chunked_prefill": True},
+    # vLLM V1's EngineArgs: prefix caching and chunked prefill on unless a flag turns them off; SchedulerConfig's
+    # policy "fcfs"
+    server_defaults={"enable_prefix_caching": True, "enable_chunked_prefill": True, "scheduling_policy": "fcfs"},
     lacking={"swap": "vLLM V1 preempts by recompute only: it has no swap preemption",
              "block_introspection": "vLLM exposes no block tables", "events": "vLLM publishes no engine events"},
 )
@@ -240,7 +278,47 @@ SGLANG = Preset(
     capabilities=_ALL - {"swap", "priority"},
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (REFERENCE, TRANSFORMERS, VLLM, SGLANG)}
+LLAMACPP = Preset(
+    "llamacpp",
+    # {llama_server}, {model} (the GGUF) and {kv_type} come from the launch hook (kvbench.engines.http.llamacpp)
+    ("{llama_server}", "-m", "{model}", "--host", "127.0.0.1", "--port", "{port}", "--metrics", "--no-webui",
+     "-ctk", "{kv_type}", "-ctv", "{kv_type}", "--fit", "off",
+     # its CPU flash-attention path flipped greedy tokens at top-2 margins up to 0.0045 against the float32 ground
+     # truth (unpressured conformance set, tiny; run to run 3 or 4 of 24): plain attention is judged, args=-fa on
+     # judges the other
+     "-fa", "off"),
+    rules={
+        # one-token cells: the pool in blocks of 1 is the context in tokens
+        "num_gpu_blocks": lambda v, k: ["-c", str(int(v) * int(k.get("block_size") or 1))],
+        "max_num_seqs": value_flag("--parallel"),
+        # the logical batch (tokens per llama_decode call) and the physical one it is computed in
+        "max_num_batched_tokens": lambda v, k: ["-b", str(v), "-ub", str(v)],
+        "max_model_len": value_flag("--kv-unified-per-slot"),
+        # off: no reuse of a slot's previous prompt, and no host-memory prompt cache to restore one from
+        "enable_prefix_caching": lambda v, k: ["--cache-prompt"] if v else ["--no-cache-prompt", "--cache-ram", "0"],
+    },
+    fixed={"block_size": 1, "enable_chunked_prefill": True, "scheduling_policy": "fcfs"},
+    unsupported={
+        "preemption_mode": llamacpp.NO_PREEMPTION,
+        "num_cpu_blocks": llamacpp.NO_SWAP,
+    },
+    capabilities=frozenset({"prefix_caching", "chunked_prefill", "sampling", "abort"}),
+    dialect="llamacpp",
+    kv_layout=llamacpp.UNIFIED_LAYOUT,
+    default_dtype="float32",
+    server_defaults={"enable_prefix_caching": True, "enable_chunked_prefill": True},
+    lacking={"recompute": llamacpp.NO_PREEMPTION, "swap": llamacpp.NO_SWAP,
+             "priority": "llama-server takes tasks first come, first served (a request's priority field is ignored)",
+             "stop_token_ids": "llama-server has no stop-token-id field (it stops on strings and EOS; an unknown "
+                               "field is ignored, so stop_token_ids would be dropped silently)",
+             "block_introspection": "llama-server exposes no block tables (its /slots lists slots, not cells)",
+             "events": "llama-server publishes no engine events"},
+    launch=lambda model_dir, options: LaunchParts(*llamacpp.launch_values(model_dir, options)),
+    layout_of=llamacpp.layout,
+    dtype_of=llamacpp.compute_dtype,
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (REFERENCE, TRANSFORMERS, VLLM, SGLANG, LLAMACPP)}
 
 #: ``cmd=...`` alone: nothing is known about the server, so no knob can be set
 CUSTOM = Preset("cmd", (), unsupported={}, capabilities=_ALL)

@@ -22,7 +22,7 @@ cached blocks would give the next run hits it did not cause), and a server whose
 The reference preset (its own command, not ``cmd=``) launches with ``--allow-reconfigure``: a call whose
 knobs no kept server runs first gives the most recently used server the new launch command's flags
 (``POST /kvbench/reconfigure``): the server builds a new engine in its running engine process (far
-quicker than a start: docs/results.md#the-reference-servers-overhead), with counters at zero and an
+quicker than a start: docs/journal/measurements.md#the-reference-servers-overhead), with counters at zero and an
 empty pool and prefix cache, as a fresh server would have, and checks that the model and its server
 flags stay as they are. Whatever it refuses falls back to a fresh start. A peer (vLLM...) and ``cmd=``
 are always started from their own command.
@@ -39,6 +39,24 @@ server's unbound helper processes (vLLM's ``EngineCore`` scheduler, which spins 
 to the engine's cores, leaving the front end its own; the default, ``free``, leaves the server's processes
 where the server put them.
 
+A peer's launch is always a fresh start (tens of seconds for vLLM on a small machine), so for a
+non-reconfigurable launch the adapter makes each one serve as many runs as it honestly can
+(:mod:`kvbench.plugin.launch_order` orders the tests so that the runs of one launch come together):
+
+* Behaviour knobs the preset has a server default for (:attr:`Preset.server_defaults`: vLLM's prefix caching,
+  chunked prefill and FCFS) are stated as flags on every launch, so a check asking for the default value
+  explicitly and one leaving it unset run on the same server, whose state is then stated, not assumed.
+* A run marked unpressured (:meth:`mark_run`, :func:`kvbench.conformance.prove.roomy_knobs`) goes to the
+  running server of the same launch group (every knob but the pool's size: block count and
+  ``max_model_len``) whose pool holds each of its requests, in waves that each fit that pool
+  (:meth:`OpenAIAdapter.waves <kvbench.engines.http.openai.OpenAIAdapter.waves>`); where none runs, it gets
+  the pool a pressured run of the same requests gets (the largest one twice), in waves, so that the run
+  under pressure that follows reuses its server. A streamed run (``serve``) gets the pool it asked for:
+  it is not sent in waves. Pressured runs always get exactly the pool they ask for.
+* ``keep_servers`` defaults to 1 for vLLM: never more than one up at a time; each launch's key is logged
+  (:meth:`take_launches`) so that the plugin can order the next run's tests by launch and stop a server no
+  later test needs (:meth:`stop_servers_except`).
+
 ``close()`` (and interpreter exit, whatever the cause) stops every one with its whole process
 group (:mod:`kvbench.launch.process`), all at once. Each server's log is kept (``log_dir``, default a
 fresh temporary directory); its path is in the run's evidence.
@@ -47,16 +65,19 @@ fresh temporary directory); its path is in the run's evidence.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shlex
 import sys
 import tempfile
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbench.core.kv_budget import pool_knobs as layout_pool_knobs
+from kvbench.core.kv_budget import pressured, request_tokens
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import (
     DEFAULT_KNOBS,
@@ -67,7 +88,14 @@ from kvbench.engines.base import (
     Knobs,
     KVLayout,
 )
-from kvbench.engines.http.openai import KnobsNotSettable, OpenAIAdapter, check_client_options, metrics_interval
+from kvbench.engines.http import llamacpp
+from kvbench.engines.http.openai import (
+    KnobsNotSettable,
+    OpenAIAdapter,
+    _request_keys,
+    check_client_options,
+    metrics_interval,
+)
 from kvbench.engines.http.presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
 from kvbench.launch.peers import PeerMissing, VllmInstall, find_vllm
 from kvbench.launch.placement import helpers_onto_engine_cores, off_the_engine_cores
@@ -77,6 +105,14 @@ from kvbench.launch.vllm_faults import check_fault, fault_environment
 
 #: servers of other knob sets kept running for reuse, by default
 DEFAULT_KEEP_SERVERS = 8
+#: presets whose servers are large enough that one at a time is the default (``keep_servers``)
+ONE_AT_A_TIME = frozenset({"vllm"})
+#: knobs that size a pool: a launch group is every other knob (:meth:`ServerAdapter.launch_group`)
+POOL_SIZE_KNOBS = frozenset({"num_gpu_blocks", "max_model_len"})
+#: behaviour knobs a preset may fix (:attr:`Preset.fixed`) that a launched server's client is told it runs
+_FIXED_DECLARED = ("preemption_mode", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy")
+#: marked request sets remembered (:meth:`ServerAdapter.mark_run`; a check marks a set just before its run)
+_KEPT_MARKS = 32
 
 #: options that take one of a few words, the default first
 _CHOICES = {"client_cores": ("auto", "off"), "helper_cores": ("free", "engine")}
@@ -117,8 +153,8 @@ class ServerAdapter(EngineAdapter):
         "cmd": "command template ({python} {model} {port} are filled in; the server must bind 127.0.0.1:{port})",
         "args": "extra flags appended to every launch, space-separated (e.g. args=--dtype float32)",
         "startup_timeout": "seconds to wait for /health (default 300)",
-        "keep_servers": f"servers of other knob sets kept running for reuse (default {DEFAULT_KEEP_SERVERS}; "
-                        "1: only the latest one)",
+        "keep_servers": f"servers of other knob sets kept running for reuse (default {DEFAULT_KEEP_SERVERS}, "
+                        f"{', '.join(sorted(ONE_AT_A_TIME))}: 1; 1: only the latest one)",
         "log_dir": "directory for the servers' logs (default: a new temporary directory)",
         "api_key": "bearer token, if the command makes the server demand one",
         "model": "model name to put in requests (default: the first of /v1/models)",
@@ -137,6 +173,10 @@ class ServerAdapter(EngineAdapter):
                         "kvbench.launch.placement)",
         "vllm": "preset=vllm: a Python with vllm installed, its environment folder, or a vllm command "
                 "(default: $KVBENCH_VLLM, then the environment scripts/peers.sh vllm made, then vllm on PATH)",
+        "llamacpp": "preset=llamacpp: the llama-server binary or the folder scripts/peers.sh llamacpp made (default: "
+                    "$KVBENCH_LLAMACPP, then the recorded build, then llama-server on PATH)",
+        "dtype": "preset=llamacpp: float32 (default), float16 or bfloat16: the GGUF the checkpoint is converted to, "
+                 "and the KV cache type",
         "fault": "preset=vllm: a fault patched into the launched vLLM's engine, to show a check failing on it "
                  f"(kvbench.launch.vllm_faults), one of: {', '.join(VLLM_FAULTS)}",
     }
@@ -162,6 +202,14 @@ class ServerAdapter(EngineAdapter):
                                  f"got {options[key]!r}")
         if "vllm" in options and preset_name != "vllm":
             raise ValueError(f"engine {cls.kind!r}: option vllm is for preset=vllm")
+        for key in ("llamacpp", "dtype"):
+            if key in options and preset_name != "llamacpp":
+                raise ValueError(f"engine {cls.kind!r}: option {key} is for preset=llamacpp")
+        if preset_name == "llamacpp":
+            try:
+                llamacpp.validate(options)
+            except ValueError as e:
+                raise ValueError(f"engine {cls.kind!r}: {e}") from None
         if "fault" in options:
             if preset_name != "vllm":
                 raise ValueError(f"engine {cls.kind!r}: option fault is for preset=vllm (the reference server's "
@@ -179,6 +227,8 @@ class ServerAdapter(EngineAdapter):
                 find_vllm(options.get("vllm"))
             except PeerMissing as e:
                 raise EngineUnavailable(str(e)) from None
+        if options.get("preset") == "llamacpp" and not options.get("cmd"):
+            llamacpp.server_path(options.get("llamacpp"))  # EngineUnavailable saying how to make one
 
     @classmethod
     def kv_layout_for(cls, options: dict[str, str]) -> KVLayout:
@@ -189,7 +239,7 @@ class ServerAdapter(EngineAdapter):
                     return VLLM_CPU_LAYOUT
             except PeerMissing:
                 pass  # check_available says so
-        return preset.kv_layout
+        return preset.layout_for(options)
 
     def __init__(self, model_dir: str, options: dict[str, str] | None = None, name: str | None = None):
         super().__init__(model_dir, options, name)
@@ -201,7 +251,7 @@ class ServerAdapter(EngineAdapter):
         # on top of _server_env(), taken at each launch; None unsets a variable (the server's own default)
         self.env_overrides: dict[str, str | None] = {}
         self.vllm: VllmInstall | None = None
-        self.kv_layout = self.preset.kv_layout
+        self.kv_layout = self.preset.layout_for(self.options)
         if self.preset.name == "vllm" and not cmd:
             self._locate_vllm()
         #: the fault patched into a launched vLLM (option fault), None for an engine as shipped
@@ -217,7 +267,11 @@ class ServerAdapter(EngineAdapter):
         self.startup_timeout = float(self.options.get("startup_timeout", 300))
         self.log_dir = Path(self.options.get("log_dir") or tempfile.mkdtemp(prefix="kvbench-servers-"))
         self.logs: list[str] = []
-        self.keep_servers = int(self.options.get("keep_servers", DEFAULT_KEEP_SERVERS))
+        default_keep = 1 if self.preset.name in ONE_AT_A_TIME else DEFAULT_KEEP_SERVERS
+        self.keep_servers = int(self.options.get("keep_servers", default_keep))
+        self._marked_runs: list[tuple[frozenset, bool]] = []  # (requests, unpressured) by mark_run, latest last
+        self._launch_log: list[tuple[str, ...]] = []  # launch keys served from, since take_launches()
+        self._last_run: tuple[Knobs, OpenAIAdapter] | None = None  # (knobs asked, the server's client) of generate
         #: launch command (port left out) -> the running server started with it, least recently used first
         self._launched: OrderedDict[tuple[str, ...], _Launched] = OrderedDict()
         self._server: ServerProcess | None = None  # the latest one started or reused
@@ -245,6 +299,8 @@ class ServerAdapter(EngineAdapter):
         """The server's ``--dtype`` flag as its launch command gives it (the last one wins, as ``args=`` comes
         after the preset's), else the preset's own default where it has one (the reference server computes in
         float32), or None: the server's default is unknown here, or ``auto``."""
+        if self.preset.dtype_of is not None:  # the preset knows what its server loads (llama.cpp: the GGUF's dtype)
+            return self.preset.dtype_of(self.options)
         return dtype_of_flags([*(self.command or self.preset.command), *self.extra]) or \
             (self.preset.default_dtype if self.command is None else None)
 
@@ -266,14 +322,43 @@ class ServerAdapter(EngineAdapter):
         """The launch command for ``knobs`` (``port`` may be a placeholder); :class:`KnobsNotSettable` names any
         knob the preset cannot set."""
         try:
-            return self.preset.argv(self.model_dir, port, knobs.as_dict(), self.extra, self.command)
+            return self.preset.argv(self.model_dir, port, knobs.as_dict(), self.extra, self.command, self.options)
         except ValueError as e:
             raise KnobsNotSettable(f"{self.name} cannot set knobs: {e}") from None
 
     def launch_key(self, knobs: Knobs) -> tuple[str, ...]:
         """What makes two launches the same server: the command line with the port left out, and the
-        environment kvbench adds."""
+        environment kvbench adds (the knobs as :meth:`launch_knobs` states them)."""
+        knobs = self.launch_knobs(knobs)
         return (*self.argv(knobs, "{port}"), *(f"{k}={v}" for k, v in sorted(self.env_overrides.items())))
+
+    def launch_knobs(self, knobs: Knobs) -> Knobs:
+        """``knobs`` as a launch states them: where every launch is a fresh start (not :attr:`reconfigurable`),
+        each behaviour knob the preset maps and has a server default for (:attr:`Preset.server_defaults`) is
+        stated at that default when ``knobs`` leave it unset. The server does the same either way; stated, a
+        check that asks for the default and one that leaves it unset share a launch, and the launched server's
+        state is what its flags say."""
+        if self.reconfigurable:
+            return knobs
+        unset = {name: value for name, value in self.preset.server_defaults.items()
+                 if name in self.preset.rules and getattr(knobs, name, None) is None}
+        return knobs.merged(Knobs(**unset)) if unset else knobs
+
+    def launch_group(self, knobs: Knobs) -> frozenset[tuple[str, Any]]:
+        """What must match for a launch to serve another's unpressured run: every knob as
+        :meth:`launch_knobs` states it except the pool's size (:data:`POOL_SIZE_KNOBS`). Behaviour knobs
+        (prefix caching, chunked prefill, the scheduling policy) and the other sizes (block size, sequences,
+        token budget) are in it, so a run never lands on a server that behaves otherwise than it asked."""
+        return frozenset((k, v) for k, v in self.launch_knobs(knobs).as_dict().items() if k not in POOL_SIZE_KNOBS)
+
+    @classmethod
+    def starts_fresh(cls, options: dict[str, str]) -> bool:
+        """Whether every launch of an engine given ``options`` is a fresh start (what :attr:`reconfigurable`
+        says of an adapter, known before it is made): the plugin orders such an engine's tests by launch."""
+        if not options.get("preset") and not options.get("cmd"):
+            return False  # an adapter class that fills in its own preset: not known here, its tests keep their order
+        preset = PRESETS.get(options.get("preset", ""), CUSTOM)
+        return preset.reconfigure_path is None or bool(options.get("cmd"))
 
     @property
     def reconfigurable(self) -> bool:
@@ -286,7 +371,9 @@ class ServerAdapter(EngineAdapter):
         """A healthy server running exactly ``knobs``: one already running with the same launch command, else
         a kept one given ``knobs`` in place (:meth:`_reconfigure`), else a new one (see the module docstring
         for which are kept)."""
+        knobs = self.launch_knobs(knobs)
         key = self.launch_key(knobs)
+        self._log_launch(key)
         launched = self._launched.get(key)
         # a warm server (prefix caching without a salt to keep runs apart) is never reused as if it were cold
         if launched is not None and launched.server.running() and not launched.carries_state:
@@ -300,8 +387,10 @@ class ServerAdapter(EngineAdapter):
                 remote = self._reconfigure(next(reversed(self._launched)), key, knobs)
                 if remote is not None:
                     return remote
-        # what is not reused for another knob set goes now; a dead server of this key goes too
+        # what is not reused for another knob set goes now; a dead server of this key goes too; and room is made
+        # before the start, so that no more than keep_servers run even while the new one starts
         self._stop([k for k, v in self._launched.items() if k == key or v.carries_state])
+        self._stop(list(self._launched)[:len(self._launched) - (self.keep_servers - 1)])
         wanted = knobs.as_dict()
         port = free_port()
         argv = self.argv(knobs, port)
@@ -318,6 +407,87 @@ class ServerAdapter(EngineAdapter):
         self._stop(list(self._launched)[:-self.keep_servers])  # least recently used first
         return remote
 
+    # --- launches serving more than one run (every launch a fresh start)
+
+    def _log_launch(self, key: tuple[str, ...]) -> None:
+        if not self._launch_log or self._launch_log[-1] != key:
+            self._launch_log.append(key)
+
+    def take_launches(self) -> list[tuple[str, ...]]:
+        """The launch keys (:meth:`launch_key`) runs were served from since the last call, in order, a key
+        repeated only where another came between: what :mod:`kvbench.plugin.launch_order` records per test."""
+        taken, self._launch_log = self._launch_log, []
+        return taken
+
+    def stop_servers_except(self, keep: Collection[tuple[str, ...]]) -> None:
+        """Stop every running server whose launch key is not in ``keep`` (no later test needs it)."""
+        self._stop([k for k in self._launched if k not in keep])
+
+    def mark_run(self, requests: Sequence[GenRequest], *, unpressured: bool) -> None:
+        """Say whether the next run of ``requests`` is to be unpressured (see the module docstring: where every
+        launch is a fresh start, such a run may be served in waves by a server with a smaller pool).
+        :func:`~kvbench.conformance.prove.roomy_knobs` marks a run so, ``pressured_knobs`` the other way."""
+        self._marked_runs.append((_request_keys(requests), unpressured))
+        del self._marked_runs[:-_KEPT_MARKS]
+
+    def _is_unpressured(self, requests: Sequence[GenRequest]) -> bool:
+        keys = _request_keys(requests)
+        for marked, unpressured in reversed(self._marked_runs):
+            if keys <= marked:
+                return unpressured
+        return False
+
+    def _server_for_run(self, knobs: Knobs, requests: Sequence[GenRequest]) -> tuple[OpenAIAdapter, Knobs]:
+        """The server for a ``generate`` run of ``requests`` and the knobs to tell it: :meth:`server_for`
+        ``knobs``, except for an unpressured run where every launch is a fresh start: the running server of
+        the same :meth:`launch_group` whose pool holds each request, else a server with the pool a pressured
+        run of these requests gets (:meth:`_wave_pool`); either way in waves that each fit its pool."""
+        if self.reconfigurable or not requests:
+            return self.server_for(knobs), knobs
+        if not self._is_unpressured(requests):
+            remote = self.server_for(knobs)
+            # a server keeps the marks of the runs it served: the same requests under pressure go all at once
+            remote.mark_run(requests, unpressured=False)
+            return remote, knobs
+        needs = [request_tokens(len(r.prompt_token_ids), r.max_tokens) for r in requests]
+        group = self.launch_group(knobs)
+        for key in reversed(self._launched):  # the most recently used first
+            launched = self._launched[key]
+            ran = Knobs(**launched.knobs)
+            if launched.server.running() and not launched.carries_state and self.launch_group(ran) == group \
+                    and self._holds_each(ran, needs):
+                self._log_launch(key)
+                self._launched.move_to_end(key)
+                self._server = launched.server
+                launched.remote.mark_run(requests, unpressured=True)
+                return launched.remote, ran
+        smaller = self._wave_pool(knobs, needs)
+        remote = self.server_for(smaller)
+        remote.mark_run(requests, unpressured=True)
+        return remote, self.launch_knobs(smaller)
+
+    def _holds_each(self, knobs: Knobs, needs: Sequence[int]) -> bool:
+        """Whether a server launched with ``knobs`` takes each of these requests alone: its pool holds the
+        largest (less the block a pool that must hold max_model_len keeps back: vLLM's null block) and its
+        max_model_len, where set, is not below it."""
+        if knobs.num_gpu_blocks is None or not needs:
+            return False  # the server's own pool: its size is not known here
+        block = knobs.block_size or self.kv_layout.block_size()
+        largest = max(needs)
+        usable = knobs.num_gpu_blocks - (1 if self.kv_layout.pool_holds_max_model_len else 0)
+        return math.ceil(largest / block) <= usable and (knobs.max_model_len is None or knobs.max_model_len >= largest)
+
+    def _wave_pool(self, knobs: Knobs, needs: Sequence[int]) -> Knobs:
+        """``knobs`` with the pool a pressured run of requests of these ``needs`` gets (the largest twice,
+        :func:`kvbench.core.kv_budget.pressured`) where that is smaller than the pool asked for; ``max_model_len``
+        stays as asked."""
+        if knobs.num_gpu_blocks is None or not _plausible(knobs, self.kv_layout):
+            return knobs  # a launch the server is to refuse is one a check of its refusal needs exactly as asked
+        pool = layout_pool_knobs(pressured(needs), self.kv_layout, knobs.block_size)
+        if pool.num_gpu_blocks is None or pool.num_gpu_blocks >= knobs.num_gpu_blocks:
+            return knobs
+        return knobs.merged(Knobs(num_gpu_blocks=pool.num_gpu_blocks))
+
     def _remote(self, port: int, wanted: dict[str, Any]) -> OpenAIAdapter:
         """The client adapter for the server on ``port`` running the knobs ``wanted``."""
         options = {k: v for k, v in self.options.items() if k in _PASSED_ON}
@@ -327,6 +497,9 @@ class ServerAdapter(EngineAdapter):
         # what it was started with is declared, so a knob the server does not publish still counts as set;
         # a published label that disagrees (the server adjusted the value) wins and skips the check
         options.update({k: str(v) for k, v in wanted.items()})
+        # and what the preset's server always does (vLLM: recompute), where the launch says nothing of it: one launch
+        # serves knob sets that differ only there (the flags are the same), so each must find it declared
+        options.update({k: str(v) for k, v in self.preset.fixed.items() if k in _FIXED_DECLARED and k not in wanted})
         options["url"] = f"http://127.0.0.1:{port}"
         remote = OpenAIAdapter(self.model_dir, options, name=self.name)
         remote.configure_run(liveness=self.liveness)  # the session's limits: the HTTP watchdog runs under them
@@ -383,13 +556,27 @@ class ServerAdapter(EngineAdapter):
         none of them serves another check."""
         self.stop_server()
 
+    def confirmed_settings(self, knobs: Knobs = DEFAULT_KNOBS) -> dict[str, Any]:
+        """What the server that ran the latest ``generate`` with ``knobs`` says it runs with (it may be a server of
+        a smaller pool, for an unpressured run), else the server :meth:`server_for` gives ``knobs``."""
+        asked = self.knobs_for(knobs)
+        if self._last_run is not None and self._last_run[0] == asked and self._server is not None \
+                and self._server.running():
+            return self._last_run[1].confirmed_settings(knobs)
+        return super().confirmed_settings(knobs)
+
     def generate(self, requests: Sequence[GenRequest], knobs: Knobs = DEFAULT_KNOBS) -> GenResult:
-        remote = self.server_for(knobs)
+        asked = knobs
+        remote, knobs = self._server_for_run(knobs, requests)
+        self._last_run = (asked, remote)
         server = self._server
         assert server is not None
         with self._client_placed(server):
             result = remote.generate(requests, knobs)
         result.evidence.append(f"server log: {server.log_path}")
+        if self.launch_knobs(knobs) != self.launch_knobs(asked):
+            result.evidence.append(f"an unpressured run, served by a server launched with {knobs.as_dict()} (asked: "
+                                   f"{asked.as_dict()}), its requests in waves that each fit that pool")
         if self.vllm_fault:
             result.evidence.append(f"the server runs with fault {self.vllm_fault} patched into its engine: "
                                    f"{VLLM_FAULTS[self.vllm_fault].breaks}")
@@ -417,6 +604,15 @@ class ServerAdapter(EngineAdapter):
 
     def close(self) -> None:
         self.stop_server()
+
+
+def _plausible(knobs: Knobs, layout: KVLayout) -> bool:
+    """Whether ``knobs`` could launch a server as far as kvbench can tell: a block size the layout takes, a pool of
+    at least one block, at least one sequence. Only such a launch is given a smaller pool for an unpressured run;
+    any other is left exactly as asked (a check of the server's own refusal needs the server to see it so)."""
+    return (knobs.block_size is None or layout.takes_block_size(knobs.block_size)) \
+        and (knobs.num_gpu_blocks is None or knobs.num_gpu_blocks >= 1) \
+        and (knobs.max_num_seqs is None or knobs.max_num_seqs >= 1)
 
 
 def _server_env() -> dict[str, str]:

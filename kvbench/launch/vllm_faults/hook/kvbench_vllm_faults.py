@@ -76,7 +76,7 @@ FAULTS: dict[str, VllmFault] = {
         "vllm.v1.core.sched.scheduler", "Scheduler.finish_requests",
         "an abort (a client closing its stream) is accepted and does nothing: the request runs to its end in the "
         "engine, holding its blocks",
-        "every_request_finishes_exactly_once"),
+        "an_abort_before_the_first_token_stops_the_request"),
     "preemptions_counted_twice": VllmFault(
         "vllm.v1.metrics.stats", "IterationStats.update_from_events",
         "each preemption is counted twice in vllm:num_preemptions_total (the per-request count, "

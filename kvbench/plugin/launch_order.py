@@ -1,0 +1,191 @@
+"""Tests ordered by the servers they launch, for engines whose every launch is a fresh start (a peer such as
+vLLM: tens of seconds a start on a small machine).
+
+A check's knobs are computed as it runs (pools are sized to its own requests), so which server a test needs
+is known only once it has run. This module keeps what each test ran on, per engine, in a *launch plan*: for
+every test, the launch keys it was served from in order (:meth:`ServerAdapter.take_launches
+<kvbench.engines.http.server.ServerAdapter.take_launches>`) and whether it failed. The next run of the same
+engine on the same checkpoint is ordered by that plan (:func:`ordered`): the tests of one launch run one after
+another, a test that moves from one launch to another comes where its first launch is already up, and a test
+that failed (whose server is then stopped) comes last among its launch's. After each test, a server that no
+later test of the plan needs is stopped (:meth:`ServerAdapter.stop_servers_except`), so with ``keep_servers=1``
+(vLLM's default) each distinct launch starts once, and never two at a time.
+
+Stable otherwise: tests of other engines keep their places, and an engine's tests the plan does not know
+(new, or never run) go first, in their order; without a plan nothing moves. The order depends only on the
+plan file and the collected tests, so every pytest-xdist worker collects the same order; ``--kvbench-shard``
+selects by node id, whatever the order. Only a plain run (not an xdist worker) records a plan and stops
+servers early: a worker runs the tests the controller sends it, not the collected order.
+
+Plans live under ``$KVBENCH_CACHE/launch-plans/`` (:func:`plan_path`), one per engine spec, checkpoint option
+and engine list; a run records the tests it ran into its plan and keeps the other tests' entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbench.core.cache import cache_root
+from kvbench.engines.registry import EngineSpec, EngineSpecError, adapter_class
+from kvbench.plugin.session import engine_spec_of, is_xdist_worker, session_of
+
+#: a launch key as the plan stores it (the launch command with ``{port}``, and kvbench's environment)
+Key = tuple[str, ...]
+_FAILED_KEY = pytest.StashKey[bool]()
+
+
+@dataclass
+class Planned:
+    """What one test ran on last time: its launch keys in order, and whether it failed."""
+
+    launches: list[Key] = field(default_factory=list)
+    failed: bool = False
+
+
+def plan_path(spec: EngineSpec, model: str | None, specs: list[EngineSpec]) -> Path:
+    """Where the plan of ``spec`` is kept: per engine spec, ``--kvbench-model`` (None: the built-in checkpoint,
+    which depends on every engine of the run) and the run's engine list."""
+    ident = json.dumps([spec.name, model, [s.name for s in specs] if model is None else []])
+    return cache_root() / "launch-plans" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+
+
+def load_plan(path: Path) -> dict[str, Planned]:
+    """nodeid -> :class:`Planned` from ``path``; {} when there is none or it cannot be read."""
+    try:
+        raw = json.loads(path.read_text())
+        return {nodeid: Planned([tuple(k) for k in entry["launches"]], bool(entry.get("failed")))
+                for nodeid, entry in raw["tests"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def save_plan(path: Path, spec: EngineSpec, plan: dict[str, Planned]) -> None:
+    """Write ``plan`` atomically (a concurrent reader sees the old plan or the new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"engine": spec.name, "tests": {nodeid: {"launches": [list(k) for k in p.launches], "failed": p.failed}
+                                           for nodeid, p in sorted(plan.items())}}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    tmp.replace(path)
+
+
+def ordered(nodeids: list[str], plan: dict[str, Planned]) -> list[str]:
+    """``nodeids`` (one engine's tests, in collection order) in launch order by ``plan``.
+
+    Tests the plan does not know, or that launched nothing, first, in their order. Then, greedily, with the
+    server the previous test left running as ``current``: the tests served by ``current`` alone (those that
+    passed last time, then those that failed: a failure stops the server); else the first test that starts on
+    ``current`` and moves on; else the first test that moves from one launch to another (it brings up the
+    launch it ends on, so the tests served by that launch alone can follow); else the first one left."""
+    free = [n for n in nodeids if not (n in plan and plan[n].launches)]
+    left = [n for n in nodeids if n in plan and plan[n].launches]
+    out = list(free)
+    current: Key | None = None
+    while left:
+        alone = [n for n in left if set(plan[n].launches) == {current}]
+        if alone:
+            batch = [n for n in alone if not plan[n].failed] + [n for n in alone if plan[n].failed]
+            out += batch
+            left = [n for n in left if n not in batch]
+            current = None if plan[batch[-1]].failed else current
+            continue
+        # a test that failed stops the server it leaves: it goes after the others that could share that server
+        passing = [n for n in left if not plan[n].failed]
+        moving = [n for n in passing if len(set(plan[n].launches)) > 1]
+        starts_here = [n for n in moving if plan[n].launches[0] == current]
+        pick = (starts_here or moving or passing or left)[0]
+        out.append(pick)
+        left.remove(pick)
+        current = None if plan[pick].failed else plan[pick].launches[-1]
+    return out
+
+
+class LaunchOrder:
+    """The plugin part: orders the tests at collection, records each test's launches (the plan is written after
+    every test), and stops what no later test needs."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        ks = session_of(config)
+        self.recording = not is_xdist_worker(config)
+        #: spec name -> (spec, plan path, plan as loaded, this run's records)
+        self.engines: dict[str, tuple[EngineSpec, Path, dict[str, Planned], dict[str, Planned]]] = {}
+        for spec in ks.engine_specs:
+            if _starts_fresh(spec):
+                path = plan_path(spec, ks.model, ks.engine_specs)
+                self.engines[spec.name] = (spec, path, load_plan(path), {})
+        self.items: list[pytest.Item] = []
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        for name, (_, _, plan, _) in self.engines.items():
+            if not plan:
+                continue
+            slots = [i for i, item in enumerate(items) if _engine_name(item) == name]
+            by_id = {items[i].nodeid: items[i] for i in slots}
+            new = ordered([items[i].nodeid for i in slots], plan)
+            for slot, nodeid in zip(slots, new, strict=True):
+                items[slot] = by_id[nodeid]
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.items = list(session.items)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        report = yield
+        if call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
+            item.stash[_FAILED_KEY] = True
+        return report
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """Before the test's fixtures go: take the launches it was served from, and stop the servers no later
+        test of the plan needs (nothing is stopped while a later test is one the plan does not know)."""
+        name = _engine_name(item)
+        if name not in self.engines or not self.recording:
+            return
+        engine = (getattr(item, "funcargs", None) or {}).get("engine")
+        take = getattr(engine, "take_launches", None)
+        _, _, plan, records = self.engines[name]
+        # a test that never reached its engine (skipped first) is recorded too: it launched nothing
+        records[item.nodeid] = Planned(take() if take is not None else [], item.stash.get(_FAILED_KEY, False))
+        self._save(name)  # after every test: a run cut short still leaves the next one its plan so far
+        if take is None:
+            return
+        later = self.items[self.items.index(item) + 1:] if item in self.items else []
+        needed: set[Key] = set()
+        for other in later:
+            if _engine_name(other) != name:
+                continue
+            if other.nodeid not in plan:
+                return
+            needed.update(plan[other.nodeid].launches)
+        engine.stop_servers_except(needed)
+
+    def _save(self, name: str) -> None:
+        spec, path, plan, records = self.engines[name]
+        # a plan is an optimisation: a run that cannot keep one runs in collection order next time
+        with contextlib.suppress(OSError):
+            save_plan(path, spec, {**plan, **records})
+
+
+def _engine_name(item: pytest.Item) -> str | None:
+    spec = engine_spec_of(item)
+    return spec.name if spec is not None else None
+
+
+def _starts_fresh(spec: EngineSpec) -> bool:
+    try:
+        cls: Any = adapter_class(spec.kind)
+    except EngineSpecError:
+        return False
+    starts_fresh = getattr(cls, "starts_fresh", None)
+    return bool(starts_fresh is not None and starts_fresh(dict(spec.options)))

@@ -1,0 +1,226 @@
+"""One server per distinct launch where every launch is a fresh start (a peer such as vLLM): the plan-ordered
+test order (:mod:`kvbench.plugin.launch_order`) and the server adapter's sharing rules
+(:class:`kvbench.engines.http.server.ServerAdapter`), against the stub server launched as a preset's command
+(``cmd=``: never reconfigured in place, as a peer)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench.engines.base import GenRequest, Knobs
+from kvbench.engines.http.openai import KnobsNotSettable
+from kvbench.engines.http.server import ServerAdapter
+from kvbench.launch.process import group_alive
+from kvbench.models.builtin import builtin_checkpoint
+from kvbench.plugin.launch_order import Planned, ordered
+
+STUB = "{python} -m kvbench.testing.stub_server --port {port}"
+pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(builtin_checkpoint("tiny"))
+
+
+# ------------------------------------------------------------------------------ the order from a plan
+
+
+def test_a_plan_groups_each_launchs_tests_and_keeps_the_rest_in_order():
+    a, b, c = ("a",), ("b",), ("c",)
+    plan = {"t1": Planned([a]), "t2": Planned([b]), "t3": Planned([a]), "t4": Planned([c]), "t5": Planned([b]),
+            "t6": Planned([])}
+    assert ordered(["t1", "t2", "t3", "t4", "t5", "t6", "t7"], plan) == ["t6", "t7", "t1", "t3", "t2", "t5", "t4"], \
+        "tests that launched nothing or are unknown first, in order; then each launch's tests together"
+
+
+def test_a_test_moving_between_launches_brings_up_the_launch_the_next_tests_share():
+    a, b = ("a",), ("b",)
+    # t2 runs on a, then on b: it goes where a is up, and b's tests follow it
+    plan = {"t1": Planned([b]), "t2": Planned([a, b]), "t3": Planned([a]), "t4": Planned([b])}
+    assert ordered(["t1", "t2", "t3", "t4"], plan) == ["t2", "t1", "t4", "t3"]
+    # a failed test stops its server: it comes last among those sharing it
+    plan = {"t1": Planned([a], failed=True), "t2": Planned([a]), "t3": Planned([a])}
+    assert ordered(["t1", "t2", "t3"], plan) == ["t2", "t3", "t1"]
+
+
+# ------------------------------------------------------------------------------ N checks, K launches
+
+CHECKS = """
+import pytest
+from kvbench.engines.base import GenRequest, Knobs
+
+R = [GenRequest("r", [3, 4], 2)]
+
+@pytest.mark.parametrize("blocks", [24, 48, 24, 96, 48, 24], ids=["c1", "c2", "c3", "c4", "c5", "c6"])
+def test_check(engine, blocks):
+    result = engine.generate(R, Knobs(block_size=16, num_gpu_blocks=blocks))
+    assert result.counters.get("num_gpu_blocks", blocks) == blocks, "the check ran on a server of its own pool"
+"""
+
+
+def _launches(log_dir: Path) -> list[str]:
+    """The pool each server in ``log_dir`` was started with, in start order (kvbench writes the command first)."""
+    pools = []
+    for log in sorted(log_dir.glob("*.log")):
+        argv = log.read_text().splitlines()[0].split()
+        pools.append(argv[argv.index("--num-gpu-blocks-override") + 1])
+    return pools
+
+
+@pytest.mark.server
+def test_n_checks_with_k_distinct_launches_start_k_servers_in_order(pytester: pytest.Pytester, model_dir: str,
+                                                                     tmp_path: Path, monkeypatch):
+    """Six checks, three distinct launches, one server at a time: the first run (no plan yet) starts a server at
+    each change of launch (six: no two neighbours share one); the next one, ordered by the plan the first left,
+    starts exactly three, each launch's checks one after another; every verdict is the same."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    pytester.makepyfile(test_checks=CHECKS)
+    runs = []
+    logs = tmp_path / "logs"  # the same engine spec both times (a log_dir of its own would be another engine)
+    engine = f"server:preset=reference,cmd={STUB},keep_servers=1,log_dir={logs}"
+    for _ in (1, 2):
+        shutil.rmtree(logs, ignore_errors=True)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--engine", engine,
+                                               "--kvbench-model", model_dir, "--report-dir", str(tmp_path / "r"))
+        result.assert_outcomes(passed=6)
+        order = [line.split("[")[1].split("]")[0].split("-")[-1] for line in result.outlines
+                 if "::test_check[" in line and "PASSED" in line]
+        runs.append((order, _launches(logs)))
+    (first_order, first_pools), (second_order, second_pools) = runs
+    assert first_order == ["c1", "c2", "c3", "c4", "c5", "c6"] and first_pools == ["24", "48", "24", "96", "48", "24"]
+    assert second_pools == ["24", "48", "96"], "one server per distinct launch, in the order the plan groups them"
+    assert second_order == ["c1", "c3", "c6", "c2", "c5", "c4"]
+    assert list(Path(tmp_path / "cache" / "launch-plans").glob("*.json")), "the plan is kept in $KVBENCH_CACHE"
+
+
+@pytest.mark.server
+def test_without_a_plan_nothing_moves_and_other_engines_keep_their_places(pytester: pytest.Pytester,
+                                                                          model_dir: str, tmp_path: Path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    pytester.makepyfile(test_checks=CHECKS)
+    engine = f"server:preset=reference,cmd={STUB},keep_servers=1,log_dir={tmp_path / 'logs'}"
+    args = ["-p", "no:cacheprovider", "--collect-only", "-q", "--engine", "reference", "--engine", engine,
+            "--kvbench-model", model_dir]
+    before = [line for line in pytester.runpytest_subprocess(*args).outlines if "::" in line]
+    assert len(before) == 12
+    # a plan for the server engine reorders its tests only, in the slots they held
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--engine", "reference", "--engine", engine,
+                                           "--kvbench-model", model_dir, "--report-dir", str(tmp_path / "r"))
+    result.assert_outcomes(passed=12)
+    after = [line for line in pytester.runpytest_subprocess(*args).outlines if "::" in line]
+    assert [n for n in after if "[reference-" in n] == [n for n in before if "[reference-" in n]
+    assert sorted(after) == sorted(before) and after != before
+    slots = [i for i, n in enumerate(before) if "[server:" in n]
+    assert [i for i, n in enumerate(after) if "[server:" in n] == slots
+
+
+# ------------------------------------------------------------------------------ what may share a server
+
+REQUESTS = [GenRequest(f"r{i}", [3 + i] * 40, 8) for i in range(6)]  # 48 tokens each: 3 blocks of 16
+
+
+def _adapter(model_dir: str, tmp_path: Path) -> ServerAdapter:
+    return ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path), "keep_servers": "1"})
+
+
+@pytest.mark.server
+def test_an_unpressured_run_rides_on_the_running_server_of_its_launch_group_in_waves(model_dir, tmp_path):
+    adapter = _adapter(model_dir, tmp_path)
+    pressured = Knobs(block_size=16, num_gpu_blocks=8)  # two requests at a time
+    roomy = Knobs(block_size=16, num_gpu_blocks=400)
+    try:
+        adapter.mark_run(REQUESTS, unpressured=False)
+        adapter.generate(REQUESTS, pressured)
+        server = adapter.process
+        adapter.mark_run(REQUESTS, unpressured=True)
+        calm = adapter.generate(REQUESTS, roomy)
+        assert adapter.process is server and len(adapter.logs) == 1, "the same launch group: no new start"
+        assert any("in 3 waves of 2, 2, 2 requests" in e for e in calm.evidence), calm.evidence
+        assert calm.counters["num_gpu_blocks"] == 8
+        adapter.mark_run(REQUESTS, unpressured=False)
+        stormy = adapter.generate(REQUESTS, pressured)
+        assert not any("waves" in e for e in stormy.evidence), "the same requests under pressure go all at once"
+        # a pressured run gets exactly its pool: a larger one is another launch
+        adapter.generate(REQUESTS, Knobs(block_size=16, num_gpu_blocks=12))
+        assert adapter.process is not server and not group_alive(server.pgid), "one server at a time"
+    finally:
+        adapter.close()
+
+
+@pytest.mark.server
+def test_a_check_whose_behaviour_knobs_differ_never_runs_on_anothers_server(model_dir, tmp_path):
+    adapter = _adapter(model_dir, tmp_path)
+    try:
+        adapter.generate(REQUESTS, Knobs(block_size=16, num_gpu_blocks=8))
+        plain = adapter.process
+        for other in (Knobs(enable_prefix_caching=True), Knobs(scheduling_policy="priority"),
+                      Knobs(max_num_seqs=2), Knobs(block_size=32, num_gpu_blocks=4)):
+            adapter.mark_run(REQUESTS, unpressured=True)
+            knobs = Knobs(block_size=16, num_gpu_blocks=400).merged(other)
+            result = adapter.generate(REQUESTS, knobs)
+            assert adapter.process is not plain, f"{other}: another behaviour, another server"
+            assert any("served by a server launched with" in e for e in result.evidence), result.evidence
+            # its own launch: the pool a pressured run of these requests gets (the largest twice), in waves
+            argv = Path(adapter.logs[-1]).read_text().splitlines()[0].split()
+            assert argv[argv.index("--num-gpu-blocks-override") + 1] == ("6" if "block_size" not in
+                                                                         other.as_dict() else "3")
+            plain = adapter.process
+        # a launch the server is to refuse (a check of its refusal) keeps the pool it asked for
+        adapter.mark_run(REQUESTS, unpressured=True)
+        adapter.generate(REQUESTS, Knobs(block_size=16, num_gpu_blocks=400, max_num_seqs=0))
+        argv = Path(adapter.logs[-1]).read_text().splitlines()[0].split()
+        assert argv[argv.index("--num-gpu-blocks-override") + 1] == "400"
+        # defaults are stated on every launch: asking for one explicitly is the same launch as leaving it unset
+        assert adapter.launch_key(Knobs(enable_prefix_caching=False)) == adapter.launch_key(Knobs())
+        assert "--no-enable-prefix-caching" in adapter.launch_key(Knobs())
+    finally:
+        adapter.close()
+
+
+@pytest.mark.server
+def test_an_unpressured_run_the_running_pool_cannot_hold_gets_its_own_launch(model_dir, tmp_path):
+    adapter = _adapter(model_dir, tmp_path)
+    try:
+        adapter.generate(REQUESTS, Knobs(block_size=16, num_gpu_blocks=3))  # one request at a time
+        small = adapter.process
+        big = [GenRequest("big", [5] * 100, 8)]  # 7 blocks: the running pool cannot take it
+        adapter.mark_run(big, unpressured=True)
+        adapter.generate(big, Knobs(block_size=16, num_gpu_blocks=400))
+        assert adapter.process is not small
+    finally:
+        adapter.close()
+
+
+def test_vllm_keeps_one_server_at_a_time_by_default(model_dir):
+    if sys.platform != "linux":
+        pytest.skip("vLLM's preset is located on Linux only")
+    from kvbench.engines.http.server import ONE_AT_A_TIME
+
+    assert "vllm" in ONE_AT_A_TIME
+    assert ServerAdapter.starts_fresh({"preset": "vllm"}) and not ServerAdapter.starts_fresh({"preset": "reference"})
+    assert ServerAdapter.starts_fresh({"preset": "reference", "cmd": STUB})
+
+
+@pytest.mark.server
+def test_knob_sets_that_differ_only_in_what_the_preset_fixes_share_a_launch(model_dir, tmp_path):
+    """vLLM always preempts by recompute (no flag): a run asking for it and one saying nothing launch the same
+    command, so whichever started the server, the other finds recompute declared on it instead of skipping."""
+    adapter = ServerAdapter(model_dir, {"preset": "vllm", "cmd": STUB, "log_dir": str(tmp_path), "keep_servers": "1"})
+    # prefix caching off: the stub takes no cache_salt, so a caching stub would never be reused (it carries state)
+    pool = Knobs(block_size=16, num_gpu_blocks=8, max_model_len=48, enable_prefix_caching=False)
+    try:
+        adapter.generate(REQUESTS, pool)
+        first = adapter.process
+        try:
+            adapter.generate(REQUESTS, pool.merged(Knobs(preemption_mode="recompute")))
+        except KnobsNotSettable as e:  # a skip would hide it: on vLLM two checks went skipped so
+            pytest.fail(f"the shared launch does not declare what the preset fixes: {e}")
+        assert adapter.process is first and len(adapter.logs) == 1
+    finally:
+        adapter.close()
