@@ -13,7 +13,7 @@ python3 -m pip install --quiet --disable-pip-version-check ${constraints:+-c "$c
 # Real peers, each in its own environment, made once per machine (scripts/peers.sh): the test command runs a
 # conformance subset against vLLM's CPU build where the platform allows it (Linux x86_64 with AVX2), and against
 # llama.cpp's llama-server, built from the llama-cpp-python source distribution where cmake and a C++ compiler are
-# (the first build: about 25 minutes on 2 cores; skipped afterwards).
+# (the first build: 17 to 22 minutes on a busy 2-core machine, about 15 minutes of CPU; skipped afterwards).
 # KVBENCH_PEERS= (empty) makes none; a peer that cannot be made here is said, and its tests skip saying why.
 for peer in ${KVBENCH_PEERS-vllm llamacpp}; do
   bash scripts/peers.sh "$peer" || echo "bootstrap: peer $peer not made; its tests will be skipped" >&2

@@ -131,7 +131,11 @@ def pool_knobs(budget: KVBudget, layout: KVLayout = ANY_LAYOUT, block_size: int 
     ``block_size`` asks for a size (rounded up to one the engine takes)."""
     size = layout.block_size(block_size)
     largest_blocks = math.ceil(budget.largest / size)
-    blocks = max(math.ceil(budget.tokens / size), largest_blocks)
+    # an engine whose pool must hold max_model_len keeps one block out of every request's reach (vLLM's null
+    # block) and refuses to start when the rest cannot hold max_model_len: a pool sized by its largest request
+    # gets that block on top
+    held_back = 1 if layout.pool_holds_max_model_len else 0
+    blocks = max(math.ceil(budget.tokens / size), largest_blocks + held_back)
     if layout.slots is not None or layout.pool_multiple > 1:
         blocks = math.ceil(layout.pool_tokens(blocks * size, budget.largest) / size)
     knobs = Knobs(block_size=size, num_gpu_blocks=blocks)

@@ -5,44 +5,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 from kvbench.conformance.block_accounting import StepObserver, blocks_needed, can_observe, observe
-from kvbench.conformance.prove import conformance_requests, pressured_knobs
+from kvbench.conformance.prove import pressured_knobs
 from kvbench.engines.registry import make_adapter, parse_engine_spec
-from kvbench.models.builtin import builtin_checkpoint
 from suites.conformance import test_bad_input, test_block_accounting
+from tests.kvbench import fault_test_fixtures as _shared
 from tests.kvbench.test_checks_can_fail import assert_fails, faulty
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    from kvbench.bench.threads import pinned_torch_threads
-
-    with pinned_torch_threads("quick") as threads:
-        yield threads
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(builtin_checkpoint("tiny"))
-
-
-@pytest.fixture(scope="module")
-def requests_greedy(model_dir):
-    return conformance_requests(model_dir)
-
-
-@pytest.fixture(scope="module")
-def truth_engine(model_dir):
-    adapter = make_adapter(parse_engine_spec("hf"), model_dir)
-    yield adapter
-    adapter.close()
-
-
-@pytest.fixture(scope="module")
-def truth(truth_engine, requests_greedy):
-    return truth_engine.generate(requests_greedy)
+# the shared fixtures (tests/kvbench/fault_test_fixtures.py), bound here so that pytest finds them for this module
+model_dir = _shared.model_dir
+one_torch_thread = _shared.one_torch_thread
+requests_greedy = _shared.requests_greedy
+truth = _shared.truth
+truth_engine = _shared.truth_engine
 
 
 def _check_args(engine, requests_greedy, truth, truth_engine) -> dict:

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 from _pytest.outcomes import Failed, Skipped
 
-from kvbench.conformance.prove import conformance_requests, near_tie_tolerance
+from kvbench.conformance.prove import near_tie_tolerance
 from kvbench.core.liveness import DriverWatchdog, Liveness, LivenessError, Watchdog
 from kvbench.engines.registry import make_adapter, parse_engine_spec
-from kvbench.models.builtin import builtin_checkpoint
 from suites.conformance import (
     test_admission,
     test_bad_input,
@@ -29,42 +28,17 @@ from suites.conformance import (
     test_stop_conditions,
     test_victim,
 )
+from tests.kvbench import fault_test_fixtures as _shared
+
+# the shared fixtures (tests/kvbench/fault_test_fixtures.py), bound here so that pytest finds them for this module
+one_torch_thread = _shared.one_torch_thread
+model_dir = _shared.model_dir
+requests_greedy = _shared.requests_greedy
+truth_engine = _shared.truth_engine
+truth = _shared.truth
+
 
 FAULTY = "kvbench.conformance.faults:FaultyReferenceAdapter"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The benchmarks' thread policy (kvbench.bench.threads: one thread on CPU unless
-    KVBENCH_TORCH_THREADS says otherwise). With torch's default of one thread per core, OpenMP threads
-    spinning on the tiny model's small matrices cost this file 175 s of CPU on a loaded 2-core machine;
-    the tokens do not depend on it (the ground truth runs under the same pin)."""
-    from kvbench.bench.threads import pinned_torch_threads
-
-    with pinned_torch_threads("quick") as threads:
-        yield threads
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(builtin_checkpoint("tiny"))
-
-
-@pytest.fixture(scope="module")
-def requests_greedy(model_dir):
-    return conformance_requests(model_dir)
-
-
-@pytest.fixture(scope="module")
-def truth_engine(model_dir):
-    adapter = make_adapter(parse_engine_spec("hf"), model_dir)
-    yield adapter
-    adapter.close()
-
-
-@pytest.fixture(scope="module")
-def truth(truth_engine, requests_greedy):
-    return truth_engine.generate(requests_greedy)
 
 
 def faulty(fault: str, model_dir: str, **options: str):

@@ -16,42 +16,19 @@ from typing import Any
 import pytest
 from _pytest.outcomes import Failed, Skipped
 
-from kvbench.conformance.prove import conformance_requests, near_tie_tolerance
+from kvbench.conformance.prove import near_tie_tolerance
 from kvbench.core.knobs import DEFAULT_KNOBS, Knobs
 from kvbench.engines.base import GenResult
 from kvbench.engines.registry import make_adapter, parse_engine_spec
-from kvbench.models.builtin import builtin_checkpoint
 from suites.conformance import test_kv_full
+from tests.kvbench import fault_test_fixtures as _shared
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    from kvbench.bench.threads import pinned_torch_threads
-
-    with pinned_torch_threads("quick") as threads:
-        yield threads
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(builtin_checkpoint("tiny"))
-
-
-@pytest.fixture(scope="module")
-def requests_greedy(model_dir):
-    return conformance_requests(model_dir)
-
-
-@pytest.fixture(scope="module")
-def truth_engine(model_dir):
-    adapter = make_adapter(parse_engine_spec("hf"), model_dir)
-    yield adapter
-    adapter.close()
-
-
-@pytest.fixture(scope="module")
-def truth(truth_engine, requests_greedy):
-    return truth_engine.generate(requests_greedy)
+# the shared fixtures (tests/kvbench/fault_test_fixtures.py), bound here so that pytest finds them for this module
+model_dir = _shared.model_dir
+one_torch_thread = _shared.one_torch_thread
+requests_greedy = _shared.requests_greedy
+truth = _shared.truth
+truth_engine = _shared.truth_engine
 
 
 @pytest.fixture(scope="module")

@@ -11,36 +11,22 @@ from typing import Any
 import pytest
 from _pytest.outcomes import Failed, Skipped
 
-from kvbench.conformance.prove import conformance_requests
 from kvbench.conformance.user_text import CheckpointText
 from kvbench.conformance.verdict import Undecided
 from kvbench.core.evidence import collecting, proven_of
 from kvbench.engines.registry import make_adapter, parse_engine_spec
-from kvbench.models.builtin import builtin_checkpoint
 from suites.conformance import test_nothing_lost as check6
 from suites.conformance import test_user_view as user_view
+from tests.kvbench import fault_test_fixtures as _shared
+
+# the shared fixtures (tests/kvbench/fault_test_fixtures.py), bound here so that pytest finds them for this module
+model_dir = _shared.model_dir
+one_torch_thread = _shared.one_torch_thread
+requests_greedy = _shared.requests_greedy
+
 
 FAULTY = "kvbench.conformance.faults:FaultyReferenceAdapter"
 FAULTY_SERVER = "kvbench.conformance.faults:FaultyServerAdapter"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The benchmarks' thread policy (one torch thread on CPU), as the suite runs under."""
-    from kvbench.bench.threads import pinned_torch_threads
-
-    with pinned_torch_threads("quick") as threads:
-        yield threads
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(builtin_checkpoint("tiny"))
-
-
-@pytest.fixture(scope="module")
-def requests_greedy(model_dir):
-    return conformance_requests(model_dir)
 
 
 def adapter(spec: str, model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
