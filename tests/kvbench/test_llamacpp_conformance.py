@@ -111,8 +111,11 @@ def test_llamacpp_metrics_feed_the_counter_contract():
 
 # ----------------------------------------------------------------------------------- the peer itself
 #: checks llama.cpp is decided on, chosen to need few server starts (~1 s each) and little time: the prefix-cache
-#: check passes with its hits proven on llama.cpp's own /metrics; the others fail as the shipped expectations pin
-SUBSET = ("unpressured_matches_ground_truth or prefix_caching_equivalence or full_kv_cache or cannot_finish "
+#: check passes with its hits proven on llama.cpp's own /metrics; the others fail as the shipped expectations pin.
+#: Not the full-cache check: whether its 8 requests overlap enough to fill llama.cpp's cache depends on the
+#: machine's load (under the CI's two xdist workers they once did not: undecided, and a pin whose check went
+#: undecided is reported stale), so it is decided in the full suite run, not gated on here
+SUBSET = ("unpressured_matches_ground_truth or prefix_caching_equivalence or cannot_finish "
           "or batch_of_16 or over_long_prompt")
 
 

@@ -196,7 +196,7 @@ class OpenAIAdapter(EngineAdapter):
         self.declared_knobs = {k: parse_knob(k, v) for k, v in self.options.items() if k in _DECLARABLE_KNOBS}
         self.client = self._client(self.options["url"])
         self.evidence: list[str] = []
-        self._marked_runs: list[tuple[frozenset, bool]] = []  # (requests, unpressured) by mark_run, latest last
+        self._marks = RunMarks()
 
     def _client(self, url: str) -> CompletionClient:
         tokenizer = self.options.get("tokenizer") or str(Path(self.model_dir) / "tokenizer.json")
@@ -365,15 +365,10 @@ class OpenAIAdapter(EngineAdapter):
         cannot hold them all at once, :meth:`generate` then sends them in waves whose total KV need fits the
         pool, so nothing needs to be preempted. :func:`~kvbench.conformance.prove.roomy_knobs` marks a run so,
         :func:`~kvbench.conformance.prove.pressured_knobs` the other way; the latest mark wins."""
-        self._marked_runs.append((_request_keys(requests), unpressured))
-        del self._marked_runs[:-_KEPT_MARKS]
+        self._marks.mark(requests, unpressured)
 
     def _is_unpressured(self, requests: Sequence[GenRequest]) -> bool:
-        keys = _request_keys(requests)
-        for marked, unpressured in reversed(self._marked_runs):
-            if keys <= marked:
-                return unpressured
-        return False
+        return self._marks.unpressured(requests)
 
     def waves(self, requests: Sequence[GenRequest]) -> list[list[GenRequest]]:
         """``requests`` in one wave, or, for an unpressured run (:meth:`mark_run`) on a pool that cannot hold
@@ -539,6 +534,25 @@ _KEPT_MARKS = 32
 def _request_keys(requests: Sequence[GenRequest]) -> frozenset:
     """What identifies requests across a check's runs: ids alone do not (every request set numbers from r0000)."""
     return frozenset((r.request_id, hash(tuple(r.prompt_token_ids)), r.max_tokens) for r in requests)
+
+
+class RunMarks:
+    """Which request sets a check said are to run unpressured (``mark_run``), the latest :data:`_KEPT_MARKS`;
+    a run of some of a marked set's requests counts as marked, and the latest mark wins."""
+
+    def __init__(self) -> None:
+        self._marks: list[tuple[frozenset, bool]] = []  # (requests, unpressured), latest last
+
+    def mark(self, requests: Sequence[GenRequest], unpressured: bool) -> None:
+        self._marks.append((_request_keys(requests), unpressured))
+        del self._marks[:-_KEPT_MARKS]
+
+    def unpressured(self, requests: Sequence[GenRequest]) -> bool:
+        keys = _request_keys(requests)
+        for marked, unpressured in reversed(self._marks):
+            if keys <= marked:
+                return unpressured
+        return False
 #: size knobs whose running value serves a check asking for less: a larger host pool takes the same swaps, and
 #: more sequences at once put a pool under at least as much pressure (never in an unpressured run, whose
 #: concurrency a check may count on)

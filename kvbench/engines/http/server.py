@@ -92,7 +92,7 @@ from kvbench.engines.http import llamacpp
 from kvbench.engines.http.openai import (
     KnobsNotSettable,
     OpenAIAdapter,
-    _request_keys,
+    RunMarks,
     check_client_options,
     metrics_interval,
 )
@@ -111,9 +111,6 @@ ONE_AT_A_TIME = frozenset({"vllm"})
 POOL_SIZE_KNOBS = frozenset({"num_gpu_blocks", "max_model_len"})
 #: behaviour knobs a preset may fix (:attr:`Preset.fixed`) that a launched server's client is told it runs
 _FIXED_DECLARED = ("preemption_mode", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy")
-#: marked request sets remembered (:meth:`ServerAdapter.mark_run`; a check marks a set just before its run)
-_KEPT_MARKS = 32
-
 #: options that take one of a few words, the default first
 _CHOICES = {"client_cores": ("auto", "off"), "helper_cores": ("free", "engine")}
 _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect",
@@ -269,7 +266,7 @@ class ServerAdapter(EngineAdapter):
         self.logs: list[str] = []
         default_keep = 1 if self.preset.name in ONE_AT_A_TIME else DEFAULT_KEEP_SERVERS
         self.keep_servers = int(self.options.get("keep_servers", default_keep))
-        self._marked_runs: list[tuple[frozenset, bool]] = []  # (requests, unpressured) by mark_run, latest last
+        self._marks = RunMarks()
         self._launch_log: list[tuple[str, ...]] = []  # launch keys served from, since take_launches()
         self._last_run: tuple[Knobs, OpenAIAdapter] | None = None  # (knobs asked, the server's client) of generate
         #: launch command (port left out) -> the running server started with it, least recently used first
@@ -427,15 +424,10 @@ class ServerAdapter(EngineAdapter):
         """Say whether the next run of ``requests`` is to be unpressured (see the module docstring: where every
         launch is a fresh start, such a run may be served in waves by a server with a smaller pool).
         :func:`~kvbench.conformance.prove.roomy_knobs` marks a run so, ``pressured_knobs`` the other way."""
-        self._marked_runs.append((_request_keys(requests), unpressured))
-        del self._marked_runs[:-_KEPT_MARKS]
+        self._marks.mark(requests, unpressured)
 
     def _is_unpressured(self, requests: Sequence[GenRequest]) -> bool:
-        keys = _request_keys(requests)
-        for marked, unpressured in reversed(self._marked_runs):
-            if keys <= marked:
-                return unpressured
-        return False
+        return self._marks.unpressured(requests)
 
     def _server_for_run(self, knobs: Knobs, requests: Sequence[GenRequest]) -> tuple[OpenAIAdapter, Knobs]:
         """The server for a ``generate`` run of ``requests`` and the knobs to tell it: :meth:`server_for`
