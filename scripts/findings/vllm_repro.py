@@ -22,7 +22,6 @@ findings that reproduced (0 when vLLM has fixed them all).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import re
@@ -162,18 +161,9 @@ FINDINGS: dict[str, Callable[[], bool]] = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=sorted(FINDINGS))
-    args = parser.parse_args()
-    reproduced = 0
-    for name, finding in FINDINGS.items():
-        if args.only and name != args.only:
-            continue
-        print(f"\n== {name}")
-        found = finding()
-        print(f"  -> {'REPRODUCED' if found else 'not reproduced (fixed?)'}")
-        reproduced += bool(found)
-    return reproduced
+    from runner import run_findings  # scripts/findings/runner.py: this script's folder is on sys.path
+
+    return run_findings(__doc__.split("\n\n")[0], FINDINGS)
 
 
 if __name__ == "__main__":
