@@ -58,7 +58,10 @@ def pressured_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], facto
     them, in ``engine``'s terms (``outputs``: see :func:`kv_needs`); ``more`` knobs on top."""
     # sized by what the requests really need (``outputs``), yet the largest must be admitted whatever it
     # turns out to need, so ``largest`` is its max_tokens need
-    budget = replace(pressured(kv_needs(requests, outputs), factor), largest=max(kv_needs(requests), default=1))
+    # roundable: any pool within a factor of two of this one pressures the set as meant, so an engine that starts
+    # afresh per knob set may give several checks one pool (:func:`kvbench.core.kv_budget.shared_pool`)
+    budget = replace(pressured(kv_needs(requests, outputs), factor), largest=max(kv_needs(requests), default=1),
+                     roundable=True)
     knobs = engine.pool_knobs(budget).merged(Knobs(**more))
     _mark_run(engine, requests, unpressured=False)
     return knobs

@@ -98,6 +98,10 @@ class KVBudget:
     largest: int
     #: the pool must hold every request at once (an unpressured run), not only the largest
     holds_all: bool = False
+    #: any pool within a factor of two of ``tokens`` (and holding ``largest``) puts the workload under the pressure
+    #: it is meant for: an engine whose every launch is a fresh start may round it to a pool other runs share
+    #: (:func:`shared_pool`)
+    roundable: bool = False
 
     def __post_init__(self) -> None:
         if self.largest < 1 or self.tokens < 1:
@@ -116,6 +120,30 @@ def pressured(needs: Iterable[int], factor: float = 2.0) -> KVBudget:
     ``needs`` are the requests' token needs (:func:`request_tokens`)."""
     largest = max(needs, default=1)
     return KVBudget(tokens=math.ceil(factor * largest), largest=largest)
+
+
+def shared_pool(budget: KVBudget, layout: KVLayout, block_size: int | None = None,
+                max_len: int | None = None) -> KVBudget:
+    """A :attr:`~KVBudget.roundable` budget rounded to the nearest whole power of two of blocks (within a factor
+    of sqrt(2) of the pool asked: the pressure it was meant to have, give or take), never below what holds the
+    largest request; where the engine's pool must hold ``max_model_len``, ``largest`` raised to all the pool
+    lets a request have (at most ``max_len``, the model's positions), so that ``max_model_len`` depends on the
+    pool alone. Checks whose workloads differ then share one launch of an engine that starts afresh for every
+    knob set (vLLM: half a minute a start on two cores), instead of each starting its own.
+
+    Other budgets are returned unchanged."""
+    if not budget.roundable or budget.holds_all:
+        return budget
+    size = layout.block_size(block_size)
+    held_back = 1 if layout.pool_holds_max_model_len else 0
+    least = math.ceil(budget.largest / size) + held_back
+    blocks = max(least, 2 ** round(math.log2(max(1.0, budget.tokens / size))))
+    if layout.slots is not None or layout.pool_multiple > 1:  # a cache of cells: its own steps round it already
+        return budget
+    largest = budget.largest
+    if layout.pool_holds_max_model_len:
+        largest = max(largest, min((blocks - held_back) * size, max_len or (blocks - held_back) * size))
+    return KVBudget(tokens=blocks * size, largest=largest)
 
 
 def roomy(needs: Iterable[int]) -> KVBudget:

@@ -9,7 +9,11 @@ engine on the same checkpoint is ordered by that plan (:func:`ordered`): the tes
 another, a test that moves from one launch to another comes where its first launch is already up, and a test
 that failed (whose server is then stopped) comes last among its launch's. After each test, a server that no
 later test of the plan needs is stopped (:meth:`ServerAdapter.stop_servers_except`), so with ``keep_servers=1``
-(vLLM's default) each distinct launch starts once, and never two at a time.
+(vLLM's default) each distinct launch starts once; a server of a launch the plan does not know (the checks now
+size their launches otherwise) is kept as ``keep_servers`` allows, never stopped for the plan's sake. And the
+first launch a later test needs that is not up is started ahead (:meth:`ServerAdapter.prestart`), once the test
+just run has launched what the plan said it would: a start overlaps the tests before it. The plan keeps each
+launch's knobs for this.
 
 Stable otherwise: tests of other engines keep their places, and an engine's tests the plan does not know
 (new, or never run) go first, in their order; without a plan nothing moves. The order depends only on the
@@ -34,6 +38,7 @@ from typing import Any
 import pytest
 
 from kvbench.core.cache import cache_root
+from kvbench.core.knobs import Knobs
 from kvbench.engines.registry import EngineSpec, EngineSpecError, adapter_class
 from kvbench.plugin.session import engine_spec_of, is_xdist_worker, session_of
 
@@ -67,11 +72,27 @@ def load_plan(path: Path) -> dict[str, Planned]:
         return {}
 
 
-def save_plan(path: Path, spec: EngineSpec, plan: dict[str, Planned]) -> None:
-    """Write ``plan`` atomically (a concurrent reader sees the old plan or the new one)."""
+def load_launch_knobs(path: Path) -> dict[Key, dict[str, Any]]:
+    """launch key -> the knobs it was launched with, as the plan at ``path`` keeps them ({} when it has none):
+    what a later run gives :meth:`ServerAdapter.prestart <kvbench.engines.http.server.ServerAdapter.prestart>`
+    to start a coming test's server ahead of it."""
+    try:
+        raw = json.loads(path.read_text())
+        return {tuple(entry["launch"]): dict(entry["knobs"]) for entry in raw.get("launch_knobs", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def save_plan(path: Path, spec: EngineSpec, plan: dict[str, Planned],
+              launch_knobs: dict[Key, dict[str, Any]] | None = None) -> None:
+    """Write ``plan`` (and the knobs of its launches) atomically (a concurrent reader sees the old plan or the
+    new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    used = {k for p in plan.values() for k in p.launches}
     body = {"engine": spec.name, "tests": {nodeid: {"launches": [list(k) for k in p.launches], "failed": p.failed}
-                                           for nodeid, p in sorted(plan.items())}}
+                                           for nodeid, p in sorted(plan.items())},
+            "launch_knobs": [{"launch": list(k), "knobs": knobs} for k, knobs in sorted((launch_knobs or {}).items())
+                             if k in used]}
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(body, indent=1))
     tmp.replace(path)
@@ -118,10 +139,13 @@ class LaunchOrder:
         self.recording = not is_xdist_worker(config)
         #: spec name -> (spec, plan path, plan as loaded, this run's records)
         self.engines: dict[str, tuple[EngineSpec, Path, dict[str, Planned], dict[str, Planned]]] = {}
+        #: spec name -> launch key -> its knobs (the plan's, updated by what this run launched)
+        self.launch_knobs: dict[str, dict[Key, dict[str, Any]]] = {}
         for spec in ks.engine_specs:
             if _starts_fresh(spec):
                 path = plan_path(spec, ks.model, ks.engine_specs)
                 self.engines[spec.name] = (spec, path, load_plan(path), {})
+                self.launch_knobs[spec.name] = load_launch_knobs(path)
         self.items: list[pytest.Item] = []
 
     @pytest.hookimpl(trylast=True)
@@ -157,24 +181,49 @@ class LaunchOrder:
         _, _, plan, records = self.engines[name]
         # a test that never reached its engine (skipped first) is recorded too: it launched nothing
         records[item.nodeid] = Planned(take() if take is not None else [], item.stash.get(_FAILED_KEY, False))
+        launched = getattr(engine, "launch_knobs_of", None) or {}
+        self.launch_knobs[name].update({key: knobs.as_dict() for key, knobs in launched.items()})
         self._save(name)  # after every test: a run cut short still leaves the next one its plan so far
         if take is None:
             return
         later = self.items[self.items.index(item) + 1:] if item in self.items else []
-        needed: set[Key] = set()
+        coming: list[Key] = []  # the launches later tests need, in the order they need them
         for other in later:
             if _engine_name(other) != name:
                 continue
             if other.nodeid not in plan:
                 return
-            needed.update(plan[other.nodeid].launches)
-        engine.stop_servers_except(needed)
+            coming += [k for k in plan[other.nodeid].launches if k not in coming]
+        # a server whose launch the plan does not know (the plan predates a change in how a check sizes its
+        # launch) says nothing about later tests: kept, as keep_servers allows, rather than stopped after every test
+        known = {k for p in plan.values() for k in p.launches}
+        live = getattr(engine, "live_launches", None)
+        unknown = {k for k in live() if k not in known} if live is not None else set()
+        engine.stop_servers_except(set(coming) | unknown)
+        if item.nodeid in plan and plan[item.nodeid].launches == records[item.nodeid].launches:
+            self._start_ahead(engine, name, coming)  # only on a plan this test has just confirmed
+
+    def _start_ahead(self, engine: Any, name: str, coming: list[Key]) -> None:
+        """Start the first launch a later test needs that is not up yet (:meth:`ServerAdapter.prestart`), so that
+        it starts while the tests before it run on theirs."""
+        prestart, live = getattr(engine, "prestart", None), getattr(engine, "live_launches", None)
+        if prestart is None or live is None:
+            return
+        up = live()
+        for key in coming:
+            if key in up:
+                continue
+            knobs = self.launch_knobs[name].get(key)
+            if knobs is not None:
+                with contextlib.suppress(ValueError, TypeError):  # a plan from an older kvbench: start it later
+                    prestart(Knobs(**knobs))
+            return
 
     def _save(self, name: str) -> None:
         spec, path, plan, records = self.engines[name]
         # a plan is an optimisation: a run that cannot keep one runs in collection order next time
         with contextlib.suppress(OSError):
-            save_plan(path, spec, {**plan, **records})
+            save_plan(path, spec, {**plan, **records}, self.launch_knobs[name])
 
 
 def _engine_name(item: pytest.Item) -> str | None:

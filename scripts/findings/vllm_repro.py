@@ -18,6 +18,12 @@ findings that reproduced (0 when vLLM has fixed them all).
 3. ``negative_pool_override_misreported`` (error message): ``--num-gpu-blocks-override -1`` passes argument
    parsing and the server dies with "No available memory for the cache blocks. Try increasing
    gpu_memory_utilization", which names neither the flag nor the bad value.
+4. ``max_tokens_cut_to_the_context_left`` (silent truncation): a request whose prompt fits ``--max-model-len`` but
+   whose prompt + ``max_tokens`` does not is accepted, its ``max_tokens`` lowered to the context left
+   (``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``: the minimum of ``max_model_len -
+   input_length`` and the asked ``max_tokens``), and it ends ``finish_reason="length"``, the same reason as a
+   request that got every token it asked for, with no error and no warning in the response: a client learns it
+   got fewer tokens than it asked only by counting them.
 """
 
 from __future__ import annotations
@@ -153,10 +159,32 @@ def negative_pool_override_misreported() -> bool:
         return not any(re.search("num.gpu.blocks", line) for line in said)
 
 
+def max_tokens_cut_to_the_context_left() -> bool:
+    # the conformance check's numbers: a pool of 9 blocks of 32 (one held back as vLLM's null block), so
+    # max_model_len 256; a prompt of three quarters of the pool and max_tokens of half of it
+    prompt, asked = list(range(3, 3 + 216)), 144
+    with vllm_server("--block-size", "32", "--num-gpu-blocks-override", "9", "--max-model-len", "256") as url:
+        got = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": model(), "prompt": prompt, "max_tokens": asked, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}).json()
+    if "choices" not in got:
+        print(f"  refused: {str(got)[:300]}")
+        return False
+    choice = got["choices"][0]
+    tokens = got.get("usage", {}).get("completion_tokens")
+    print(f"  prompt {len(prompt)} tokens, max_tokens {asked}, max_model_len 256: HTTP 200, finish_reason "
+          f"{choice.get('finish_reason')!r}, {tokens} completion tokens, no error")
+    print("  where max_tokens is lowered (vllm/entrypoints/serve/utils/api_utils.py, get_max_tokens):")
+    source = vllm_source("vllm.entrypoints.serve.utils.api_utils", "get_max_tokens")
+    print("    " + "\n    ".join(source.splitlines()[:34]))
+    return choice.get("finish_reason") == "length" and tokens is not None and tokens < asked
+
+
 FINDINGS: dict[str, Callable[[], bool]] = {
     "client_abort_not_counted": client_abort_not_counted,
     "resume_hits_not_exported": resume_hits_not_exported,
     "negative_pool_override_misreported": negative_pool_override_misreported,
+    "max_tokens_cut_to_the_context_left": max_tokens_cut_to_the_context_left,
 }
 
 

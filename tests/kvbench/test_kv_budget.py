@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbench.core.knobs import Knobs
-from kvbench.core.kv_budget import ANY_LAYOUT, KVBudget, KVLayout, in_engine_terms, pool_knobs, pressured, roomy
+from kvbench.core.kv_budget import (
+    ANY_LAYOUT,
+    KVBudget,
+    KVLayout,
+    in_engine_terms,
+    pool_knobs,
+    pressured,
+    roomy,
+    shared_pool,
+)
 from kvbench.engines.http.presets import VLLM_CPU_LAYOUT, VLLM_GPU_LAYOUT
 
 
@@ -108,3 +119,42 @@ def test_a_running_servers_pool_is_used_as_it_stands_or_the_check_skips(monkeypa
     with pytest.raises(KnobsNotSettable, match="cannot hold this check's largest request"):
         adapter.pool_knobs(KVBudget(tokens=900, largest=450))
     assert adapter.pool_knobs(roomy([100, 150, 120])) == Knobs(block_size=16, num_gpu_blocks=24)
+
+
+def test_pressured_pools_of_different_workloads_round_to_one_shared_pool() -> None:
+    """On an engine that starts afresh per knob set, checks whose workloads differ a little share one launch:
+    their pressured pools round to the same power of two of blocks, and max_model_len follows the pool alone."""
+    sizes = {}
+    for needs in ([35, 189], [120, 240], [300, 288]):  # 378, 480 and 600 tokens asked: 12, 15 and 19 blocks of 32
+        budget = replace(pressured(needs), roundable=True)
+        knobs = pool_knobs(shared_pool(budget, VLLM_CPU_LAYOUT, max_len=1024), VLLM_CPU_LAYOUT)
+        sizes[knobs.num_gpu_blocks, knobs.max_model_len] = needs
+        assert knobs.max_model_len >= max(needs)  # every request still fits
+    assert list(sizes) == [(16, 480)]
+
+
+@given(tokens=st.integers(1, 50_000), largest=st.integers(1, 5_000), holds=st.booleans(),
+       max_len=st.one_of(st.none(), st.integers(1, 8_192)))
+def test_a_shared_pool_keeps_the_pressure_within_a_factor_of_sqrt_two(tokens, largest, holds, max_len) -> None:
+    layout = KVLayout(block_multiple=32, preferred_block_size=32, pool_holds_max_model_len=holds)
+    asked = KVBudget(tokens, largest, roundable=True)
+    shared = shared_pool(asked, layout, max_len=max_len)
+    knobs = pool_knobs(shared, layout)
+    pool = knobs.block_size * knobs.num_gpu_blocks
+    held_back = 32 if holds else 0
+    assert pool >= largest + held_back or pool >= -(-largest // 32) * 32 + held_back  # the largest still runs
+    exact = pool_knobs(replace(asked, roundable=False), layout)
+    if pool > exact.block_size * exact.num_gpu_blocks:  # rounded up: never more than sqrt(2) the pool asked
+        assert pool <= 2 ** 0.5 * max(tokens, 32) + 32
+    if holds:
+        assert largest <= knobs.max_model_len <= pool - 32
+
+
+def test_only_roundable_pressured_budgets_are_rounded() -> None:
+    exact = KVBudget(tokens=9 * 32, largest=8 * 32)  # a check that sized its pool on purpose (a whole-pool request)
+    assert shared_pool(exact, VLLM_CPU_LAYOUT) == exact
+    roomy_budget = replace(roomy([100, 200]), roundable=True)
+    assert shared_pool(roomy_budget, VLLM_CPU_LAYOUT) == roomy_budget
+    cells = KVLayout(only_block_size=1, pool_multiple=256, slots="unified")  # llama.cpp rounds its own cells
+    rounded = KVBudget(tokens=700, largest=300, roundable=True)
+    assert shared_pool(rounded, cells) == rounded

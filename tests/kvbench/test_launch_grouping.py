@@ -51,13 +51,16 @@ def test_a_test_moving_between_launches_brings_up_the_launch_the_next_tests_shar
 # ------------------------------------------------------------------------------ N checks, K launches
 
 CHECKS = """
+import os
 import pytest
 from kvbench.engines.base import GenRequest, Knobs
 
 R = [GenRequest("r", [3, 4], 2)]
+SHIFT = int(os.environ.get("POOL_SHIFT", "0"))  # another sizing of every check's pool: a plan gone stale
 
 @pytest.mark.parametrize("blocks", [24, 48, 24, 96, 48, 24], ids=["c1", "c2", "c3", "c4", "c5", "c6"])
 def test_check(engine, blocks):
+    blocks += SHIFT
     result = engine.generate(R, Knobs(block_size=16, num_gpu_blocks=blocks))
     assert result.counters.get("num_gpu_blocks", blocks) == blocks, "the check ran on a server of its own pool"
 """
@@ -96,6 +99,31 @@ def test_n_checks_with_k_distinct_launches_start_k_servers_in_order(pytester: py
     assert second_pools == ["24", "48", "96"], "one server per distinct launch, in the order the plan groups them"
     assert second_order == ["c1", "c3", "c6", "c2", "c5", "c4"]
     assert list(Path(tmp_path / "cache" / "launch-plans").glob("*.json")), "the plan is kept in $KVBENCH_CACHE"
+
+
+@pytest.mark.server
+def test_a_stale_plan_never_stops_a_server_it_does_not_know_and_starts_nothing_ahead(
+        pytester: pytest.Pytester, model_dir: str, tmp_path: Path, monkeypatch):
+    """After the checks change how they size their pools, the plan names launches no test makes any more: the
+    run is still ordered by it (each old launch's checks together), and the servers of the new launches, which
+    the plan does not know, are kept between the checks that share them, not stopped after each; nothing is
+    started ahead from a plan the run does not confirm. The run after that, on its fresh plan, starts each launch
+    once again."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    pytester.makepyfile(test_checks=CHECKS)
+    logs = tmp_path / "logs"
+    engine = f"server:preset=reference,cmd={STUB},keep_servers=1,log_dir={logs}"
+    pools = []
+    for shift in ("0", "0", "8", "8"):
+        monkeypatch.setenv("POOL_SHIFT", shift)
+        shutil.rmtree(logs, ignore_errors=True)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--engine", engine,
+                                               "--kvbench-model", model_dir, "--report-dir", str(tmp_path / "r"))
+        result.assert_outcomes(passed=6)
+        pools.append(_launches(logs))
+    assert pools[1] == ["24", "48", "96"]
+    assert pools[2] == ["32", "56", "104"], "the stale plan's groups hold: no server of an unknown launch stopped"
+    assert pools[3] == ["32", "56", "104"]
 
 
 @pytest.mark.server
@@ -160,16 +188,17 @@ def test_a_check_whose_behaviour_knobs_differ_never_runs_on_anothers_server(mode
         adapter.generate(REQUESTS, Knobs(block_size=16, num_gpu_blocks=8))
         plain = adapter.process
         for other in (Knobs(enable_prefix_caching=True), Knobs(scheduling_policy="priority"),
-                      Knobs(max_num_seqs=2), Knobs(block_size=32, num_gpu_blocks=4)):
+                      Knobs(max_num_seqs=2), Knobs(block_size=32, num_gpu_blocks=200)):
             adapter.mark_run(REQUESTS, unpressured=True)
             knobs = Knobs(block_size=16, num_gpu_blocks=400).merged(other)
             result = adapter.generate(REQUESTS, knobs)
             assert adapter.process is not plain, f"{other}: another behaviour, another server"
             assert any("served by a server launched with" in e for e in result.evidence), result.evidence
-            # its own launch: the pool a pressured run of these requests gets (the largest twice), in waves
+            # its own launch: the pool a pressured run of these requests gets (the largest twice: 6 blocks of 16,
+            # 3 of 32), rounded to the power of two of blocks pressured checks share, in waves
             argv = Path(adapter.logs[-1]).read_text().splitlines()[0].split()
-            assert argv[argv.index("--num-gpu-blocks-override") + 1] == ("6" if "block_size" not in
-                                                                         other.as_dict() else "3")
+            assert argv[argv.index("--num-gpu-blocks-override") + 1] == ("8" if "block_size" not in
+                                                                         other.as_dict() else "4")
             plain = adapter.process
         # a launch the server is to refuse (a check of its refusal) keeps the pool it asked for
         adapter.mark_run(REQUESTS, unpressured=True)
@@ -224,3 +253,29 @@ def test_knob_sets_that_differ_only_in_what_the_preset_fixes_share_a_launch(mode
         assert adapter.process is first and len(adapter.logs) == 1
     finally:
         adapter.close()
+
+
+@pytest.mark.server
+def test_a_server_started_ahead_serves_the_run_that_needs_it_and_is_stopped_when_none_does(model_dir, tmp_path):
+    """``prestart`` starts the launch a coming run needs while another serves; that run waits for it instead of
+    starting its own; a server started ahead that no later test needs is stopped with its process group."""
+    adapter = _adapter(model_dir, tmp_path)
+    first, coming = Knobs(block_size=16, num_gpu_blocks=8), Knobs(block_size=16, num_gpu_blocks=12)
+    try:
+        adapter.generate(REQUESTS, first)
+        running = adapter.process
+        assert adapter.prestart(coming) and adapter.launch_key(coming) in adapter.live_launches()
+        assert not adapter.prestart(Knobs(block_size=16, num_gpu_blocks=16)), "one server ahead at a time"
+        assert adapter.launch_key(first) in adapter.live_launches()
+        assert len(adapter.logs) == 2 and running.running(), "started beside the running one"
+        result = adapter.generate(REQUESTS, coming)
+        assert len(adapter.logs) == 2, "the run waited for the server started ahead instead of starting another"
+        assert result.counters["num_gpu_blocks"] == 12
+        assert not group_alive(running.pgid), "one server kept (keep_servers=1) once the new one serves"
+        assert adapter.prestart(first)
+        ahead = adapter._starting[adapter.launch_key(first)].server
+        adapter.stop_servers_except([adapter.launch_key(coming)])
+        assert not group_alive(ahead.pgid) and adapter.live_launches() == {adapter.launch_key(coming)}
+    finally:
+        adapter.close()
+    assert not adapter.live_launches()

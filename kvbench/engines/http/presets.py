@@ -40,7 +40,7 @@ Flag names were checked against each server's own documentation or ``--help``:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,6 +227,53 @@ def vllm_cpu_settings(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     flags = ["--dtype", "float32", "--enforce-eager", "--enable-prompt-tokens-details"]
     return flags, {"VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    "VLLM_SERVER_DEV_MODE": env.get("VLLM_SERVER_DEV_MODE", "1")}
+
+
+#: what option ``preload`` of preset=vllm may name (``+``-joined): the libraries vLLM's CPU installation page asks
+#: to have in ``LD_PRELOAD`` for its best performance ("set LD_PRELOAD": TCMalloc, and Intel OpenMP on x86)
+VLLM_PRELOADS = {
+    "tcmalloc": (("libtcmalloc_minimal.so*", "libtcmalloc.so*"),
+                 "apt-get install libtcmalloc-minimal4 (or the vLLM wheel's bundled vllm/libs copy)"),
+    "iomp": (("libiomp5.so",), "pip install intel-openmp in vLLM's environment"),
+}
+#: the system's library folders searched after vLLM's own environment
+SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                   "/usr/local/lib")
+
+
+def preload_names(choice: str) -> list[str]:
+    """The libraries option ``preload`` names; ValueError naming the option for an unknown one."""
+    names = [n for n in choice.split("+") if n]
+    if not names or any(n not in VLLM_PRELOADS for n in names):
+        raise ValueError(f"option preload={choice!r}: expected {' or '.join(VLLM_PRELOADS)} (or both joined by +)")
+    return names
+
+
+def vllm_preload(choice: str, vllm_prefix: str | None, lib_dirs: Sequence[str] = SYSTEM_LIB_DIRS) -> str:
+    """The ``LD_PRELOAD`` value for option ``preload`` (``tcmalloc``, ``iomp`` or ``tcmalloc+iomp``): each
+    library's first file found in vLLM's environment (``vllm_prefix``: its ``lib`` folder and the vllm
+    package's bundled ``libs``), then in ``lib_dirs``. ValueError naming the option for an unknown name, and
+    for a library found nowhere, saying how to install it.
+
+    vLLM 0.32 preloads PyTorch's GNU OpenMP itself unless an OpenMP is in ``LD_PRELOAD`` already, and its
+    bundled TCMalloc where the wheel ships one; its CPU worker warns when either library is missing."""
+    import glob
+    from pathlib import Path
+
+    names = preload_names(choice)
+    dirs = []
+    if vllm_prefix:
+        prefix = Path(vllm_prefix)
+        dirs += [str(prefix / "lib"), *glob.glob(str(prefix / "lib" / "python3*" / "site-packages" / "vllm" / "libs"))]
+    dirs += list(lib_dirs)
+    found = []
+    for name in names:
+        patterns, how = VLLM_PRELOADS[name]
+        hits = [hit for d in dirs for pattern in patterns for hit in sorted(glob.glob(str(Path(d) / pattern)))]
+        if not hits:
+            raise ValueError(f"option preload: no {name} library ({', '.join(patterns)}) in {', '.join(dirs)}: {how}")
+        found.append(hits[0])
+    return ":".join(found)
 
 
 VLLM = Preset(

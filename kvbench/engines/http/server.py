@@ -65,6 +65,7 @@ fresh temporary directory); its path is in the run's evidence.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shlex
@@ -72,12 +73,12 @@ import sys
 import tempfile
 from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvbench.core.kv_budget import KVBudget, pressured, request_tokens, shared_pool
 from kvbench.core.kv_budget import pool_knobs as layout_pool_knobs
-from kvbench.core.kv_budget import pressured, request_tokens
 from kvbench.core.trace import TraceRecorder
 from kvbench.engines.base import (
     DEFAULT_KNOBS,
@@ -96,7 +97,15 @@ from kvbench.engines.http.openai import (
     check_client_options,
     metrics_interval,
 )
-from kvbench.engines.http.presets import CUSTOM, PRESETS, VLLM_CPU_LAYOUT, Preset, vllm_cpu_settings
+from kvbench.engines.http.presets import (
+    CUSTOM,
+    PRESETS,
+    VLLM_CPU_LAYOUT,
+    Preset,
+    preload_names,
+    vllm_cpu_settings,
+    vllm_preload,
+)
 from kvbench.launch.peers import PeerMissing, VllmInstall, find_vllm
 from kvbench.launch.placement import helpers_onto_engine_cores, off_the_engine_cores
 from kvbench.launch.process import ServerProcess, free_port, stop_servers
@@ -139,6 +148,15 @@ class _Launched:
         return bool(caching) and not self.remote.takes_cache_salt()
 
 
+@dataclass
+class _Starting:
+    """A server started ahead of the run that needs it (:meth:`ServerAdapter.prestart`), not yet known healthy."""
+
+    server: ServerProcess
+    port: int
+    wanted: dict[str, Any]
+
+
 class ServerAdapter(EngineAdapter):
     """A server kvbench launches per knob set, from a preset or a command template."""
 
@@ -174,6 +192,9 @@ class ServerAdapter(EngineAdapter):
                     "$KVBENCH_LLAMACPP, then the recorded build, then llama-server on PATH)",
         "dtype": "preset=llamacpp: float32 (default), float16 or bfloat16: the GGUF the checkpoint is converted to, "
                  "and the KV cache type",
+        "preload": "preset=vllm: tcmalloc, iomp or tcmalloc+iomp: put in the launched vLLM's LD_PRELOAD, as vLLM's "
+                   "CPU installation page asks for its best performance (found in vLLM's environment, then the "
+                   "system's library folders; kvbench.engines.http.presets.vllm_preload)",
         "fault": "preset=vllm: a fault patched into the launched vLLM's engine, to show a check failing on it "
                  f"(kvbench.launch.vllm_faults), one of: {', '.join(VLLM_FAULTS)}",
     }
@@ -197,8 +218,14 @@ class ServerAdapter(EngineAdapter):
             if options.get(key, choices[0]) not in choices:
                 raise ValueError(f"engine {cls.kind!r}: option {key} must be {' or '.join(choices)}, "
                                  f"got {options[key]!r}")
-        if "vllm" in options and preset_name != "vllm":
-            raise ValueError(f"engine {cls.kind!r}: option vllm is for preset=vllm")
+        for key in ("vllm", "preload"):
+            if key in options and preset_name != "vllm":
+                raise ValueError(f"engine {cls.kind!r}: option {key} is for preset=vllm")
+        if "preload" in options:
+            try:
+                preload_names(options["preload"])
+            except ValueError as e:
+                raise ValueError(f"engine {cls.kind!r}: {e}") from None
         for key in ("llamacpp", "dtype"):
             if key in options and preset_name != "llamacpp":
                 raise ValueError(f"engine {cls.kind!r}: option {key} is for preset=llamacpp")
@@ -271,6 +298,10 @@ class ServerAdapter(EngineAdapter):
         self._last_run: tuple[Knobs, OpenAIAdapter] | None = None  # (knobs asked, the server's client) of generate
         #: launch command (port left out) -> the running server started with it, least recently used first
         self._launched: OrderedDict[tuple[str, ...], _Launched] = OrderedDict()
+        #: launch command -> a server started ahead of the run that will need it (:meth:`prestart`), not yet healthy
+        self._starting: dict[tuple[str, ...], _Starting] = {}
+        #: launch command -> the knobs it was launched with (what :meth:`prestart` is later given back for it)
+        self.launch_knobs_of: dict[tuple[str, ...], Knobs] = {}
         self._server: ServerProcess | None = None  # the latest one started or reused
         self.reconfigures = 0  # knob sets given to a running server in place of a new one
         #: why the latest reconfigures were refused (a fresh start followed each)
@@ -288,6 +319,27 @@ class ServerAdapter(EngineAdapter):
             flags, env = vllm_cpu_settings(dict(os.environ))
             self.extra = [*flags, *self.extra]  # the user's args= come later and win
             self.env_overrides.update(env)
+        if "preload" in self.options:  # in the launch key too: a preloaded server is never reused for a plain run
+            try:
+                libs = vllm_preload(self.options["preload"], str(Path(self.vllm.launcher[0]).parent.parent))
+            except ValueError as e:
+                raise EngineUnavailable(f"engine {self.kind!r}: {e}") from None
+            self.env_overrides["LD_PRELOAD"] = ":".join(x for x in (libs, os.environ.get("LD_PRELOAD")) if x)
+
+    def pool_knobs(self, budget: KVBudget, block_size: int | None = None) -> Knobs:
+        """As any engine's, except that where every launch is a fresh start a pressured budget that allows it
+        (:attr:`KVBudget.roundable`) gets a pool other checks' budgets round to as well
+        (:func:`kvbench.core.kv_budget.shared_pool`): the checks then share launches."""
+        if not self.reconfigurable:
+            budget = shared_pool(budget, self.kv_layout, block_size, max_len=self._model_positions())
+        return super().pool_knobs(budget, block_size)
+
+    def _model_positions(self) -> int | None:
+        """The checkpoint's ``max_position_embeddings`` (a longer ``max_model_len`` is refused), None if unknown."""
+        try:
+            return int(json.loads((Path(self.model_dir) / "config.json").read_text())["max_position_embeddings"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def family(self) -> str:
         return self.preset.name if self.preset is not CUSTOM else self.kind
@@ -388,7 +440,18 @@ class ServerAdapter(EngineAdapter):
         # before the start, so that no more than keep_servers run even while the new one starts
         self._stop([k for k, v in self._launched.items() if k == key or v.carries_state])
         self._stop(list(self._launched)[:len(self._launched) - (self.keep_servers - 1)])
-        wanted = knobs.as_dict()
+        starting = self._starting.pop(key, None) or self._start(key, knobs)
+        server, port = starting.server, starting.port
+        self._server = server
+        server.wait_healthy(f"http://127.0.0.1:{port}", self.startup_timeout)
+        remote = self._remote(port, starting.wanted)
+        self._launched[key] = _Launched(server, remote, starting.wanted, port,
+                                        defaults=dict(self.preset.server_defaults))
+        self._stop(list(self._launched)[:-self.keep_servers])  # least recently used first
+        return remote
+
+    def _start(self, key: tuple[str, ...], knobs: Knobs) -> _Starting:
+        """Start the server of launch ``key`` for ``knobs`` (as :meth:`launch_knobs` states them), not waiting."""
         port = free_port()
         argv = self.argv(knobs, port)
         log = self.log_dir / f"{self.preset.name}-{len(self.logs) + 1:03d}-port{port}.log"
@@ -396,13 +459,25 @@ class ServerAdapter(EngineAdapter):
         server = ServerProcess(argv, log, env={k: v for k, v in env.items() if v is not None})
         self.logs.append(str(log))
         server.start()
-        self._server = server
-        server.wait_healthy(f"http://127.0.0.1:{port}", self.startup_timeout)
-        remote = self._remote(port, wanted)
-        self._launched[key] = _Launched(server, remote, wanted, port,
-                                        defaults=dict(self.preset.server_defaults))
-        self._stop(list(self._launched)[:-self.keep_servers])  # least recently used first
-        return remote
+        self.launch_knobs_of[key] = knobs
+        return _Starting(server, port, knobs.as_dict())
+
+    def prestart(self, knobs: Knobs) -> bool:
+        """Start the server a coming run of ``knobs`` will need, without waiting for it, while the current one
+        serves: a start is mostly the new processes' imports, on a core the running server leaves idle between
+        its runs. Only where every launch is a fresh start (:attr:`reconfigurable` is false) and nothing of that
+        launch is running or starting; at most one server starts ahead. The run that needs it waits for it as for
+        any start (a server that fails to start fails that run, with its log, as it would have then).
+        Returns whether one was started."""
+        if self.reconfigurable or self._starting:
+            return False
+        knobs = self.launch_knobs(knobs)
+        key = self.launch_key(knobs)
+        launched = self._launched.get(key)
+        if launched is not None and launched.server.running() and not launched.carries_state:
+            return False
+        self._starting[key] = self._start(key, knobs)
+        return True
 
     # --- launches serving more than one run (every launch a fresh start)
 
@@ -416,9 +491,15 @@ class ServerAdapter(EngineAdapter):
         taken, self._launch_log = self._launch_log, []
         return taken
 
+    def live_launches(self) -> set[tuple[str, ...]]:
+        """The launch keys of the servers running (healthy, reusable) or starting ahead."""
+        running = {k for k, v in self._launched.items() if v.server.running() and not v.carries_state}
+        return running | set(self._starting)
+
     def stop_servers_except(self, keep: Collection[tuple[str, ...]]) -> None:
-        """Stop every running server whose launch key is not in ``keep`` (no later test needs it)."""
+        """Stop every running or starting server whose launch key is not in ``keep`` (no later test needs it)."""
         self._stop([k for k in self._launched if k not in keep])
+        stop_servers([self._starting.pop(k).server for k in [k for k in self._starting if k not in keep]])
 
     def mark_run(self, requests: Sequence[GenRequest], *, unpressured: bool) -> None:
         """Say whether the next run of ``requests`` is to be unpressured (see the module docstring: where every
@@ -471,14 +552,21 @@ class ServerAdapter(EngineAdapter):
 
     def _wave_pool(self, knobs: Knobs, needs: Sequence[int]) -> Knobs:
         """``knobs`` with the pool a pressured run of requests of these ``needs`` gets (the largest twice,
-        :func:`kvbench.core.kv_budget.pressured`) where that is smaller than the pool asked for; ``max_model_len``
-        stays as asked."""
-        if knobs.num_gpu_blocks is None or not _plausible(knobs, self.kv_layout):
+        :func:`kvbench.core.kv_budget.pressured`, rounded as :meth:`pool_knobs` rounds it, so that the unpressured
+        and the pressured run of one check share a launch) where that is smaller than the pool asked for.
+        ``max_model_len`` stays as asked where the check chose it; where it is only the largest request's own
+        (what :func:`~kvbench.core.kv_budget.pool_knobs` derives), it becomes the rounded pool's."""
+        if knobs.num_gpu_blocks is None or not _plausible(knobs, self.kv_layout) or not needs:
             return knobs  # a launch the server is to refuse is one a check of its refusal needs exactly as asked
-        pool = layout_pool_knobs(pressured(needs), self.kv_layout, knobs.block_size)
+        budget = replace(pressured(needs), roundable=True)
+        pool = self.pool_knobs(budget, knobs.block_size)
         if pool.num_gpu_blocks is None or pool.num_gpu_blocks >= knobs.num_gpu_blocks:
             return knobs
-        return knobs.merged(Knobs(num_gpu_blocks=pool.num_gpu_blocks))
+        smaller = Knobs(num_gpu_blocks=pool.num_gpu_blocks)
+        derived = layout_pool_knobs(replace(budget, roundable=False), self.kv_layout, knobs.block_size).max_model_len
+        if pool.max_model_len is not None and knobs.max_model_len == derived:
+            smaller = smaller.merged(Knobs(max_model_len=pool.max_model_len))
+        return knobs.merged(smaller)
 
     def _remote(self, port: int, wanted: dict[str, Any]) -> OpenAIAdapter:
         """The client adapter for the server on ``port`` running the knobs ``wanted``."""
@@ -527,6 +615,16 @@ class ServerAdapter(EngineAdapter):
         self.reconfigures += 1
         return launched.remote
 
+    def running_launch(self, knobs: Knobs) -> tuple[list[str], OpenAIAdapter] | None:
+        """The launch command (with its port) and the client of the running server kept for ``knobs`` (as
+        :meth:`server_for` finds it), or None where none runs: the server that just served a run of ``knobs``.
+        Unlike :meth:`server_for` it starts, stops and reconfigures nothing, so reading what served a run never
+        launches another server (a prefix-caching one without a salt is never reused: asking it anew would)."""
+        launched = self._launched.get(self.launch_key(self.launch_knobs(self.knobs_for(knobs))))
+        if launched is None or not launched.server.running():
+            return None
+        return self.argv(Knobs(**launched.knobs), launched.port), launched.remote
+
     @property
     def process(self) -> ServerProcess | None:
         """The server used last (its process group, for whoever inspects it), None before any."""
@@ -540,13 +638,16 @@ class ServerAdapter(EngineAdapter):
         stop_servers([self._launched.pop(k).server for k in keys])
 
     def stop_server(self) -> None:
-        """Stop every server this adapter runs (each with its process group, all at once)."""
-        self._stop(list(self._launched))
+        """Stop every server this adapter runs or is starting (each with its process group, all at once)."""
+        starting = [s.server for s in self._starting.values()]
+        self._starting.clear()
+        stop_servers([v.server for v in self._launched.values()] + starting)
+        self._launched.clear()
 
     def check_failed(self) -> None:
         """A check failed on this engine: its servers may hold what the failure left (requests, blocks), so
-        none of them serves another check."""
-        self.stop_server()
+        none of them serves another check (one still starting served nothing: it is kept)."""
+        self._stop(list(self._launched))
 
     def confirmed_settings(self, knobs: Knobs = DEFAULT_KNOBS) -> dict[str, Any]:
         """What the server that ran the latest ``generate`` with ``knobs`` says it runs with (it may be a server of
