@@ -204,8 +204,9 @@ class LaunchOrder:
             self._start_ahead(engine, name, coming)  # only on a plan this test has just confirmed
 
     def _start_ahead(self, engine: Any, name: str, coming: list[Key]) -> None:
-        """Start the first launch a later test needs that is not up yet (:meth:`ServerAdapter.prestart`), so that
-        it starts while the tests before it run on theirs."""
+        """Start the launches later tests need that are not up yet, in the order they are needed, as many as the
+        engine starts ahead (:meth:`ServerAdapter.prestart`): the next test's server and the one after it start
+        side by side while the tests before them run, so a run is not one start after another."""
         prestart, live = getattr(engine, "prestart", None), getattr(engine, "live_launches", None)
         if prestart is None or live is None:
             return
@@ -214,10 +215,13 @@ class LaunchOrder:
             if key in up:
                 continue
             knobs = self.launch_knobs[name].get(key)
-            if knobs is not None:
-                with contextlib.suppress(ValueError, TypeError):  # a plan from an older kvbench: start it later
-                    prestart(Knobs(**knobs))
-            return
+            if knobs is None:
+                return  # a plan from an older kvbench: this one and those after it start when needed
+            try:
+                if not prestart(Knobs(**knobs)):
+                    return
+            except (ValueError, TypeError):
+                return
 
     def _save(self, name: str) -> None:
         spec, path, plan, records = self.engines[name]

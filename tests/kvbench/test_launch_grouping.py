@@ -265,17 +265,20 @@ def test_a_server_started_ahead_serves_the_run_that_needs_it_and_is_stopped_when
         adapter.generate(REQUESTS, first)
         running = adapter.process
         assert adapter.prestart(coming) and adapter.launch_key(coming) in adapter.live_launches()
-        assert not adapter.prestart(Knobs(block_size=16, num_gpu_blocks=16)), "one server ahead at a time"
+        assert not adapter.prestart(coming), "a launch starting ahead is not started twice"
+        later = Knobs(block_size=16, num_gpu_blocks=16)
+        assert adapter.prestart(later), "two servers start ahead side by side (start_ahead=2)"
+        assert not adapter.prestart(Knobs(block_size=16, num_gpu_blocks=20)), "no more than start_ahead at once"
         assert adapter.launch_key(first) in adapter.live_launches()
-        assert len(adapter.logs) == 2 and running.running(), "started beside the running one"
+        assert len(adapter.logs) == 3 and running.running(), "started beside the running one"
         result = adapter.generate(REQUESTS, coming)
-        assert len(adapter.logs) == 2, "the run waited for the server started ahead instead of starting another"
+        assert len(adapter.logs) == 3, "the run waited for the server started ahead instead of starting another"
         assert result.counters["num_gpu_blocks"] == 12
         assert not group_alive(running.pgid), "one server kept (keep_servers=1) once the new one serves"
         assert adapter.prestart(first)
-        ahead = adapter._starting[adapter.launch_key(first)].server
+        ahead = [s.server for s in adapter._starting.values()]
         adapter.stop_servers_except([adapter.launch_key(coming)])
-        assert not group_alive(ahead.pgid) and adapter.live_launches() == {adapter.launch_key(coming)}
+        assert not any(group_alive(s.pgid) for s in ahead) and adapter.live_launches() == {adapter.launch_key(coming)}
     finally:
         adapter.close()
     assert not adapter.live_launches()

@@ -114,6 +114,8 @@ from kvbench.launch.vllm_faults import check_fault, fault_environment
 
 #: servers of other knob sets kept running for reuse, by default
 DEFAULT_KEEP_SERVERS = 8
+#: servers started ahead of the tests that need them at once (:meth:`ServerAdapter.prestart`)
+DEFAULT_START_AHEAD = 2
 #: presets whose servers are large enough that one at a time is the default (``keep_servers``)
 ONE_AT_A_TIME = frozenset({"vllm"})
 #: knobs that size a pool: a launch group is every other knob (:meth:`ServerAdapter.launch_group`)
@@ -170,6 +172,8 @@ class ServerAdapter(EngineAdapter):
         "startup_timeout": "seconds to wait for /health (default 300)",
         "keep_servers": f"servers of other knob sets kept running for reuse (default {DEFAULT_KEEP_SERVERS}, "
                         f"{', '.join(sorted(ONE_AT_A_TIME))}: 1; 1: only the latest one)",
+        "start_ahead": f"servers started ahead of the tests that need them, by the launch plan, where every launch is "
+                       f"a fresh start (default {DEFAULT_START_AHEAD}; 0: each starts when needed)",
         "log_dir": "directory for the servers' logs (default: a new temporary directory)",
         "api_key": "bearer token, if the command makes the server demand one",
         "model": "model name to put in requests (default: the first of /v1/models)",
@@ -214,6 +218,9 @@ class ServerAdapter(EngineAdapter):
         keep = options.get("keep_servers", str(DEFAULT_KEEP_SERVERS))
         if not (keep.isdigit() and int(keep) >= 1):
             raise ValueError(f"engine {cls.kind!r}: option keep_servers must be an integer >= 1, got {keep!r}")
+        ahead = options.get("start_ahead", str(DEFAULT_START_AHEAD))
+        if not ahead.isdigit():
+            raise ValueError(f"engine {cls.kind!r}: option start_ahead must be an integer >= 0, got {ahead!r}")
         for key, choices in _CHOICES.items():
             if options.get(key, choices[0]) not in choices:
                 raise ValueError(f"engine {cls.kind!r}: option {key} must be {' or '.join(choices)}, "
@@ -293,6 +300,7 @@ class ServerAdapter(EngineAdapter):
         self.logs: list[str] = []
         default_keep = 1 if self.preset.name in ONE_AT_A_TIME else DEFAULT_KEEP_SERVERS
         self.keep_servers = int(self.options.get("keep_servers", default_keep))
+        self.start_ahead = int(self.options.get("start_ahead", DEFAULT_START_AHEAD))
         self._marks = RunMarks()
         self._launch_log: list[tuple[str, ...]] = []  # launch keys served from, since take_launches()
         self._last_run: tuple[Knobs, OpenAIAdapter] | None = None  # (knobs asked, the server's client) of generate
@@ -466,15 +474,15 @@ class ServerAdapter(EngineAdapter):
         """Start the server a coming run of ``knobs`` will need, without waiting for it, while the current one
         serves: a start is mostly the new processes' imports, on a core the running server leaves idle between
         its runs. Only where every launch is a fresh start (:attr:`reconfigurable` is false) and nothing of that
-        launch is running or starting; at most one server starts ahead. The run that needs it waits for it as for
-        any start (a server that fails to start fails that run, with its log, as it would have then).
-        Returns whether one was started."""
-        if self.reconfigurable or self._starting:
+        launch is running or starting; at most ``start_ahead`` servers start ahead at once (option, default 2: a
+        start is mostly imports, one process after another, so two side by side keep two cores busy). The run
+        that needs it waits for it as for any start (a server that fails to start fails that run, with its log,
+        as it would have then). Returns whether one was started."""
+        if self.reconfigurable or len(self._starting) >= self.start_ahead:
             return False
         knobs = self.launch_knobs(knobs)
         key = self.launch_key(knobs)
-        launched = self._launched.get(key)
-        if launched is not None and launched.server.running() and not launched.carries_state:
+        if key in self.live_launches():
             return False
         self._starting[key] = self._start(key, knobs)
         return True
