@@ -31,15 +31,17 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:  # kvbench.bench.scenarios imports this module (its head_to_head scenario): imported at run time
+    from kvbench.bench.scenarios.common import Job, Model
 from kvbench.bench import metrics
 from kvbench.bench.formatting import fmt_median_range
 from kvbench.bench.results import commit_info
-from kvbench.bench.scenarios.common import Job, Model, build_workload, serve
 from kvbench.bench.workloads import ClosedLoop, Fixed, Workload, WorkloadSpec
+from kvbench.core.trace import Trace, TraceRecorder
 from kvbench.engines.base import EngineAdapter, Knobs
 from kvbench.engines.http.server import ServerAdapter
 from kvbench.engines.registry import EngineSpec, adapter_class, parse_engine_spec
@@ -144,11 +146,14 @@ class Setup:
             raise ValueError(f"threads must be one of {', '.join(THREAD_MODES)}, got {self.threads!r}")
 
     def knobs(self) -> Knobs:
-        """The knobs every engine shares: a pool that holds every running request's KV (no preemption)."""
+        """The knobs every engine shares: a pool that holds every running request's KV (no preemption),
+        ``max_model_len`` = prompt + output, and prefix caching off (vLLM's default is on; the prompts share
+        no prefix, so it would only add its bookkeeping)."""
         max_len = self.prompt + self.output
         blocks = self.max_num_seqs * -(-max_len // self.block_size) + 8
         return Knobs(block_size=self.block_size, num_gpu_blocks=blocks, max_num_seqs=self.max_num_seqs,
-                     max_model_len=max_len, max_num_batched_tokens=self.max_num_batched_tokens)
+                     max_model_len=max_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                     enable_prefix_caching=False)
 
     def knobs_of(self, engine: str) -> Knobs:
         """The shared knobs with ``engine``'s own set apart."""
@@ -166,6 +171,11 @@ class Cell:
     tok_s: dict[str, list[float]] = field(default_factory=dict)
     ttft_p50: dict[str, list[float]] = field(default_factory=dict)
     finished: dict[str, list[int]] = field(default_factory=dict)
+    #: per engine, every request of any round that got another number of output tokens than it asked for
+    miscounted: dict[str, list[str]] = field(default_factory=dict)
+    #: the first round's greedy outputs, each engine's against the first engine's of its dtype
+    #: (:meth:`kvbench.bench.scenarios.head_to_head.Agreement.to_dict`)
+    agreement: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, engine: str, m: Mapping[str, float | None]) -> None:
         self.tok_s.setdefault(engine, []).append(float(m["output_throughput"] or 0.0))
@@ -231,38 +241,138 @@ def make_engines(contenders: Sequence[Contender], model_dir: str | Path, setup: 
     return engines
 
 
-def _workload(model: Model, n: int, prompt: int, output: int, concurrency: int, seed: int) -> Workload:
+def closed_loop(model: Model, n: int, prompt: int, output: int, concurrency: int, seed: int) -> Workload:
+    """``n`` requests of ``prompt`` token ids and ``output`` tokens each (greedy, EOS ignored), ``concurrency``
+    in flight: the work of a head-to-head."""
+    from kvbench.bench.scenarios.common import build_workload
+
     spec = WorkloadSpec("head_to_head", n, Fixed(prompt), Fixed(output), ClosedLoop(concurrency), seed=seed)
     return build_workload(spec, model)
 
 
-def run_rounds(engines: Mapping[str, EngineAdapter], model: Model, setup: Setup, dtype: str | None = None,
-               progress: Progress = lambda line: None) -> tuple[list[Cell], dict[str, Any]]:
-    """Warm each engine up (untimed), then serve ``setup.rounds`` interleaved rounds of every concurrency;
-    returns one cell per concurrency and each launched server's thread settings, by engine. The caller
-    owns the adapters (and closes them)."""
-    warm = _workload(model, 8, setup.prompt, 8, 8, seed=WARMUP_SEED)
-    threads: dict[str, Any] = {}
+def knobs_taken(adapter: EngineAdapter, knobs: Knobs) -> tuple[Knobs, dict[str, str]]:
+    """``knobs`` less those ``adapter`` cannot set (its ``unsupported_knobs``), with why each was left out.
+    A head-to-head's knobs match the engines wherever they can: a knob an engine has no way to set (hf-cb's
+    ``max_model_len``) is left out for that engine and said, rather than leaving the engine out."""
+    dropped = {k: adapter.unsupported_knobs[k] for k, v in knobs.as_dict().items()
+               if v is not None and k in adapter.unsupported_knobs}
+    return (Knobs(**{k: v for k, v in knobs.as_dict().items() if k not in dropped}), dropped)
+
+
+def warm_up(engines: Mapping[str, EngineAdapter], model: Model, knobs_of: Callable[[str], Knobs], prompt: int,
+            progress: Progress = lambda line: None) -> None:
+    """Serve each engine an untimed job (8 requests of ``prompt`` + 8 tokens, 8 in flight) under the knobs it
+    will be timed with: a server starts then, and a first run's one-off costs (allocations, compilation) stay
+    out of the timed rounds."""
+    from kvbench.bench.scenarios.common import Job
+
+    warm = closed_loop(model, 8, prompt, 8, 8, seed=WARMUP_SEED)
     for name, adapter in engines.items():
         t0 = time.perf_counter()
-        serve(adapter, Job(warm, setup.knobs_of(name)), "head_to_head_warmup")
+        serve(adapter, Job(warm, knobs_of(name)), "head_to_head_warmup")
         progress(f"   {name}: started and warmed up in {time.perf_counter() - t0:.0f} s")
-        if isinstance(adapter, ServerAdapter):
-            threads[f"{name} ({model.preset}{', ' + dtype if dtype else ''})"] = server_threads(adapter)
-    cells = {c: Cell(model.preset, c, dtype) for c in setup.concurrency}
+
+
+def serve(adapter: EngineAdapter, job: Job, scenario: str, **kwargs: Any) -> Trace:
+    """:func:`kvbench.bench.scenarios.common.serve`, imported when first called (the scenarios package imports
+    this module for its head-to-head scenario)."""
+    from kvbench.bench.scenarios.common import serve as serve_job
+
+    return serve_job(adapter, job, scenario, **kwargs)
+
+
+#: what :func:`serve_rounds` calls after each timed job: (round, job index, engine, its trace)
+OnServed = Callable[[int, int, str, Trace], None]
+
+
+def serve_rounds(engines: Mapping[str, EngineAdapter], plan: Callable[[], Sequence[Job]], rounds: int, *,
+                 cool_down: float, knobs_of: Callable[[str, Job], Knobs] | None = None,
+                 scenario: str = "head_to_head", step_seconds: float | None = None, keep_outputs: bool = False,
+                 on_served: OnServed | None = None,
+                 catch: bool = False) -> tuple[list[list[dict[str, Trace]]], dict[str, Exception]]:
+    """The interleaved rounds: in each round, every job of ``plan()`` (built afresh each round) is served on
+    every engine in turn, the engines' order rotating with the round and the job (so that no engine always
+    serves right after another), ``cool_down`` seconds of quiet before each timed job (a peer's scheduler
+    may spin for a while after its last step, on the cores the next engine runs on).
+
+    ``knobs_of(engine, job)``: the knobs ``engine`` serves ``job`` with (default: the job's).
+    ``step_seconds``: the step clock for a ``steppable`` engine (:func:`kvbench.bench.scenarios.common.serve`).
+    ``keep_outputs``: each request's output token ids kept in its trace (a cross-check reads them).
+
+    Returns ``(served, failed)``: ``served[round][job][engine]`` is a trace; ``failed[engine]`` the exception
+    serving it raised. With ``catch`` such an engine is left out of every later job and round and the others
+    go on; without, the exception propagates."""
     names = list(engines)
-    for r in range(setup.rounds):
-        for ci, concurrency in enumerate(setup.concurrency):
-            requests = _workload(model, setup.requests, setup.prompt, setup.output, concurrency, WORKLOAD_SEED)
-            k = (r + ci) % len(names)  # the order rotates: no engine always serves right after another
+    failed: dict[str, Exception] = {}
+    served: list[list[dict[str, Trace]]] = []
+    for r in range(rounds if names else 0):
+        jobs = plan()
+        this_round: list[dict[str, Trace]] = []
+        for j, job in enumerate(jobs):
+            k = (r + j) % len(names)  # the order rotates: no engine always serves right after another
+            traces: dict[str, Trace] = {}
             for name in names[k:] + names[:k]:
-                time.sleep(setup.cool_down)
-                m = metrics.summarize(serve(engines[name], Job(requests, setup.knobs_of(name)), "head_to_head"))
-                cells[concurrency].add(name, m)
-                progress(f"   round {r + 1} c={concurrency:<3} {name:<12} {m['output_throughput'] or 0:8,.0f} tok/s  "
-                         f"TTFT p50 {m['ttft_p50'] if m['ttft_p50'] is not None else math.nan:6.3f} s  "
-                         f"finished {int(m['requests_finished'] or 0)}/{setup.requests}")
-    return list(cells.values()), threads
+                if name in failed:
+                    continue
+                time.sleep(cool_down)
+                mine = job if knobs_of is None else replace(job, knobs=knobs_of(name, job))
+                recorder = TraceRecorder(engines[name].name, scenario, keep_outputs=keep_outputs)
+                try:
+                    traces[name] = serve(engines[name], mine, scenario, step_seconds=step_seconds, recorder=recorder)
+                except Exception as e:  # handed to the caller: that engine's result, not the others'
+                    if not catch:
+                        raise
+                    failed[name] = e
+                    continue
+                if on_served is not None:
+                    on_served(r, j, name, traces[name])
+            this_round.append(traces)
+        served.append(this_round)
+    return served, failed
+
+
+def run_rounds(engines: Mapping[str, EngineAdapter], model: Model, setup: Setup, dtype: str | None = None,
+               progress: Progress = lambda line: None) -> tuple[list[Cell], dict[str, Any]]:
+    """Warm each engine up (untimed), then serve ``setup.rounds`` interleaved rounds of every concurrency
+    (:func:`serve_rounds`); returns one cell per concurrency and each launched server's thread settings, by
+    engine. Each cell also holds the requests that got another number of output tokens than asked, and the
+    first round's greedy outputs cross-checked engine against engine (the scenario's own checks:
+    :mod:`kvbench.bench.scenarios.head_to_head`). The caller owns the adapters (and closes them)."""
+    from kvbench.bench.scenarios.common import Job
+    from kvbench.bench.scenarios.head_to_head import cross_check, engine_dtype
+    from kvbench.bench.scenarios.head_to_head import miscounted as miscounted_in
+
+    def knobs_of(name: str) -> Knobs:
+        return knobs_taken(engines[name], setup.knobs_of(name))[0]
+
+    warm_up(engines, model, knobs_of, setup.prompt, progress)
+    threads = {f"{name} ({model.preset}{', ' + dtype if dtype else ''})": server_threads(adapter)
+               for name, adapter in engines.items() if isinstance(adapter, ServerAdapter)}
+    cells = [Cell(model.preset, c, dtype) for c in setup.concurrency]
+
+    def plan() -> list[Job]:
+        return [Job(closed_loop(model, setup.requests, setup.prompt, setup.output, c, WORKLOAD_SEED), setup.knobs())
+                for c in setup.concurrency]
+
+    first: list[dict[str, Trace]] = [{} for _ in setup.concurrency]  # the first round's traces, for the cross-check
+
+    def served(r: int, j: int, name: str, trace: Trace) -> None:
+        m = metrics.summarize(trace)
+        cells[j].add(name, m)
+        if wrong := miscounted_in(trace):
+            cells[j].miscounted.setdefault(name, []).extend(f"round {r + 1}: {w}" for w in wrong)
+        if r == 0:
+            first[j][name] = trace
+        progress(f"   round {r + 1} c={setup.concurrency[j]:<3} {name:<12} {m['output_throughput'] or 0:8,.0f} tok/s  "
+                 f"TTFT p50 {m['ttft_p50'] if m['ttft_p50'] is not None else math.nan:6.3f} s  "
+                 f"finished {int(m['requests_finished'] or 0)}/{setup.requests}")
+
+    serve_rounds(engines, plan, setup.rounds, cool_down=setup.cool_down,
+                 knobs_of=lambda name, job: knobs_of(name), keep_outputs=True, on_served=served)
+    dtypes = {name: engine_dtype(adapter) for name, adapter in engines.items()}
+    for cell, traces in zip(cells, first, strict=True):
+        cell.agreement = [a.to_dict() for a in cross_check({n: [t] for n, t in traces.items()}, dtypes)]
+    return cells, threads
 
 
 def head_to_head(contenders: Sequence[Contender], checkpoints: Mapping[str, str | Path], setup: Setup, *,
@@ -271,6 +381,8 @@ def head_to_head(contenders: Sequence[Contender], checkpoints: Mapping[str, str 
     :func:`report` renders and ``--json`` saves. With ``threads="matched"`` this process's torch threads
     (the in-process engines') are set for the run and restored after."""
     import torch  # only for a run: rendering a saved record needs none of it
+
+    from kvbench.bench.scenarios.common import Model
 
     started = datetime.datetime.now(datetime.UTC)
     torch_threads = torch.get_num_threads()
@@ -387,6 +499,22 @@ def unfinished(record: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def failures(record: Mapping[str, Any]) -> list[str]:
+    """What makes a run fail (the command exits 1), in words: :func:`unfinished` jobs, requests that got another
+    number of output tokens than asked, and float32 engines whose greedy outputs agree with the first's on fewer
+    than half the requests (a smaller divergence is a finding, shown in the table's notes, not a failure)."""
+    out = unfinished(record)
+    for c in record["cells"]:
+        where = c["model"] + (f"/{c['dtype']}" if c.get("dtype") else "") + f", c={c['concurrency']}"
+        for engine, wrong in (c.get("miscounted") or {}).items():
+            out.append(f"{engine} at {where}: {len(wrong)} requests got another number of output tokens than asked "
+                       f"({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''})")
+        for a in c.get("agreement") or []:
+            if a["dtype"] == "float32" and a["compared"] and 2 * a["identical"] < a["compared"]:
+                out.append(f"{a['engines'][1]} at {where}: greedy outputs against {a['engines'][0]}'s: {a['words']}")
+    return out
+
+
 def report(record: Mapping[str, Any], baseline: str | None = None) -> str:
     """The record as a Markdown table: per checkpoint, concurrency and engine, output tok/s and TTFT p50
     as median [min-max] over the rounds, and each one's ratios to ``baseline`` (default: the first
@@ -420,6 +548,13 @@ def report(record: Mapping[str, Any], baseline: str | None = None) -> str:
         lines.append(f"\n{name} ran with " + ", ".join(f"{k}={v}" for k, v in overrides.items())
                      + " (the others with the knobs above)")
     lines += [f"\nNOT ALL FINISHED: {line}" for line in short]
+    lines += [f"\nFAILED: {line}" for line in failures(record)[len(short):]]
+    agreements = [(c, a) for c in cells for a in c.agreement]
+    if agreements:
+        lines += ["", "greedy outputs, the first round's, request by request, each engine against the first of its "
+                      "dtype (a divergence is a finding; fewer than half identical in float32 fails):"]
+        lines += [f"  {c.model}{'/' + c.dtype if c.dtype else ''} c={c.concurrency}: {a['engines'][1]} vs "
+                  f"{a['engines'][0]} ({a['dtype']}): {a['words']}" for c, a in agreements]
     lines += ["", f"ratios: within each round, median [min-max] over the rounds; TTFT ÷ {base} below 1 means the "
               f"engine answered first. Thread settings seen:"]
     for name, info in (record.get("threads") or {}).items():

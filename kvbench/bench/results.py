@@ -27,11 +27,14 @@ report draws. Skeleton (``schema_version`` 1)::
                      "repeats": [{"output_throughput": 800.1, ...}, ...],  # every repeat's values
                      "spread": {"output_throughput": 6.2, ...},            # kvbench.bench.repeats.spread
                      "clock": {"clock": "step", "step_seconds": 0.01, "exact_counts": true},
-                     "counters": {"preemptions_recompute": 17, "aborts": null, ...}}],  # Counters.to_dict()
+                     "counters": {"preemptions_recompute": 17, "aborts": null, ...},  # Counters.to_dict()
+                     "settings": {"asked": {"block_size": 16, ...}, "confirmed": {...},  # optional (older: absent)
+                                  "launch": ["python", "-m", "..."], "package": "kvbench", "version": "0.1.0"}}],
         "sweeps": [{"name": "concurrency", "x_label": "concurrent requests",
                     "points": [{"x": 8, "engine": "reference", "mode": "recompute",
                                 "metrics": {"output_throughput": 700.0, ...},
-                                "repeats": [...], "spread": {...}}]}]
+                                "repeats": [...], "spread": {...}}]}],
+        "settings": [{"engine": "reference", "modes": [], "asked": {...}, ...}]   # optional (older: absent)
       }],
       "skipped_scenarios": [{"scenario": "swap_vs_recompute", "engine": "server:preset=vllm",
                              "reason": "server:preset=vllm lacks capability events"}],   # optional (older: [])
@@ -54,6 +57,12 @@ step, ``step_seconds`` virtual seconds each: counts repeat exactly when ``exact_
 one's (repeat i of each next to repeat i of the others, what the gate's per-repeat ratios pair;
 :func:`kvbench.bench.scenarios.run_interleaved`), empty when it ran alone or absent in older files.
 Files written before repeats existed have ``repeats: []``, ``spread: {}``, ``clock: null``.
+
+Settings (:mod:`kvbench.bench.job_settings`): a result's ``settings`` is what the job behind it ran with:
+``asked`` (the knobs the adapter received), ``confirmed`` (what the engine itself states; absent where it could not
+be read), ``launch`` (a launched server's command, secrets as ``***``), ``package``/``version`` and ``dtype`` where
+known. A scenario's ``settings`` lists each distinct record once per engine, with the ``modes`` of the jobs that ran
+it (a sweep's points share one). Files written before either existed have neither; readers take that as unknown.
 
 Undecided claims: ``undecided`` says why in words, ``undecided_kinds`` which way the claim stayed open
 (:data:`kvbench.bench.scenarios.claims.KINDS`): ``"not exposed"`` (the engine publishes nothing that tells),

@@ -1,6 +1,7 @@
 """``kvbench head-to-head``: several engines on the same closed-loop work, rounds interleaved.
 
-The command's face only; the run and its table are :mod:`kvbench.bench.interleaved_rounds`'.
+The command's face only; the run and its table are :mod:`kvbench.bench.interleaved_rounds`', whose rounds the
+benchmark suite's head-to-head scenario serves too (:mod:`kvbench.bench.scenarios.head_to_head`).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _cmd_head_to_head(args: argparse.Namespace, out: TextIO) -> int:
             raise CLIError(f"--report {args.report!r}: not a head-to-head record ({type(e).__name__}: {e})") from e
         except ValueError as e:
             raise CLIError(str(e)) from e
-        return EXIT_REGRESSION if h2h.unfinished(record) else EXIT_OK
+        return EXIT_REGRESSION if h2h.failures(record) else EXIT_OK
     try:
         contenders = h2h.parse_contenders(args.engine or [])
         names = [c.name for c in contenders]
@@ -106,7 +107,7 @@ def _cmd_head_to_head(args: argparse.Namespace, out: TextIO) -> int:
             raise CLIError(f"cannot write --json {args.json!r}: {e}") from e
         print(f"record written to {json_path} (kvbench head-to-head --report {json_path} renders it again)",
               file=out)
-    return EXIT_REGRESSION if h2h.unfinished(record) else EXIT_OK
+    return EXIT_REGRESSION if h2h.failures(record) else EXIT_OK
 
 
 def add_command(subparsers: Any) -> None:
@@ -115,13 +116,16 @@ def add_command(subparsers: Any) -> None:
         "head-to-head", help="several engines on the same closed-loop work, rounds interleaved, ratios per round",
         description="Serve the same closed-loop workload (token-id prompts, greedy, every request PROMPT + OUTPUT "
                     "tokens) on every --engine under the same knobs (block size, a pool that holds every running "
-                    "request, max_num_seqs, max_num_batched_tokens), each engine warmed up once per checkpoint "
+                    "request, max_num_seqs, max_num_batched_tokens, max_model_len = prompt + output, prefix caching "
+                    "off; a knob an engine cannot set is left out for it), each engine warmed up once per checkpoint "
                     "and kept for every concurrency and round. Rounds are interleaved (the engines' order rotates) "
                     "and every ratio is taken within a round, shown as median [min-max] over the rounds; each "
                     "launched server's thread settings are read back and printed. Nothing asserts a time.",
-        epilog="Exit status: 0; 1 when an engine did not finish every request of a job (named); 2 a usage or "
-               "file error. Example: kvbench head-to-head --engine inproc=reference --engine "
-               "ref-server=server:preset=reference --engine vllm=server:preset=vllm --model small")
+        epilog="Exit status: 0; 1 when an engine did not finish every request of a job, gave a request another "
+               "number of output tokens than asked, or, in float32, agreed with the first engine's greedy outputs "
+               "on fewer than half the requests (each named); 2 a usage or file error. Example: kvbench "
+               "head-to-head --engine inproc=reference --engine ref-server=server:preset=reference --engine "
+               "vllm=server:preset=vllm --model small")
     p.add_argument("--engine", action="append", metavar="[LABEL=]SPEC",
                    help="an engine, as pytest's --engine names it (kvbench engines lists the kinds), optionally "
                         "labelled for the table and --knob (vllm=server:preset=vllm); repeatable")

@@ -40,7 +40,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvbench.core.liveness import DriverWatchdog, Liveness
@@ -63,6 +63,9 @@ class StepReport:
     preempted: list[tuple[str, str]]  # (request id, mode)
     resumed: list[str]
     record: StepRecord  # t and duration (and virtual_t on the step clock) are filled in by the driver
+    #: request id -> its output token ids, for requests finished this step, where the engine gives them (kept
+    #: in the trace only by a recorder with ``keep_outputs``: a head-to-head's cross-check of greedy outputs)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 class SteppableEngine(Protocol):
@@ -223,6 +226,8 @@ def _record_step(engine: SteppableEngine, recorder: TraceRecorder, schedule: Rel
     record_scheduling(recorder, report, t)
     for rid, n in report.new_tokens.items():
         recorder.tokens(rid, t, n)
+    for rid, ids in report.outputs.items():
+        recorder.output(rid, ids, None)
     for rid, reason in report.finished.items():
         recorder.finished(rid, t, reason)
         schedule.finished(rid)

@@ -35,6 +35,7 @@ from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num, within_noise
 from kvbench.report import advice, extra_charts, figures, first_screen, scoreboard, sim_validation, trend, words
 from kvbench.report import charts as rc
+from kvbench.report import engine_settings as engine_settings_view
 from kvbench.report import side_by_side as side_by_side_view
 from kvbench.report.diagnosis import baseline_engine_name, diagnose
 
@@ -728,6 +729,7 @@ def render_report(results: Results, baseline: Results | None = None, *, previous
         "glossary": words.engine_glossary(results.engines),  # R2: each engine kind explained once
         "summary": summary_table(results),
         "side_by_side": side_by_side_view.tables(results),  # R2: engines named, each metric once
+        "engine_settings": engine_settings_view.section(results),  # what each engine ran with, asked and confirmed
         "sim_validation": sim_validation.section(results),
         "scenarios": _scenario_views(results, charts),
         "baseline": base,

@@ -102,9 +102,9 @@ def test_dtype_goes_where_each_kind_takes_it() -> None:
 def test_two_engines_in_process_on_the_same_work(tmp_path: Path, monkeypatch) -> None:
     served = []
     real_serve = interleaved_rounds.serve
-    monkeypatch.setattr(interleaved_rounds, "serve", lambda adapter, job, label: served.append(
+    monkeypatch.setattr(interleaved_rounds, "serve", lambda adapter, job, label, **kw: served.append(
         (adapter.name, job.knobs, label, [r.prompt_token_ids for r in job.workload.requests])) or real_serve(
-        adapter, job, label))
+        adapter, job, label, **kw))
     out = io.StringIO()
     record_path = tmp_path / "run.json"
     assert main(["head-to-head", "--engine", "plain=reference", "--engine", "swap=reference:preemption_mode=swap",

@@ -48,7 +48,9 @@ claims), :mod:`~kvbench.bench.scenarios.surges` (evening surge, flash crowd),
 :mod:`~kvbench.bench.scenarios.crossover` (swap vs recompute), :mod:`~kvbench.bench.scenarios.mechanisms`
 (prefix caching, chunked prefill, priority), :mod:`~kvbench.bench.scenarios.policies` (static vs
 auto preemption vs admission control), :mod:`~kvbench.bench.scenarios.claims` (how claims read the
-engine's own evidence, and the three ways one stays undecided). Everything public is re-exported here.
+engine's own evidence, and the three ways one stays undecided), :mod:`~kvbench.bench.scenarios.head_to_head`
+(closed-loop throughput and TTFT at fixed concurrencies under matched knobs, every engine of a session).
+Everything public is re-exported here.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ from kvbench.bench.scenarios.crossover import (
     summarize_costs,
 )
 from kvbench.bench.scenarios.declare import COST_CLOCK_CLAIM
+from kvbench.bench.scenarios.head_to_head import HEAD_TO_HEAD, HeadToHead, run_head_to_head
 from kvbench.bench.scenarios.mechanisms import (
     HIGH,
     LOW,
@@ -157,7 +160,7 @@ PREEMPTION_POLICIES = PreemptionPolicies()
 #: every scenario by name, in the order of docs/benchmarks.md#scenarios
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     EVENING_SURGE, FLASH_CROWD, PREEMPTION_STORM, SWAP_VS_RECOMPUTE, PREFIX_CACHING, CHUNKED_PREFILL, PRIORITY,
-    SWAP_EXHAUSTION, PREEMPTION_POLICIES)}
+    SWAP_EXHAUSTION, PREEMPTION_POLICIES, HEAD_TO_HEAD)}
 
 __all__ = [
     "BLOCK_SIZE",
@@ -168,6 +171,7 @@ __all__ = [
     "EVENING_SURGE",
     "FLASH_CROWD",
     "FULL_POOL",
+    "HEAD_TO_HEAD",
     "HIGH",
     "LOW",
     "MODEL_PRESETS",
@@ -191,6 +195,7 @@ __all__ = [
     "ExhaustionSize",
     "FlashCrowd",
     "FlashSize",
+    "HeadToHead",
     "Job",
     "Model",
     "Outcome",
@@ -243,6 +248,7 @@ __all__ = [
     "record",
     "resume_cost",
     "run",
+    "run_head_to_head",
     "run_interleaved",
     "serve",
     "stall_steps",

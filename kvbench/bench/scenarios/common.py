@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.bench import metrics, repeats
+from kvbench.bench.job_settings import distinct, job_settings
 from kvbench.bench.scenarios.declare import Headline, Pressure, Score
 from kvbench.bench.workloads import (
     AllAtOnce,
@@ -27,6 +28,7 @@ from kvbench.bench.workloads import (
     Workload,
     WorkloadSpec,
 )
+from kvbench.core.jsonable import jsonable
 from kvbench.core.kv_budget import request_tokens
 from kvbench.core.trace import Trace, TraceRecorder
 from kvbench.drivers.lockstep import serve_lockstep
@@ -92,6 +94,9 @@ class Served:
     #: what the engine itself said it ran the job with (:meth:`EngineAdapter.confirmed_settings`), read right
     #: after the job for a scenario that ``reads_settings``; empty otherwise
     settings: dict[str, Any] = field(default_factory=dict)
+    #: what the job ran with, as results record it (:func:`kvbench.bench.job_settings.job_settings`: the knobs the
+    #: adapter received, what the engine confirms, a server's launch command, the engine's version)
+    ran_with: dict[str, Any] = field(default_factory=dict)
 
     @property
     def metrics(self) -> dict[str, float | None]:
@@ -154,6 +159,8 @@ class Outcome:
     #: the machine's 1-minute load average when this repeat's round began (None where the OS has none):
     #: repeats served back to back share it, measurements minutes apart may not (recorded per repeat)
     machine_load: float | None = None
+    #: (entry trace ``id``, job mode, :attr:`Served.ran_with`) of every job served. Filled in by :func:`run`
+    ran_with: list[tuple[int, str | None, dict[str, Any]]] = field(default_factory=list, repr=False)
 
     def failures(self) -> list[str]:
         return [claim for claim, held in self.claims.items() if held is False]
@@ -301,14 +308,15 @@ def _accepts_progress(adapter: EngineAdapter) -> bool:
 
 def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | None = None,
           step_seconds: float | None = None, recorder: TraceRecorder | None = None,
-          settings: dict[str, Any] | None = None) -> Trace:
+          settings: dict[str, Any] | None = None, ran_with: dict[str, Any] | None = None) -> Trace:
     """Serve one job and return its trace, its duration ending at the last token or finish.
 
     ``step_seconds``: serve on the step clock (:mod:`kvbench.drivers.step_loop`) when the adapter is
     ``steppable``; ignored (wall clock) otherwise. Progress is reported per finished request when
     the adapter can (``serve(progress=...)``), else all at once when the workload is done.
     ``recorder``: record into this one (a lockstep participant's, :mod:`kvbench.drivers.lockstep`)
-    instead of a new one. ``settings``: filled with what the engine confirms it ran this job with.
+    instead of a new one. ``settings``: filled with what the engine confirms it ran this job with. ``ran_with``:
+    filled with the job's settings record (:func:`kvbench.bench.job_settings.job_settings`; never raises).
     """
     recorder = recorder if recorder is not None else TraceRecorder(adapter.name, scenario)
     # the scenario's pools are in the reference engine's blocks: the same pressure, in tokens, in this
@@ -328,14 +336,16 @@ def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | 
     trace.duration = last_event(trace) or trace.duration
     if settings is not None:  # asked right after the run, with the knobs it ran with (a server keeps them)
         settings.update(adapter.confirmed_settings(job.knobs))
+    if ran_with is not None:  # the knobs as the adapter's entry point hands them on (knobs_for)
+        ran_with.update(job_settings(adapter, adapter.knobs_for(job.knobs)))
     return trace
 
 
 def _server(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | None,
-            step_seconds: float | None) -> Callable[[TraceRecorder], None]:
+            step_seconds: float | None, ran_with: dict[str, Any] | None = None) -> Callable[[TraceRecorder], None]:
     """``serve`` of one job as a lockstep participant: into the recorder it is given."""
     def run(recorder: TraceRecorder) -> None:
-        serve(adapter, job, scenario, progress, step_seconds, recorder=recorder)
+        serve(adapter, job, scenario, progress, step_seconds, recorder=recorder, ran_with=ran_with)
 
     return run
 
@@ -405,20 +415,24 @@ def run_interleaved(scenario: Scenario, adapters: Mapping[str, EngineAdapter], m
             stepped = [name for name in now if getattr(adapters[name], "steppable", False)]
             lockstep = stepped if len(stepped) > 1 else []
             if lockstep:
+                ran: dict[str, dict[str, Any]] = {name: {} for name in lockstep}
                 traces = serve_lockstep({name: (adapters[name].name, scenario.name, _server(
-                    adapters[name], plans[name][j], scenario.name, progress, clocks[name])) for name in lockstep})
+                    adapters[name], plans[name][j], scenario.name, progress, clocks[name], ran[name]))
+                    for name in lockstep})
                 for name in lockstep:
                     trace = traces[name]
                     if isinstance(trace, Exception):
                         failed[name] = trace
                     else:
-                        served[name].append(Served(plans[name][j], _ended(trace)))
+                        served[name].append(Served(plans[name][j], _ended(trace), ran_with=ran[name]))
             for name in (n for n in now if n not in lockstep):
                 job = plans[name][j]
                 said: dict[str, Any] | None = {} if scenario.reads_settings else None
+                ran_with: dict[str, Any] = {}
                 try:
                     served[name].append(Served(job, serve(adapters[name], job, scenario.name, progress,
-                                                          clocks[name], settings=said), settings=said or {}))
+                                                          clocks[name], settings=said, ran_with=ran_with),
+                                               settings=said or {}, ran_with=ran_with))
                 except Exception as e:  # handed to that engine's benchmark, which raises it
                     failed[name] = e
         for name in live:
@@ -431,6 +445,7 @@ def run_interleaved(scenario: Scenario, adapters: Mapping[str, EngineAdapter], m
                 continue
             outcome.job_keys = {id(s.trace): job_key(s.job, adapters[name]) for s in served[name]}
             outcome.machine_load = load
+            outcome.ran_with = [(id(s.trace), s.job.mode, s.ran_with) for s in served[name]]
             judged[name].append(outcome)
     together = tuple(adapters) if len(adapters) > 1 else ()
     result: dict[str, Outcome | Exception] = {}
@@ -517,9 +532,16 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
                                             counters=entry.trace.counters)  # the first repeat's, as the series
         if (key := outcome.job_keys.get(id(entry.trace))) is not None:
             added["workload_key"] = key  # identical workloads found across scenarios: the noise they show
+        if ran := next((r for t, _, r in outcome.ran_with if t == id(entry.trace) and r), None):
+            added["settings"] = jsonable(ran)  # what this entry's job ran with (kvbench.bench.job_settings)
     # the declared pressure travels with the results, so a report of this file can judge against it
-    results.scenario(outcome.scenario.name, create=True, parameters=params,
-                     description=outcome.scenario.description)["pressure"] = outcome.scenario.pressure.to_dict()
+    recorded = results.scenario(outcome.scenario.name, create=True, parameters=params,
+                                description=outcome.scenario.description)
+    recorded["pressure"] = outcome.scenario.pressure.to_dict()
+    if outcome.ran_with:  # every distinct knob set this engine ran here once (a sweep's jobs share theirs)
+        name = results.add_engine(engine)["name"]
+        recorded["settings"] = [s for s in recorded.get("settings", []) if s.get("engine") != name] + [
+            {"engine": name, **jsonable(s)} for s in distinct((mode, r) for _, mode, r in outcome.ran_with)]
     for j, p in enumerate(outcome.points):
         per_repeat = [dict(o.points[j].metrics) for o in runs]
         medians, spreads = repeats.aggregate(per_repeat)

@@ -393,7 +393,7 @@ class _Steppable:
         result = self.engine.step()
         if self.step_delay:
             time.sleep(self.step_delay)
-        new_tokens, finished = {}, {}
+        new_tokens, finished, outputs = {}, {}, {}
         for out in result.outputs:
             n = len(out.token_ids) - self._produced.get(out.request_id, 0)
             if n:
@@ -401,6 +401,7 @@ class _Steppable:
             self._produced[out.request_id] = len(out.token_ids)
             if out.finished:
                 finished[out.request_id] = out.finish_reason
+                outputs[out.request_id] = list(out.token_ids)
                 self._produced.pop(out.request_id, None)
         admitted, preempted, resumed = step_changes(self._new_events)
         self._new_events.clear()
@@ -410,4 +411,4 @@ class _Steppable:
                             cpu_kv_usage=stats["cpu_cache_usage"] if stats["num_cpu_blocks"] else None,
                             num_prefill_tokens=last.num_prefill_tokens, num_decode_tokens=last.num_decode_tokens,
                             num_preempted=last.num_preempted)
-        return StepReport(new_tokens, finished, admitted, preempted, resumed, record)
+        return StepReport(new_tokens, finished, admitted, preempted, resumed, record, outputs)
