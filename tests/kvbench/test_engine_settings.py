@@ -70,13 +70,17 @@ def _recorded(adapter: Any, model: sc.Model) -> dict[str, Any]:
 # recording
 
 
-def test_the_inprocess_reference_records_what_it_was_asked_and_states_nothing(model):
+def test_the_inprocess_reference_records_what_it_was_asked_and_what_its_config_resolves(model):
     recorded = _recorded(ReferenceAdapter(model.path), model)
     (entry,) = recorded["results"]
     settings = entry["settings"]
     assert settings["asked"] == {"block_size": 16, "num_gpu_blocks": 8, "enable_prefix_caching": True}
-    # the in-process engine states none of its settings: nothing is copied over from what kvbench asked
-    assert settings["confirmed"] == {}
+    # the engine's own resolved configuration: what was asked, and the defaults it fills in itself (the token
+    # budget from max_model_len, chunked prefill off), never copied from what kvbench asked for
+    confirmed = settings["confirmed"]
+    assert {k: confirmed[k] for k in settings["asked"]} == settings["asked"]
+    assert confirmed["enable_chunked_prefill"] is False and confirmed["max_num_batched_tokens"] == \
+        confirmed["max_model_len"] > 0
     assert "launch" not in settings  # no server was launched
     assert (settings["package"], settings["version"]) == ("kvbench", kvbench.__version__)
     # the two sweep jobs of one knob set are one record; the entry's job is the other

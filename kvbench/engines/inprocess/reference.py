@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import time
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvbench.core.counters import COUNTER_NAMES, Counters
@@ -189,6 +191,19 @@ class ReferenceAdapter(EngineAdapter):
         for knob, value in knobs.as_dict().items():
             values[_KNOB_TO_CONFIG[knob]] = value
         return EngineConfig(model=self.model_dir, **values)
+
+    def confirmed_settings(self, knobs: Knobs = DEFAULT_KNOBS) -> dict[str, Any]:
+        """What the engine's own configuration resolves ``knobs`` to, as it resolves them when it is built
+        (``EngineConfig.resolve``: the token budget and ``max_model_len`` filled in from the model): the engine's
+        settings, not kvbench's request. A pool the engine sizes from memory (no ``num_gpu_blocks`` set) is left
+        out: only the built engine knows it. {} when the configuration cannot be resolved."""
+        try:
+            positions = json.loads((Path(self.model_dir) / "config.json").read_text())["max_position_embeddings"]
+            config = self.engine_config(self.knobs_for(knobs)).resolve(int(positions))
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+        said = {knob: getattr(config, field) for knob, field in _KNOB_TO_CONFIG.items()}
+        return {knob: value for knob, value in said.items() if value is not None}
 
     def build_engine(self, knobs: Knobs = DEFAULT_KNOBS):
         """A fresh LLMEngine for these options and knobs."""
