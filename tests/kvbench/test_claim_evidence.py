@@ -210,3 +210,28 @@ def test_a_merge_keeps_every_shards_skipped_scenarios():
     merged = merge_results(parts)
     assert [(s["engine"], s["reason"]) for s in merged.skipped_scenarios] == [
         ("reference", "reason 0"), ("server:preset=vllm", "reason 1")]
+
+
+def test_a_failed_every_request_finished_says_how_the_requests_ended() -> None:
+    """Not "requests_finished=52" beside a failed claim: how many were not served and the server's words."""
+    from types import SimpleNamespace
+
+    from kvbench.bench.scenarios.common import SANITY_CLAIM, Outcome, ResultEntry, say_why_unfinished, unserved
+    from kvbench.core.trace import TraceRecorder
+
+    rec = TraceRecorder("e", "s")
+    for i in range(4):
+        rec.arrived(f"r{i}", 0.0, 10, 4)
+    rec.finished("r0", 1.0, "length")
+    rec.finished("r1", 1.0, "stop")
+    rec.error_event("r2", "Context size has been exceeded.")
+    rec.finished("r2", 1.0, "error")
+    trace = rec.finish()
+    said = unserved(trace)
+    assert said is not None and said.startswith("2 of 4 not served")
+    assert '1 error ("Context size has been exceeded.")' in said and "1 never finished" in said
+    outcome = Outcome(scenario=SimpleNamespace(name="surge"), scale="quick", parameters={},  # type: ignore[arg-type]
+                      entries=[ResultEntry(trace=trace)], claims={SANITY_CLAIM: False})
+    say_why_unfinished(outcome)
+    assert outcome.claim_evidence[SANITY_CLAIM] == said
+    assert said in outcome.explain()

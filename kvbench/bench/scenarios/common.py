@@ -177,7 +177,8 @@ class Outcome:
 
     def explain(self) -> str:
         lines = [f"{self.scenario.name} ({self.scale}): claims not shown:"]
-        lines += [f"  - {c}" for c in self.failures()]
+        lines += [f"  - {c}" + (f": {self.claim_evidence[c]}" if c in self.claim_evidence else "")
+                  for c in self.failures()]
         lines += [f"  note: {n}" for n in self.notes]
         for e in self.entries:
             m = metrics.summarize(e.trace)
@@ -443,6 +444,7 @@ def run_interleaved(scenario: Scenario, adapters: Mapping[str, EngineAdapter], m
             except Exception as e:  # as above
                 failed[name] = e
                 continue
+            say_why_unfinished(outcome)
             outcome.job_keys = {id(s.trace): job_key(s.job, adapters[name]) for s in served[name]}
             outcome.machine_load = load
             outcome.ran_with = [(id(s.trace), s.job.mode, s.ran_with) for s in served[name]]
@@ -555,6 +557,35 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
 
 #: how a request the engine served ends; a rejection, an error or an abort nobody asked for is not that
 SERVED_FINISH_REASONS = ("length", "stop")
+
+
+def unserved(trace: Trace) -> str | None:
+    """How ``trace``'s requests that were not served ended, in words ("3 of 52 not served: 3 error ("Context size
+    has been exceeded."))"), or None when every one was served (or aborted: a workload's own aborts are judged by
+    :func:`all_finished` with the ids it asked to abort)."""
+    ends: dict[str, list[Any]] = {}
+    for r in trace.requests.values():
+        if r.finished is None:
+            ends.setdefault("never finished", []).append(r)
+        elif r.finish_reason not in SERVED_FINISH_REASONS and r.finish_reason != "abort":
+            ends.setdefault(str(r.finish_reason), []).append(r)
+    if not ends:
+        return None
+    count = sum(len(v) for v in ends.values())
+    parts = []
+    for reason, requests in ends.items():
+        error = next((r.error_event for r in requests if r.error_event), None)
+        parts.append(f"{len(requests)} {reason}" + (f' ("{error[:120]}")' if error else ""))
+    return f"{count} of {len(trace.requests)} not served: {', '.join(parts)}"
+
+
+def say_why_unfinished(outcome: Outcome) -> None:
+    """Give each failed "every request finished" claim of ``outcome`` its evidence (:func:`unserved` per entry),
+    so the report and the failure say how the requests ended, not only that they did not all end well."""
+    why = [f"{e.mode + ': ' if e.mode else ''}{said}" for e in outcome.entries if (said := unserved(e.trace))]
+    for claim, held in outcome.claims.items():
+        if claim.startswith(SANITY_CLAIM) and held is False and why and claim not in outcome.claim_evidence:
+            outcome.claim_evidence[claim] = "; ".join(why)
 
 
 def all_finished(trace: Trace, asked_to_abort: Collection[str] = ()) -> bool:
