@@ -12,6 +12,7 @@ import pytest
 import kvbench
 from kvbench.bench import scenarios as sc
 from kvbench.bench.job_settings import distinct, job_settings, redact_argv
+from kvbench.bench.matched_knobs import stated
 from kvbench.bench.results import Results
 from kvbench.bench.workloads import Workload
 from kvbench.core.requests import WorkloadRequest
@@ -24,6 +25,8 @@ from kvbench.report.render import render_report
 
 KNOBS = Knobs(block_size=16, num_gpu_blocks=8)
 CACHING = KNOBS.merged(Knobs(enable_prefix_caching=True))
+#: what the engines are given: the scenario's knobs and the behaviour every job states (kvbench.bench.matched_knobs)
+ASKED, ASKED_CACHING = stated(KNOBS, None), stated(CACHING, None)
 SECRET = "sekrit-4711"
 
 
@@ -74,18 +77,18 @@ def test_the_inprocess_reference_records_what_it_was_asked_and_what_its_config_r
     recorded = _recorded(ReferenceAdapter(model.path), model)
     (entry,) = recorded["results"]
     settings = entry["settings"]
-    assert settings["asked"] == {"block_size": 16, "num_gpu_blocks": 8, "enable_prefix_caching": True}
-    # the engine's own resolved configuration: what was asked, and the defaults it fills in itself (the token
-    # budget from max_model_len, chunked prefill off), never copied from what kvbench asked for
+    assert settings["asked"] == ASKED_CACHING.as_dict()
+    # the engine's own resolved configuration: what was asked, and what it fills in itself (max_model_len from
+    # the model's positions, the defaults of what was not asked), never copied from what kvbench asked for
     confirmed = settings["confirmed"]
     assert {k: confirmed[k] for k in settings["asked"]} == settings["asked"]
-    assert confirmed["enable_chunked_prefill"] is False and confirmed["max_num_batched_tokens"] == \
-        confirmed["max_model_len"] > 0
+    assert confirmed["max_model_len"] == 1024 and confirmed["scheduling_policy"] == "fcfs"
+    assert "max_model_len" not in settings["asked"]
     assert "launch" not in settings  # no server was launched
     assert (settings["package"], settings["version"]) == ("kvbench", kvbench.__version__)
     # the two sweep jobs of one knob set are one record; the entry's job is the other
     assert [(s["engine"], s["modes"], s["asked"]) for s in recorded["settings"]] == [
-        ("reference", [], KNOBS.as_dict()), ("reference", ["pc"], CACHING.as_dict())]
+        ("reference", [], ASKED.as_dict()), ("reference", ["pc"], ASKED_CACHING.as_dict())]
     json.dumps(recorded, allow_nan=False)  # plain JSON
 
 
@@ -100,7 +103,7 @@ def test_engines_served_in_lockstep_record_their_settings_too(model):
     (recorded,) = results.scenarios
     assert [(s["engine"], s["modes"]) for s in recorded["settings"]] == [("a", []), ("a", ["pc"]), ("b", []),
                                                                           ("b", ["pc"])]
-    assert [r["settings"]["asked"] for r in recorded["results"]] == [CACHING.as_dict()] * 2
+    assert [r["settings"]["asked"] for r in recorded["results"]] == [ASKED_CACHING.as_dict()] * 2
 
 
 class _StatesOther(ReferenceAdapter):
@@ -148,9 +151,9 @@ def test_a_launched_reference_server_records_its_launch_and_its_own_word(model, 
     finally:
         adapter.close()
     settings = recorded["results"][0]["settings"]
-    assert settings["asked"] == CACHING.as_dict()
+    assert settings["asked"] == ASKED_CACHING.as_dict()
     # the server's own labels: every knob, those kvbench left unset included (at the server's defaults)
-    assert {k: settings["confirmed"][k] for k in CACHING.as_dict()} == CACHING.as_dict()
+    assert {k: settings["confirmed"][k] for k in ASKED_CACHING.as_dict()} == ASKED_CACHING.as_dict()
     assert settings["confirmed"]["max_num_seqs"] >= 1 and "max_num_seqs" not in settings["asked"]
     launch = settings["launch"]
     assert launch[launch.index("--port") + 1] == served_by[served_by.index("--port") + 1]  # the server that served

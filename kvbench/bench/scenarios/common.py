@@ -16,6 +16,7 @@ import numpy as np
 
 from kvbench.bench import metrics, repeats
 from kvbench.bench.job_settings import distinct, job_settings
+from kvbench.bench.matched_knobs import stated
 from kvbench.bench.scenarios.declare import Headline, Pressure, Score
 from kvbench.bench.workloads import (
     AllAtOnce,
@@ -324,6 +325,8 @@ def serve(adapter: EngineAdapter, job: Job, scenario: str, progress: Progress | 
     # engine's terms (e.g. vLLM's CPU build takes blocks of 32 only)
     job = replace(job, knobs=adapter.engine_knobs(
         job.knobs, [request_tokens(len(r.prompt_token_ids), r.max_tokens) for r in job.workload.requests]))
+    # and the behaviour the scenario leaves unset stated the same on every engine (kvbench.bench.matched_knobs)
+    job = replace(job, knobs=stated(job.knobs, adapter))
     kwargs: dict[str, Any] = {}
     if step_seconds is not None and getattr(adapter, "steppable", False):
         kwargs["step_seconds"] = step_seconds
