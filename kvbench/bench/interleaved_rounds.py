@@ -174,7 +174,7 @@ class Cell:
     #: per engine, every request of any round that got another number of output tokens than it asked for
     miscounted: dict[str, list[str]] = field(default_factory=dict)
     #: the first round's greedy outputs, each engine's against the first engine's of its dtype
-    #: (:meth:`kvbench.bench.scenarios.head_to_head.Agreement.to_dict`)
+    #: (:meth:`kvbench.bench.scenarios.closed_loop.Agreement.to_dict`)
     agreement: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, engine: str, m: Mapping[str, float | None]) -> None:
@@ -337,10 +337,10 @@ def run_rounds(engines: Mapping[str, EngineAdapter], model: Model, setup: Setup,
     (:func:`serve_rounds`); returns one cell per concurrency and each launched server's thread settings, by
     engine. Each cell also holds the requests that got another number of output tokens than asked, and the
     first round's greedy outputs cross-checked engine against engine (the scenario's own checks:
-    :mod:`kvbench.bench.scenarios.head_to_head`). The caller owns the adapters (and closes them)."""
+    :mod:`kvbench.bench.scenarios.closed_loop`). The caller owns the adapters (and closes them)."""
+    from kvbench.bench.scenarios.closed_loop import cross_check, engine_dtype
+    from kvbench.bench.scenarios.closed_loop import miscounted as miscounted_in
     from kvbench.bench.scenarios.common import Job
-    from kvbench.bench.scenarios.head_to_head import cross_check, engine_dtype
-    from kvbench.bench.scenarios.head_to_head import miscounted as miscounted_in
 
     def knobs_of(name: str) -> Knobs:
         return knobs_taken(engines[name], setup.knobs_of(name))[0]

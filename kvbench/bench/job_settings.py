@@ -17,7 +17,6 @@ run that already happened, and a run is not failed for want of it.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -120,7 +119,7 @@ def engine_version(adapter: EngineAdapter) -> tuple[str | None, str | None]:
     if family in _OWN:
         return "kvbench", kvbench.__version__
     if family == "llamacpp":
-        return "llama.cpp", _llamacpp_version(adapter.options.get("llamacpp"))
+        return "llama.cpp", _llamacpp_version(adapter)
     package = _PACKAGES.get(family)
     if package is None:
         return None, None
@@ -130,14 +129,11 @@ def engine_version(adapter: EngineAdapter) -> tuple[str | None, str | None]:
         return package, None
 
 
-@functools.lru_cache(maxsize=8)
-def _llamacpp_version(option: str | None) -> str | None:
-    """llama-server's ``--version`` (asked once per binary: it starts a process)."""
-    from kvbench.launch.peers import PeerMissing, find_llamacpp
-
+def _llamacpp_version(adapter: Any) -> str | None:
+    """llama-server's own version line, as the server adapter finds it (``engine_version("llama.cpp")``)."""
     try:
-        return find_llamacpp(option).version
-    except (PeerMissing, OSError, ValueError):
+        return adapter.engine_version("llama.cpp")
+    except Exception:  # a version is decoration here: never the reason a run fails
         return None
 
 

@@ -1,7 +1,7 @@
 """``kvbench head-to-head``: several engines on the same closed-loop work, rounds interleaved.
 
 The command's face only; the run and its table are :mod:`kvbench.bench.interleaved_rounds`', whose rounds the
-benchmark suite's head-to-head scenario serves too (:mod:`kvbench.bench.scenarios.head_to_head`).
+benchmark suite's head-to-head scenario serves too (:mod:`kvbench.bench.scenarios.closed_loop`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The head-to-head scenario (kvbench.bench.scenarios.head_to_head) on in-process engines: it records each
+"""The head-to-head scenario (kvbench.bench.scenarios.closed_loop) on in-process engines: it records each
 concurrency with its rounds, its output-token-count claim fails on an engine that returns one token fewer, and
 its cross-check of greedy outputs reports a divergence on an engine that changes one token.
 
@@ -13,7 +13,7 @@ import pytest
 from kvbench.bench import scenarios as sc
 from kvbench.bench.interleaved_rounds import Setup
 from kvbench.bench.results import Results
-from kvbench.bench.scenarios.head_to_head import (
+from kvbench.bench.scenarios.closed_loop import (
     COUNTS_CLAIM,
     HeadToHead,
     agreement_decision,

@@ -48,7 +48,7 @@ claims), :mod:`~kvbench.bench.scenarios.surges` (evening surge, flash crowd),
 :mod:`~kvbench.bench.scenarios.crossover` (swap vs recompute), :mod:`~kvbench.bench.scenarios.mechanisms`
 (prefix caching, chunked prefill, priority), :mod:`~kvbench.bench.scenarios.policies` (static vs
 auto preemption vs admission control), :mod:`~kvbench.bench.scenarios.claims` (how claims read the
-engine's own evidence, and the three ways one stays undecided), :mod:`~kvbench.bench.scenarios.head_to_head`
+engine's own evidence, and the three ways one stays undecided), :mod:`~kvbench.bench.scenarios.closed_loop`
 (closed-loop throughput and TTFT at fixed concurrencies under matched knobs, every engine of a session).
 Everything public is re-exported here.
 """
@@ -65,6 +65,7 @@ from kvbench.bench.scenarios.claims import (
     preempted_after,
     preemption_split,
 )
+from kvbench.bench.scenarios.closed_loop import HEAD_TO_HEAD, HeadToHead, run_head_to_head
 from kvbench.bench.scenarios.common import (
     BLOCK_SIZE,
     DOUBLED,
@@ -103,7 +104,6 @@ from kvbench.bench.scenarios.crossover import (
     summarize_costs,
 )
 from kvbench.bench.scenarios.declare import COST_CLOCK_CLAIM
-from kvbench.bench.scenarios.head_to_head import HEAD_TO_HEAD, HeadToHead, run_head_to_head
 from kvbench.bench.scenarios.mechanisms import (
     HIGH,
     LOW,

