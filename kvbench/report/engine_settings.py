@@ -10,6 +10,7 @@ test_engine_settings.py holds each):
 * missing is "not stated", never 0 or blank;
 * a row where two engines ran different values (in the same modes; the engine's confirmed value where it stated
   one, else the asked one) is flagged "not matched": their figures were measured under different settings;
+  except the block size and the pool in blocks, each engine's own granularity: the pool in tokens is matched;
 * below the table, each engine's version and launch command (secrets as ``***``);
 * a results file without settings (written before they were recorded) shows no table and says so.
 
@@ -48,6 +49,9 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("prefill_pacing_tokens", "prefill pacing (tokens)"),
     ("dtype", "dtype"),
 )
+#: rows of an engine's own granularity (block size, and so the pool counted in blocks): engines of other block
+#: sizes differ there by design, and what is matched is the pool in tokens (POOL_TOKENS), flagged where it differs
+GRANULARITY = frozenset({"block_size", "num_gpu_blocks"})
 _NOT_SETTINGS = frozenset({"engine", "modes", "asked", "confirmed", "launch", "package", "version"})
 
 
@@ -144,7 +148,7 @@ def _table(columns: list[dict[str, Any]]) -> dict[str, Any]:
                 if c["group"] == group and _ran(a, b) is not None:
                     ran.setdefault(_fmt(_ran(a, b)), set()).add(c["engine"])
             engines = {e for names in ran.values() for e in names}
-            unmatched = unmatched or (len(ran) > 1 and len(engines) > 1)
+            unmatched = unmatched or (len(ran) > 1 and len(engines) > 1 and key not in GRANULARITY)
         rows.append({"label": labels.get(key, key), "cells": cells, "flag": NOT_MATCHED if unmatched else ""})
     engines = [{"label": c["label"],
                 "version": f"{c.get('package') or ''} {c['version']}".strip() if c.get("version") else NOT_STATED,

@@ -204,13 +204,14 @@ def test_rows_that_engines_ran_differently_are_flagged_not_matched():
     (table,) = view["tables"]
     assert table["columns"] == ["reference", "vllm"]
     rows = _rows(table)
-    assert rows["block size (tokens)"] == (["16", "32"], "not matched")
+    # each engine's own block granularity differs by design: what is matched is the pool in tokens
+    assert rows["block size (tokens)"] == (["16", "32"], "")
     assert rows["prefix caching"] == (["off", "on"], "not matched")
     assert rows["KV pool (tokens)"] == (["128", "128"], "")  # the same pool in tokens: matched
     # kvbench left max_num_seqs unset: the reference does not say what it runs, vLLM states its default
     assert rows["max_num_seqs"] == (["not stated", "256 (default)"], "")
     assert rows["dtype"] == (["float32", "not stated"], "")
-    assert table["unmatched"] == ["block size (tokens)", "KV pool (blocks)", "prefix caching"]
+    assert table["unmatched"] == ["prefix caching"]
     reference, vllm = table["engines"]
     assert reference["launch"] == "not stated" and vllm["launch"].endswith("--api-key '***'")
     assert (reference["version"], vllm["version"]) == ("kvbench 0.1.0", "vllm 0.11.0")
@@ -221,8 +222,9 @@ def test_asked_and_confirmed_that_differ_show_both_and_same_settings_show_one_ta
     view = engine_settings.section(_results({"a": lying, "b": {"asked": {"block_size": 16}}}, ("one", "two")))
     (table,) = view["tables"]  # both scenarios ran the same settings: shown once
     assert table["title"] == "Every scenario (2)"
-    # a ran 32 by its own word, b was asked 16 and states nothing: not matched
-    assert _rows(table)["block size (tokens)"] == (["16 / 32", "16"], "not matched")
+    # a ran 32 by its own word, b was asked 16 and states nothing: shown both ways (its own granularity, so the
+    # row itself is not flagged; a pool of other tokens would be)
+    assert _rows(table)["block size (tokens)"] == (["16 / 32", "16"], "")
     matched = engine_settings.section(_results({"a": {"asked": {"block_size": 16}, "confirmed": {"block_size": 16}},
                                                 "b": {"asked": {"block_size": 16}}}))
     assert _rows(matched["tables"][0])["block size (tokens)"] == (["16", "16"], "")
@@ -262,3 +264,11 @@ def test_engine_text_in_a_setting_is_escaped():
     part = _section(html)
     assert "<script>" not in part and "&lt;script&gt;alert(1)&lt;/script&gt;" in part
     assert len(re.findall(r"<script>alert", html)) == 0
+
+
+def test_a_pool_of_other_tokens_is_not_matched_though_each_block_size_is_the_engines_own():
+    smaller = {**VLLM, "asked": {**VLLM["asked"], "num_gpu_blocks": 2}, "confirmed": {}}  # 64 tokens against 128
+    (table,) = engine_settings.section(_results({"reference": REFERENCE, "vllm": smaller}))["tables"]
+    rows = _rows(table)
+    assert rows["KV pool (tokens)"] == (["128", "64"], "not matched")
+    assert rows["block size (tokens)"][1] == "" and rows["KV pool (blocks)"][1] == ""
