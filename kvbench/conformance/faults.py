@@ -206,6 +206,12 @@ class FaultyReferenceAdapter(ReferenceAdapter):
 
         def scrambled(mapping):
             mapping = list(mapping)
+            if len(mapping) == 1 and kv.host_cache.shape[0] > 1:
+                # one block has no other place among its own to go to: it gets its host neighbour's bytes instead
+                # (reversing a one-block swap-in changed nothing, and over HTTP a run whose swap-ins were all single
+                # blocks went unscathed: the check passed on this fault about one run in three)
+                (host, device), = mapping
+                return swap_in([((host + 1) % kv.host_cache.shape[0], device)])
             devices = [d for _, d in mapping][::-1]
             return swap_in([(h, d) for (h, _), d in zip(mapping, devices, strict=True)])
 
