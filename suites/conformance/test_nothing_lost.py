@@ -171,8 +171,13 @@ def test_every_request_finishes_exactly_once(mode, engine, model_dir):
                                  "anything")
     else:
         preemptions = trace.counters.get("preemptions_recompute", 0) + trace.counters.get("preemptions_swap", 0)
-        claim(preemptions > 0, "the storm preempted nothing: this check proved nothing")
-        if preemptions > 0:
+        if preemptions == 0 and not getattr(engine, "steppable", False):
+            # over a network the storm's arrivals spread with the machine's load: on vLLM the same workload
+            # preempted in three runs and not in a fourth. A trigger that depends on timing is undecided, not failed
+            undecided_because.append(f"the storm preempted nothing on {engine.name} in this run (its requests reach "
+                                     "the engine over HTTP, spread by the machine's load): nothing proved")
+        else:
+            claim(preemptions > 0, "the storm preempted nothing: this check proved nothing")
             record_proof("preemptions", preemptions)
     if undecided_because:
         undecided("; ".join(undecided_because))
