@@ -67,12 +67,15 @@ def pressured_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], facto
     return knobs
 
 
-def roomy_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], **more: Any) -> Knobs:
+def roomy_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], sent: Sequence[GenRequest] = (),
+                **more: Any) -> Knobs:
     """Knobs for a run of ``requests`` in which nothing is preempted: a pool that holds every one of them at once,
     or, on a server whose pool is fixed (:meth:`OpenAIAdapter.fixed_pool`), its own pool with the run marked
-    unpressured, so the adapter sends it in waves that each fit the pool (:meth:`OpenAIAdapter.mark_run`)."""
+    unpressured, so the adapter sends it in waves that each fit the pool (:meth:`OpenAIAdapter.mark_run`).
+    ``sent``: the requests the run really sends, where they are more than the pool is sized for (a request sent
+    to be refused): the run is marked by them."""
     knobs = engine.pool_knobs(roomy(kv_needs(requests))).merged(Knobs(**more))
-    _mark_run(engine, requests, unpressured=True)
+    _mark_run(engine, sent or requests, unpressured=True)
     return knobs
 
 

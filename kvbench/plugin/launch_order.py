@@ -202,26 +202,24 @@ class LaunchOrder:
         engine.stop_servers_except(set(coming) | unknown)
         if item.nodeid in plan and plan[item.nodeid].launches == records[item.nodeid].launches:
             self._start_ahead(engine, name, coming)  # only on a plan this test has just confirmed
+        else:
+            self._start_ahead(engine, name, [])  # nothing started ahead on a plan that no longer holds
 
     def _start_ahead(self, engine: Any, name: str, coming: list[Key]) -> None:
-        """Start the launches later tests need that are not up yet, in the order they are needed, as many as the
-        engine starts ahead (:meth:`ServerAdapter.prestart`): the next test's server and the one after it start
-        side by side while the tests before them run, so a run is not one start after another."""
-        prestart, live = getattr(engine, "prestart", None), getattr(engine, "live_launches", None)
-        if prestart is None or live is None:
+        """Hand the engine the launches later tests need, in the order they are needed
+        (:meth:`ServerAdapter.plan_ahead`): it starts those not up yet as far as it starts ahead, and goes on
+        starting them as earlier starts finish, so a run is not one start after another."""
+        plan_ahead = getattr(engine, "plan_ahead", None)
+        if plan_ahead is None:
             return
-        up = live()
+        wanted: list[Knobs] = []
         for key in coming:
-            if key in up:
-                continue
             knobs = self.launch_knobs[name].get(key)
             if knobs is None:
-                return  # a plan from an older kvbench: this one and those after it start when needed
-            try:
-                if not prestart(Knobs(**knobs)):
-                    return
-            except (ValueError, TypeError):
-                return
+                break  # a plan from an older kvbench: this one and those after it start when needed
+            with contextlib.suppress(ValueError, TypeError):
+                wanted.append(Knobs(**knobs))
+        plan_ahead(wanted)
 
     def _save(self, name: str) -> None:
         spec, path, plan, records = self.engines[name]

@@ -83,7 +83,7 @@ def test_over_long_prompt_is_refused_and_others_are_served(engine, model_dir, re
     _, max_len = model_vocab(model_dir)
     bad = GenRequest("too-long", [5] * (max_len + 10), 4)
     requests = [*requests_greedy[:6], bad, *requests_greedy[6:12]]
-    result = engine.generate(requests, roomy_knobs(engine, requests_greedy))
+    result = engine.generate(requests, roomy_knobs(engine, requests_greedy, sent=requests))
     problems = _clear_rejection(result, "too-long", "max_model_len")
     truth_outputs = [*truth.outputs[:6], None, *truth.outputs[6:12]]
     truth_by_id = type(truth)([o for o in truth_outputs if o is not None])

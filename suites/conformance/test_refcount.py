@@ -31,11 +31,12 @@ pytestmark = pytest.mark.conformance
 #: blocks of output; the pool holds the largest request POOL_FACTOR times (a group's members running at once
 #: hold more than that even while sharing)
 GROUPS, MEMBERS, PREFIX_BLOCKS, OUTPUT_BLOCKS, POOL_FACTOR = 3, 4, 2, 2, 3.0
-#: a step computes at most this many blocks' worth of prompt (chunked prefill): the groups' first members are
-#: admitted over the first steps, and the others once those have computed (and so cached) the prefix they
-#: share, while they still run. An engine that caches a block only once its KV is computed shares nothing
-#: between requests admitted in one step.
-STEP_BUDGET_BLOCKS = 4
+#: a step computes at most this many tokens of prompt (chunked prefill; four blocks of 16, two of 32): the groups'
+#: first members are admitted over the first steps, and the others once those have computed (and so cached) the
+#: prefix they share, while they still run. An engine that caches a block only once its KV is computed shares
+#: nothing between requests admitted in one step. The same budget as the other chunked checks' larger one
+#: (test_equivalence, test_nothing_lost), so an engine that starts a server per knob set serves them from one.
+STEP_BUDGET_TOKENS = 64
 
 
 def test_block_manager_state_machine(engine):
@@ -79,9 +80,8 @@ def test_shared_blocks_survive_pressure_from_outside(engine, model_dir, truth_en
     require(engine, "recompute", "prefix_caching")
     requests = shared_prefix_requests(engine, model_dir)
     truth = truth_engine.generate(requests)
-    block = engine.kv_layout.block_size()
     knobs = pressured_knobs(engine, requests, POOL_FACTOR, enable_prefix_caching=True, preemption_mode="recompute",
-                            enable_chunked_prefill=True, max_num_batched_tokens=STEP_BUDGET_BLOCKS * block,
+                            enable_chunked_prefill=True, max_num_batched_tokens=STEP_BUDGET_TOKENS,
                             max_num_seqs=len(requests))
     stormy = engine.generate(requests, knobs)
     margins = truth_engine.top2_margins

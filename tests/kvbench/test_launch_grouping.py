@@ -282,3 +282,85 @@ def test_a_server_started_ahead_serves_the_run_that_needs_it_and_is_stopped_when
     finally:
         adapter.close()
     assert not adapter.live_launches()
+
+
+@pytest.mark.server
+def test_a_cap_on_requests_at_once_that_a_run_cannot_reach_shares_the_default_launch(model_dir, tmp_path):
+    """vLLM's max_num_seqs only caps the running requests (default 128): a run of 6 asking for a cap of 6 or 16
+    runs every request at once either way, so it is served by the launch that leaves the cap at its default; a cap
+    of 2 binds and gets its own launch; and where args= sets a cap of its own, the asked one is kept."""
+    pool = Knobs(block_size=16, num_gpu_blocks=40, max_model_len=48, enable_prefix_caching=False)
+    adapter = ServerAdapter(model_dir, {"preset": "vllm", "cmd": STUB, "log_dir": str(tmp_path / "a"),
+                                        "keep_servers": "2"})
+    try:
+        for cap in (len(REQUESTS), 16, None):
+            result = adapter.generate(REQUESTS, pool.merged(Knobs(max_num_seqs=cap)))
+            assert [o.finish_reason for o in result.outputs] == ["length"] * len(REQUESTS)
+        assert len(adapter.logs) == 1 and "--max-num-seqs" not in Path(adapter.logs[0]).read_text().splitlines()[0]
+        assert any("cannot bind a run of 6 requests" in line for line in adapter.generate(
+            REQUESTS, pool.merged(Knobs(max_num_seqs=16))).evidence)
+        adapter.generate(REQUESTS, pool.merged(Knobs(max_num_seqs=2)))
+        assert len(adapter.logs) == 2 and "--max-num-seqs 2" in Path(adapter.logs[1]).read_text().splitlines()[0]
+    finally:
+        adapter.close()
+    own = ServerAdapter(model_dir, {"preset": "vllm", "cmd": STUB, "log_dir": str(tmp_path / "b"),
+                                    "args": "--max-num-seqs 4"})
+    try:
+        # the cap asked for is kept, so the server's own 4 is seen to differ (a skip naming it), not run as if 6
+        with pytest.raises(pytest.skip.Exception, match="runs max_num_seqs=4"):
+            own.generate(REQUESTS, pool.merged(Knobs(max_num_seqs=6)))
+        assert "--max-num-seqs 6" in Path(own.logs[0]).read_text().splitlines()[0]
+    finally:
+        own.close()
+
+
+def _wait_up(adapter: ServerAdapter, knobs: Knobs, timeout: float = 60.0) -> None:
+    import time
+
+    starting = adapter._starting[adapter.launch_key(adapter.launch_knobs(knobs))]
+    deadline = time.monotonic() + timeout
+    while starting.still_starting():
+        assert time.monotonic() < deadline, "the stub server did not come up"
+        time.sleep(0.1)
+
+
+@pytest.mark.server
+def test_only_servers_still_starting_count_against_start_ahead_and_ready_ahead_bounds_the_rest(model_dir, tmp_path):
+    """One start at a time (start_ahead=1): a second waits while the first starts, and begins once the first is
+    up and waiting; no more than ready_ahead (2) wait or start ahead in all."""
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path),
+                                        "keep_servers": "1", "start_ahead": "1", "ready_ahead": "2"})
+    a, b, c = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
+    try:
+        assert adapter.reconfigurable is False
+        assert adapter.prestart(a)
+        assert not adapter.prestart(b), "a second start beside one still starting (start_ahead=1)"
+        _wait_up(adapter, a)
+        assert adapter.prestart(b), "the first is up and waiting: the next one starts"
+        _wait_up(adapter, b)
+        assert not adapter.prestart(c), "two started ahead already (ready_ahead=2)"
+        adapter.generate(REQUESTS, a)
+        assert len(adapter.logs) == 2, "the run took the server started ahead for it"
+        assert adapter.prestart(c), "a claimed server leaves room for another"
+    finally:
+        adapter.close()
+
+
+@pytest.mark.server
+def test_the_plans_coming_launches_start_as_room_allows_and_a_served_one_is_not_restarted(model_dir, tmp_path):
+    """``plan_ahead`` starts the coming launches in order as far as the limits allow, and goes on with the rest
+    whenever a run asks for a server; a launch served and stopped (keep_servers=1) is not started again."""
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path),
+                                        "keep_servers": "1", "start_ahead": "2", "ready_ahead": "2"})
+    first, second, third = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
+    key = adapter.launch_key
+    try:
+        adapter.plan_ahead([first, second, third])
+        assert set(adapter._starting) == {key(first), key(second)}, "two start side by side, in the plan's order"
+        adapter.generate(REQUESTS, first)
+        assert key(third) in adapter.live_launches(), "a run asking for its server let the next one start"
+        adapter.generate(REQUESTS, second)
+        assert key(first) not in adapter.live_launches(), "served, stopped, and not started again"
+        assert len(adapter.logs) == 3
+    finally:
+        adapter.close()

@@ -95,6 +95,11 @@ class Preset:
     #: here is unknown. kvbench reads it to know a launched server's state: vLLM V1 caches prefixes unless
     #: told not to, so a server launched without the knob still carries cached blocks from run to run
     server_defaults: dict[str, Any] = field(default_factory=dict)
+    #: where ``max_num_seqs`` only caps how many requests run at once (it splits no memory among them, as
+    #: llama.cpp's slots do), the most the server runs at once when no flag says (at least; None: not such a
+    #: server): a run of n requests asking for a cap of n or more then behaves the same on a server left at
+    #: its default, and is served by it (:meth:`ServerAdapter._cap_not_reached`)
+    default_max_num_seqs: int | None = None
     #: (checkpoint directory, the adapter's options) -> what the launch needs beyond the checkpoint: values for
     #: the command's placeholders (``{model}`` among them, replacing the checkpoint directory) and flags put
     #: after the command. Runs at each launch; may raise PeerMissing (no server to launch) or ValueError
@@ -298,6 +303,9 @@ VLLM = Preset(
     # vLLM V1's EngineArgs: prefix caching and chunked prefill on unless a flag turns them off; SchedulerConfig's
     # policy "fcfs"
     server_defaults={"enable_prefix_caching": True, "enable_chunked_prefill": True, "scheduling_policy": "fcfs"},
+    # EngineArgs' default for the OpenAI server: 128 on CPU, 256 or more on GPU (the smaller stated); the scheduler
+    # uses it only as a cap on the running requests
+    default_max_num_seqs=128,
     lacking={"swap": "vLLM V1 preempts by recompute only: it has no swap preemption",
              "block_introspection": "vLLM exposes no block tables", "events": "vLLM publishes no engine events"},
 )

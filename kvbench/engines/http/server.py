@@ -116,6 +116,9 @@ from kvbench.launch.vllm_faults import check_fault, fault_environment
 DEFAULT_KEEP_SERVERS = 8
 #: servers started ahead of the tests that need them at once (:meth:`ServerAdapter.prestart`)
 DEFAULT_START_AHEAD = 2
+#: servers started ahead (starting, or up and waiting for their run) at most, starts side by side included: a
+#: vLLM server idles at ~2 GB and no CPU, so a few waiting keep the cores busy starting the next ones
+DEFAULT_READY_AHEAD = 4
 #: presets whose servers are large enough that one at a time is the default (``keep_servers``)
 ONE_AT_A_TIME = frozenset({"vllm"})
 #: knobs that size a pool: a launch group is every other knob (:meth:`ServerAdapter.launch_group`)
@@ -152,11 +155,25 @@ class _Launched:
 
 @dataclass
 class _Starting:
-    """A server started ahead of the run that needs it (:meth:`ServerAdapter.prestart`), not yet known healthy."""
+    """A server started ahead of the run that needs it (:meth:`ServerAdapter.prestart`), not yet claimed by one."""
 
     server: ServerProcess
     port: int
     wanted: dict[str, Any]
+    up: bool = False  # /health answered once: it waits, idle, for its run
+
+    def still_starting(self) -> bool:
+        """Whether it is still busy starting (neither answering /health yet nor exited): what the limit on
+        starts side by side counts. One probe of at most a fifth of a second; once up, never probed again."""
+        import httpx
+
+        if self.up or not self.server.running():
+            return False
+        try:
+            self.up = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=0.2).status_code == 200
+        except httpx.HTTPError:
+            return True
+        return not self.up
 
 
 class ServerAdapter(EngineAdapter):
@@ -173,7 +190,10 @@ class ServerAdapter(EngineAdapter):
         "keep_servers": f"servers of other knob sets kept running for reuse (default {DEFAULT_KEEP_SERVERS}, "
                         f"{', '.join(sorted(ONE_AT_A_TIME))}: 1; 1: only the latest one)",
         "start_ahead": f"servers started ahead of the tests that need them, by the launch plan, where every launch is "
-                       f"a fresh start (default {DEFAULT_START_AHEAD}; 0: each starts when needed)",
+                       f"a fresh start: how many start side by side (default {DEFAULT_START_AHEAD}; 0: each starts "
+                       "when needed)",
+        "ready_ahead": f"servers started ahead that may be up at once waiting for their tests, those starting included "
+                       f"(default {DEFAULT_READY_AHEAD}; never fewer than start_ahead)",
         "log_dir": "directory for the servers' logs (default: a new temporary directory)",
         "api_key": "bearer token, if the command makes the server demand one",
         "model": "model name to put in requests (default: the first of /v1/models)",
@@ -218,9 +238,10 @@ class ServerAdapter(EngineAdapter):
         keep = options.get("keep_servers", str(DEFAULT_KEEP_SERVERS))
         if not (keep.isdigit() and int(keep) >= 1):
             raise ValueError(f"engine {cls.kind!r}: option keep_servers must be an integer >= 1, got {keep!r}")
-        ahead = options.get("start_ahead", str(DEFAULT_START_AHEAD))
-        if not ahead.isdigit():
-            raise ValueError(f"engine {cls.kind!r}: option start_ahead must be an integer >= 0, got {ahead!r}")
+        for key, default in (("start_ahead", DEFAULT_START_AHEAD), ("ready_ahead", DEFAULT_READY_AHEAD)):
+            ahead = options.get(key, str(default))
+            if not ahead.isdigit():
+                raise ValueError(f"engine {cls.kind!r}: option {key} must be an integer >= 0, got {ahead!r}")
         for key, choices in _CHOICES.items():
             if options.get(key, choices[0]) not in choices:
                 raise ValueError(f"engine {cls.kind!r}: option {key} must be {' or '.join(choices)}, "
@@ -301,6 +322,9 @@ class ServerAdapter(EngineAdapter):
         default_keep = 1 if self.preset.name in ONE_AT_A_TIME else DEFAULT_KEEP_SERVERS
         self.keep_servers = int(self.options.get("keep_servers", default_keep))
         self.start_ahead = int(self.options.get("start_ahead", DEFAULT_START_AHEAD))
+        self.ready_ahead = max(self.start_ahead, int(self.options.get("ready_ahead", DEFAULT_READY_AHEAD)))
+        #: the launches later runs need, in the order they need them (:meth:`plan_ahead`): started ahead as room allows
+        self._coming: list[Knobs] = []
         self._marks = RunMarks()
         self._launch_log: list[tuple[str, ...]] = []  # launch keys served from, since take_launches()
         self._last_run: tuple[Knobs, OpenAIAdapter] | None = None  # (knobs asked, the server's client) of generate
@@ -448,6 +472,10 @@ class ServerAdapter(EngineAdapter):
         knobs = self.launch_knobs(knobs)
         key = self.launch_key(knobs)
         self._log_launch(key)
+        # served now: not to be started ahead again for this test's sake (the plan's next list says whether a
+        # later test needs it once more)
+        self._coming = [k for k in self._coming if self._key_or_none(k) != key]
+        self._start_coming()
         launched = self._launched.get(key)
         # a warm server (prefix caching without a salt to keep runs apart) is never reused as if it were cold
         if launched is not None and launched.server.running() and not launched.carries_state:
@@ -468,6 +496,7 @@ class ServerAdapter(EngineAdapter):
         starting = self._starting.pop(key, None) or self._start(key, knobs)
         server, port = starting.server, starting.port
         self._server = server
+        self._start_coming()  # this one claimed: room for the next start, which overlaps the wait below
         server.wait_healthy(f"http://127.0.0.1:{port}", self.startup_timeout)
         remote = self._remote(port, starting.wanted)
         self._launched[key] = _Launched(server, remote, starting.wanted, port,
@@ -491,11 +520,14 @@ class ServerAdapter(EngineAdapter):
         """Start the server a coming run of ``knobs`` will need, without waiting for it, while the current one
         serves: a start is mostly the new processes' imports, on a core the running server leaves idle between
         its runs. Only where every launch is a fresh start (:attr:`reconfigurable` is false) and nothing of that
-        launch is running or starting; at most ``start_ahead`` servers start ahead at once (option, default 2: a
-        start is mostly imports, one process after another, so two side by side keep two cores busy). The run
-        that needs it waits for it as for any start (a server that fails to start fails that run, with its log,
-        as it would have then). Returns whether one was started."""
-        if self.reconfigurable or len(self._starting) >= self.start_ahead:
+        launch is running or starting; at most ``start_ahead`` servers busy starting at once (option, default 2:
+        a start is mostly imports, one process after another, so two side by side keep two cores busy), and at
+        most ``ready_ahead`` started ahead in all, up and waiting included (a waiting server takes memory, no
+        CPU). The run that needs it waits for it as for any start (a server that fails to start fails that run,
+        with its log, as it would have then). Returns whether one was started."""
+        if self.reconfigurable or len(self._starting) >= self.ready_ahead:
+            return False
+        if sum(s.still_starting() for s in self._starting.values()) >= self.start_ahead:
             return False
         knobs = self.launch_knobs(knobs)
         key = self.launch_key(knobs)
@@ -503,6 +535,30 @@ class ServerAdapter(EngineAdapter):
             return False
         self._starting[key] = self._start(key, knobs)
         return True
+
+    def plan_ahead(self, coming: Sequence[Knobs]) -> None:
+        """The launches later runs will need, in the order they need them (the launch plan's, given by
+        :mod:`kvbench.plugin.launch_order`): each is started ahead (:meth:`prestart`) as room allows, now and
+        whenever a run asks for a server, so a start that finishes during a long check lets the next one begin."""
+        self._coming = list(coming)
+        self._start_coming()
+
+    def _key_or_none(self, knobs: Knobs) -> tuple[str, ...] | None:
+        try:
+            return self.launch_key(knobs)
+        except (ValueError, TypeError):
+            return None  # knobs no launch takes (a check of a refusal): started when asked for, as asked
+
+    def _start_coming(self) -> None:
+        if not self._coming or self.reconfigurable:
+            return
+        live = self.live_launches()
+        for knobs in self._coming:
+            key = self._key_or_none(knobs)
+            if key is None or key in live:
+                continue
+            if not self.prestart(knobs):
+                return
 
     # --- launches serving more than one run (every launch a fresh start)
 
@@ -542,12 +598,17 @@ class ServerAdapter(EngineAdapter):
         run of these requests gets (:meth:`_wave_pool`); either way in waves that each fit its pool."""
         if self.reconfigurable or not requests:
             return self.server_for(knobs), knobs
+        knobs = self._cap_not_reached(knobs, requests)
         if not self._is_unpressured(requests):
             remote = self.server_for(knobs)
             # a server keeps the marks of the runs it served: the same requests under pressure go all at once
             remote.mark_run(requests, unpressured=False)
             return remote, knobs
-        needs = [request_tokens(len(r.prompt_token_ids), r.max_tokens) for r in requests]
+        # a request longer than the model's positions can never be served: it is sent to be refused, and no pool
+        # is sized for it (else a check of that refusal would need a launch of its own)
+        positions = self._model_positions()
+        needs = [request_tokens(len(r.prompt_token_ids), r.max_tokens) for r in requests
+                 if positions is None or len(r.prompt_token_ids) < positions] or [1]
         group = self.launch_group(knobs)
         for key in reversed(self._launched):  # the most recently used first
             launched = self._launched[key]
@@ -563,6 +624,20 @@ class ServerAdapter(EngineAdapter):
         remote = self.server_for(smaller)
         remote.mark_run(requests, unpressured=True)
         return remote, self.launch_knobs(smaller)
+
+    def _cap_not_reached(self, knobs: Knobs, requests: Sequence[GenRequest]) -> Knobs:
+        """``knobs`` without ``max_num_seqs`` where it cannot bind: a ``generate`` run of n requests asking for a
+        cap of n or more, on a server whose cap only limits how many run at once and whose default is n or more
+        (:attr:`Preset.default_max_num_seqs`), runs every request at once either way, so the run goes to the
+        launch that leaves the cap at its default, and checks that differ only there share one server."""
+        cap = self.preset.default_max_num_seqs
+        asked = knobs.max_num_seqs
+        if cap is None or asked is None or not len(requests) <= min(asked, cap):
+            return knobs
+        flag = self.preset.flags({"max_num_seqs": asked})[0][:1]
+        if flag and any(arg.split("=", 1)[0] == flag[0] for arg in (*(self.command or ()), *self.extra)):
+            return knobs  # cmd= or args= sets a cap of its own: the default is not what the server would run
+        return replace(knobs, max_num_seqs=None)
 
     def _holds_each(self, knobs: Knobs, needs: Sequence[int]) -> bool:
         """Whether a server launched with ``knobs`` takes each of these requests alone: its pool holds the
@@ -591,6 +666,14 @@ class ServerAdapter(EngineAdapter):
         derived = layout_pool_knobs(replace(budget, roundable=False), self.kv_layout, knobs.block_size).max_model_len
         if pool.max_model_len is not None and knobs.max_model_len == derived:
             smaller = smaller.merged(Knobs(max_model_len=pool.max_model_len))
+        elif knobs.max_model_len is not None and self.kv_layout.pool_holds_max_model_len:
+            # the check's own max_model_len stays: the pool must hold it (and the null block a vLLM keeps back),
+            # or the server refuses to start (some of a check's requests, sent alone, need less than it allows)
+            block = knobs.block_size or self.kv_layout.block_size()
+            holds = math.ceil(knobs.max_model_len / block) + 1
+            if holds >= knobs.num_gpu_blocks:
+                return knobs
+            smaller = Knobs(num_gpu_blocks=max(pool.num_gpu_blocks, holds))
         return knobs.merged(smaller)
 
     def _remote(self, port: int, wanted: dict[str, Any]) -> OpenAIAdapter:
@@ -692,7 +775,11 @@ class ServerAdapter(EngineAdapter):
         with self._client_placed(server):
             result = remote.generate(requests, knobs)
         result.evidence.append(f"server log: {server.log_path}")
-        if self.launch_knobs(knobs) != self.launch_knobs(asked):
+        if asked.max_num_seqs is not None and knobs.max_num_seqs is None:
+            result.evidence.append(f"max_num_seqs={asked.max_num_seqs} cannot bind a run of {len(requests)} requests: "
+                                   "served by a server left at its default cap "
+                                   f"({self.preset.default_max_num_seqs} or more)")
+        if self._is_unpressured(requests) and self.launch_knobs(knobs) != self.launch_knobs(asked):
             result.evidence.append(f"an unpressured run, served by a server launched with {knobs.as_dict()} (asked: "
                                    f"{asked.as_dict()}), its requests in waves that each fit that pool")
         if self.vllm_fault:
