@@ -28,6 +28,7 @@ report draws. Skeleton (``schema_version`` 1)::
                      "spread": {"output_throughput": 6.2, ...},            # kvbench.bench.repeats.spread
                      "clock": {"clock": "step", "step_seconds": 0.01, "exact_counts": true},
                      "counters": {"preemptions_recompute": 17, "aborts": null, ...},  # Counters.to_dict()
+                     "delivery": {"tokens_per_chunk": 1.1, "bursty": false, "why": "..."},  # optional (older: absent)
                      "settings": {"asked": {"block_size": 16, ...}, "confirmed": {...},  # optional (older: absent)
                                   "launch": ["python", "-m", "..."], "package": "kvbench", "version": "0.1.0"}}],
         "sweeps": [{"name": "concurrency", "x_label": "concurrent requests",
@@ -298,10 +299,14 @@ class Results:
         """Summarize a :class:`~kvbench.core.trace.Trace` and add it under its scenario and engine,
         with the engine's counters."""
         from kvbench.bench import metrics  # local: results files are read without numpy-heavy work
+        from kvbench.core import delivery
 
         kwargs.setdefault("counters", trace.counters)
-        return self.add_scenario_result(trace.scenario, engine or trace.engine, metrics.summarize(trace, slos),
-                                        series=metrics.series(trace), **kwargs)
+        entry = self.add_scenario_result(trace.scenario, engine or trace.engine, metrics.summarize(trace, slos),
+                                         series=metrics.series(trace), **kwargs)
+        if (how := delivery.of_traces([trace])) is not None:
+            entry["delivery"] = how
+        return entry
 
     def add_sweep_point(self, scenario: str, sweep: str, x: float, engine: Mapping[str, Any] | str,
                         metrics: Mapping[str, Any], *, mode: str | None = None,

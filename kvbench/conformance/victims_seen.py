@@ -54,13 +54,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvbench.conformance.victims import check_policy, importance
+from kvbench.core import delivery
+from kvbench.core.delivery import MAX_TOKENS_PER_CHUNK
 from kvbench.core.trace import Trace
 
 #: from a client, a gap of one stream is a stall when another stream received this many chunks inside it
 SAMPLED_MISSED = 3
-#: more tokens per chunk than this, over every stream, is a server delivering in bursts: a stream's gaps then
-#: say when the server wrote, not when the engine stopped computing it
-MAX_TOKENS_PER_CHUNK = 2.0
+# MAX_TOKENS_PER_CHUNK (kvbench.core.delivery, shared with the report): more tokens per chunk than this, over
+# every stream, is a server delivering in bursts: a stream's gaps then say when the server wrote, not when the
+# engine stopped computing it
 #: the tolerance in steps (:func:`tolerance`): how far a preemption, an admission or a counter rise may lie
 #: from the token arrival that bounds it
 TOLERANCE_STEPS = 3
@@ -319,9 +321,10 @@ def read_victims(trace: Trace, policy: str, priority: Mapping[str, int], arrival
         return Reading(undecided="no stream received two chunks of tokens: no step to measure stalls by")
     exact = any(not s.sampled for s in trace.steps)
     reading = Reading(step=typical_step(chunks), tolerance=tol)
-    tokens, pieces = sum(len(r.token_times) for r in trace.requests.values()), sum(map(len, chunks.values()))
-    if tokens > MAX_TOKENS_PER_CHUNK * pieces:
-        reading.undecided = (f"the server delivers tokens in bursts ({tokens / pieces:.1f} tokens per chunk over "
+    per_chunk = delivery.tokens_per_chunk(r.token_times for r in trace.requests.values())
+    if delivery.bursty(per_chunk):
+        assert per_chunk is not None
+        reading.undecided = (f"the server delivers tokens in bursts ({per_chunk:.1f} tokens per chunk over "
                              f"every stream, {MAX_TOKENS_PER_CHUNK} at most): a gap says when it wrote, not when "
                              "its engine left a request out (a front end short of CPU writes so: a server kvbench "
                              "starts can give it a core of its own, helper_cores=engine)")

@@ -33,6 +33,7 @@ from kvbench.bench.formatting import fmt_bytes, fmt_metric, fmt_time
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios import policies
 from kvbench.bench.scenarios.declare import num, ratio_noise, result_of
+from kvbench.core import delivery
 from kvbench.report import figures
 from kvbench.report.scoreboard import pressure_of
 from kvbench.report.words import scenario_title as titled
@@ -239,11 +240,14 @@ def _peak_in_flight(res: Mapping[str, Any]) -> float | None:
 
 def pool_row(sc: Mapping[str, Any], res: Mapping[str, Any], href: str, bytes_per_token: float | None,
              budget: float = PREEMPTION_BUDGET) -> PoolRow | None:
-    """One scenario's pool figures for one result (None: the pool's size was not recorded)."""
+    """One scenario's pool figures for one result (None: the pool's size was not recorded, or the engine does not
+    expose its preemptions)."""
     params, m = sc.get("parameters", {}), res.get("metrics", {})
     pool = num(params.get("num_gpu_blocks")) or num((res.get("counters") or {}).get("num_gpu_blocks"))
     block = num(params.get("block_size"))
     if not pool or not block:
+        return None
+    if num(m.get("preemptions")) is None:  # not exposed: no row rather than one that reads "0 preemptions"
         return None
     preemptions, requests = num(m.get("preemptions")) or 0.0, num(m.get("requests"))
     per_request = preemptions / requests if requests else None
@@ -348,6 +352,9 @@ def _pick_admission(sc: Mapping[str, Any], surge: str, static: Mapping[str, Any]
                          "the watermark-headroom charts", href)]
     on = f"On the {titled(surge).lower()}"
     sp = num(static["metrics"].get("preemptions"))
+    if sp is None:  # not exposed is not "did not preempt"
+        return Advice("no setting earned", f"{on}, the engine does not expose its preemptions: nothing to judge "
+                      "admission control by.", evidence)
     if not sp:
         return Advice("admission_policy=none", f"{on}, static admission did not preempt: admission control "
                       "has nothing to save here.", evidence)
@@ -379,6 +386,8 @@ def goal_met_beyond_noise(c: policies.GoalCheck, gated: Mapping[str, Any], stati
     """The trade-off table's "goal met: yes": the goal holds with each time ratio moved against it by its
     noise (the policies scenario's rule; "within noise" and "no" earn no recommendation)."""
     if not c.met or c.lower_tbt is None or c.throughput_kept is None:
+        return False
+    if delivery.not_comparable_among("tbt_p99", [gated, static]):  # a bursty server's gaps earn nothing
         return False
     tbt_noise = ratio_noise(gated, static, "tbt_p99") or 0.0
     tput_noise = ratio_noise(gated, static, "output_throughput") or 0.0

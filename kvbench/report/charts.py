@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -87,6 +89,53 @@ class Chart:
     width: int = 620
     height: int = 280
     subtitle: str = ""
+
+
+#: a timeline of polled samples (a server's ``/metrics``) is broken where two consecutive samples lie further
+#: apart than this many times the series' median interval. The sampler polls at a fixed rate (10 Hz by
+#: default): a scrape answered late, or a client held off the CPU for a moment, stretches an interval to two or
+#: three; five or more is the polling itself stalled (a server too busy to answer, a starved client on a shared
+#: machine), and across such a hole the queue or the pool may have done anything a straight line hides
+POLL_GAP_FACTOR = 5.0
+
+
+def polling_gaps(xs: Sequence[float | None], factor: float = POLL_GAP_FACTOR) -> tuple[list[tuple[float, float]],
+                                                                                        float | None]:
+    """((x0, x1) of every interval between consecutive samples longer than ``factor`` times the median interval,
+    that threshold); ([], None) with fewer than three samples or no positive median."""
+    pts = sorted(float(x) for x in xs if x is not None and math.isfinite(float(x)))
+    steps = [b - a for a, b in itertools.pairwise(pts)]
+    if len(steps) < 2 or statistics.median(steps) <= 0:
+        return [], None
+    limit = factor * statistics.median(steps)
+    return [(a, b) for a, b in itertools.pairwise(pts) if b - a > limit], limit
+
+
+def break_at_gaps(xs: Sequence[float], ys: Sequence[float | None],
+                  factor: float = POLL_GAP_FACTOR) -> tuple[list[float], list[float | None], int]:
+    """``(xs, ys)`` with a break (a None point) in every polling gap of :func:`polling_gaps`, so no segment is
+    drawn across it, and how many there were."""
+    gaps, _ = polling_gaps(xs, factor)
+    if not gaps:
+        return list(xs), list(ys), 0
+    starts = {a for a, _ in gaps}
+    out_x: list[float] = []
+    out_y: list[float | None] = []
+    for i, (x, y) in enumerate(zip(xs, ys, strict=False)):
+        out_x.append(x)
+        out_y.append(y)
+        if x in starts and i + 1 < len(xs):
+            out_x.append((x + xs[i + 1]) / 2)
+            out_y.append(None)
+    return out_x, out_y, len(gaps)
+
+
+def gap_note(broken: int, factor: float = POLL_GAP_FACTOR) -> str:
+    """A chart note on ``broken`` polling gaps ("" when none)."""
+    if not broken:
+        return ""
+    return (f"the line breaks at {broken} polling gap{'s' if broken > 1 else ''} (no sample for more than "
+            f"{factor:g}× the median interval between samples)")
 
 
 def _attrs(attrs: dict[str, object]) -> str:

@@ -306,7 +306,8 @@ def _check_swap(results: Results, engine: str, rows: list[Row]) -> dict[str, Any
     if bw_rows:
         sc, res, bw = max(bw_rows, key=lambda r: r[2])
         m = res["metrics"]
-        moved = (num(m.get("swapped_out_bytes")) or 0) + (num(m.get("swapped_in_bytes")) or 0)
+        sides = [v for k in ("swapped_out_bytes", "swapped_in_bytes") if (v := num(m.get(k))) is not None]
+        moved = sum(sides) if sides else None  # neither side exposed: "not exposed", never "0 B"
         facts.append(f"{_where(sc, res)}: swap moved {fmt_metric('swapped_out_bytes', moved)} at "
                      f"{fmt_metric('swap_bandwidth', bw)} ({fmt_time(m.get('swap_seconds'))} spent copying).")
     cx = swap_crossover(results, engine)

@@ -78,6 +78,7 @@ def host_pool(sc: dict[str, Any], styler: Styler, *, width: int = 440, height: i
     if pressure is None or not pressure.swap_fallback:
         return None
     lines, marks, legend = [], [], {}
+    broken = 0
     x_title = "time (s)"
     modes = list(dict.fromkeys(r.get("mode") for r in sc["results"]))
     for i, r in enumerate(sc["results"]):
@@ -90,8 +91,11 @@ def host_pool(sc: dict[str, Any], styler: Styler, *, width: int = 440, height: i
         color = (rc.PALETTE[modes.index(r.get("mode")) % len(rc.PALETTE)] if one_engine
                  else _color(styler, r["engine"], i))
         x_title, move = _time_axis(r)
-        lines.append(rc.Line(label, [move(t) for t in s.get("t", [])], usage, color,
-                             dash=None if not lines else "7 4"))
+        xs = s.get("t", [])
+        if "server_t" in s:  # samples polled from the server's /metrics: no segment across a polling gap
+            xs, usage, n = rc.break_at_gaps(xs, usage)
+            broken += n
+        lines.append(rc.Line(label, [move(t) for t in xs], usage, color, dash=None if not lines else "7 4"))
         for t, mode in zip(s.get("preempt_t", []), s.get("preempt_mode", []), strict=False):
             c = rc.PREEMPT_COLORS.get(mode, "#d9434e")
             marks.append(rc.Marker(move(t), c, f"{label}: preempted ({mode})"))
@@ -100,7 +104,8 @@ def host_pool(sc: dict[str, Any], styler: Styler, *, width: int = 440, height: i
         return None
     return styler.render(rc.Chart("Host (swap) pool usage", x_title, "host pool in use (%)", lines=lines,
                                   markers=marks, marker_legend=legend, y_format=lambda v: f"{v * 100:g}", y_max=1.0,
-                                  subtitle="a full host pool makes a swap engine fall back to recompute",
+                                  subtitle="; ".join(x for x in ("a full host pool makes a swap engine fall back "
+                                                                 "to recompute", rc.gap_note(broken)) if x),
                                   width=width, height=height))
 
 

@@ -24,6 +24,7 @@ from kvbench.bench import gate, metrics, repeats
 from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio
 from kvbench.bench.results import COST_METRICS, Results
 from kvbench.bench.scenarios.declare import MIN_RATIO_NOISE, NOISE_FLOOR_S, is_time, num, ratio_noise, within_noise
+from kvbench.core import delivery
 
 #: the sweep whose throughput curve has a knee
 KNEE_SWEEP = "concurrency"
@@ -48,14 +49,21 @@ def count_range(result: Mapping[str, Any] | None, metric: str) -> tuple[float, f
     return min(vals), max(vals)
 
 
-def fmt_value(metric: str, result: Mapping[str, Any] | None) -> str:
-    """A result's figure as the page shows it: the median, or "2–4" for a count that varied across repeats."""
+def fmt_value(metric: str, result: Mapping[str, Any] | None, compact: bool = False) -> str:
+    """A result's figure as the page shows it: the median, or "2–4" for a count that varied across repeats; a gap
+    figure of an engine that delivered its tokens in bursts is marked not comparable (:mod:`kvbench.core.delivery`;
+    ``compact``: with :data:`~kvbench.core.delivery.CELL_MARK`, for a table cell whose table says why)."""
     if result is None:
         return fmt_metric(metric, None)
     span = count_range(result, metric)
     if span is not None:
-        return f"{fmt_metric(metric, span[0])}–{fmt_metric(metric, span[1])}"
-    return fmt_metric(metric, result.get("metrics", {}).get(metric))
+        text = f"{fmt_metric(metric, span[0])}–{fmt_metric(metric, span[1])}"
+    else:
+        text = fmt_metric(metric, result.get("metrics", {}).get(metric))
+    bursts = delivery.not_comparable(metric, result)
+    if not bursts or result.get("metrics", {}).get(metric) is None:
+        return text
+    return f"{text} {delivery.CELL_MARK}" if compact else f"{text}, {bursts}"
 
 
 def clock_of(result: Mapping[str, Any]) -> str:
@@ -152,6 +160,8 @@ def compare(metric: str, a: Mapping[str, Any] | None, b: Mapping[str, Any] | Non
     va = num(a["metrics"].get(metric)) if a else None
     vb = num(b["metrics"].get(metric)) if b else None
     why = clocks_differ(sc, a, b) if (sc is not None and a and b) else ""
+    # a gap figure of an engine that delivered in bursts measures its writer: no ratio with anyone's
+    why = why or delivery.not_comparable_among(metric, [r for r in (a, b) if r])
     ratio = va / vb if (va is not None and vb) else None
     return Comparison(metric, va, vb, ratio, ratio_noise(a, b, metric), why)
 

@@ -5,6 +5,9 @@ Rules (each has a test in tests/kvbench/test_report_first_screen.py):
 
 * **One clock.** Engines measured on two clocks (a file merged from separate runs) are not ranked:
   the row says so (a run puts all its engines on one clock, :mod:`kvbench.bench.clock_rule`).
+* **No gap metric from a bursty server.** A score computed from the spacing of tokens (a p99 inter-token gap)
+  is not ranked where any engine compared delivered its tokens in bursts, in this scenario or elsewhere in
+  the run (:mod:`kvbench.core.delivery`): its gaps measure its server's writer.
 * **A win is beyond the noise.** The leader's margin over the runner-up must exceed the noise of
   that ratio (:func:`kvbench.bench.repeats.honest_ratio_noise`: the repeats' spreads, the spread of
   the ratios taken round by round, and what two runs of an identical schedule in this file did).
@@ -28,6 +31,7 @@ from kvbench.bench import repeats
 from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio, fmt_time
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import NOISE_FLOOR_S, Score, is_time, num, result_of, within_noise
+from kvbench.core import delivery
 from kvbench.report import scoreboard
 from kvbench.report.figures import clock_of, count_range, fmt_value, mixed_clocks_words
 
@@ -70,6 +74,7 @@ class Row:
 
 def verdicts(results: Results) -> list[dict[str, Any]]:
     """One row per scenario of ``results`` (see the module docstring)."""
+    delivery.annotate(results.data)  # an engine bursty anywhere in the run: its gap figures are marked everywhere
     drift = repeats.identical_schedule_drift(results.scenarios)
     skipped = [s for s in results.data.get("skipped_scenarios") or [] if isinstance(s, Mapping)]
     return [verdict(sc, drift, [s for s in skipped if s.get("scenario") == sc["name"]]).to_dict()
@@ -114,6 +119,9 @@ def verdict(sc: Mapping[str, Any], drift: Mapping[str, repeats.Drift] | None = N
         row.standings = [f"{r['engine']}: {fmt_value(score.metric, r)} ({clock_of(r)} clock)" for r, _ in entries]
         row.action = "Run these engines in one session to rank them (kvbench then measures all on one clock)."
         return row
+    bursts = delivery.not_comparable_among(score.metric, [r for r, _ in entries])
+    if bursts:
+        return _bursty(row, score, entries, bursts)
     entries.sort(key=lambda e: e[1], reverse=score.higher_is_better)
     (best, bv), (second, sv) = entries[0], entries[1]
     noise, sources = repeats.honest_ratio_noise(best, second, score.metric,
@@ -214,12 +222,17 @@ def costs_more(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _count(metric: str, result: Mapping[str, Any]) -> str:
+    """A count as the page shows it, "not exposed" where the engine does not count it."""
+    return fmt_value(metric, result) if num(result["metrics"].get(metric)) is not None else "not exposed"
+
+
 def price(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     """``a``'s preemptions and p99 TTFT beside ``b``'s (the leader's price tag), as measured."""
     parts = []
     pa, pb = _preemptions(a), _preemptions(b)
-    if pa is not None and pb is not None:
-        parts.append(f"preemptions {fmt_value('preemptions', a)} vs {fmt_value('preemptions', b)}")
+    if pa is not None or pb is not None:  # one side not exposed reads so, never as none
+        parts.append(f"preemptions {_count('preemptions', a)} vs {_count('preemptions', b)}")
     ta, tb = num(a["metrics"].get("ttft_p99")), num(b["metrics"].get("ttft_p99"))
     if ta is not None and tb is not None:
         parts.append(f"p99 TTFT {fmt_time(ta)} vs {fmt_time(tb)}")
@@ -267,6 +280,18 @@ def level_action(entries: list[tuple[dict[str, Any], float]], score: Score, top:
     return text
 
 
+def _bursty(row: Row, score: Score, entries: list[tuple[dict[str, Any], float]], why: str) -> Row:
+    """Not ranked: the score is a gap figure and an engine compared delivered its tokens in bursts (its gaps
+    measure its server's writer, :mod:`kvbench.core.delivery`)."""
+    row.status = NOT_RANKED
+    row.margin = f"not compared: {why}"
+    row.standings = [f"{r['engine']}: {fmt_value(score.metric, r)}" for r, _ in entries]
+    row.action = ("No ranking on this evidence: the gaps between tokens of a server that writes them in bursts say "
+                  "when it wrote, not when its engine computed them. Compare these engines on throughput and TTFT; "
+                  "a server kvbench starts can give its front end a core of its own (helper_cores=engine).")
+    return row
+
+
 def _own_settings(row: Row, sc: Mapping[str, Any], decl: Any) -> Row:
     """A scenario that compares one engine's settings rather than engines: its headline, and an action
     only where its own goal was met beyond the noise."""
@@ -291,6 +316,9 @@ def admission_tradeoff(sc: Mapping[str, Any]) -> str | None:
     rows = policies.tradeoff_rows(sc)
     if not rows:
         return None
+    bursts = delivery.not_comparable_among("tbt_p99", sc.get("results") or [])
+    if bursts:  # the goal is judged on the p99 inter-token gap: a bursty server's gaps earn no setting
+        return f"No admission change on this evidence: the goal is judged on p99 TBT, and {bursts}."
     met = [r for r in rows if r[-1] == "yes"]
     if not met:
         near = [r[1] for r in rows if r[-1] == "within noise"]

@@ -33,6 +33,7 @@ from kvbench.bench import gate
 from kvbench.bench.formatting import fmt_bytes, fmt_metric, fmt_ratio, fmt_time, metric_label
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num, within_noise
+from kvbench.core import delivery
 from kvbench.report import advice, extra_charts, figures, first_screen, scoreboard, sim_validation, trend, words
 from kvbench.report import charts as rc
 from kvbench.report import engine_settings as engine_settings_view
@@ -141,7 +142,7 @@ def summary_table(results: Results) -> dict[str, Any]:
         checks, undecided = res.get("checks", {}), res.get("undecided") or {}
         held = f"{sum(map(bool, checks.values()))}/{len(checks)}" if checks else ""
         rows.append({"scenario": words.scenario_title(sc["name"]), "engine": res["engine"], "mode": res.get("mode"),
-                     "cells": [figures.fmt_value(k, res) for k in columns],
+                     "cells": [figures.fmt_value(k, res, compact=True) for k in columns],
                      "sort": [num(res["metrics"].get(k)) for k in columns],
                      # undecided claims are said apart: they never count as held
                      "checks": " · ".join(filter(None, [held, f"{len(undecided)} undecided" if undecided else ""])),
@@ -150,7 +151,8 @@ def summary_table(results: Results) -> dict[str, Any]:
     # merged shards (kvbench merge) keep each result's machine: a column when there is more than one
     show_machine = len({r["machine"] for r in rows}) > 1
     return {"columns": [metric_label(k) for k in columns], "rows": rows, "show_machine": show_machine,
-            "goodput": "goodput" in columns}
+            "goodput": "goodput" in columns,
+            "bursts": delivery.table_note(r for _, r in results.iter_results())}  # what "(bursty)" cells mean
 
 
 def _ratio_cell(c: figures.Comparison) -> dict[str, Any]:
@@ -400,6 +402,7 @@ class _Charts:
             top = y_max if y_max is not None else max(ys_all) * 1.05 or 1.0
             for clock, members in groups.items():
                 lines, marks, legend = [], [], {}
+                broken = 0  # polling gaps the lines break at
                 for r in members:
                     s = r["series"]
                     if y_key not in s:  # a server's view: engines in process have none
@@ -407,9 +410,11 @@ class _Charts:
                     color, dash = self.style(r["engine"], r.get("mode"), modes, one_engine=one_engine)
                     label = _label(r["engine"], r.get("mode"))
                     move = to_workload[id(r)] if x_key != "server_t" else None
-                    xs = s.get(x_key, [])
-                    lines.append(rc.Line(label, [move(x) for x in xs] if move else xs, s.get(y_key, []), color,
-                                         dash=dash))
+                    xs, ys = s.get(x_key, []), s.get(y_key, [])
+                    if x_key == "server_t" or "server_t" in s:  # samples polled from the server's /metrics
+                        xs, ys, n = rc.break_at_gaps(xs, ys)
+                        broken += n
+                    lines.append(rc.Line(label, [move(x) for x in xs] if move else xs, ys, color, dash=dash))
                     if y_key == "gap_max":
                         for t, mode in zip(s.get("preempt_t", []), s.get("preempt_mode", []), strict=False):
                             t = move(t) if move else t
@@ -419,6 +424,10 @@ class _Charts:
                 if not lines:
                     continue
                 sub = f"{clock} clock only: not comparable with the other clock" if split else "one scale for all"
+                if y_key == "gap_max" and (bursts := delivery.chart_note(members)):
+                    sub += "; " + bursts
+                if broken and y_key != "gap_max":
+                    sub += "; " + rc.gap_note(broken)
                 stepped = [r for r in members if to_workload[id(r)] is not None and y_key in r["series"]]
                 x_title = "time (s)"
                 if stepped and x_key != "server_t":
@@ -471,7 +480,9 @@ class _Charts:
                     f"{title}" + (f" ({clock} clock)" if clock else "") + f" — {words.scenario_title(sc['name'])}",
                     f"{key.upper()} (ms)" + (", log scale" if log else ""),
                     "share of " + ("requests" if key == "ttft" else "gaps") + " (%)", lines=lines, log_x=log,
-                    subtitle=f"{clock} clock only: not comparable with the other clock's chart" if clock else "",
+                    subtitle="; ".join(x for x in (
+                        f"{clock} clock only: not comparable with the other clock's chart" if clock else "",
+                        delivery.chart_note(members) if key == "tbt" else "") if x),
                     x_format=lambda v: f"{v * 1000:g}", y_format=lambda v: f"{v * 100:g}", y_max=1.0,
                     width=440, height=TIMELINE_HEIGHT)))
         return out
@@ -652,6 +663,10 @@ def claims_matrix(sc: dict[str, Any]) -> dict[str, Any] | None:
 def _one_clock_tables(sc: dict[str, Any], tables: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A scenario's own tables, said to be across clocks when its results mix them: rows side by side
     are then not to be compared, and each table says so (a run puts every engine on one clock)."""
+    bursts = delivery.chart_note(sc["results"])  # a table's gap columns of an engine that delivered in bursts
+    if bursts:
+        tables = [{**t, "note": "; ".join(x for x in (t.get("note") or "", "TBT columns " + bursts) if x)}
+                  if any("TBT" in str(c) or "gap" in str(c) for c in t.get("columns") or []) else t for t in tables]
     mixed = figures.mixed_clocks_words(sc["results"])
     if not mixed:
         return tables
@@ -699,6 +714,7 @@ def render_report(results: Results, baseline: Results | None = None, *, previous
     """The report of ``results`` as one self-contained HTML document (see the module docstring).
     ``previous`` ({name, href}): the baseline is that earlier run (linked); ``index_href``: the run index;
     ``plan_href``: the capacity plan (``kvbench simulate --report``) the recommendation links."""
+    delivery.annotate(results.data)  # an engine bursty anywhere in the run: its gap figures marked everywhere
     charts = _Charts(results)
     base = baseline_section(results, baseline) if baseline is not None else None
     verdicts = first_screen.verdicts(results)

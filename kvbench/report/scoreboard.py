@@ -25,6 +25,7 @@ from kvbench.bench.scenarios.declare import (
     ratio_noise,
     within_noise,
 )
+from kvbench.core import delivery
 from kvbench.report.figures import clock_of, fmt_value, mixed_clocks_words
 
 #: the score of a scenario this kvbench does not know (a results file from elsewhere)
@@ -51,6 +52,7 @@ def pressure_of(sc: dict[str, Any]) -> Pressure | None:
 
 def headlines(results: Results, reference: str | None) -> list[dict[str, Any]]:
     """One card per scenario in the results, from the scenario's own ``headline`` declaration."""
+    delivery.annotate(results.data)
     cards = []
     for sc in results.scenarios:
         decl = declaration(sc["name"])
@@ -61,6 +63,11 @@ def headlines(results: Results, reference: str | None) -> list[dict[str, Any]]:
         if mixed and h.value is not None:
             # a scenario's own headline compares its engines: not across two clocks
             h = Headline(h.title, "not compared", mixed[0].upper() + mixed[1:])
+        score = decl.score if decl is not None else None
+        bursts = (delivery.not_comparable_among(score.metric, sc["results"])
+                  if score is not None and h.value is not None else "")
+        if bursts:  # a headline on the scenario's gap metric, from an engine that delivered in bursts
+            h = Headline(h.title, "not compared", f"{h.caption}: {bursts}")
         cards.append({**h.to_dict(), "scenario": sc["name"]})
     return cards
 
@@ -85,6 +92,7 @@ def agree_with_verdicts(cards: list[dict[str, Any]], verdicts: list[dict[str, An
 
 def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
     """Per scenario: the engines' values of its declared score, the leader, by what ratio, with its noise."""
+    delivery.annotate(results.data)
     rows = []
     for sc in results.scenarios:
         decl = declaration(sc["name"])
@@ -124,6 +132,11 @@ def scoreboard(results: Results, reference: str | None) -> list[dict[str, Any]]:
             row["note"] = "not ranked: " + mixed
             row["standings"] = [f"{r['engine']}: {fmt_value(score.metric, r)} ({clock_of(r)} clock)"
                                 for r, _ in entries]
+            continue
+        bursts = delivery.not_comparable_among(score.metric, [r for r, _ in entries])
+        if bursts:  # gaps of a server that writes tokens in bursts measure its writer: never crowned on
+            row["note"] = "not ranked: " + bursts
+            row["standings"] = [f"{r['engine']}: {fmt_value(score.metric, r)}" for r, _ in entries]
             continue
         entries.sort(key=lambda e: e[1], reverse=score.higher_is_better)
         (best, bv), (second, sv) = entries[0], entries[1]
@@ -218,11 +231,12 @@ def preemption_costs(results: Results) -> list[dict[str, Any]]:
     for engine in results.engine_names():
         worst: tuple[float, str, str] | None = None
         longest: tuple[float, str] | None = None
-        preempted = False
+        preempted = exposed = False
         for sc, res in results.iter_results():
             if res["engine"] != engine:
                 continue
             m = res["metrics"]
+            exposed = exposed or num(m.get("preemptions")) is not None
             if not num(m.get("preemptions")):
                 continue
             preempted = True
@@ -237,8 +251,8 @@ def preemption_costs(results: Results) -> list[dict[str, Any]]:
             wait = num(m.get("starvation_max_s"))
             if wait is not None and (longest is None or wait > longest[0]):
                 longest = (wait, where)
-        if not preempted:
-            out.append({"engine": engine, "text": "never preempted (or does not expose preemptions)"})
+        if not preempted:  # a count not exposed is never read as none
+            out.append({"engine": engine, "text": "never preempted" if exposed else "preemptions not exposed"})
             continue
         parts = []
         if worst is not None:

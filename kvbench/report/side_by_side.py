@@ -11,7 +11,8 @@ Rules (tests/kvbench/test_report_side_by_side.py holds each):
   a zero or missing side (the two values are shown, the ratio reads "–" and counts for nothing);
 * noise is shown only where the repeats measured it: a ratio of single runs, or of a count that the
   repeats reproduced exactly, carries no "±";
-* engines on different clocks are listed as not compared, never given a ratio.
+* engines on different clocks are listed as not compared, never given a ratio; so is a gap figure (p99 TBT...)
+  of an engine that delivered its tokens in bursts (:mod:`kvbench.core.delivery`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvbench.bench.formatting import fmt_noisy_ratio, metric_label
 from kvbench.bench.repeats import is_count
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num
+from kvbench.core import delivery
 from kvbench.report import charts as rc
 from kvbench.report import figures, words
 from kvbench.report.diagnosis import baseline_engine_name
@@ -74,8 +76,8 @@ def _table(sc: dict[str, Any], base: dict[str, Any], others: list[dict[str, Any]
         if all(not v for v in values):  # missing or zero everywhere: nothing to compare
             continue
         ratios = [ratio_cell(metric, o, base, sc) for o in others]
-        rows.append({"label": metric_label(metric), "cells": [figures.fmt_value(metric, r) for r in columns],
-                     "ratios": ratios})
+        rows.append({"label": metric_label(metric), "ratios": ratios,
+                     "cells": [figures.fmt_value(metric, r, compact=True) for r in columns]})
         beyond += [(o["engine"], f"{metric_label(metric)} {x['text']} {x['word']}")
                    for o, x in zip(others, ratios, strict=True) if x["counts"]]
     return {"mode": base.get("mode"), "base": _label(base), "others": [_label(o) for o in others],
@@ -105,6 +107,7 @@ def _bars(sc: dict[str, Any], base: dict[str, Any], others: list[dict[str, Any]]
 def tables(results: Results) -> list[dict[str, Any]]:
     """Per scenario with two or more engines: one table per mode, each other engine against the reference
     engine (the run's first engine where the reference did not run) in that mode."""
+    delivery.annotate(results.data)  # gap ratios with an engine that delivered in bursts: not compared
     ref = baseline_engine_name(results)
     out = []
     for i, sc in enumerate(results.scenarios):
@@ -123,7 +126,10 @@ def tables(results: Results) -> list[dict[str, Any]]:
         if not groups:
             continue
         not_compared = sorted({why for g in groups for row in g["rows"] for x in row["ratios"]
-                               if x["text"] == "not compared" and (why := x["tip"])})
+                               if x["text"] == "not compared" and (why := x["tip"])
+                               and "tokens delivered in bursts" not in why})
+        # gap cells of an engine that delivered in bursts carry a footnote mark: its note says why, once
+        not_compared += [note] if (note := delivery.table_note(res)) else []
         by_engine: dict[str, list[str]] = {}
         for g in groups:
             for engine, text in g["beyond"]:

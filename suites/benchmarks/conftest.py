@@ -52,6 +52,7 @@ import pytest
 from kvbench.bench import scenarios as sc
 from kvbench.bench.clock_rule import ClockRule, session_clock
 from kvbench.bench.scenarios.common import STEP_SECONDS
+from kvbench.bench.server_release import Planned, ServerRelease, function_of
 from kvbench.bench.threads import pinned_torch_threads
 from kvbench.engines.base import EngineAdapter
 from kvbench.engines.registry import EngineSpec, adapter_class, make_adapter
@@ -199,6 +200,8 @@ class StormScheduler:
         self.ks = ks
         self.model = model
         self._adapters: dict[str, EngineAdapter] = {}  # by spec name (specs are not hashable)
+        #: stops the servers of engines no later test needs (kvbench.bench.server_release), made at the first test
+        self.release: ServerRelease | None = None
         self._runs: dict[tuple[str, str], dict[str, sc.Outcome | Exception]] = {}
         #: the session's one clock, from every --engine given (not from a scenario's selection), so that
         #: every scenario of the run is measured on the same clock
@@ -239,6 +242,7 @@ class StormScheduler:
                 self._runs[key] = sc.run_interleaved(
                     scenario, {s.name: self.adapter(s) for s in engines}, self.model, scale, progress,
                     repeats=repeats, step_seconds=self.clock.step_seconds)
+            self._release_for(item).mark_served(item.nodeid)
         runs = self._runs[key]
         if spec.name not in runs:  # selected after its scenario was served (not expected): serve it alone
             runs[spec.name] = sc.run_interleaved(scenario, {spec.name: self.adapter(spec)}, self.model,
@@ -251,11 +255,49 @@ class StormScheduler:
             raise outcome
         return outcome
 
+    def release_after(self, item: pytest.Item, ran: bool) -> list[str]:
+        """After ``item``'s test (``ran``: it passed or failed, so its scenario was served): stop the servers of
+        the engines no later test of the session needs (:mod:`kvbench.bench.server_release`); returns those
+        engines. Not under xdist, whose workers run tests in the order the controller sends them."""
+        if hasattr(item.config, "workerinput"):
+            return []
+        release = self._release_for(item)
+        if ran:
+            release.mark_served(item.nodeid)
+        return release.after(item.nodeid, self._adapters)
+
+    def _release_for(self, item: pytest.Item) -> ServerRelease:
+        """The session's :class:`ServerRelease`, planned from its tests in run order on first use."""
+        if self.release is None:
+            self.release = ServerRelease([(i.nodeid, Planned(function_of(i.nodeid), getattr(_spec_of(i), "name", None)))
+                                          for i in item.session.items])
+        return self.release
+
     def close(self) -> None:
         """Close every adapter made (servers an adapter started are stopped by its ``close``)."""
         adapters, self._adapters = list(self._adapters.values()), {}
         for adapter in adapters:
             adapter.close()
+
+
+_RAN = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """Note a test that passed or failed (rather than skipped): its scenario was served."""
+    report = yield
+    if report.when == "call" and not report.skipped:
+        item.stash[_RAN] = True
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the servers no later benchmark test needs (:meth:`StormScheduler.release_after`)."""
+    scheduler = (getattr(item, "funcargs", None) or {}).get("storm_scheduler")
+    if isinstance(scheduler, StormScheduler):
+        scheduler.release_after(item, item.stash.get(_RAN, False))
 
 
 def _spec_of(item: pytest.Item) -> EngineSpec | None:

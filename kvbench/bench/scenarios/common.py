@@ -29,6 +29,7 @@ from kvbench.bench.workloads import (
     Workload,
     WorkloadSpec,
 )
+from kvbench.core import delivery
 from kvbench.core.jsonable import jsonable
 from kvbench.core.kv_budget import request_tokens
 from kvbench.core.trace import Trace, TraceRecorder
@@ -535,6 +536,8 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
                                             claim_evidence={c: e for c, e in outcome.claim_evidence.items()
                                                             if c in checks},
                                             counters=entry.trace.counters)  # the first repeat's, as the series
+        if (how := delivery.of_traces(o.entries[j].trace for o in runs)) is not None:
+            added["delivery"] = how  # how tokens reached the client, every repeat pooled (kvbench.core.delivery)
         if (key := outcome.job_keys.get(id(entry.trace))) is not None:
             added["workload_key"] = key  # identical workloads found across scenarios: the noise they show
         if ran := next((r for t, _, r in outcome.ran_with if t == id(entry.trace) and r), None):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio, fmt_time
-from kvbench.bench.metrics import step_tokens_known
+from kvbench.bench.metrics import per_request_preemptions_known, step_tokens_known
 from kvbench.bench.scenarios.claims import (
     DID_NOT_FIRE,
     Decision,
@@ -465,8 +465,11 @@ def class_figures(trace: Trace) -> dict[str, float | None]:
         steps = first_token_steps(trace, level)
         out[f"ttft_steps_p50_{name}"] = percentile(steps, 50) if steps is not None else None
         out[f"ttft_steps_p99_{name}"] = percentile(steps, 99) if steps is not None else None
+        # None where the per-request records miss preemptions the engine counted (a server over HTTP): never a 0
+        # beside a counter that counted some
         out[f"preemptions_{name}"] = float(sum(len(r.preemptions) for r in trace.requests.values()
-                                               if r.priority == level))
+                                               if r.priority == level)) if per_request_preemptions_known(trace) \
+            else None
     hi, lo = out["ttft_p50_high"], out["ttft_p50_low"]
     out["ttft_p50_high_over_low"] = hi / lo if hi is not None and lo else None
     return out

@@ -253,8 +253,19 @@ class SwapSpaceExhaustion(Scenario):
                 continue
             t, swaps = num(small.get("first_fallback_s")), num(small.get("swaps_before_first_fallback"))
             if t is None:
+                # the per-request records saw no fallback: the engine's own counters say whether it had none (a
+                # count missing or not exposed never reads as none)
+                fb, outs = num(small.get("swap_fallbacks")), small.get("swap_outs")
+                if fb:
+                    return Headline(title, f"{fmt_metric('swap_fallbacks', fb)} fallbacks",
+                                    f"swap fell back to recompute ({engine}; when is not recorded)",
+                                    f"{fmt_metric('swap_outs', outs)} swaps out")
+                if fb is None and swaps is None:
+                    return Headline(title, None, f"fallbacks not exposed ({engine})",
+                                    f"{fmt_metric('swap_outs', outs)} swaps out")
                 return Headline(title, "no fallback", f"the small host pool never ran out ({engine})",
-                                f"{swaps or 0:,.0f} swaps")
+                                f"{swaps:,.0f} swaps" if swaps is not None else
+                                f"{fmt_metric('swap_outs', outs)} swaps out")
             usage = num(small.get("cpu_kv_usage_at_first_fallback"))
             return Headline(title, f"after {swaps or 0:,.0f} swaps", f"first fallback to recompute ({engine})",
                             f"at {t:.2f} s" + (f", host pool {usage:.0%} full" if usage is not None else ""))
@@ -264,6 +275,8 @@ class SwapSpaceExhaustion(Scenario):
 def first_fallback(trace: Trace) -> dict[str, float | None]:
     """When swap first fell back to recompute in a swap-mode run (its first recompute preemption),
     how many swaps came before, and how full the host pool was just before it."""
+    if not metrics.per_request_preemptions_known(trace):  # records miss what the engine counted: not "none"
+        return {"first_fallback_s": None, "swaps_before_first_fallback": None, "cpu_kv_usage_at_first_fallback": None}
     marks = sorted((t, mode) for r in trace.requests.values() for t, mode in r.preemptions)
     t_first = next((t for t, mode in marks if mode == "recompute"), None)
     if t_first is None:
