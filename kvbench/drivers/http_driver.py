@@ -62,10 +62,15 @@ class ClientRequest(WorkloadRequest):
     ``stream``: False sends it as one non-streamed completion (its tokens all arrive with the response; an
     abort closes its connection at ``abort_at``). ``abort_after_tokens``: its abort waits, once ``abort_at``
     has passed, until the client has received this many tokens (0: only for the response's head), so a
-    check can place an abort mid-stream, where the engine cannot have finished the request yet."""
+    check can place an abort mid-stream, where the engine cannot have finished the request yet.
+    ``abort_before_head``: its abort closes the connection at ``abort_at`` without waiting for the response's
+    head, for an abort placed while the server holds the request waiting: a server that sends its head only
+    with the first token (llama-server) would otherwise never see a close before that token. The check must
+    then prove otherwise (from ``/metrics``) that the server held the request when it was closed."""
 
     stream: bool = True
     abort_after_tokens: int = 0
+    abort_before_head: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -211,6 +216,8 @@ class _Exchange:
         self.after_tokens = getattr(release.request, "abort_after_tokens", 0)
         self.abortable = asyncio.Event()  # the head has come, and the tokens the abort waits for
         self.head = _CallingEvent(self.on_head)  # set by the stream when the response's head arrives
+        if getattr(release.request, "abort_before_head", False):
+            self.abortable.set()  # the check proves from /metrics that the server held it when it closed
 
     def on_tokens(self, t: float, ids: list[int]) -> None:
         n = len(ids)

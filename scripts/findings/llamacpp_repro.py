@@ -26,10 +26,15 @@ expected and what came back. Exit status: the number of findings that reproduced
    the request without ``ignore_eos`` stops there with EOS, and with it emits another token, so the rest of its
    output is not the model's greedy continuation (vLLM and transformers emit EOS and go on).
 4. ``abort_while_waiting_still_runs`` (wasted work): a client that closes its stream while its request waits for
-   a slot is noticed only when the server first writes to it, so the request is given a slot, its prompt
-   computed and tokens generated (``llamacpp:tokens_predicted_total`` counts them) before it is cancelled.
+   a slot is not noticed while other requests stream: the HTTP thread waiting for the request's first result
+   checks its connection only when a whole second (``HTTP_POLLING_SECONDS``) passes with no result for *any*
+   task (``server_response::recv_with_timeout`` waits on one condition variable that every slot's token wakes,
+   tools/server/server-queue.cpp), so the request stays deferred (``llamacpp:requests_deferred``), and once a
+   slot frees it is given the slot, its prompt computed and tokens generated
+   (``llamacpp:tokens_predicted_total`` counts them) before the closed connection is seen at the first write.
 5. ``negative_context_misreported`` (error message): ``-c -1`` passes argument parsing and the server exits with
-   "failed to allocate buffer for kv cache", naming neither ``-c`` nor the value.
+   "failed to allocate buffer for kv cache" (unified cache) or "n_ctx_seq == 0" (``--no-kv-unified``), naming
+   neither ``-c`` nor the value.
 """
 
 from __future__ import annotations
@@ -175,20 +180,30 @@ def ignore_eos_bans_eos() -> bool:
 
 
 def abort_while_waiting_still_runs() -> bool:
+    # one slot, held by a streamed bystander; the waiting request's stream is closed 0.1 s after it was sent
     with llama_server("-c", "2048", "--parallel", "1") as url:
         host, port = url.removeprefix("http://").split(":")
 
-        def counted() -> float:
+        def gauges() -> dict[str, float]:
             text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-            return float(next(line.split()[1] for line in text.splitlines()
-                              if line.startswith("llamacpp:tokens_predicted_total ")))
+            return {line.split()[0].removeprefix("llamacpp:"): float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith("llamacpp:")}
 
-        before = counted()
-        done: dict[str, int] = {}
+        before = gauges()["tokens_predicted_total"]
+        done: dict[str, float] = {}
 
         def bystander() -> None:
-            _, data = complete(url, prompt(16, 9), 1500)
-            done["bystander"] = len(data["__verbose"]["tokens"])
+            # streamed, as kvbench's clients stream: each token is a result llama-server's HTTP threads are woken by
+            body = json.dumps({"prompt": prompt(16, 9), "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+                               "stream": True, "return_tokens": True, "verbose": True})
+            conn = http.client.HTTPConnection(host, int(port), timeout=300)
+            conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            answer, tokens = conn.getresponse(), 0
+            for line in answer:  # llama.cpp's own ids of each chunk (``__verbose.tokens``), not its text
+                if line.startswith(b"data: {"):
+                    tokens += len(json.loads(line[len(b"data: "):]).get("__verbose", {}).get("tokens", []))
+            conn.close()
+            done.update(tokens=tokens, ended=time.monotonic())
 
         holder = threading.Thread(target=bystander)
         holder.start()
@@ -198,26 +213,36 @@ def abort_while_waiting_still_runs() -> bool:
         waiting = http.client.HTTPConnection(host, int(port), timeout=30)
         waiting.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
         time.sleep(0.1)
-        waiting.close()  # aborted while it waits: no token has come
+        waiting.close()  # aborted while it waits: no answer, no token has come
+        closed = time.monotonic()
+        time.sleep(0.5)
+        deferred = gauges()["requests_deferred"]  # taken while the bystander still streams
         holder.join()
         time.sleep(1.0)
-        made = counted() - before
-        print(f"  the bystander received {done['bystander']} tokens; the server counts {made:g} generated: "
-              f"{made - done['bystander']:g} for the request closed while it waited for the slot")
-        return made > done["bystander"]
+        made = gauges()["tokens_predicted_total"] - before
+        print(f"  0.5 s after the close, with the bystander still streaming ({done['ended'] - closed:.2f} s more), "
+              f"/metrics counts {deferred:g} deferred request(s)")
+        print(f"  the bystander received {done['tokens']} tokens; the server counts {made:g} generated: "
+              f"{made - done['tokens']:g} for the request closed while it waited for the slot")
+        return deferred > 0 and made > done["tokens"]
 
 
 def negative_context_misreported() -> bool:
     from kvbench.launch.process import ServerStartError
 
-    try:
-        with llama_server("-c", "-1"):
-            print("  the server started with -c -1")
-            return False
-    except ServerStartError as e:
-        said = [line for line in (e.engine_output or str(e)).splitlines() if "failed" in line or "error" in line]
-        print("  the server refused to start; the errors it logged:\n    " + "\n    ".join(said[:3]))
-        return not any("ctx" in line or "-c" in line.split() for line in said)
+    misreported = []
+    for layout in (("--kv-unified",), ("--no-kv-unified", "--parallel", "4")):
+        try:
+            with llama_server("-c", "-1", "--fit", "off", *layout):  # kvbench's launch (fit on asserts first)
+                print("  the server started with -c -1")
+                return False
+        except ServerStartError as e:
+            said = [line for line in (e.engine_output or str(e)).splitlines() if "failed" in line or "error" in line]
+            print(f"  {' '.join(layout)}: the server refused to start; the errors it logged:\n    "
+                  + "\n    ".join(said[:3]))
+            misreported.append(not any("ctx" in line.replace("n_ctx_seq", "") or "-c" in line.split()
+                                       for line in said))
+    return all(misreported)
 
 
 FINDINGS: dict[str, Callable[[], bool]] = {

@@ -189,37 +189,91 @@ def test_every_request_finishes_exactly_once(mode, engine, model_dir):
 #: STEP_SECONDS: the targets arrive at step 10, are aborted at step 70, and the bystanders hold the slots
 #: for 600 steps (over HTTP: 0.6 s on the reference server at its fastest, several seconds on vLLM's CPU
 #: build), while /metrics is sampled every 0.1 s: the targets are seen waiting, then gone.
+#: Over HTTP, on a server that withholds its head until the first token, a target's stream is closed at its time
+#: whether or not the server has answered with the response's head (``abort_before_head``): llama-server sends its
+#: head only with a request's first token, so a client
+#: that waited for the head closed only once the token was made, and whether it had read that token by then
+#: decided the verdict (seen passing, failing and undecided from run to run). That the server held the targets
+#: when they were closed is proved from /metrics (the waiting gauge) instead.
 BYSTANDER_TOKENS = 600
 TARGETS = 4
 TARGET_TOKENS = 48
 TARGETS_ARRIVE = 0.05
 TARGETS_ABORTED_AFTER = 0.3
-#: seconds after a close from which a server's gauges must show its request gone
+#: seconds after a close from which a server's gauges must show its request gone, and for which the slots must
+#: still be full of bystanders for the close to be judged (an engine acts on a close a little after it)
 GAUGE_LAG = 0.2
+#: the engine's slots (``max_num_seqs``), each held by a bystander
+SLOTS = 2
+#: Waves of bystanders tried in turn over HTTP (each wave SLOTS bystanders, all sent at 0 s, ahead of the targets),
+#: until the streams show the slots still full of bystanders GAUGE_LAG after the last close. One wave of 600 tokens
+#: took 0.2-0.5 s on llama-server (one thread, 0.5 ms a step on tiny), so the bystanders were sometimes done before
+#: the targets' closes at 0.3 s; on vLLM's CPU build one wave takes seconds and the first try decides.
+HOLD_WAVES = (1, 2, 4)
 
 
-def early_abort_workload(vocab: int) -> list[ClientRequest]:
-    """Two bystanders at 0 s, then the targets, each aborted before its first token can come."""
+def early_abort_workload(vocab: int, waves: int = 1, before_head: bool = False) -> list[ClientRequest]:
+    """``waves`` x SLOTS bystanders at 0 s, then the targets, each aborted before its first token can come
+    (``before_head``: closed at their time without waiting for the response's head, for a server that sends its
+    head only with the first token)."""
     def prompt(i: int) -> list[int]:
         return [3 + (7 * i + j) % (vocab - 3) for j in range(16)]
 
-    bystanders = [ClientRequest(f"bystander{i}", prompt(i), BYSTANDER_TOKENS, 0.0) for i in range(2)]
-    targets = [ClientRequest(f"target{i}", prompt(10 + i), TARGET_TOKENS, TARGETS_ARRIVE,
-                             abort_at=TARGETS_ABORTED_AFTER) for i in range(TARGETS)]
+    bystanders = [ClientRequest(f"bystander{i}", prompt(i), BYSTANDER_TOKENS, 0.0) for i in range(SLOTS * waves)]
+    targets = [ClientRequest(f"target{i}", prompt(10 + SLOTS * (waves - 1) + i), TARGET_TOKENS, TARGETS_ARRIVE,
+                             abort_at=TARGETS_ABORTED_AFTER, abort_before_head=before_head) for i in range(TARGETS)]
     return bystanders + targets
+
+
+def slots_held_until(bystanders: list) -> float | None:
+    """Until when the engine's SLOTS slots were provably all held by bystanders: they came first, so a freed slot
+    went to a waiting bystander while one waited; the finish that left fewer than SLOTS of them unfinished. None
+    if one never finished."""
+    ends = sorted(b.finished for b in bystanders if b.finished is not None)
+    return ends[len(bystanders) - SLOTS] if len(ends) == len(bystanders) else None
+
+
+def _serve_early_aborts(engine, vocab: int, waves: int) -> tuple[list[ClientRequest], Trace]:
+    # only where the server withholds its head until a token exists: elsewhere the close follows the head, so the
+    # server has registered the request it is closing (a close before that raced the server's own bookkeeping)
+    requests = early_abort_workload(vocab, waves, getattr(engine, "head_with_first_token", False))
+    gen = [GenRequest(r.request_id, r.prompt_token_ids, r.max_tokens) for r in requests]
+    knobs = roomy_knobs(engine, gen, max_num_seqs=SLOTS)
+    recorder = TraceRecorder(engine.name, "early-abort")
+    engine.serve(requests, recorder, knobs, **({"step_seconds": STEP_SECONDS} if engine.steppable else {}))
+    return requests, recorder.finish()
+
+
+def _targets_waiting(bystanders: list):
+    """A /metrics sample's waiting requests less the bystanders of later waves still waiting then (those not yet
+    finished, beyond the SLOTS that run), as the client saw them finish."""
+    def waiting(sample) -> int:
+        unfinished = sum(b.finished is None or b.finished > sample.t for b in bystanders)
+        return sample.num_waiting - max(0, unfinished - SLOTS)
+
+    return waiting
+
+
+def _closed_while_held(requests: list[ClientRequest], trace: Trace) -> tuple[float | None, float | None]:
+    """(the last target's close, until when the bystanders held every slot), from the client's streams."""
+    closes = [trace.requests[r.request_id].abort_sent for r in requests if r.abort_at is not None]
+    last_close = max((c for c in closes if c is not None), default=None)
+    return last_close, slots_held_until([trace.requests[r.request_id] for r in requests if r.abort_at is None])
 
 
 def test_an_abort_before_the_first_token_stops_the_request(engine, model_dir):
     require(engine, "abort")
     vocab, _ = model_vocab(model_dir)
-    requests = early_abort_workload(vocab)
-    gen = [GenRequest(r.request_id, r.prompt_token_ids, r.max_tokens) for r in requests]
-    knobs = roomy_knobs(engine, gen, max_num_seqs=2)
-    recorder = TraceRecorder(engine.name, "early-abort")
-    engine.serve(requests, recorder, knobs, **({"step_seconds": STEP_SECONDS} if engine.steppable else {}))
-    trace = recorder.finish()
-    targets = [r.request_id for r in requests if r.abort_at is not None]
     races = getattr(engine, "aborts_race_finishes", False)
+    # over HTTP the targets must be closed while every slot is still held, with GAUGE_LAG to spare: confirmed from
+    # the streams, with more waves of bystanders until it is (a close the engine had no time for proves nothing)
+    for waves in HOLD_WAVES if races else HOLD_WAVES[:1]:
+        requests, trace = _serve_early_aborts(engine, vocab, waves)
+        last_close, held_until = _closed_while_held(requests, trace)
+        if last_close is not None and held_until is not None and held_until > last_close + GAUGE_LAG:
+            break
+    record_evidence("bystander_waves", waves)
+    targets = [r.request_id for r in requests if r.abort_at is not None]
 
     # --- the outputs: the bystanders whole; the targets got nothing after their abort
     bystanders = [trace.requests[r.request_id] for r in requests if r.abort_at is None]
@@ -232,6 +286,12 @@ def test_an_abort_before_the_first_token_stops_the_request(engine, model_dir):
         if not early:
             undecided(f"no abort on {engine.name} came before its request's first token ({len(late)} came after "
                       "it, or the request ended first): nothing was decided")
+        if last_close is None or held_until is None or held_until <= last_close + GAUGE_LAG:
+            freed = "never" if held_until is None else f"at {held_until:.2f} s"
+            undecided(f"with {waves} waves of bystanders, {engine.name}'s slots were not seen held for {GAUGE_LAG} s "
+                      f"after the last close (at {last_close} s; a slot freed {freed}): the engine had no time to act "
+                      "on the closes, so nothing was decided")
+        record_evidence("slots_held_after_last_close_s", round(held_until - last_close, 3))
     elif trace.step_seconds is not None:  # aborted on the step clock at step 30; both slots are held until 200
         early = targets
     else:
@@ -263,9 +323,9 @@ def test_an_abort_before_the_first_token_stops_the_request(engine, model_dir):
     # and before the bystanders finish; none may fall in that window on a fast engine, and then the count
     # above is the evidence
     closed = max(trace.requests[rid].abort_sent for rid in early) + GAUGE_LAG
-    bystanders_done = min(b.finished for b in bystanders if b.finished is not None)
-    window = [s for s in trace.steps if s.sampled and closed < s.t < bystanders_done]
-    still_queued = [s.num_waiting for s in window if s.num_waiting > 0]
+    targets_waiting = _targets_waiting(bystanders)
+    window = [s for s in trace.steps if s.sampled and closed < s.t < held_until]
+    still_queued = [targets_waiting(s) for s in window if targets_waiting(s) > 0]
     claim(not still_queued, f"{engine.name}'s /metrics still counted {max(still_queued, default=0)} waiting requests "
                             "after every aborted one was closed, while the bystanders still ran: the aborted requests "
                             "never left its queue")
@@ -276,7 +336,7 @@ def test_an_abort_before_the_first_token_stops_the_request(engine, model_dir):
               "last /metrics sample after the run")
     # the mechanism: the engine held the targets (waiting behind the bystanders) when their aborts came
     first_close = min(trace.requests[rid].abort_sent for rid in early)
-    held = [s.num_waiting for s in trace.steps if s.sampled and TARGETS_ARRIVE < s.t < first_close]
+    held = [targets_waiting(s) for s in trace.steps if s.sampled and TARGETS_ARRIVE < s.t < first_close]
     if not any(held):
         undecided(f"no /metrics sample of {engine.name} caught the aborted requests waiting in the engine before "
                   f"their aborts ({len(held)} samples then): nothing shows that the aborts stopped requests it held")

@@ -85,6 +85,11 @@ def test_text_is_the_decoding_of_the_token_ids(engine, model_dir, requests_greed
     if "preemptions_recompute" not in counters and "preemptions_swap" not in counters:
         undecided(f"{engine.name} exposes no preemption counter: the text matched, but not provably under pressure")
     preemptions = counters.get("preemptions_recompute", 0) + counters.get("preemptions_swap", 0)
+    if preemptions == 0 and not engine.steppable:
+        # over HTTP whether the pool ran dry depends on how the arrivals overlapped (kvbench.conformance.prove's
+        # TIMED_TRIGGERS): the text matched, but not provably under pressure
+        undecided(f"the run preempted nothing on {engine.name} in this run (its requests reach the engine over HTTP, "
+                  "spread by the machine's load): the text matched, but not provably under pressure")
     claim(preemptions > 0, f"the run preempted nothing on {engine.name}: the text was not read under pressure")
     if preemptions > 0:
         record_proof("preemptions", preemptions)

@@ -59,6 +59,21 @@ def test_pressure_in_tokens_becomes_a_padded_context():
     assert llamacpp.layout({"args": "--no-kv-unified --kv-unified"}).slots == "unified"  # the later flag wins
 
 
+def test_a_request_overflows_one_slots_share_where_the_pool_is_split():
+    """The overflow check sizes its request against what one request can hold: the whole unified pool, one slot's
+    share per slot (256 of 1024 cells), so that per slot it asks the slot-shaped question instead of skipping."""
+    from types import SimpleNamespace
+
+    from suites.conformance.test_kv_full import OVERFLOW_POOL, request_pool
+
+    budget = KVBudget(tokens=OVERFLOW_POOL, largest=OVERFLOW_POOL)
+    for kv, want in ((llamacpp.UNIFIED_LAYOUT, 256), (llamacpp.layout({"args": "--no-kv-unified --parallel 4"}), 256)):
+        knobs = pool_knobs(budget, kv)
+        assert request_pool(SimpleNamespace(kv_layout=kv), knobs) == want, (kv.slots, knobs)
+    per_slot = llamacpp.layout({"args": "--no-kv-unified --parallel 4"})
+    assert pool_knobs(budget, per_slot).num_gpu_blocks == 1024  # the pool the check used to size against
+
+
 def test_bad_options_are_refused_naming_them():
     with pytest.raises(ValueError, match="dtype must be one of float32, float16, bfloat16"):
         llamacpp.validate({"dtype": "int8"})
@@ -107,6 +122,76 @@ def test_llamacpp_metrics_feed_the_counter_contract():
     assert c.preemptions_recompute is None and c.preemptions_swap is None  # no count the server made
     assert c.aborts is None and c.finished_length is None and c.leaked_blocks is None  # not exposed, not 0
     assert in_flight(snap) == 5
+
+
+# ----------------------------------------------------------------------------------- closing before the head
+#: how long the fake server below holds its answer's head back, as llama-server does until the first token
+HEAD_HELD = 0.6
+
+
+def _close_seen_before_head(abort_before_head: bool) -> tuple[bool, float | None]:
+    """(whether a server that sends no head for HEAD_HELD seconds saw the client close first, the trace's
+    ``abort_sent``) for one streamed request aborted at 0.1 s."""
+    from kvbench.core.trace import TraceRecorder
+    from kvbench.drivers.http_driver import ClientRequest, serve_workload
+
+    seen: dict[str, bool] = {}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        try:  # the body, then EOF if the client closes while the head is held back
+            await asyncio.wait_for(reader.read(), timeout=HEAD_HELD)
+            seen["closed_before_head"] = True
+        except TimeoutError:
+            seen["closed_before_head"] = False
+            event = json.dumps({"choices": [{"index": 0, "text": " t7", "token_ids": [7], "finish_reason": "length"}]})
+            body = f"data: {event}\n\ndata: [DONE]\n\n".encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        recorder = TraceRecorder("fake", "head")
+        async with server:
+            request = ClientRequest("r", [5, 6], 1, 0.0, abort_at=0.1, abort_before_head=abort_before_head)
+            await serve_workload(CompletionClient(f"http://127.0.0.1:{port}"), [request], recorder,
+                                 poll_interval=None)
+        return recorder.finish()
+
+    trace = asyncio.run(main())
+    return seen["closed_before_head"], trace.requests["r"].abort_sent
+
+
+def test_an_abort_before_the_head_closes_a_request_the_server_holds_without_answering():
+    """The early-abort check closes its targets while llama-server holds them waiting for a slot, and
+    llama-server sends a response's head only with its first token: a close that waited for the head would come
+    only after a token was made. ``abort_before_head`` closes at the abort's time; without it the close waits."""
+    closed_first, sent = _close_seen_before_head(True)
+    assert closed_first and sent is not None and sent < HEAD_HELD
+    closed_first, _ = _close_seen_before_head(False)
+    assert not closed_first, "without abort_before_head the client closed before the server's head"
+
+
+def test_the_slots_are_held_until_fewer_bystanders_than_slots_are_left():
+    """The early-abort check judges a close only while every slot is provably held by a bystander: bystanders come
+    first, so a freed slot goes to a waiting one while one waits; with 2 slots and 4 bystanders, until the third
+    finish. A bystander that never finished leaves it unknown."""
+    from types import SimpleNamespace
+
+    from suites.conformance.test_nothing_lost import SLOTS, _targets_waiting, slots_held_until
+
+    assert SLOTS == 2
+    four = [SimpleNamespace(finished=t) for t in (2.0, 1.0, 4.0, 3.0)]
+    assert slots_held_until(four) == 3.0
+    assert slots_held_until(four[:2]) == 1.0
+    assert slots_held_until([SimpleNamespace(finished=None), *four[1:]]) is None
+    # a sample's waiting requests less the bystanders still waiting: at 0.5 s two of the four wait beside 3 targets
+    waiting = _targets_waiting(four)
+    assert waiting(SimpleNamespace(t=0.5, num_waiting=5)) == 3
+    assert waiting(SimpleNamespace(t=3.5, num_waiting=1)) == 1
 
 
 # ----------------------------------------------------------------------------------- the peer itself

@@ -100,6 +100,9 @@ class Preset:
     #: server): a run of n requests asking for a cap of n or more then behaves the same on a server left at
     #: its default, and is served by it (:meth:`ServerAdapter._cap_not_reached`)
     default_max_num_seqs: int | None = None
+    #: whether the server answers a streamed request with its response's head only together with its first token
+    #: (llama-server): a client that waits for the head cannot close a request before a token is made
+    head_with_first_token: bool = False
     #: (checkpoint directory, the adapter's options) -> what the launch needs beyond the checkpoint: values for
     #: the command's placeholders (``{model}`` among them, replacing the checkpoint directory) and flags put
     #: after the command. Runs at each launch; may raise PeerMissing (no server to launch) or ValueError
@@ -359,6 +362,7 @@ LLAMACPP = Preset(
     },
     capabilities=frozenset({"prefix_caching", "chunked_prefill", "sampling", "abort"}),
     dialect="llamacpp",
+    head_with_first_token=True,  # tools/server: the stream's head is written with the first result
     kv_layout=llamacpp.UNIFIED_LAYOUT,
     default_dtype="float32",
     server_defaults={"enable_prefix_caching": True, "enable_chunked_prefill": True},

@@ -181,6 +181,11 @@ class ServerAdapter(EngineAdapter):
 
     aborts_race_finishes = True  # an abort is a closed stream; the server may finish first
 
+    @property
+    def head_with_first_token(self) -> bool:
+        """Whether the server sends a streamed response's head only with its first token (its preset says)."""
+        return self.preset.head_with_first_token
+
     kind = "server"
     option_keys = {  # noqa: RUF012
         "preset": f"one of {', '.join(PRESETS)}: the command and how knobs map onto its flags",
