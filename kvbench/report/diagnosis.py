@@ -102,6 +102,20 @@ def engine_mode(results: Results, engine: str) -> str:
     return "swap" if swaps > recomputes else "recompute"
 
 
+def mode_label(results: Results, engine: str) -> str:
+    """The diagnosis heading's words for how ``engine`` preempts: "preempts by <mode>" where its option, a
+    setting it confirmed, or its own preemption counts say so; "preemption not exposed" for an engine that
+    published no preemption figure in any result (llama.cpp): :func:`engine_mode`'s default is a guess there."""
+    e = results.engine(engine) or {}
+    mine = [res for _, res in results.iter_results() if res["engine"] == engine]
+    confirmed = any(((res.get("settings") or {}).get("confirmed") or {}).get("preemption_mode") for res in mine)
+    counted = any(num(res["metrics"].get(k)) is not None for res in mine
+                  for k in ("preemptions", "preemptions_swap", "preemptions_recompute"))
+    if (e.get("options") or {}).get("preemption_mode") or confirmed or counted:
+        return f"preempts by {engine_mode(results, engine)}"
+    return "preemption not exposed"
+
+
 def _peers(results: Results, sc: dict, res: dict, key: str) -> list[tuple[str, float]]:
     """Other engines' values of ``key`` on the same scenario and mode, measured on the same clock (figures
     from two clocks are never set against each other)."""
@@ -369,7 +383,8 @@ def diagnose(results: Results) -> list[dict[str, Any]]:
         checks = [_check_preemptions(results, engine, rows), _check_kv(results, rows),
                   _check_concurrency(results, engine, rows), _check_starvation(results, rows),
                   _check_swap(results, engine, rows)]
-        out.append({"engine": engine, "mode": engine_mode(results, engine), "checks": checks,
+        out.append({"engine": engine, "mode": engine_mode(results, engine), "mode_label": mode_label(results, engine),
+                    "checks": checks,
                     "worst": max((c["status"] for c in checks), key=lambda s: RANK[s])})
     return out
 

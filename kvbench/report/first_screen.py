@@ -60,6 +60,9 @@ class Row:
     standings: list[str] = field(default_factory=list)
     #: the engines level with the best within the noise, the best first (a "level" row's top group)
     level: list[str] = field(default_factory=list)
+    #: the engines that ran the scenario and are not ranked on it (their run failed, decided nothing, or lacks
+    #: the figure), each named with its reason in the standings
+    unranked: list[str] = field(default_factory=list)
 
     @property
     def crowned(self) -> bool:
@@ -69,7 +72,7 @@ class Row:
         return {"scenario": self.scenario, "title": self.title, "metric": self.metric, "why": self.why,
                 "status": self.status, "winner": self.winner, "margin": self.margin, "noise": self.noise,
                 "cost": self.cost, "action": self.action, "standings": self.standings, "crowned": self.crowned,
-                "level": self.level}
+                "level": self.level, "unranked": self.unranked}
 
 
 def verdicts(results: Results) -> list[dict[str, Any]]:
@@ -79,6 +82,47 @@ def verdicts(results: Results) -> list[dict[str, Any]]:
     skipped = [s for s in results.data.get("skipped_scenarios") or [] if isinstance(s, Mapping)]
     return [verdict(sc, drift, [s for s in skipped if s.get("scenario") == sc["name"]]).to_dict()
             for sc in results.scenarios]
+
+
+def failed_claims(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The claims that failed in any of ``results`` (one engine's run of a scenario, every mode), sorted."""
+    return sorted({c for r in results for c, ok in (r.get("checks") or {}).items() if ok is False})
+
+
+def _failed_or_undecided(results: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why an engine's run of a scenario (its ``results``, every mode) cannot be ranked: a claim failed (its
+    figures come from a run that did not do what the scenario asks, e.g. requests that never finished), or
+    nothing but the sanity claim was decided (the pressure the scenario is built for was not shown); None when
+    it can."""
+    from kvbench.bench.scenarios.common import SANITY_CLAIM
+
+    failed = failed_claims(results)
+    if failed:
+        return "not ranked: its run failed (" + "; ".join(failed) + ")"
+    decided = {c for r in results for c in (r.get("checks") or {}) if not c.startswith(SANITY_CLAIM)}
+    open_ = {c for r in results for c in (r.get("undecided") or {}) if not c.startswith(SANITY_CLAIM)}
+    if open_ and not decided:  # the claims' reasons are under "Not measured" (skipped_scenarios holds them)
+        return (f"not ranked: nothing decided on it (undecided: {len(open_)} of its claim"
+                f"{'' if len(open_) == 1 else 's'} about the scenario), so the pressure it is built for was not shown")
+    return None
+
+
+def not_rankable(sc: Mapping[str, Any], score: Score) -> dict[str, str]:
+    """{engine: why} for each engine of ``sc`` that is not ranked on its score: its run failed or decided
+    nothing (:func:`_failed_or_undecided`), or it ran the score's mode without the score's figure ("not
+    exposed", never read as zero or left out without a word)."""
+    measured = {r["engine"] for r in sc["results"] if r.get("mode") == score.mode
+                and num(r["metrics"].get(score.metric)) is not None}
+    out: dict[str, str] = {}
+    engines = list(dict.fromkeys(r["engine"] for r in sc["results"]))
+    for engine in engines:
+        mine = [r for r in sc["results"] if r["engine"] == engine]
+        why = _failed_or_undecided(mine)
+        if why is not None:
+            out[engine] = why
+        elif engine not in measured and any(r.get("mode") == score.mode for r in mine):
+            out[engine] = f"{score.label or score.metric}: not exposed (the engine does not report it)"
+    return out
 
 
 def verdict(sc: Mapping[str, Any], drift: Mapping[str, repeats.Drift] | None = None,
@@ -91,12 +135,24 @@ def verdict(sc: Mapping[str, Any], drift: Mapping[str, repeats.Drift] | None = N
     score = decl.score if decl is not None else scoreboard.DEFAULT_SCORE
     if score is None:
         return _own_settings(row, sc, decl)
+    unranked = not_rankable(sc, score)
+    row = _ranked(row, sc, score, drift, [s for s in skipped if s.get("engine") not in unranked], unranked)
+    # every engine that ran the scenario and is not ranked is named with its reason, after the ranked ones
+    row.standings += [f"{e}: {why}" for e, why in unranked.items()]
+    row.unranked = list(unranked)
+    return row
+
+
+def _ranked(row: Row, sc: Mapping[str, Any], score: Score, drift: Mapping[str, repeats.Drift] | None,
+            skipped: Sequence[Mapping[str, Any]], unranked: Mapping[str, str]) -> Row:
+    """``row`` filled in from the engines of ``sc`` that can be ranked on ``score`` (not in ``unranked``)."""
     row.metric = score.label or score.metric
     row.why = score.why
-    entries = [(r, v) for r in sc["results"] if r.get("mode") == score.mode
+    entries = [(r, v) for r in sc["results"] if r.get("mode") == score.mode and r["engine"] not in unranked
                and (v := num(r["metrics"].get(score.metric))) is not None]
     if not entries:
-        row.action = "Nothing to decide: no engine measured it."
+        row.action = ("Nothing to decide: no engine measured it." if not unranked else
+                      "Nothing to decide: no engine's run of it can be ranked (each one's reason is listed).")
         return row
     if score.metric in scoreboard.PREEMPTION_COSTS:
         idle = [r["engine"] for r, _ in entries if num(r["metrics"].get("preemptions")) == 0]
@@ -109,8 +165,11 @@ def verdict(sc: Mapping[str, Any], drift: Mapping[str, repeats.Drift] | None = N
         row.status = ALONE
         row.standings = [f"{entries[0][0]['engine']}: {fmt_value(score.metric, entries[0][0])}"]
         row.standings += [f"{s.get('engine')}: skipped ({s.get('reason')})" for s in skipped]
-        row.action = ("Nothing to compare: only one engine ran it" + (", the others were skipped." if skipped else
-                                                                      "; run it with two engines or more."))
+        if unranked:
+            row.action = "Nothing to compare: only one engine's run of it can be ranked (the others' reasons listed)."
+        else:
+            row.action = ("Nothing to compare: only one engine ran it" + (", the others were skipped." if skipped
+                                                                          else "; run it with two engines or more."))
         return row
     mixed = mixed_clocks_words([r for r, _ in entries])
     if mixed:
@@ -129,7 +188,7 @@ def verdict(sc: Mapping[str, Any], drift: Mapping[str, repeats.Drift] | None = N
     row.noise = noise_words(noise, sources)
     ratio = (bv / sv if score.higher_is_better else sv / bv) if bv and sv else None
     small = is_time(score.metric) and max(bv, sv) < NOISE_FLOOR_S
-    row.standings = standings(score, entries, drift)
+    row.standings = standings(score, entries, drift) + row.standings  # after them, those that did not preempt
     if ratio is None:
         row.margin = f"{fmt_metric(score.metric, bv)} vs {fmt_metric(score.metric, sv)} ({second['engine']})"
     else:
@@ -151,7 +210,7 @@ def verdict(sc: Mapping[str, Any], drift: Mapping[str, repeats.Drift] | None = N
     row.cost = price(best, second)
     paid = costs_more(best, second)
     row.status = TRADE_OFF if paid else WINS
-    row.action = win_action(best, second, score, paid)
+    row.action = win_action(best, second, score, paid, noise_measured=noise is not None)
     return row
 
 
@@ -240,9 +299,13 @@ def price(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
 
 
 def win_action(best: Mapping[str, Any], second: Mapping[str, Any], score: Score,
-               paid: list[str]) -> str:
+               paid: list[str], *, noise_measured: bool = True) -> str:
+    """What to do about a win; from single runs (no noise measured) it says so rather than "beyond the noise"."""
     what = score.label or score.metric
     if not paid:
+        if not noise_measured:
+            return (f"For this workload prefer {best['engine']}: better {what} at no higher cost, in a single run "
+                    "(no noise measured: repeat it, --benchmark-repeats 3, before relying on it).")
         return f"For this workload prefer {best['engine']}: better {what} beyond the noise, at no higher cost."
     return (f"Trade-off, not a clear win: {best['engine']} if {what} matters most, but " + " and ".join(paid)
             + f"; otherwise {second['engine']}.")

@@ -38,6 +38,7 @@ from kvbench.report import advice, extra_charts, figures, first_screen, scoreboa
 from kvbench.report import charts as rc
 from kvbench.report import engine_settings as engine_settings_view
 from kvbench.report import side_by_side as side_by_side_view
+from kvbench.report import skipped as skipped_view
 from kvbench.report.diagnosis import baseline_engine_name, diagnose
 
 #: what report files are written with: readable by everyone like any document (a results file written
@@ -735,6 +736,7 @@ def render_report(results: Results, baseline: Results | None = None, *, previous
         "headlines": headlines, "previous": previous, "index_href": index_href,
         "scoreboard": scoreboard.scoreboard(results, baseline_engine_name(results)),
         "verdicts": verdicts,
+        "skipped": skipped_view.section(results),  # each scenario not measured on an engine, with the run's reason
         "clock_rule": clock_rule(results),
         "conformance": scoreboard.conformance_matrix(results),
         "preemption_costs": scoreboard.preemption_costs(results),

@@ -174,13 +174,16 @@ def engine_rows(results: Results) -> tuple[list[str], list[list[str]]]:
                    if r.get("mode") == score.mode and num(r["metrics"].get(score.metric)) is not None}
         if len(entries) < 2 or len({clock_of(r) for r in entries.values()}) > 1:
             continue
-        ref = entries.get(reference or "")
+        unranked = first_screen.not_rankable(sc, score)  # a failed or undecided run: its value, no ratio
+        ref = entries.get(reference or "") if reference not in unranked else None
         idle = ({e for e, r in entries.items() if num(r["metrics"].get("preemptions")) == 0}
                 if score.metric in scoreboard.PREEMPTION_COSTS else set())
         cells: dict[str, str] = {}
         for engine, res in entries.items():
             text = fmt_value(score.metric, res)
-            if engine in idle:
+            if engine in unranked:
+                text += f" ({unranked[engine].partition(' (')[0]}; see the run's report)"
+            elif engine in idle:
                 text += " (did not preempt: the cost did not arise)"  # a 0.00x "win" is no win
             elif ref is not None and engine != reference and reference not in idle:
                 text += " (" + ratio_words(res, ref, score.metric, score.higher_is_better, drift) + ")"

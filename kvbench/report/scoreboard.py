@@ -77,8 +77,30 @@ def agree_with_verdicts(cards: list[dict[str, Any]], verdicts: list[dict[str, An
     within the noise (which may count more noise than the card's own repeats: one workload measured twice),
     a card still showing a ratio beyond its noise is marked within noise and points at the verdict."""
     level = {v["scenario"]: v for v in verdicts if v.get("status") == "level"}
+    unranked = {v["scenario"]: v.get("unranked") or [] for v in verdicts}
+    ranked_on = {v["scenario"]: v["metric"] for v in verdicts
+                 if v.get("metric") and v.get("status") in ("wins", "wins at a cost", "level")}
     out = []
     for card in cards:
+        if not card.get("measured") and card.get("scenario") in ranked_on:
+            # "Evening surge: not measured" above a verdict that ranks the evening surge reads as a contradiction:
+            # the card's own figure is what was not measured, and it says which one the verdict used
+            card = {**card, "caption": f"{card.get('caption', '')}; this card's figure only: the verdict ranks the "
+                                       f"scenario on {ranked_on[card['scenario']]}"}
+            out.append(card)
+            continue
+        # a card about an engine the verdict does not rank (its run failed or decided nothing) is no finding
+        caption = str(card.get("caption", ""))
+        pair = re.match(r"(\S+) ÷ (\S+) ", caption)
+        not_ranked = unranked.get(card.get("scenario"), [])
+        named = set(pair.groups()) if pair else {e for e in not_ranked if f"({e})" in caption}
+        off = [e for e in not_ranked if e in named]
+        if off and card.get("measured"):
+            card = {**card, "within_noise": True, "value": "not ranked",
+                    "caption": f"{caption}: {card.get('value')}; not ranked: the verdict does not rank "
+                               f"{', '.join(off)} on this run (its reason is in the verdict)"}
+            out.append(card)
+            continue
         v = level.get(card.get("scenario"))
         # the card's ratio is "<engine> ÷ <engine> ...": reconciled only when both are level in the verdict
         pair = re.match(r"(\S+) ÷ (\S+) ", str(card.get("caption", "")))

@@ -11,6 +11,7 @@ Rules (tests/kvbench/test_report_side_by_side.py holds each):
   a zero or missing side (the two values are shown, the ratio reads "–" and counts for nothing);
 * noise is shown only where the repeats measured it: a ratio of single runs, or of a count that the
   repeats reproduced exactly, carries no "±";
+* an engine whose run of the scenario failed a claim has its line open with that, before any ratio;
 * engines on different clocks are listed as not compared, never given a ratio; so is a gap figure (p99 TBT...)
   of an engine that delivered its tokens in bursts (:mod:`kvbench.core.delivery`).
 """
@@ -27,7 +28,7 @@ from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num
 from kvbench.core import delivery
 from kvbench.report import charts as rc
-from kvbench.report import figures, words
+from kvbench.report import figures, first_screen, words
 from kvbench.report.diagnosis import baseline_engine_name
 
 #: the rows of a side-by-side table: one quantity each
@@ -148,7 +149,14 @@ def tables(results: Results) -> list[dict[str, Any]]:
                     f" · and {len(items) - GIST_ITEMS} more beyond the noise" if len(items) > GIST_ITEMS else "")
             else:
                 summary = "every ratio within the noise"
+            failed = first_screen.failed_claims([r for r in res if r["engine"] == engine])
+            if failed:  # its figures come from a run that did not do the workload: said before any ratio
+                summary = f"its run failed ({'; '.join(failed)}), so these ratios are no result: {summary}"
             gist.append(f"{engine} vs {base_engine}: {summary}")
+        base_failed = first_screen.failed_claims([r for r in res if r["engine"] == base_engine])
+        if base_failed:
+            not_compared.insert(0, f"{base_engine}'s own run failed ({'; '.join(base_failed)}): every ratio "
+                                   "against it is no result")
         out.append({"scenario": words.scenario_title(sc["name"]), "href": f"#scenario-{i + 1}",
                     "reference": base_engine, "groups": groups, "gist": gist, "not_compared": not_compared})
     return out
