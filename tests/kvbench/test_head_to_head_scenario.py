@@ -159,3 +159,24 @@ def test_the_command_shares_the_checks_and_fails_on_a_wholesale_divergence():
     assert code == 1, text
     assert "bad vs reference (float32): 0 of 2 identical, first divergence at token 31" in text
     assert "FAILED: bad at tiny, c=2: greedy outputs against reference's: 0 of 2 identical" in text
+
+
+def test_a_count_read_from_text_chunks_is_not_exposed_and_a_count_of_returned_ids_is_held():
+    """A server that returns no token ids (transformers serve) has its tokens counted from its stream's text chunks,
+    where a token with empty text (EOS, with ignore_eos) arrives in no chunk: a short count there is not exposed;
+    the same short count of ids the server returned fails."""
+    from kvbench.bench.scenarios.closed_loop import token_counts
+
+    returned = _trace("ids", {"r1": [5, 6, 7], "r2": [5, 6]})
+    for r in returned.requests.values():
+        r.max_tokens = 3
+    assert token_counts([returned]).held is False
+    chunks = _trace("text", {"r1": [5, 6, 7], "r2": [5, 6]})
+    for r in chunks.requests.values():
+        r.max_tokens = 3
+        r.token_times = [0.1] * len(r.output_token_ids)
+        r.output_token_ids = None
+    decision = token_counts([chunks])
+    assert decision.held is None and "text chunks" in decision.why and "r2 got 2 of 3" in decision.why
+    chunks.requests["r2"].token_times.append(0.2)
+    assert token_counts([chunks]).held is True
