@@ -355,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a fault: a completion whose prompt holds token ID is counted finished but its response "
                         "never ends (tests of kvbench's HTTP liveness watchdog)")
     p.add_argument("--fail-on-start", default=None, help="exit 3 at start-up printing this message (tests)")
+    p.add_argument("--start-delay", type=float, default=0.0,
+                   help="seconds before it listens, as a server that imports a framework takes (tests of starts)")
     for flag in ENGINE_FLAGS:
         p.add_argument(flag, default=None)
     for flag in SWITCHES:
@@ -388,6 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(3)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
+    if args.start_delay:
+        time.sleep(args.start_delay)
     state = StubState(token_delay=args.token_delay, per_token_writes=args.per_token_writes,
                       metrics_block=args.metrics_block,
                       return_ids=not args.no_token_ids, max_model_len=args.max_model_len,

@@ -328,8 +328,10 @@ def _wait_up(adapter: ServerAdapter, knobs: Knobs, timeout: float = 60.0) -> Non
 def test_only_servers_still_starting_count_against_start_ahead_and_ready_ahead_bounds_the_rest(model_dir, tmp_path):
     """One start at a time (start_ahead=1): a second waits while the first starts, and begins once the first is
     up and waiting; no more than ready_ahead (2) wait or start ahead in all."""
-    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path),
-                                        "keep_servers": "1", "start_ahead": "1", "ready_ahead": "2"})
+    # each stub takes a second to listen, as a server importing a framework does: "still starting" is then certain
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
+                                        "log_dir": str(tmp_path), "keep_servers": "1", "start_ahead": "1",
+                                        "ready_ahead": "2"})
     a, b, c = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
     try:
         assert adapter.reconfigurable is False

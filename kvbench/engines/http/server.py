@@ -161,14 +161,21 @@ class _Starting:
     port: int
     wanted: dict[str, Any]
     up: bool = False  # /health answered once: it waits, idle, for its run
+    probed: float = -1.0  # when /health was last asked (time.monotonic())
 
     def still_starting(self) -> bool:
         """Whether it is still busy starting (neither answering /health yet nor exited): what the limit on
-        starts side by side counts. One probe of at most a fifth of a second; once up, never probed again."""
+        starts side by side counts. One probe of at most a fifth of a second, at most one a second (a pass over
+        the coming launches asks again and again); once up, never probed again."""
+        import time
+
         import httpx
 
         if self.up or not self.server.running():
             return False
+        if time.monotonic() - self.probed < 1.0:
+            return True
+        self.probed = time.monotonic()
         try:
             self.up = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=0.2).status_code == 200
         except httpx.HTTPError:
