@@ -379,11 +379,15 @@ class ServerAdapter(EngineAdapter):
         return super().pool_knobs(budget, block_size)
 
     def _model_positions(self) -> int | None:
-        """The checkpoint's ``max_position_embeddings`` (a longer ``max_model_len`` is refused), None if unknown."""
-        try:
-            return int(json.loads((Path(self.model_dir) / "config.json").read_text())["max_position_embeddings"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        """The checkpoint's ``max_position_embeddings`` (a longer ``max_model_len`` is refused), None if unknown;
+        read once (every pool sizing and unpressured run asks)."""
+        if not hasattr(self, "_positions"):
+            try:
+                config = json.loads((Path(self.model_dir) / "config.json").read_text())
+                self._positions: int | None = int(config["max_position_embeddings"])
+            except (OSError, ValueError, KeyError, TypeError):
+                self._positions = None
+        return self._positions
 
     def family(self) -> str:
         return self.preset.name if self.preset is not CUSTOM else self.kind
