@@ -259,7 +259,9 @@ def test_knob_sets_that_differ_only_in_what_the_preset_fixes_share_a_launch(mode
 def test_a_server_started_ahead_serves_the_run_that_needs_it_and_is_stopped_when_none_does(model_dir, tmp_path):
     """``prestart`` starts the launch a coming run needs while another serves; that run waits for it instead of
     starting its own; a server started ahead that no later test needs is stopped with its process group."""
-    adapter = _adapter(model_dir, tmp_path)
+    # each stub takes a second to listen, so the two started ahead are still starting when the third is asked for
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
+                                        "log_dir": str(tmp_path), "keep_servers": "1"})
     first, coming = Knobs(block_size=16, num_gpu_blocks=8), Knobs(block_size=16, num_gpu_blocks=12)
     try:
         adapter.generate(REQUESTS, first)
