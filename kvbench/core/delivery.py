@@ -32,20 +32,12 @@ from typing import Any
 #: threshold, so the two sides never disagree about a server.
 MAX_TOKENS_PER_CHUNK = 2.0
 
-#: figures computed from the spacing of tokens inside a stream (kvbench.bench.metrics): artifacts of the
-#: writer on a bursty engine. TPOT and throughput are not here: they span a whole stream (first to last
-#: token), which bursts move by at most one burst.
-GAP_METRICS: frozenset[str] = frozenset({
-    "tbt_p50", "tbt_p90", "tbt_p99", "tbt_max", "tbt_mean",
-    "tbt_spike_threshold_s", "tbt_spikes", "tbt_spike_share",
-    "tbt_spikes_preemption_share", "tbt_spikes_prefill_share", "tbt_spikes_other_share",
-})
-
-
 def is_gap_metric(metric: str) -> bool:
-    """Whether ``metric`` is computed from the spacing of tokens inside a stream (any ``tbt_*`` figure, a
-    scenario's per-class ``tbt_p99_high`` included)."""
-    return metric in GAP_METRICS or metric.startswith("tbt_")
+    """Whether ``metric`` is computed from the spacing of tokens inside a stream: every ``tbt_*`` figure of
+    kvbench.bench.metrics (percentiles, spikes and their shares, a scenario's per-class ``tbt_p99_high``), artifacts
+    of the writer on a bursty engine. TPOT and throughput are not: they span a whole stream (first to last token),
+    which bursts move by at most one burst."""
+    return metric.startswith("tbt_")
 
 
 def tokens_per_chunk(streams: Iterable[Sequence[float]]) -> float | None:

@@ -32,6 +32,7 @@ from kvbench.conformance.prove import (
     pressured_knobs,
     require_knobs,
     roomy_knobs,
+    timed_trigger_missed,
 )
 from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.core.evidence import record_evidence
@@ -128,12 +129,9 @@ def test_full_kv_cache_loses_and_truncates_nothing(engine, model_dir, truth_engi
             "preemptions_recompute" not in result.counters and "preemptions_swap" not in result.counters):
         undecided(f"{engine.name} served every request, and nothing it exposes says its cache filled (it has no "
                   f"preemption to count, or counts none): pool {pool} tokens, {FULL_REQUESTS} requests at once")
-    elif not engine.steppable:
-        # over HTTP whether the cache filled depends on how the arrivals overlapped (a server that finishes each
-        # request in milliseconds may have served them one after another): not the engine's doing
-        undecided(f"{engine.name} served every request without preempting or refusing any in this run: its requests "
-                  f"reach it over HTTP, spread by the machine's load, and its cache (pool {pool} tokens) never filled")
     else:
+        timed_trigger_missed(engine, f"{engine.name} served every request without preempting or refusing any: its "
+                                     f"cache (pool {pool} tokens) never filled")
         claim(False, f"{engine.name} served every request without preempting or refusing any: its cache never "
                      f"filled (pool {pool} tokens; knobs {knobs}), so the check proved nothing")
 

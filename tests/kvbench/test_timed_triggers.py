@@ -1,0 +1,41 @@
+"""A preemption that did not happen is a failed proof on an engine kvbench steps (the same workload preempts
+every time), and undecided, saying why, on one it reaches over HTTP (whether a pool runs dry depended on how the
+requests' arrivals overlapped): :func:`kvbench.conformance.prove.prove` and ``timed_trigger_missed``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvbench.conformance.prove import prove, timed_trigger_missed
+from kvbench.conformance.verdict import Undecided
+from kvbench.core.requests import GenResult
+
+
+def _engine(steppable: bool) -> SimpleNamespace:
+    return SimpleNamespace(name="e", steppable=steppable)
+
+
+def _result(**counters: float) -> GenResult:
+    return GenResult([], counters)
+
+
+def test_no_preemption_fails_on_a_stepped_engine_and_is_undecided_over_http():
+    with pytest.raises(AssertionError, match="recompute preemption did not happen on e"):
+        prove(_result(preemptions_recompute=0), _engine(True), "preemptions_recompute", "recompute preemption")
+    with pytest.raises(Undecided, match="arrivals overlapped"):
+        prove(_result(preemptions_recompute=0), _engine(False), "preemptions_recompute", "recompute preemption")
+    assert prove(_result(preemptions_recompute=2), _engine(False), "preemptions_recompute", "x") == 2
+
+
+def test_a_trigger_that_does_not_depend_on_timing_still_fails_over_http():
+    """Prefix hits or chunks do not wait on arrivals: zero of them fails wherever the engine runs."""
+    with pytest.raises(AssertionError, match="prefix-cache hit did not happen"):
+        prove(_result(prefix_cache_hits=0), _engine(False), "prefix_cache_hits", "a prefix-cache hit")
+
+
+def test_timed_trigger_missed_returns_on_a_stepped_engine():
+    timed_trigger_missed(_engine(True), "nothing preempted")  # the caller's claim decides
+    with pytest.raises(Undecided, match="nothing preempted in this run"):
+        timed_trigger_missed(_engine(False), "nothing preempted")
