@@ -210,18 +210,24 @@ SLOTS = 2
 #: took 0.2-0.5 s on llama-server (one thread, 0.5 ms a step on tiny), so the bystanders were sometimes done before
 #: the targets' closes at 0.3 s; on vLLM's CPU build one wave takes seconds and the first try decides.
 HOLD_WAVES = (1, 2, 4)
+#: Over HTTP, the targets must also be seen waiting in the engine before their closes: at least one /metrics sample
+#: between their arrival and the first close. That window is 0.25 s at first, two or three samples at 10 Hz, and a
+#: loaded client took none in it (vLLM, run 10 of docs/engines.md). A try that caught none closes the targets twice
+#: as late, up to CLOSE_LATEST, with twice the waves so that the bystanders still hold the slots.
+CLOSE_LATEST = 1.2
 
 
-def early_abort_workload(vocab: int, waves: int = 1, before_head: bool = False) -> list[ClientRequest]:
-    """``waves`` x SLOTS bystanders at 0 s, then the targets, each aborted before its first token can come
-    (``before_head``: closed at their time without waiting for the response's head, for a server that sends its
-    head only with the first token)."""
+def early_abort_workload(vocab: int, waves: int = 1, before_head: bool = False,
+                         close_after: float = TARGETS_ABORTED_AFTER) -> list[ClientRequest]:
+    """``waves`` x SLOTS bystanders at 0 s, then the targets, each aborted ``close_after`` seconds in, before its
+    first token can come (``before_head``: closed at their time without waiting for the response's head, for a
+    server that sends its head only with the first token)."""
     def prompt(i: int) -> list[int]:
         return [3 + (7 * i + j) % (vocab - 3) for j in range(16)]
 
     bystanders = [ClientRequest(f"bystander{i}", prompt(i), BYSTANDER_TOKENS, 0.0) for i in range(SLOTS * waves)]
     targets = [ClientRequest(f"target{i}", prompt(10 + SLOTS * (waves - 1) + i), TARGET_TOKENS, TARGETS_ARRIVE,
-                             abort_at=TARGETS_ABORTED_AFTER, abort_before_head=before_head) for i in range(TARGETS)]
+                             abort_at=close_after, abort_before_head=before_head) for i in range(TARGETS)]
     return bystanders + targets
 
 
@@ -233,12 +239,20 @@ def slots_held_until(bystanders: list) -> float | None:
     return ends[len(bystanders) - SLOTS] if len(ends) == len(bystanders) else None
 
 
-def _serve_early_aborts(engine, vocab: int, waves: int) -> tuple[list[ClientRequest], Trace]:
+def _serve_early_aborts(engine, vocab: int, waves: int,
+                        close_after: float = TARGETS_ABORTED_AFTER) -> tuple[list[ClientRequest], Trace]:
     # only where the server withholds its head until a token exists: elsewhere the close follows the head, so the
     # server has registered the request it is closing (a close before that raced the server's own bookkeeping)
-    requests = early_abort_workload(vocab, waves, getattr(engine, "head_with_first_token", False))
-    gen = [GenRequest(r.request_id, r.prompt_token_ids, r.max_tokens) for r in requests]
-    knobs = roomy_knobs(engine, gen, max_num_seqs=SLOTS)
+    before_head = getattr(engine, "head_with_first_token", False)
+    requests = early_abort_workload(vocab, waves, before_head, close_after)
+
+    def gen(of: list[ClientRequest]) -> list[GenRequest]:
+        return [GenRequest(r.request_id, r.prompt_token_ids, r.max_tokens) for r in of]
+
+    # the pool holds the most waves any try sends, so that every try is served by one launch (on a peer each new
+    # pool is a fresh start of tens of seconds)
+    most = early_abort_workload(vocab, HOLD_WAVES[-1], before_head, close_after)
+    knobs = roomy_knobs(engine, gen(most), sent=gen(requests), max_num_seqs=SLOTS)
     recorder = TraceRecorder(engine.name, "early-abort")
     engine.serve(requests, recorder, knobs, **({"step_seconds": STEP_SECONDS} if engine.steppable else {}))
     return requests, recorder.finish()
@@ -254,6 +268,21 @@ def _targets_waiting(bystanders: list):
     return waiting
 
 
+def _seen_waiting(requests: list[ClientRequest], trace: Trace) -> bool:
+    """Whether a /metrics sample between the targets' arrival and their first close counted them waiting (see
+    :func:`_targets_waiting`); False where no target was closed. On an engine with no sampled steps (in process,
+    stepped): True, since its step records are exact and the check reads its counters instead."""
+    if not any(s.sampled for s in trace.steps):
+        return True
+    closes = [trace.requests[r.request_id].abort_sent for r in requests if r.abort_at is not None]
+    closes = [c for c in closes if c is not None]
+    if not closes:
+        return False
+    bystanders = [trace.requests[r.request_id] for r in requests if r.abort_at is None]
+    waiting = _targets_waiting(bystanders)
+    return any(waiting(s) > 0 for s in trace.steps if s.sampled and TARGETS_ARRIVE < s.t < min(closes))
+
+
 def _closed_while_held(requests: list[ClientRequest], trace: Trace) -> tuple[float | None, float | None]:
     """(the last target's close, until when the bystanders held every slot), from the client's streams."""
     closes = [trace.requests[r.request_id].abort_sent for r in requests if r.abort_at is not None]
@@ -267,12 +296,20 @@ def test_an_abort_before_the_first_token_stops_the_request(engine, model_dir):
     races = getattr(engine, "aborts_race_finishes", False)
     # over HTTP the targets must be closed while every slot is still held, with GAUGE_LAG to spare: confirmed from
     # the streams, with more waves of bystanders until it is (a close the engine had no time for proves nothing)
-    for waves in HOLD_WAVES if races else HOLD_WAVES[:1]:
-        requests, trace = _serve_early_aborts(engine, vocab, waves)
+    # and seen waiting in the engine before the first close, with later closes until they are
+    waves, close_after = HOLD_WAVES[0], TARGETS_ABORTED_AFTER
+    for _ in HOLD_WAVES if races else HOLD_WAVES[:1]:
+        requests, trace = _serve_early_aborts(engine, vocab, waves, close_after)
         last_close, held_until = _closed_while_held(requests, trace)
-        if last_close is not None and held_until is not None and held_until > last_close + GAUGE_LAG:
+        held = last_close is not None and held_until is not None and held_until > last_close + GAUGE_LAG
+        seen = _seen_waiting(requests, trace)
+        if (held and seen) or waves == HOLD_WAVES[-1]:
             break
+        waves = HOLD_WAVES[HOLD_WAVES.index(waves) + 1]
+        if not seen:
+            close_after = min(close_after * 2, CLOSE_LATEST)
     record_evidence("bystander_waves", waves)
+    record_evidence("targets_closed_after_s", close_after)
     targets = [r.request_id for r in requests if r.abort_at is not None]
 
     # --- the outputs: the bystanders whole; the targets got nothing after their abort

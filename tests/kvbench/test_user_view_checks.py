@@ -13,7 +13,7 @@ from _pytest.outcomes import Failed, Skipped
 
 from kvbench.conformance.user_text import CheckpointText
 from kvbench.conformance.verdict import Undecided
-from kvbench.core.evidence import collecting, proven_of
+from kvbench.core.evidence import collecting, evidence_of, proven_of
 from kvbench.engines.registry import make_adapter, parse_engine_spec
 from suites.conformance import test_nothing_lost as check6
 from suites.conformance import test_user_view as user_view
@@ -150,6 +150,28 @@ def test_early_abort_check_decides_in_process(model_dir):
 def test_early_abort_check_decides_on_the_reference_server(reference_server, model_dir):
     decided(check6.test_an_abort_before_the_first_token_stops_the_request, engine=reference_server,
             model_dir=model_dir)
+
+
+@pytest.mark.server
+def test_early_abort_check_closes_later_when_no_sample_saw_the_targets_waiting(reference_server, model_dir,
+                                                                                monkeypatch):
+    """A try whose /metrics samples caught the targets waiting in none (a loaded client samples late) is not the
+    verdict: the next try closes them twice as late, with twice the bystanders, on the same launch, and decides."""
+    seen = check6._seen_waiting
+    tries: list[int] = []
+
+    def blind_first(requests, trace):
+        tries.append(len(requests))
+        return len(tries) > 1 and seen(requests, trace)
+
+    monkeypatch.setattr(check6, "_seen_waiting", blind_first)
+    properties: list[tuple[str, Any]] = []
+    with collecting(properties):
+        check6.test_an_abort_before_the_first_token_stops_the_request(engine=reference_server, model_dir=model_dir)
+    evidence = evidence_of(properties)
+    assert len(tries) == 2, tries
+    assert "early_aborts" in proven_of(properties)
+    assert (evidence["bystander_waves"], evidence["targets_closed_after_s"]) == (2, 0.6), evidence
 
 
 @pytest.mark.server
