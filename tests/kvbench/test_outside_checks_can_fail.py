@@ -194,3 +194,50 @@ def test_eos_check_fails_over_http_on_a_server_that_ignores_eos(model_dir, reque
                      requests_greedy=requests_greedy, truth=truth, truth_engine=truth_engine, near_ties=[])
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference_server(model_dir, tmp_path_factory):
+    from kvbench.engines.registry import make_adapter, parse_engine_spec
+
+    logs = tmp_path_factory.mktemp("logs")
+    engine = make_adapter(parse_engine_spec(f"server:preset=reference,log_dir={logs}"), model_dir)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_victim_check_tries_again_when_a_try_reads_nothing_for_the_moment(reference_server, requests_greedy,
+                                                                           monkeypatch):
+    """A try left undecided by the moment (here: a reading that says the server wrote in bursts) is served again
+    on the same server, and the next try decides; a reading undecided in every try stays undecided, saying how
+    many tries."""
+    from kvbench.conformance import victims_seen
+    from kvbench.core.evidence import collecting, evidence_of, proven_of
+
+    real = victims_seen.read_victims
+    calls: list[int] = []
+
+    def bursty(times: int):
+        def read(*args, **kwargs):
+            calls.append(1)
+            reading = real(*args, **kwargs)
+            if len(calls) <= times:
+                reading.undecided = "the server delivers tokens in bursts (made up for this test)"
+            return reading
+        return read
+
+    monkeypatch.setattr(test_victim, "read_victims", bursty(1))
+    properties: list[tuple[str, Any]] = []
+    with collecting(properties):
+        test_victim.test_preemption_victim_follows_the_policy(policy="fcfs", engine=reference_server,
+                                                              requests_greedy=requests_greedy)
+    assert evidence_of(properties)["victim_tries"] == 2 and "victims_seen" in proven_of(properties), properties
+
+    calls.clear()
+    monkeypatch.setattr(test_victim, "read_victims", bursty(test_victim.TRIES))
+    every_try = rf"in bursts \(made up for this test\) \(in each of {test_victim.TRIES} tries\)"
+    with pytest.raises(Undecided, match=every_try):
+        test_victim.test_preemption_victim_follows_the_policy(policy="fcfs", engine=reference_server,
+                                                              requests_greedy=requests_greedy)
