@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,6 +40,18 @@ from kvbench.drivers.server_metrics import MetricsSnapshot, in_flight
 IDLE_GRACE = 10.0
 #: consecutive scrapes that must all show an empty server before the idle rule fires
 IDLE_SCRAPES = 3
+
+
+def machine_load() -> float:
+    """How many times over the machine's cores are asked for: the one-minute load average per core, at least 1.
+    A server's gauges move only when its engine steps, and on an overloaded machine (a 2-core one with a dozen
+    runnable processes: 6.0) an engine gets its turns that many times more slowly; the idle rule's grace is
+    stretched by it, so that a starved server is not taken for one that dropped its requests (seen on vLLM at
+    load 12: nothing published for 10.6 s, then it went on)."""
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except OSError:  # no load average on this platform
+        return 1.0
 T = TypeVar("T")
 
 
@@ -55,9 +68,10 @@ class HttpWatchdog:
     says (:meth:`saw_metrics`); :meth:`check` raises :class:`LivenessError` when a limit is passed."""
 
     def __init__(self, liveness: Liveness | None = None, idle_grace: float = IDLE_GRACE,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, load: Callable[[], float] = machine_load):
         self.liveness = liveness or DEFAULT_LIVENESS
         self.idle_grace = idle_grace  # a shorter stall limit fires first anyway
+        self._load = load  # stretches idle_grace on an overloaded machine (machine_load)
         self._clock = clock
         self._started = self._progress = clock()
         self.open: dict[str, _Open] = {}
@@ -132,10 +146,13 @@ class HttpWatchdog:
             raise LivenessError(f"the run passed its deadline of {lv.deadline:g} s", self.stuck())
         if not self.open:
             return
-        if (self._idle_since is not None and self._idle_scrapes >= IDLE_SCRAPES
-                and now - self._idle_since >= self.idle_grace):
+        idle = (self._idle_since is not None and self._idle_scrapes >= IDLE_SCRAPES
+                and now - self._idle_since >= self.idle_grace)
+        if idle and now - self._idle_since >= self.idle_grace * (load := self._load()):
+            stretched = (f", the grace of {self.idle_grace:g} s stretched {load:.1f}x by the machine's load"
+                         if load > 1 else "")
             raise LivenessError(f"the server's /metrics has shown nothing running or waiting for "
-                                f"{now - self._idle_since:.1f} s ({self._idle_scrapes} scrapes) while "
+                                f"{now - self._idle_since:.1f} s ({self._idle_scrapes} scrapes{stretched}) while "
                                 f"{len(self.open)} request(s) are still open on it: it dropped them without "
                                 "ending their responses", self.stuck())
         if lv.stall_seconds is not None and now - self._progress > lv.stall_seconds:

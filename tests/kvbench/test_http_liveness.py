@@ -16,7 +16,7 @@ import pytest
 from kvbench.core.liveness import Liveness, LivenessError
 from kvbench.core.requests import GenRequest, WorkloadRequest
 from kvbench.core.trace import TraceRecorder
-from kvbench.drivers.http_watchdog import IDLE_SCRAPES, HttpWatchdog
+from kvbench.drivers.http_watchdog import IDLE_SCRAPES, HttpWatchdog, machine_load
 from kvbench.drivers.server_metrics import MetricsSnapshot
 from kvbench.engines.http.openai import OpenAIAdapter
 from kvbench.engines.http.server import ServerAdapter
@@ -123,7 +123,7 @@ def _snap(running: int, waiting: int = 0, generated: int = 0) -> MetricsSnapshot
 
 def test_idle_rule_needs_the_grace_and_enough_scrapes_and_a_token_resets_it():
     now = [0.0]
-    dog = HttpWatchdog(Liveness(stall_seconds=100), idle_grace=5.0, clock=lambda: now[0])
+    dog = HttpWatchdog(Liveness(stall_seconds=100), idle_grace=5.0, clock=lambda: now[0], load=lambda: 1.0)
     dog.sent("a")
     for _ in range(IDLE_SCRAPES):
         now[0] += 1.0
@@ -141,9 +141,33 @@ def test_idle_rule_needs_the_grace_and_enough_scrapes_and_a_token_resets_it():
     assert "1 token(s) received" in info.value.stuck["a"]
 
 
+def test_idle_rule_waits_longer_on_an_overloaded_machine():
+    """At a load of 3 runnable processes per core a server's engine steps a third as often: the grace is three
+    times as long, and the error says it was stretched."""
+    now = [0.0]
+    dog = HttpWatchdog(Liveness(stall_seconds=100), idle_grace=5.0, clock=lambda: now[0], load=lambda: 3.0)
+    dog.sent("a")
+    for _ in range(14):  # 14 s idle: past the grace, within three times it
+        now[0] += 1.0
+        dog.saw_metrics(_snap(0))
+        dog.check()
+    now[0] += 2.0
+    dog.saw_metrics(_snap(0))
+    with pytest.raises(LivenessError, match=r"stretched 3\.0x by the machine's load"):
+        dog.check()
+
+
+def test_machine_load_is_per_core_and_at_least_one(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (12.0, 10.0, 7.0))
+    assert machine_load() == 6.0
+    monkeypatch.setattr("os.getloadavg", lambda: (0.4, 1.0, 1.0))
+    assert machine_load() == 1.0
+
+
 def test_a_busy_server_or_no_open_request_is_not_idle():
     now = [0.0]
-    dog = HttpWatchdog(Liveness(stall_seconds=100), idle_grace=1.0, clock=lambda: now[0])
+    dog = HttpWatchdog(Liveness(stall_seconds=100), idle_grace=1.0, clock=lambda: now[0], load=lambda: 1.0)
     dog.sent("a")
     for _ in range(10):
         now[0] += 1.0
