@@ -24,6 +24,10 @@ File format (``tomllib``)::
                                                  # (EngineAdapter.engine_version: what the engine runs);
                                                  # outside the range, a failure the entry matches is
                                                  # "still reproduces on <version>", not a new failure
+    needs = "greedy_reaches_eos"                 # optional: a precondition the finding needs of the checkpoint
+                                                 # or workload (kvbench.conformance.preconditions.PRECONDITIONS);
+                                                 # where the check records that it did not hold, the entry is
+                                                 # "not exercised": neither stale nor excusing a failure
 
 Every field is checked when the file is read; an error names the file, the entry and the field.
 """
@@ -37,6 +41,8 @@ import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvbench.conformance.preconditions import PRECONDITIONS
 
 #: the files shipped with kvbench, per engine kind
 SHIPPED = Path(__file__).parent / "expectations"
@@ -59,6 +65,8 @@ class Expectation:
     versions: dict[str, str] = field(default_factory=dict)
     source: str = ""
     match: str = ""
+    #: a precondition the finding needs (a key of kvbench.conformance.preconditions.PRECONDITIONS), or ""
+    needs: str = ""
 
     def matches_check(self, check_id: str) -> bool:
         base = check_id.split("[", 1)[0]
@@ -96,7 +104,8 @@ class Expectation:
 
     def describe(self) -> str:
         versions = "".join(f", {p} {s}" for p, s in self.versions.items())
-        return f"{self.engine} / {self.check}{versions}: {self.reason} (reproduce: {self.reproduction})"
+        needs = f", needs {self.needs}" if self.needs else ""
+        return f"{self.engine} / {self.check}{versions}{needs}: {self.reason} (reproduce: {self.reproduction})"
 
 
 def installed_version(package: str) -> str | None:
@@ -106,7 +115,7 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-_FIELDS = {"engine", "check", "match", "reason", "reproduction", "versions"}
+_FIELDS = {"engine", "check", "match", "reason", "reproduction", "versions", "needs"}
 
 
 def shipped_names() -> list[str]:
@@ -170,8 +179,12 @@ def load_expectations(path: str | Path) -> list[Expectation]:
             except (InvalidSpecifier, TypeError):
                 raise ExpectationsError(f"{where}: versions.{package} = {spec!r} is not a version specifier "
                                         "such as \">=5.24,<5.26\"") from None
+        needs = entry.get("needs", "")
+        if "needs" in entry and (not isinstance(needs, str) or needs not in PRECONDITIONS):
+            raise ExpectationsError(f"{where}: field 'needs' = {needs!r} is not a known precondition (known: "
+                                    f"{', '.join(sorted(PRECONDITIONS))}; see kvbench/conformance/preconditions.py)")
         out.append(Expectation(entry["engine"], entry["check"], entry["reason"].strip(),
-                               entry["reproduction"].strip(), dict(versions), str(path), entry["match"]))
+                               entry["reproduction"].strip(), dict(versions), str(path), entry["match"], needs))
     return out
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from kvbench.conformance.equivalence import Verdict, compare, confirm_near_tie, tolerance_for
+from kvbench.conformance.preconditions import note_greedy_reaches_eos
 from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.core.evidence import record_evidence
 from kvbench.core.kv_budget import pressured, request_tokens, roomy
@@ -182,6 +183,8 @@ def compare_outputs(engine: EngineAdapter, result: GenResult, truth: GenResult, 
     ``aborted``: the ids of the requests the check itself aborted; any other abort is a mismatch.
     ``gap_of(prompt, tokens, position, token)``, if given (``HFAdapter.logit_gap``), confirms each near-tie:
     the engine's token must be within the tolerance of the ground truth's best (:func:`confirm_near_tie`)."""
+    # what a pinned finding may need of the checkpoint (kvbench.conformance.preconditions), from the truth compared
+    note_greedy_reaches_eos(getattr(engine, "model_dir", None), requests, truth.outputs)
     dtype_of = getattr(engine, "compute_dtype", None)
     comparison = Comparison(label, unknown_dtype_of=None if dtype_of is None or dtype_of() else engine.name)
     exact = exact_only(engine)

@@ -57,6 +57,14 @@ def record_evidence(counter: str, value: Any) -> None:
         collector.properties.append((EVIDENCE_PREFIX + counter, value))
 
 
+def recorded(counter: str) -> list[Any]:
+    """The values recorded for ``counter`` in the running test so far, oldest first (empty outside a block)."""
+    collector = _active.get()
+    if collector is None:
+        return []
+    return [value for name, value in collector.properties if name == EVIDENCE_PREFIX + counter]
+
+
 def record_proven(mechanism: str) -> None:
     """Record that the running check proved ``mechanism`` fired (``kvbench.conformance.verdict.record_proof``)."""
     collector = _active.get()

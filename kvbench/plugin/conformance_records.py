@@ -19,6 +19,9 @@ ENGINE_PROPERTY, CHECK_PROPERTY = "kvbench.engine", "kvbench.check"
 OVERRIDES_PROPERTY, NEAR_TIES_PROPERTY = "kvbench.knob_overrides", "kvbench.near_ties"
 #: whether the check puts the engine under pressure (``@pytest.mark.conformance(pressured=False)`` says not)
 PRESSURED_PROPERTY = "kvbench.pressured"
+#: a pin's state where it is neither expected nor stale (``{"state": "not_exercised", ...}``: its precondition did not
+#: hold, :mod:`kvbench.plugin.expected_failures`), carried to the record as ``pin``
+PIN_PROPERTY = "kvbench.pin"
 
 
 def check_id(item: pytest.Item) -> str:
@@ -140,7 +143,8 @@ def conformance_record(report: pytest.TestReport, kind: str | None) -> dict[str,
             "outcome": settled[0], "evidence": evidence_of(report.user_properties),
             "proven": proven_of(report.user_properties), "pressured": bool(props.get(PRESSURED_PROPERTY, True)),
             "near_ties": int(props.get(NEAR_TIES_PROPERTY, 0)), "reason": settled[1],
-            "knob_overrides": dict(props.get(OVERRIDES_PROPERTY) or {})}
+            "knob_overrides": dict(props.get(OVERRIDES_PROPERTY) or {}),
+            **({"pin": props[PIN_PROPERTY]} if PIN_PROPERTY in props else {})}
 
 
 def adapter_kind(ks: KvbenchSession, engine: str) -> str | None:

@@ -8,12 +8,22 @@ from typing import Any
 
 import pytest
 
-from kvbench.conformance.verdict import UNDECIDED_PREFIX, PinScope, is_undecided, pinned
-from kvbench.plugin.conformance_records import adapter_kind, check_id, one_line, skip_reason
+from kvbench.conformance.preconditions import precondition_held
+from kvbench.conformance.verdict import UNDECIDED_PREFIX, PinScope, failure_message, is_undecided, pinned
+from kvbench.plugin.conformance_records import PIN_PROPERTY, adapter_kind, check_id, one_line, skip_reason
 from kvbench.plugin.session import KvbenchSession, engine_spec_of
 
 _SCOPE_KEY = pytest.StashKey[PinScope]()
 _PIN_KEY = pytest.StashKey["_Pin | None"]()
+
+
+def _unmeasured(report: pytest.TestReport, e: Any) -> str:
+    """A stale verdict's note when the entry needs a precondition the check never recorded (None: not measured, so
+    it excuses nothing, and the stale verdict stands)."""
+    needs = getattr(e, "needs", "")
+    if needs and precondition_held(report.user_properties, needs) is None:
+        return f" (the entry needs {needs}, which this check did not record)"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,10 @@ class ExpectedFailures:
       included), fails saying the entry is stale.
     * An entry whose versions the engine's release is outside of still excuses the failure it pins, as
       "still reproduces on <release>", a finding of its own beside new failures.
+    * An entry that ``needs`` a precondition (:mod:`kvbench.conformance.preconditions`) which the check recorded
+      as not holding in its run was *not exercised*: neither expected nor stale, the check's own verdict stands
+      (a claim it excused is a failure again), said in the summary and as the record's ``pin``. One the check
+      never recorded excuses nothing: the entry is judged as any other, its stale report saying so.
 
     Registered only when ``--kvbench-expectations`` is given. Decided when the test runs, not at
     collection: the engine's family and versions are the adapter's to say (a server adapter asks its
@@ -92,6 +106,9 @@ class ExpectedFailures:
         scope = item.stash.get(_SCOPE_KEY, None)
         excused = scope.excused if scope is not None else []
         e = pin.expectation
+        needs = getattr(e, "needs", "")
+        if needs and precondition_held(report.user_properties, needs) is False:
+            return self._not_exercised(report, item, pin, excused, call)
         if report.skipped and excused:
             # the pinned failure held, then the rest of the check could not decide: the finding reproduces, and
             # the rest is said (an undecided remainder is not a pass of the check)
@@ -102,11 +119,12 @@ class ExpectedFailures:
                 return report
             why = skip_reason(report) or "no reason given"
             word = "undecided" if is_undecided(why) else "skips"
-            return self._stale(report, item, pin, f"now {word} ({why.removeprefix(UNDECIDED_PREFIX)})")
+            return self._stale(report, item, pin, f"now {word} ({why.removeprefix(UNDECIDED_PREFIX)})"
+                               + _unmeasured(report, e))
         if report.passed and not excused:
             if pin.outside:  # fixed on a newer release, and the entry is not about it: a plain pass
                 return report
-            return self._stale(report, item, pin, "now passes")
+            return self._stale(report, item, pin, "now passes" + _unmeasured(report, e))
         message = call.excinfo.exconly() if call.excinfo is not None else str(report.longrepr)
         if report.passed or (not excused and e.matches_failure(message)):
             return self._expected(report, item, pin, " (the rest of the check passed)" if excused else "")
@@ -130,6 +148,34 @@ class ExpectedFailures:
         report.wasxfail = f"expected failure ({e.source}): {finding if pin.outside else e.reason}{rest}"
         label = "STILL REPRODUCES" if pin.outside else "expected failure"
         self.ks.findings.append(f"{label} {item.nodeid}: {finding}{rest}")
+        return report
+
+    def _not_exercised(self, report: pytest.TestReport, item: pytest.Item, pin: _Pin, excused: list[str],
+                       call: Any) -> pytest.TestReport:
+        """The entry's precondition did not hold in this run: the finding could not show, so the entry is neither
+        stale nor an excuse, and the check's own verdict stands (a claim the entry excused before the precondition
+        was known is a failure again)."""
+        from kvbench.conformance.preconditions import describe
+
+        e = pin.expectation
+        why = (f"the expectation in {pin.where} needs {e.needs} ({describe(e.needs)}), which did not hold on this "
+               "checkpoint/workload: not exercised, the check's own verdict stands")
+        verdict = "failed" if report.failed or excused else report.outcome
+        if report.skipped and not excused and is_undecided(skip_reason(report)):
+            verdict = "undecided"
+        report.user_properties.append((PIN_PROPERTY, {"state": "not_exercised", "source": e.source,
+                                                      "engine": e.engine, "check": e.check, "needs": e.needs,
+                                                      "reason": why}))
+        self.ks.findings.append(f"NOT EXERCISED {item.nodeid}: {e.engine} / {e.check} needs {e.needs} "
+                                f"({describe(e.needs)}), which did not hold on this checkpoint/workload; the check's "
+                                f"own verdict stands: {verdict}")
+        if excused:
+            report.outcome = "failed"
+            failure = call.excinfo.exconly() if call.excinfo is not None else ""
+            report.longrepr = "\n".join([f"[PIN NOT EXERCISED] {why}; the claims it would have excused fail:",
+                                          *(f"  {failure_message(m)}" for m in excused),
+                                          *([f"  and then: {one_line(failure)}"] if failure else [])])
+        # a plain failure keeps its own report, so its record's reason is the check's message (the pin is told apart)
         return report
 
     def _stale(self, report: pytest.TestReport, item: pytest.Item, pin: _Pin, now: str) -> pytest.TestReport:

@@ -17,6 +17,7 @@ import pytest
 
 from kvbench.bench.workloads import Aborts, Poisson, Uniform, WorkloadSpec
 from kvbench.conformance.aborts import confirmed_aborts
+from kvbench.conformance.preconditions import record_precondition
 from kvbench.conformance.prove import model_vocab, pressured_knobs, roomy_knobs
 from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.core.evidence import record_evidence
@@ -109,6 +110,8 @@ def test_every_request_finishes_exactly_once(mode, engine, model_dir):
     seen = confirmed_aborts(trace, workload.requests, races)
     for what, ids in (("aborts_asked", seen.asked), ("aborts_sent", seen.sent), ("aborts_confirmed", seen.confirmed)):
         record_evidence(what, len(ids))
+    # what a pin on the engine's count of aborts needs to be put to the test (kvbench.conformance.preconditions)
+    record_precondition("aborts_reach_running_requests", bool(seen.confirmed))
     if not seen.confirmed:
         undecided_because.append(
             f"none of the {len(seen.asked)} aborts the workload asked for could be confirmed to reach a request "
