@@ -31,6 +31,9 @@ PRECONDITIONS: dict[str, str] = {
     "aborts_reach_running_requests": ("at least one of the workload's aborts was confirmed to reach a request "
                                       "still running (closed after its first token, with tokens still to come); "
                                       "over HTTP the load decides whether the closes land while the requests run"),
+    "pool_ran_dry": ("the check's pressured run ran the KV pool dry: the engine counted a preemption, failed a request "
+                     "in flight, or its streams provably held more KV at once than the pool (client side); over "
+                     "HTTP how the requests' arrivals overlapped decides it"),
 }
 
 #: the evidence name a precondition is recorded under (``kvbench.evidence.`` + this)
@@ -91,3 +94,16 @@ def note_greedy_reaches_eos(model_dir: str | Path | None, requests: Sequence[Any
         return
     eos = eos_token_ids(model_dir)
     record_precondition("greedy_reaches_eos", any(eos.intersection(o.token_ids) for _, o in pairs))
+
+
+def note_pool_ran_dry(trace: Any, pool_tokens: int | None) -> bool:
+    """Record ``pool_ran_dry`` for a pressured run: the engine counted a preemption, or ended a request with an
+    error, or the streams held more KV at once than ``pool_tokens`` (``kvbench.conformance.victims_seen
+    .peak_kv_tokens``: a lower bound, from the client's side). Returns what it recorded."""
+    from kvbench.conformance.victims_seen import peak_kv_tokens
+
+    counters = trace.counters
+    preempted = (counters.get("preemptions_recompute") or 0) + (counters.get("preemptions_swap") or 0) > 0
+    failed = any(r.finish_reason == "error" for r in trace.requests.values())
+    held = bool(pool_tokens) and peak_kv_tokens(trace) > pool_tokens
+    return record_precondition("pool_ran_dry", preempted or failed or held)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvbench.conformance.preconditions import note_pool_ran_dry
 from kvbench.conformance.prove import conformance_requests, pressured_knobs, roomy_knobs, timed_trigger_missed
 from kvbench.conformance.user_text import CheckpointText
 from kvbench.conformance.verdict import claim, record_proof, undecided
@@ -43,7 +44,8 @@ def _reads_responses(trace: Trace) -> bool:
 
 def test_text_is_the_decoding_of_the_token_ids(engine, model_dir, requests_greedy):
     requests = client_requests(requests_greedy, streamed=lambda i: i % 2 == 0)
-    trace = served(engine, requests, pressured_knobs(engine, requests_greedy), "user-view-text")
+    knobs = pressured_knobs(engine, requests_greedy)
+    trace = served(engine, requests, knobs, "user-view-text")
     if not _reads_responses(trace):
         pytest.skip(f"{engine.name} returns no text or token ids of its own to a client: users read nothing from it "
                     "that could differ from its tokens")
@@ -55,6 +57,8 @@ def test_text_is_the_decoding_of_the_token_ids(engine, model_dir, requests_greed
 
     # --- the outputs: each request's text against the tokenizer's decoding of its ids
     failed = {rid: r.finish_reason for rid, r in trace.requests.items() if r.finish_reason not in ("length", "stop")}
+    # what a pin on losing work when the pool runs dry needs to be put to the test (kvbench.conformance.preconditions)
+    note_pool_ran_dry(trace, (knobs.num_gpu_blocks or 0) * (knobs.block_size or 0))
     claim(not failed, f"requests did not finish (request: finish reason): {failed}")
     text = CheckpointText(model_dir)
     differ: dict[bool, list[str]] = {True: [], False: []}

@@ -253,3 +253,25 @@ def test_check_6_records_whether_an_abort_reached_a_running_request(model_dir):
         check6.test_every_request_finishes_exactly_once(mode="recompute", engine=make_adapter(
             parse_engine_spec("reference"), model_dir), model_dir=model_dir)
     assert precondition_held(properties, "aborts_reach_running_requests") is True
+
+
+def test_pool_ran_dry_is_read_from_preemptions_failures_or_the_streams():
+    """Held where the engine preempted, or failed a request in flight, or its streams held more than the pool; not
+    held where none of these shows (llama.cpp's text-check pin is then not exercised, not stale)."""
+    from kvbench.conformance.preconditions import note_pool_ran_dry
+
+    def trace(counters, *requests):
+        reqs = {f"r{i}": SimpleNamespace(finish_reason=why, prompt_len=prompt, token_times=times)
+                for i, (why, prompt, times) in enumerate(requests)}
+        return SimpleNamespace(counters=counters, requests=reqs)
+
+    calm = [("length", 10, [0.1, 0.2]), ("length", 10, [0.15, 0.25])]  # 12 + 12 tokens held at 0.2 at most
+    cases = [({}, calm, 100, False), ({"preemptions_recompute": 1}, calm, 100, True),
+             ({}, [*calm, ("error", 10, [0.1])], 100, True), ({}, calm, 20, True)]
+    for counters, requests, pool, held in cases:
+        properties: list = []
+        with collecting(properties):
+            assert note_pool_ran_dry(trace(counters, *requests), pool) is held, (counters, requests, pool)
+        assert precondition_held(properties, "pool_ran_dry") is held
+    assert {e.needs for e in load_expectations(SHIPPED / "llamacpp.toml")
+            if e.check == "text_is_the_decoding_of_the_token_ids"} == {"pool_ran_dry"}
