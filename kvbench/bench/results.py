@@ -29,6 +29,8 @@ report draws. Skeleton (``schema_version`` 1)::
                      "clock": {"clock": "step", "step_seconds": 0.01, "exact_counts": true},
                      "counters": {"preemptions_recompute": 17, "aborts": null, ...},  # Counters.to_dict()
                      "delivery": {"tokens_per_chunk": 1.1, "bursty": false, "why": "..."},  # optional (older: absent)
+                     "sampler_cost": {"status": "measured", "tbt_p99": 0.041, "tbt_p99_clear": 0.028,  # optional
+                                      "scrapes": 142, "stall_share": 0.02, "moved": true, ...},  # (older: absent)
                      "settings": {"asked": {"block_size": 16, ...}, "confirmed": {...},  # optional (older: absent)
                                   "launch": ["python", "-m", "..."], "package": "kvbench", "version": "0.1.0"}}],
         "sweeps": [{"name": "concurrency", "x_label": "concurrent requests",
@@ -306,6 +308,9 @@ class Results:
                                          series=metrics.series(trace), **kwargs)
         if (how := delivery.of_traces([trace])) is not None:
             entry["delivery"] = how
+        from kvbench.bench import sampler_cost
+
+        entry["sampler_cost"] = sampler_cost.measure(trace)
         return entry
 
     def add_sweep_point(self, scenario: str, sweep: str, x: float, engine: Mapping[str, Any] | str,

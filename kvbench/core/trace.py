@@ -86,10 +86,16 @@ class Trace:
     # set when arrivals and aborts were released by engine step (kvbench.drivers.step_loop): virtual
     # seconds per step. Times above stay on the wall clock; StepRecord.virtual_t maps them back.
     step_seconds: float | None = None
+    # every /metrics scrape kvbench's own sampler made during the run, (asked, answered) on the same clock as
+    # the token times (kvbench.bench.sampler_cost); None where no sampler ran (an in-process engine, or a
+    # server sampled with metrics_interval=0)
+    scrapes: list[tuple[float, float]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.counters, Counters):
             self.counters = Counters.from_dict(self.counters)
+        if self.scrapes is not None:
+            self.scrapes = [(float(a), float(b)) for a, b in self.scrapes]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,7 +114,8 @@ class Trace:
         steps = [StepRecord(**s) for s in data.get("steps", [])]
         return cls(engine=data["engine"], scenario=data["scenario"], requests=requests, steps=steps,
                    counters=Counters.from_dict(data.get("counters")), not_exposed=dict(data.get("not_exposed", {})),
-                   duration=float(data.get("duration", 0.0)), step_seconds=data.get("step_seconds"))
+                   duration=float(data.get("duration", 0.0)), step_seconds=data.get("step_seconds"),
+                   scrapes=data.get("scrapes"))
 
 
 class TraceRecorder:
@@ -190,6 +197,12 @@ class TraceRecorder:
 
     def step(self, record: StepRecord) -> None:
         self.trace.steps.append(record)
+
+    def scraped(self, asked: float, answered: float) -> None:
+        """kvbench's own sampler scraped the server's /metrics from ``asked`` to ``answered`` (this clock)."""
+        if self.trace.scrapes is None:
+            self.trace.scrapes = []
+        self.trace.scrapes.append((asked, answered))
 
     def set_counters(self, counters: Counters | dict[str, float]) -> None:
         """The engine's counters at the end of the run (a mapping is read with ``Counters.from_dict``)."""

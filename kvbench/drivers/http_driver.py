@@ -20,8 +20,9 @@ still held once the run was over. Each scrape is work for the server, and on a f
 API server) it is work the streams wait for: every open stream sees a gap as long as the scrape, once
 per period, which can become a surge's p99 inter-token gap
 (docs/journal/simulator.md#2026-12-03-late-vllms-scheduler-placement-and-kvbenchs-own-sampler). :class:`DriverStats`
-records how long the scrapes took; the adapters' ``metrics_interval`` option sets the period or turns the
-sampler off.
+records how long the scrapes took, and the trace when each began and ended, on the clock of the token times
+(:mod:`kvbench.bench.sampler_cost` measures from them what the scrapes cost the streams); the adapters'
+``metrics_interval`` option sets the period or turns the sampler off.
 
 What a client cannot see (admission, per-request preemptions, per-step token counts) is named in the
 trace's ``not_exposed``. :class:`DriverStats` says how far the driver itself lagged behind the
@@ -140,11 +141,16 @@ class _Poller:
         self.run_over = asyncio.Event()
 
     async def sample(self) -> int | None:
-        """One scrape recorded as a sample; the requests the server holds (None: unknown)."""
+        """One scrape recorded as a sample; the requests the server holds (None: unknown). Every scrape's
+        (asked, answered) times go into the trace (:meth:`TraceRecorder.scraped`), a failed one's too (the
+        server may have worked on it all the same), so that its cost to the streams can be measured."""
+        asked = self.recorder.now()
         try:
-            asked = self.recorder.now()
-            response = await self.http.get("/metrics", timeout=max(1.0, 5 * self.interval))
-            t = self.recorder.now()
+            try:
+                response = await self.http.get("/metrics", timeout=max(1.0, 5 * self.interval))
+            finally:
+                t = self.recorder.now()
+                self.recorder.scraped(asked, t)
             self.stats.scrape_seconds.append(t - asked)
             snap = MetricsSnapshot.parse(response.text) if response.status_code == 200 else None
             self.first = self.first or snap

@@ -29,7 +29,7 @@ import numpy as np
 from markupsafe import Markup
 
 from kvbench import __version__
-from kvbench.bench import gate
+from kvbench.bench import gate, sampler_cost
 from kvbench.bench.formatting import fmt_bytes, fmt_metric, fmt_ratio, fmt_time, metric_label
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import num, within_noise
@@ -665,6 +665,8 @@ def _one_clock_tables(sc: dict[str, Any], tables: list[dict[str, Any]]) -> list[
     """A scenario's own tables, said to be across clocks when its results mix them: rows side by side
     are then not to be compared, and each table says so (a run puts every engine on one clock)."""
     bursts = delivery.chart_note(sc["results"])  # a table's gap columns of an engine that delivered in bursts
+    if moved := sampler_cost.table_note(sc["results"]):  # gap columns kvbench's own sampler moved
+        bursts = "; ".join(x for x in (bursts, moved) if x)
     if bursts:
         tables = [{**t, "note": "; ".join(x for x in (t.get("note") or "", "TBT columns " + bursts) if x)}
                   if any("TBT" in str(c) or "gap" in str(c) for c in t.get("columns") or []) else t for t in tables]
@@ -680,10 +682,15 @@ def _scenario_views(results: Results, charts: _Charts) -> list[dict[str, Any]]:
     for sc in results.scenarios:
         res_views = []
         for res in sc["results"]:
-            gist = " · ".join(f"{metric_label(k)} {figures.fmt_value(k, res)}" for k in
+            # the p99 gap with what kvbench's own /metrics sampler did to it beside it (kvbench.bench.sampler_cost)
+            gist = " · ".join(f"{metric_label(k)} {figures.fmt_value(k, res)}" if k != "tbt_p99" else
+                              f"{metric_label(k)} {fmt_metric(k, res['metrics'][k])} ({sampler_cost.aside(res)})"
+                              + (f", {bursts}" if (bursts := delivery.not_comparable(k, res)) else "") for k in
                               ("output_throughput", "tbt_p99", "preemptions") if res["metrics"].get(k) is not None)
+            moved = sampler_cost.note(res)
             res_views.append({"label": _label(res["engine"], res.get("mode")), "gist": gist,
-                              "clock": figures.clock_of(res), "notes": res.get("notes", [])})
+                              "clock": figures.clock_of(res), "notes": [*res.get("notes", []), *([moved] if moved
+                                                                                                 else [])]})
         sweeps = [c for sw in sc["sweeps"] for c in charts.sweep(sc, sw)]
         decl = scoreboard.declaration(sc["name"])
         pressure = scoreboard.pressure_of(sc)

@@ -22,6 +22,7 @@ from typing import Any
 
 from markupsafe import Markup
 
+from kvbench.bench import sampler_cost
 from kvbench.bench.formatting import fmt_noisy_ratio, metric_label
 from kvbench.bench.repeats import is_count
 from kvbench.bench.results import Results
@@ -158,5 +159,7 @@ def tables(results: Results) -> list[dict[str, Any]]:
             not_compared.insert(0, f"{base_engine}'s own run failed ({'; '.join(base_failed)}): every ratio "
                                    "against it is no result")
         out.append({"scenario": words.scenario_title(sc["name"]), "href": f"#scenario-{i + 1}",
-                    "reference": base_engine, "groups": groups, "gist": gist, "not_compared": not_compared})
+                    "reference": base_engine, "groups": groups, "gist": gist, "not_compared": not_compared,
+                    # gap ratios kvbench's own /metrics sampler moved (kvbench.bench.sampler_cost)
+                    "notes": [f"TBT ratios {moved}." for moved in [sampler_cost.table_note(res)] if moved]})
     return out

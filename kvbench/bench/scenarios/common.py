@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.bench import metrics, repeats
+from kvbench.bench import metrics, repeats, sampler_cost
 from kvbench.bench.job_settings import distinct, job_settings
 from kvbench.bench.matched_knobs import stated
 from kvbench.bench.scenarios.declare import Headline, Pressure, Score
@@ -538,6 +538,8 @@ def record(outcome: Outcome, results: Any, engine: Mapping[str, Any] | str,
                                             counters=entry.trace.counters)  # the first repeat's, as the series
         if (how := delivery.of_traces(o.entries[j].trace for o in runs)) is not None:
             added["delivery"] = how  # how tokens reached the client, every repeat pooled (kvbench.core.delivery)
+        # what kvbench's own /metrics sampler cost this engine's streams (kvbench.bench.sampler_cost)
+        added["sampler_cost"] = sampler_cost.of_traces(o.entries[j].trace for o in runs)
         if (key := outcome.job_keys.get(id(entry.trace))) is not None:
             added["workload_key"] = key  # identical workloads found across scenarios: the noise they show
         if ran := next((r for t, _, r in outcome.ran_with if t == id(entry.trace) and r), None):
