@@ -3,8 +3,9 @@
 What ``kvbench conformance RESULTS.json`` prints (a page of docs/, a pull request's description, an
 issue). Each cell is the verdict in words (passed, **FAILED**, expected failure, skipped...) followed,
 for anything but a pass, by a short reason taken from the record (the skip's reason, the pinned cause,
-the failure's first line); with ``footnotes`` the reasons become numbered notes under the table, so the
-table stays narrow. Nothing is re-run: the records are the ones the run saved.
+the failure's first line), and, where a pinned finding's precondition did not hold in the run, that the pin
+was not exercised (a pass there is not the finding fixed); with ``footnotes`` the reasons become numbered
+notes under the table, so the table stays narrow. Nothing is re-run: the records are the ones the run saved.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def conformance_table(records: Sequence[Mapping[str, Any]], *, footnotes: bool =
                 continue
             word = OUTCOME_WORDS.get(record["outcome"], record["outcome"])
             why = short_reason(record.get("reason"), engine) if record["outcome"] != "passed" else ""
+            pin = record.get("pin") or {}
+            if pin.get("state") == "not_exercised":
+                # a known finding that could not show in this run: said, so a pass is not read as the fix
+                not_exercised = f"pinned finding not exercised (needs {pin.get('needs', '?')})"
+                why = f"{why}; {not_exercised}" if why else not_exercised
             if why and footnotes:
                 notes.append(why)
                 row.append(f"{word} [{len(notes)}]")

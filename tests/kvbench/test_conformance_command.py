@@ -58,3 +58,18 @@ def test_a_run_without_conformance_records_is_an_error_not_an_empty_table(tmp_pa
     assert "no conformance records" in capsys.readouterr().err
     assert main(["conformance", str(tmp_path / "missing.json")], out=out) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_pin_not_exercised_is_said_beside_the_verdict() -> None:
+    """A pass whose pinned finding could not show (its precondition did not hold) is not read as the finding fixed."""
+    from kvbench.report.conformance_table import conformance_table
+
+    pin = {"state": "not_exercised", "needs": "greedy_reaches_eos"}
+    table = conformance_table([
+        {"engine": "llamacpp", "check": "unpressured", "outcome": "passed", "reason": None, "pin": pin},
+        {"engine": "llamacpp", "check": "chunked", "outcome": "undecided", "reason": "no counter", "pin": pin},
+        {"engine": "llamacpp", "check": "plain", "outcome": "passed", "reason": None},
+    ])
+    assert "| `unpressured` | passed: pinned finding not exercised (needs greedy_reaches_eos) |" in table
+    assert "undecided: no counter; pinned finding not exercised (needs greedy_reaches_eos)" in table
+    assert "| `plain` | passed |" in table
