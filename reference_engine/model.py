@@ -130,6 +130,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        # (x, cos, sin) -> rotate()'s result in one pass: the CPU kernel beside this path, tested against it
+        # (reference_engine.kernels.cpu_elementwise); None: rotate()
+        self.fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at ``positions``, each [num_tokens, 1, head_dim]: looked up once per forward pass
@@ -144,8 +147,17 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    def rotated(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """:meth:`rotate`, by the fused kernel where one is set and takes ``x`` (each row's heads
+        contiguous, x in the tables' dtype)."""
+        cos, sin = cos_sin
+        if (self.fused is not None and x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == x.shape[-1]
+                and x.dtype == cos.dtype and cos.is_contiguous() and sin.is_contiguous()):
+            return self.fused(x, cos, sin)
+        return self.rotate(x, cos_sin)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.rotate(x, self.at(positions, x.dtype))
+        return self.rotated(x, self.at(positions, x.dtype))
 
 
 class Attention(nn.Module):
@@ -167,12 +179,12 @@ class Attention(nn.Module):
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
             qkv = self.qkv(x)  # [num_tokens, (hq + 2 * hkv) * d]
-            qk = self.rope.rotate(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos_sin)  # once for q and k
+            qk = self.rope.rotated(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos_sin)  # once for q and k
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         else:
-            q = self.rope.rotate(self.q_proj(x).view(t, hq, d), cos_sin)
-            k = self.rope.rotate(self.k_proj(x).view(t, hkv, d), cos_sin)
+            q = self.rope.rotated(self.q_proj(x).view(t, hq, d), cos_sin)
+            k = self.rope.rotated(self.k_proj(x).view(t, hkv, d), cos_sin)
             v = self.v_proj(x).view(t, hkv, d)
         out = paged_attention(q, k, v, kv_cache, self.layer, meta)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(t, -1))
@@ -317,15 +329,17 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = 
 
 
 def fuse_elementwise(model: nn.Module) -> int:
-    """Point ``model``'s RMSNorm layers and its MLPs with a fused gate/up projection at the CPU kernels of
-    :mod:`reference_engine.kernels.cpu_elementwise` (their ``fused`` attribute); returns how many layers now
-    use them. The parameters are untouched."""
-    from reference_engine.kernels.cpu_elementwise import rms_norm, silu_mul
+    """Point ``model``'s RMSNorm layers, its RoPE and its MLPs with a fused gate/up projection at the CPU
+    kernels of :mod:`reference_engine.kernels.cpu_elementwise` (their ``fused`` attribute); returns how many
+    modules now use them (the one RoPE module serves every layer). The parameters are untouched."""
+    from reference_engine.kernels.cpu_elementwise import rms_norm, rope, silu_mul
 
     count = 0
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.fused = rms_norm
+        elif isinstance(module, RotaryEmbedding):
+            module.fused = rope
         elif isinstance(module, MLP) and module.gate_up is not None:
             module.fused = silu_mul
         else:

@@ -1,4 +1,4 @@
-"""Fused RMSNorm and SwiGLU for the CPU (``elementwise_backend="cpp"``): ``csrc/fused_elementwise.cpp``,
+"""Fused RMSNorm, SwiGLU and RoPE for the CPU (``elementwise_backend="cpp"``): ``csrc/fused_elementwise.cpp``,
 built on first use like the attention kernel (:mod:`reference_engine.kernels.cpu_build`).
 
 Why it exists: with the matmuls packed, a long bfloat16 prefill spends a large share of its step in the
@@ -6,10 +6,10 @@ elementwise layers (the profile: docs/journal/reference-engine.md, "2026-12-03, 
 and re-reads a whole [tokens, hidden] tensor per operation and, in bfloat16, widens every one to float32 and
 rounds it back. The kernels do each layer in one pass over its rows with the same float32 math and the same
 rounding steps (the C++ file lists them). The torch path in :mod:`reference_engine.model` stays the oracle:
-the tests hold the kernels to it, bit for bit for SwiGLU and within float32 rounding of the sum of squares for
-RMSNorm (``tests/engine/test_cpu_elementwise.py``). Float16 and other devices keep the torch path.
+the tests hold the kernels to it, bit for bit for SwiGLU and RoPE and within float32 rounding of the sum of
+squares for RMSNorm (``tests/engine/test_cpu_elementwise.py``). Float16 and other devices keep the torch path.
 
-:func:`reference_engine.model.fuse_elementwise` points a loaded model's RMSNorm and fused gate/up MLP layers
+:func:`reference_engine.model.fuse_elementwise` points a loaded model's RMSNorm, RoPE and fused gate/up MLP layers
 at these kernels (the model knows its layers; a kernel knows no model); ``elementwise_backend="auto"`` does
 that on the CPU when the build works, and says once why not when it does not.
 """
@@ -48,6 +48,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each row of ``x`` ([tokens, hidden], rows contiguous) with ``weight`` ([hidden], x's
     dtype): what :class:`reference_engine.model.RMSNorm` returns. A new contiguous tensor."""
     return (EXTENSION.module or EXTENSION.load()).rms_norm(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x`` ([tokens, heads, head_dim], each row's heads contiguous: a slice of a fused q/k/v
+    product is fine) at ``cos`` and ``sin`` ([tokens, 1, head_dim], contiguous, x's dtype): what
+    :meth:`reference_engine.model.RotaryEmbedding.rotate` returns. A new contiguous tensor."""
+    return (EXTENSION.module or EXTENSION.load()).rope(x, cos, sin)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""Fused RMSNorm and SwiGLU on the CPU (``elementwise_backend="cpp"``, :mod:`reference_engine.kernels.cpu_elementwise`)
-against the torch path in :mod:`reference_engine.model`, the oracle: SwiGLU bit-equal in float32 and
-bfloat16, vector body and scalar tail (where torch's own kernels are its AVX-512 build; else within
-rounding), RMSNorm within rounding of its sum of squares (bfloat16: at most one unit in the last place,
-and rarely), NaN kept; the layers fall back where the kernel does not apply; the engine's greedy tokens
-equal under preemption; a kernel that rounds differently is seen; ``auto`` picks it on CPU where it builds
-and says why where it cannot."""
+"""Fused RMSNorm, SwiGLU and RoPE on the CPU (``elementwise_backend="cpp"``,
+:mod:`reference_engine.kernels.cpu_elementwise`) against the torch path in :mod:`reference_engine.model`, the
+oracle: SwiGLU bit-equal in float32 and bfloat16, vector body and scalar tail (where torch's own kernels are
+its AVX-512 or AVX2 build; else within rounding), RoPE bit-equal on a slice of a wider product, RMSNorm within
+rounding of its sum of squares (bfloat16: at most one unit in the last place, and rarely), NaN kept; the layers
+fall back where the kernel does not apply; the engine's greedy tokens equal under preemption; a kernel that
+rounds differently is seen; ``auto`` picks it on CPU where it builds and says why where it cannot."""
 
 from __future__ import annotations
 
@@ -60,11 +60,11 @@ def test_rms_norm_reads_strided_rows() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1408), (64, 192), (3, 45), (300, 16)])
 def test_swiglu_is_bit_equal_to_the_torch_path(dtype, rows, inter) -> None:
-    """45: a vector body and a scalar tail (AVX-512 takes 16 lanes)."""
+    """45: a vector body and a scalar tail (AVX-512 takes 16 lanes, AVX2 8; torch's kernels two vectors)."""
     gate_up = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
     got = cpu_elementwise.silu_mul(gate_up)
     assert got.shape == (rows, inter) and got.dtype == dtype
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # torch's own kernel splits rows as ours does
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2"):  # torch's kernel splits rows as ours
         assert torch.equal(got, _torch_swiglu(gate_up))
     else:
         torch.testing.assert_close(got, _torch_swiglu(gate_up), rtol=8e-3 if dtype == torch.bfloat16 else 1e-6,
@@ -97,7 +97,8 @@ def test_fused_layers_fall_back_where_the_kernel_does_not_apply(monkeypatch) -> 
     cfg = ModelConfig.from_dir(builtin_checkpoint("tiny"))
     model = load_model(builtin_checkpoint("tiny"))
     fused = fuse_elementwise(model)
-    assert fused == 2 * cfg.num_layers + 1 + cfg.num_layers  # two norms a layer, the final norm, every MLP
+    # two norms a layer, the final norm, every MLP, and the one RoPE every layer shares
+    assert fused == 2 * cfg.num_layers + 1 + cfg.num_layers + 1
     assert all(isinstance(m.fused, type(cpu_elementwise.rms_norm)) for m in model.modules() if isinstance(m, RMSNorm))
     calls = []
     monkeypatch.setattr(model.model.norm, "fused", lambda *a: calls.append(a) or torch.zeros(1))
@@ -108,6 +109,61 @@ def test_fused_layers_fall_back_where_the_kernel_does_not_apply(monkeypatch) -> 
     assert len(calls) == 1
     unfused = MLP(cfg)  # no gate_up projection: nothing to fuse, the torch path
     assert unfused.fused is None
+    rope = model.model.rotary_emb
+    assert rope.fused is cpu_elementwise.rope
+    monkeypatch.setattr(rope, "fused", lambda *a: calls.append(a) or torch.zeros(1))
+    cos_sin = rope.at(torch.arange(4), torch.float32)
+    head_dim = cfg.head_dim
+    rope.rotated(torch.ones(4, 2, head_dim).transpose(0, 1), rope.at(torch.arange(2), torch.float32))  # heads apart
+    rope.rotated(torch.ones(4, 2, head_dim, dtype=torch.bfloat16), cos_sin)  # not the tables' dtype
+    assert len(calls) == 1
+    rope.rotated(torch.ones(4, 2, head_dim), cos_sin)
+    assert len(calls) == 2
+
+
+def _rope_input(rows: int, heads: int, dim: int, dtype: torch.dtype):
+    """A [rows, heads, dim] slice of a wider product (as the fused q/k/v hands it on) and RoPE's tables at
+    positions up to 4,000."""
+    from reference_engine.model import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(rows + dim)
+    wide = (torch.randn(rows, (heads + 3) * dim, generator=g) * 3).to(dtype)
+    x = wide[:, : heads * dim].view(rows, heads, dim)
+    rope = RotaryEmbedding(dim, 4096, 10000.0)
+    return rope, x, rope.at(torch.randint(0, 4096, (rows,), generator=g), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "heads", "dim"), [(1, 12, 64), (300, 6, 32), (7, 3, 10), (64, 1, 128)])
+def test_rope_is_bit_equal_to_the_torch_path(dtype, rows, heads, dim) -> None:
+    rope, x, cos_sin = _rope_input(rows, heads, dim, dtype)
+    assert rows == 1 or not x.is_contiguous()  # rows apart by more than their heads
+    got = cpu_elementwise.rope(x, *cos_sin)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, rope.rotate(x, cos_sin))
+
+
+def test_a_rope_that_rounds_otherwise_or_rotates_the_other_way_is_seen() -> None:
+    """The comparison above can fail: RoPE rounded once at the end (not after each product) differs in
+    bfloat16, and rotating by the other sign (x * cos - rotate_half(x) * sin) differs in float32."""
+    _, x, (cos, sin) = _rope_input(64, 4, 64, torch.bfloat16)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    once = (x.float() * cos.float() + rotated.float() * sin.float()).to(torch.bfloat16)
+    assert not torch.equal(once, cpu_elementwise.rope(x, cos, sin))
+    _, x, (cos, sin) = _rope_input(64, 4, 64, torch.float32)
+    other_way = x * cos - torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    assert not torch.allclose(other_way, cpu_elementwise.rope(x, cos, sin))
+
+
+def test_rope_refuses_bad_input_naming_it() -> None:
+    cos = torch.ones(2, 1, 8)
+    with pytest.raises(RuntimeError, match="rope x"):
+        cpu_elementwise.rope(torch.ones(2, 3, 7), torch.ones(2, 1, 7), torch.ones(2, 1, 7))  # odd head_dim
+    with pytest.raises(RuntimeError, match="rope x"):
+        cpu_elementwise.rope(torch.ones(3, 2, 8).transpose(0, 1), cos, cos)  # heads not contiguous in a row
+    with pytest.raises(RuntimeError, match="rope cos/sin"):
+        cpu_elementwise.rope(torch.ones(2, 3, 8), cos.to(torch.bfloat16), cos)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

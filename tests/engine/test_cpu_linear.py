@@ -30,10 +30,51 @@ def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype)
 def test_bfloat16_is_bit_equal_to_f_linear(rows: int, bias: bool) -> None:
     if cpu_linear.why_unavailable(torch.bfloat16):
         pytest.skip(cpu_linear.why_unavailable(torch.bfloat16))
+    if cpu_linear.widens(torch.bfloat16):
+        pytest.skip("no bfloat16 units: bfloat16 is widened (test_widened_bfloat16_*)")
     linear = _linear(96, 200, bias, torch.bfloat16)
     x = torch.randn(rows, 96).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(cpu_linear.PackedLinear(linear)(x), linear(x))
+
+
+def _no_bf16_units(monkeypatch) -> None:
+    """Play a CPU without bfloat16 units (an AVX2-only one), so the widened path runs on any CPU."""
+    monkeypatch.setattr(cpu_linear, "bf16_packing_supported", lambda: False)
+    assert cpu_linear.widens(torch.bfloat16) and not cpu_linear.widens(torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_bfloat16_is_within_one_rounding_of_f_linear(rows: int, bias: bool, monkeypatch) -> None:
+    """Without bfloat16 units the matmul runs in float32 on a packed float32 copy and rounds once: each
+    element equals F.linear's bfloat16 result or is one bfloat16 step from it (the float32 sums run in
+    another order), nearly all equal; it returns bfloat16 and its packed weight is float32."""
+    _no_bf16_units(monkeypatch)
+    linear = _linear(96, 200, bias, torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        packed = cpu_linear.PackedLinear(linear)
+        got, want = packed(x), linear(x)
+    assert packed.packed.dtype == torch.float32 and got.dtype == torch.bfloat16
+    one_step = want.float().abs().clamp_min(1e-30) * 2.0**-7  # a bfloat16 ulp is at most 2^-7 of the value
+    assert ((got.float() - want.float()).abs() <= one_step).all()
+    assert (got == want).float().mean() > 0.97
+
+
+def test_widened_bfloat16_that_skipped_its_rounding_would_be_seen(monkeypatch) -> None:
+    """The comparison above can fail: a widened matmul that kept its float32 result (not rounded to
+    bfloat16), or that multiplied a weight rounded twice, is caught."""
+    _no_bf16_units(monkeypatch)
+    linear = _linear(96, 200, False, torch.bfloat16)
+    x = torch.randn(64, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        packed = cpu_linear.PackedLinear(linear)
+        want = linear(x)
+        unrounded = cpu_linear._packed_matmul(x.float(), packed.packed, None)
+        assert unrounded.dtype == torch.float32 and not torch.equal(unrounded, want.float())
+        packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().float().roll(1, dims=0))
+        assert not torch.allclose(packed(x).float(), want.float(), atol=1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
@@ -117,11 +158,7 @@ def test_only_small_float32_weights_are_left_unpacked(dtype) -> None:
     (``F.linear`` was faster there), a larger one and any bfloat16 one are packed."""
     big = _linear(512, 256, True, dtype)  # 131,072 elements: above the float32 bound
     small = _linear(64, 192, False, dtype)  # 12,288
-    if dtype == torch.bfloat16 and not cpu_linear.bf16_packing_supported():
-        # an AVX2-only CPU: oneDNN cannot pack bfloat16, so nothing is packed and nothing raises
-        assert not cpu_linear.packing_pays(big.weight) and not cpu_linear.packing_pays(small.weight)
-        assert cpu_linear.pack_linears(load_model(builtin_checkpoint("tiny"), dtype=dtype)) == 0
-        return
+    # bfloat16 is packed on every CPU: as it is where oneDNN computes it, widened to float32 where not
     assert cpu_linear.packing_pays(big.weight)
     assert cpu_linear.packing_pays(small.weight) == (dtype != torch.float32)
     model = load_model(builtin_checkpoint("tiny"), dtype=dtype)  # every weight below the bound

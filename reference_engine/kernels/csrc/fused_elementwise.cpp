@@ -1,4 +1,4 @@
-// Fused elementwise layers on the CPU: RMSNorm and SwiGLU's silu(gate) * up, each one pass over its
+// Fused elementwise layers on the CPU: RMSNorm, SwiGLU's silu(gate) * up and RoPE, each one pass over its
 // rows instead of the five to eight tensors the torch path writes and reads again (in bfloat16 every one
 // of them also widened to float32 and rounded back). The readable oracle is the torch path in
 // reference_engine/model.py (RMSNorm.forward, MLP.forward); reference_engine/cpu_elementwise.py has the
@@ -8,9 +8,11 @@
 // for the sum of squares (summed in another order: within float32 rounding of it):
 //   RMSNorm   n = bf16(x * (1 / sqrt(mean(x * x) + eps)))      out = bf16(w * n)        (float32 math)
 //   SwiGLU    s = bf16(g / (1 + exp(-g)))                       out = bf16(s * u)
-// exp is Sleef's expf (1 ulp), the one torch's own vectorised silu calls, on 16 lanes with AVX-512;
+//   RoPE      a = bf16(x * cos)   b = bf16(rotate_half(x) * sin)  out = bf16(a + b)
+// exp is Sleef's expf (1 ulp), the one torch's own vectorised silu calls, on 16 lanes with AVX-512 and on 8
+// with AVX2 (each split into vectorised part and scalar tail as torch's kernel of that CPU splits it);
 // the scalar tail uses std::exp, as torch's kernel does for its tail (bit-equal where torch's own CPU
-// kernels are its AVX-512 build, as here; elsewhere its tails fall elsewhere: within 1 ulp of the exp). No -ffast-math here: the compiler
+// kernels are the build of the same instruction set: AVX-512 or AVX2; elsewhere within 1 ulp of the exp). No -ffast-math here: the compiler
 // must not contract or reorder what the torch path rounds separately.
 
 #include <torch/extension.h>
@@ -23,6 +25,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu (torch's vectorised exp)
+#elif defined(__AVX2__)
+#include <immintrin.h>
+extern "C" __m256 Sleef_expf8_u10(__m256);  // the 8-lane one, which torch's AVX2 build calls
 #endif
 
 namespace {
@@ -77,6 +82,31 @@ inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(narrow_bits(v)));
 }
+#elif defined(__AVX2__)
+// 8 lanes at a time (a CPU without AVX-512), the same conversions and rounding again
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256i narrow_bits8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan);
+  return _mm256_srli_epi32(r, 16);
+}
+inline __m256 rounded8(__m256 v, const float*) { return v; }
+inline __m256 rounded8(__m256 v, const uint16_t*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(narrow_bits8(v), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+  __m256i bits = narrow_bits8(v);  // each lane <= 0xFFFF, so the saturating pack keeps it
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
 #endif
 
 template <typename T>
@@ -125,10 +155,51 @@ void silu_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, int64
           __m512 s = rounded16(_mm512_div_ps(x, _mm512_add_ps(one, e)), o);
           store16(o + h, _mm512_mul_ps(s, load16(u + h)));
         }
+#elif defined(__AVX2__)
+      const __m256 one = _mm256_set1_ps(1.0f);
+      // torch's AVX2 kernel takes two of its vectors at a time: 16 float32 or 32 bfloat16 elements (a
+      // bfloat16 vector holds 16), then the rest one by one; the same split, for the same exp per element
+      constexpr int64_t chunk = sizeof(T) == 4 ? 16 : 32;
+      for (; i + chunk <= inter; i += chunk)
+        for (int64_t h = i; h < i + chunk; h += 8) {
+          __m256 x = load8(g + h);
+          __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x));
+          __m256 s = rounded8(_mm256_div_ps(x, _mm256_add_ps(one, e)), o);
+          store8(o + h, _mm256_mul_ps(s, load8(u + h)));
+        }
 #endif
       for (; i < inter; ++i) {
         float x = load(g, i);
         store(o, i, rounded<T>(x / (1.0f + std::exp(-x))) * load(u, i));
+      }
+    }
+  });
+}
+
+// RoPE, rotate-half layout, one pass: for j < D/2, out[j] = x[j] c[j] - x[j + D/2] s[j]; for j >= D/2,
+// out[j] = x[j] c[j] + x[j - D/2] s[j]; each product and the sum rounded to T as the torch path rounds them
+// (-(a b) is (-a) b exactly, so the negated half needs no rounding of its own)
+template <typename T>
+void rope_rows(const T* x, int64_t row_stride, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads,
+               int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * dim;
+      const T* sn = sin + r * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xr = x + r * row_stride + h * dim;
+        T* o = out + (r * heads + h) * dim;
+        for (int64_t j = 0; j < half; ++j) {
+          float a = rounded<T>(load(xr, j) * load(c, j));
+          float b = rounded<T>(-load(xr, j + half) * load(sn, j));
+          store(o, j, a + b);
+        }
+        for (int64_t j = half; j < dim; ++j) {
+          float a = rounded<T>(load(xr, j) * load(c, j));
+          float b = rounded<T>(load(xr, j - half) * load(sn, j));
+          store(o, j, a + b);
+        }
       }
     }
   });
@@ -175,7 +246,31 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// x: [T, H, D], heads contiguous within a row (a row may be a slice of a wider product); cos, sin: [T, 1, D]
+// contiguous, in x's dtype. Returns a new contiguous [T, H, D]: x * cos + rotate_half(x) * sin.
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2)
+              && x.size(2) % 2 == 0, "rope x: expected a CPU [T, H, D] with D even and each row's heads contiguous");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "rope x: expected float32 or bfloat16, got ", x.scalar_type());
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == x.size(0) && t->size(1) == 1 && t->size(2) == x.size(2)
+                && t->is_contiguous() && t->scalar_type() == x.scalar_type(),
+                "rope cos/sin: expected a contiguous [T, 1, D] in x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  if (x.scalar_type() == torch::kFloat32)
+    rope_rows<float>(x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                     out.data_ptr<float>(), x.size(0), x.size(1), x.size(2));
+  else
+    rope_rows<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                        reinterpret_cast<const uint16_t*>(cos.data_ptr()),
+                        reinterpret_cast<const uint16_t*>(sin.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                        x.size(0), x.size(1), x.size(2));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope", &rope, "RoPE, rotate-half layout, over rows (reference_engine/csrc/fused_elementwise.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (reference_engine/csrc/fused_elementwise.cpp)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over rows (reference_engine/csrc/fused_elementwise.cpp)");
 }
