@@ -18,7 +18,14 @@ from kvbench.conformance.metrics_truth import (
     told_twice,
     told_twice_disagreements,
 )
-from kvbench.conformance.prove import assert_conforms, compare_outputs, pressured_knobs, prove, require_events
+from kvbench.conformance.prove import (
+    assert_conforms,
+    compare_outputs,
+    pressured_knobs,
+    prove,
+    require_events,
+    until_triggered,
+)
 from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.core.evidence import record_evidence
 from kvbench.engines.base import Knobs
@@ -63,11 +70,16 @@ def test_counts_told_twice_agree(engine, requests_greedy):
     told once, and never compared with itself. A disagreement names both figures."""
     require(engine, "recompute")
     knobs = pressured_knobs(engine, requests_greedy, preemption_mode="recompute")
-    result = engine.generate(requests_greedy, knobs)
-    for req, out in zip(requests_greedy, result.outputs, strict=True):  # outputs first: each answered in full
-        claim(out.finish_reason == "length" and len(out.token_ids) == req.max_tokens,
-              f"{req.request_id} was not answered in full on {engine.name}: {len(out.token_ids)} of "
-              f"{req.max_tokens} tokens, finish reason {out.finish_reason!r} ({out.error or 'no error'})")
+
+    def attempt():
+        result = engine.generate(requests_greedy, knobs)
+        for req, out in zip(requests_greedy, result.outputs, strict=True):  # outputs first: each answered in full
+            claim(out.finish_reason == "length" and len(out.token_ids) == req.max_tokens,
+                  f"{req.request_id} was not answered in full on {engine.name}: {len(out.token_ids)} of "
+                  f"{req.max_tokens} tokens, finish reason {out.finish_reason!r} ({out.error or 'no error'})")
+        return result
+
+    result = until_triggered(engine, "preemptions_recompute", attempt)
     prove(result, engine, "preemptions_recompute", "a recompute preemption")
     twice, once = told_twice(result)
     record_evidence("told_twice", twice)

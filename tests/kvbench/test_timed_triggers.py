@@ -39,3 +39,44 @@ def test_timed_trigger_missed_returns_on_a_stepped_engine():
     timed_trigger_missed(_engine(True), "nothing preempted")  # the caller's claim decides
     with pytest.raises(Undecided, match="nothing preempted in this run"):
         timed_trigger_missed(_engine(False), "nothing preempted")
+
+
+def test_a_pressured_run_that_did_not_preempt_is_served_again_over_http_only():
+    """Over HTTP a run whose timed trigger stayed at zero is tried again, up to TIMED_TRIES, and the first that
+    preempted is the result; on a stepped engine, or for a trigger that does not depend on timing, one run; a run
+    whose own claim failed is never tried again."""
+    from kvbench.conformance.prove import TIMED_TRIES, until_triggered
+    from kvbench.conformance.verdict import claim
+    from kvbench.core.evidence import collecting, evidence_of
+
+    def runs(*counts: int):
+        made: list[int] = []
+
+        def attempt() -> GenResult:
+            made.append(1)
+            return _result(preemptions_recompute=counts[len(made) - 1])
+        return attempt, made
+
+    attempt, made = runs(0, 0, 3)
+    properties: list = []
+    with collecting(properties):
+        assert until_triggered(_engine(False), "preemptions_recompute", attempt).counters["preemptions_recompute"] == 3
+    assert len(made) == 3 and evidence_of(properties)["pressured_tries"] == 3
+    attempt, made = runs(*[0] * TIMED_TRIES)
+    assert until_triggered(_engine(False), "preemptions_recompute", attempt).counters["preemptions_recompute"] == 0
+    assert len(made) == TIMED_TRIES
+    for engine, counter in ((_engine(True), "preemptions_recompute"), (_engine(False), "prefix_cache_hits")):
+        attempt, made = runs(0, 0, 0)
+        until_triggered(engine, counter, attempt)
+        assert len(made) == 1
+
+    tries: list[int] = []
+
+    def wrong() -> GenResult:
+        tries.append(1)
+        claim(False, "outputs differ")
+        return _result()
+
+    with pytest.raises(AssertionError, match="outputs differ"):
+        until_triggered(_engine(False), "preemptions_recompute", wrong)
+    assert len(tries) == 1
