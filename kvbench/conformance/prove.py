@@ -17,6 +17,7 @@ Two rules make a check honest:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Collection, Sequence
@@ -244,6 +245,14 @@ def until_triggered(engine: EngineAdapter, counter: str, attempt: Callable[[], G
         made, result = made + 1, attempt()
     record_evidence("pressured_tries", made)
     return result
+
+
+def quietly(engine: EngineAdapter) -> contextlib.AbstractContextManager:
+    """A block in which nothing else of ``engine``'s starts (no server started ahead for a later test, those still
+    starting waited for first: :meth:`ServerAdapter.quiet <kvbench.engines.http.server.ServerAdapter.quiet>`), for
+    a run whose reading depends on timing; a no-op on an engine without such starts."""
+    quiet = getattr(engine, "quiet", None)
+    return quiet() if callable(quiet) else contextlib.nullcontext()
 
 
 def timed_trigger_missed(engine: EngineAdapter, what: str) -> None:

@@ -18,7 +18,7 @@ import pytest
 from kvbench.bench.workloads import Aborts, Poisson, Uniform, WorkloadSpec
 from kvbench.conformance.aborts import confirmed_aborts
 from kvbench.conformance.preconditions import record_precondition
-from kvbench.conformance.prove import model_vocab, pressured_knobs, roomy_knobs
+from kvbench.conformance.prove import model_vocab, pressured_knobs, quietly, roomy_knobs
 from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.core.evidence import record_evidence
 from kvbench.core.requests import GenRequest
@@ -302,7 +302,8 @@ def test_an_abort_before_the_first_token_stops_the_request(engine, model_dir):
     # and seen waiting in the engine before the first close, with later closes until they are
     waves, close_after = HOLD_WAVES[0], TARGETS_ABORTED_AFTER
     for _ in HOLD_WAVES if races else HOLD_WAVES[:1]:
-        requests, trace = _serve_early_aborts(engine, vocab, waves, close_after)
+        with quietly(engine):  # closes placed against waiting requests: nothing else of the engine's starts meanwhile
+            requests, trace = _serve_early_aborts(engine, vocab, waves, close_after)
         last_close, held_until = _closed_while_held(requests, trace)
         held = last_close is not None and held_until is not None and held_until > last_close + GAUGE_LAG
         seen = _seen_waiting(requests, trace)

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvbench.conformance.prove import model_vocab, pressured_knobs, prove, require_events
+from kvbench.conformance.prove import model_vocab, pressured_knobs, prove, quietly, require_events
 from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.conformance.victims import victim_violations
 from kvbench.conformance.victims_seen import Reading, peak_kv_tokens, read_victims, violations
@@ -128,7 +128,8 @@ def victims_from_outside(engine, policy: str, gap_s: float | None = None) -> Rea
     priority = {r.request_id: r.priority for r in requests}
     arrival = {r.request_id: i for i, r in enumerate(requests)}
     for attempt in range(1, TRIES + 1):
-        trace = _serve(engine, requests, knobs)
+        with quietly(engine):  # the streams are read for stalls: nothing else of the engine's starts meanwhile
+            trace = _serve(engine, requests, knobs)
         short = [f"{rid}: {r.finish_reason}, {len(r.token_times)}/{r.max_tokens} tokens"
                  for rid, r in trace.requests.items()
                  if r.finish_reason != "length" or len(r.token_times) != r.max_tokens]

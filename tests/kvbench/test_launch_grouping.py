@@ -368,3 +368,26 @@ def test_the_plans_coming_launches_start_as_room_allows_and_a_served_one_is_not_
         assert len(adapter.logs) == 3
     finally:
         adapter.close()
+
+
+@pytest.mark.server
+def test_a_quiet_run_waits_for_starts_in_flight_and_starts_nothing_ahead(model_dir, tmp_path):
+    """``quiet``: on entry the servers still starting ahead are waited for (they are then up, idle), and inside it
+    a run asking for its server starts nothing of the plan's; after it, starting ahead goes on."""
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
+                                        "log_dir": str(tmp_path), "keep_servers": "2", "start_ahead": "1",
+                                        "ready_ahead": "3"})
+    first, second, third = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
+    key = adapter.launch_key
+    try:
+        adapter.plan_ahead([first, second, third])
+        assert set(adapter._starting) == {key(first)}
+        assert adapter._starting[key(first)].still_starting()
+        with adapter.quiet():
+            assert not any(s.still_starting() for s in adapter._starting.values()), "entered with a start in flight"
+            adapter.generate(REQUESTS, first)
+            assert key(second) not in adapter.live_launches(), "a server started ahead during a quiet run"
+        adapter.generate(REQUESTS, first)
+        assert key(second) in adapter.live_launches(), "starting ahead did not resume after the quiet run"
+    finally:
+        adapter.close()

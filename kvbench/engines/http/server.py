@@ -72,7 +72,7 @@ import shlex
 import sys
 import tempfile
 from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -344,6 +344,7 @@ class ServerAdapter(EngineAdapter):
         self._launched: OrderedDict[tuple[str, ...], _Launched] = OrderedDict()
         #: launch command -> a server started ahead of the run that will need it (:meth:`prestart`), not yet healthy
         self._starting: dict[tuple[str, ...], _Starting] = {}
+        self._held = False  # starts ahead held back while a timing-sensitive run serves (:meth:`quiet`)
         #: launch command -> the knobs it was launched with (what :meth:`prestart` is later given back for it)
         self.launch_knobs_of: dict[tuple[str, ...], Knobs] = {}
         self._server: ServerProcess | None = None  # the latest one started or reused
@@ -565,8 +566,27 @@ class ServerAdapter(EngineAdapter):
         except (ValueError, TypeError):
             return None  # knobs no launch takes (a check of a refusal): started when asked for, as asked
 
+    @contextlib.contextmanager
+    def quiet(self, wait: float = 90.0) -> Iterator[None]:
+        """While in this block no server is started ahead, and on entry the servers still starting ahead are waited
+        for (at most ``wait`` seconds; they are then up and idle): a run whose reading depends on timing (streams
+        read for stalls, closes placed while requests wait) gets the machine's cores to itself and its server, not
+        shared with a vLLM start of tens of CPU-seconds. Seen on 2 cores: a victim check's streams came in bursts of
+        16-59 tokens a chunk in every try while later launches started. A start that fails is left to the run that
+        needs it to report."""
+        import time
+
+        self._held = True
+        try:
+            deadline = time.monotonic() + wait
+            while any(s.still_starting() for s in self._starting.values()) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            yield
+        finally:
+            self._held = False
+
     def _start_coming(self) -> None:
-        if not self._coming or self.reconfigurable:
+        if not self._coming or self.reconfigurable or self._held:
             return
         live = self.live_launches()
         for knobs in self._coming:
