@@ -42,14 +42,19 @@ IDLE_GRACE = 10.0
 IDLE_SCRAPES = 3
 
 
+#: the most the idle grace is stretched (a container may report its host's load average, not its own)
+MAX_LOAD_STRETCH = 6.0
+
+
 def machine_load() -> float:
-    """How many times over the machine's cores are asked for: the one-minute load average per core, at least 1.
+    """How many times over the machine's cores are asked for: the one-minute load average per core, at least 1
+    and at most :data:`MAX_LOAD_STRETCH`.
     A server's gauges move only when its engine steps, and on an overloaded machine (a 2-core one with a dozen
     runnable processes: 6.0) an engine gets its turns that many times more slowly; the idle rule's grace is
     stretched by it, so that a starved server is not taken for one that dropped its requests (seen on vLLM at
     load 12: nothing published for 10.6 s, then it went on)."""
     try:
-        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+        return min(MAX_LOAD_STRETCH, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
     except OSError:  # no load average on this platform
         return 1.0
 T = TypeVar("T")

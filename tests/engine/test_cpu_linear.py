@@ -64,7 +64,7 @@ def test_widened_bfloat16_is_within_one_rounding_of_f_linear(rows: int, bias: bo
 
 def test_widened_bfloat16_that_skipped_its_rounding_would_be_seen(monkeypatch) -> None:
     """The comparison above can fail: a widened matmul that kept its float32 result (not rounded to
-    bfloat16), or that multiplied a weight rounded twice, is caught."""
+    bfloat16) misses its share of exact agreement, and one that multiplied the wrong weight is caught."""
     _no_bf16_units(monkeypatch)
     linear = _linear(96, 200, False, torch.bfloat16)
     x = torch.randn(64, 96).to(torch.bfloat16)
@@ -72,7 +72,8 @@ def test_widened_bfloat16_that_skipped_its_rounding_would_be_seen(monkeypatch) -
         packed = cpu_linear.PackedLinear(linear)
         want = linear(x)
         unrounded = cpu_linear._packed_matmul(x.float(), packed.packed, None)
-        assert unrounded.dtype == torch.float32 and not torch.equal(unrounded, want.float())
+        assert unrounded.dtype == torch.float32
+        assert (unrounded == want.float()).float().mean() <= 0.97  # the test above's agreement bar is not met
         packed.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().float().roll(1, dims=0))
         assert not torch.allclose(packed(x).float(), want.float(), atol=1e-2)
 

@@ -165,13 +165,38 @@ def test_early_abort_check_closes_later_when_no_sample_saw_the_targets_waiting(r
         return len(tries) > 1 and seen(requests, trace)
 
     monkeypatch.setattr(check6, "_seen_waiting", blind_first)
+    judged: list[int] = []
+    outputs_hold = check6._outputs_hold
+
+    def judge(*args, **kwargs):
+        judged.append(1)
+        return outputs_hold(*args, **kwargs)
+
+    monkeypatch.setattr(check6, "_outputs_hold", judge)
     properties: list[tuple[str, Any]] = []
     with collecting(properties):
         check6.test_an_abort_before_the_first_token_stops_the_request(engine=reference_server, model_dir=model_dir)
     evidence = evidence_of(properties)
-    assert len(tries) == 2, tries
+    assert len(tries) == 2 and len(judged) == 2, (tries, judged)  # the first try's outputs were judged too
     assert "early_aborts" in proven_of(properties)
     assert (evidence["bystander_waves"], evidence["targets_closed_after_s"]) == (2, 0.6), evidence
+
+
+def test_a_try_that_lost_a_bystanders_tokens_fails_however_many_tries_follow():
+    """The claims that need no timing are made on each try: a try whose bystander came short fails the check at
+    once; no later try may stand in for it."""
+    from types import SimpleNamespace
+
+    def request(rid, tokens, why, abort_at=None, at_abort=None):
+        return (SimpleNamespace(request_id=rid, abort_at=abort_at),
+                SimpleNamespace(request_id=rid, token_times=[0.0] * tokens, finish_reason=why,
+                                tokens_at_abort=at_abort))
+
+    pairs = [request("bystander0", check6.BYSTANDER_TOKENS - 1, "length"),
+             request("target0", 0, "abort", abort_at=0.3, at_abort=0)]
+    trace = SimpleNamespace(requests={t.request_id: t for _, t in pairs}, step_seconds=None)
+    with pytest.raises(AssertionError, match="did not get all their tokens"):
+        check6._outputs_hold(SimpleNamespace(name="e"), [r for r, _ in pairs], trace, races=True)
 
 
 @pytest.mark.server

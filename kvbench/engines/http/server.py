@@ -584,6 +584,7 @@ class ServerAdapter(EngineAdapter):
             yield
         finally:
             self._held = False
+            self._start_coming()  # what was held back starts now, not at the next run's ask
 
     def _start_coming(self) -> None:
         if not self._coming or self.reconfigurable or self._held:
