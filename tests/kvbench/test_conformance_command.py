@@ -73,3 +73,11 @@ def test_a_pin_not_exercised_is_said_beside_the_verdict() -> None:
     assert "| `unpressured` | passed: pinned finding not exercised (needs greedy_reaches_eos) |" in table
     assert "undecided: no counter; pinned finding not exercised (needs greedy_reaches_eos)" in table
     assert "| `plain` | passed |" in table
+
+
+def test_a_shipped_expectations_file_is_named_by_its_place_in_the_package() -> None:
+    """A run from another checkout (a worktree, a CI clone) names the same shipped file: the table says it once."""
+    from kvbench.report.conformance_table import short_reason
+
+    said = short_reason("expected failure (/tmp/ci/clone/kvbench/conformance/expectations/vllm.toml): why", "zz")
+    assert said == "expected failure (kvbench/conformance/expectations/vllm.toml): why"
