@@ -121,42 +121,48 @@ def victims_from_outside(engine, policy: str, gap_s: float | None = None) -> Rea
     model_dir = engine.model_dir
     probe = staggered_workload(engine, policy, model_dir, 0.0)
     knobs = staggered_knobs(engine, policy, probe)
-    if gap_s is None:
-        least = 0.0 if engine.steppable else MIN_GAP_S
-        gap_s = min(max(GAP_STEPS * measured_step(engine, knobs, model_dir), least), MAX_GAP_S)
-    requests = staggered_workload(engine, policy, model_dir, gap_s)
-    priority = {r.request_id: r.priority for r in requests}
-    arrival = {r.request_id: i for i, r in enumerate(requests)}
-    for attempt in range(1, TRIES + 1):
-        with quietly(engine):  # the streams are read for stalls: nothing else of the engine's starts meanwhile
+    # the streams are read for stalls, and the arrivals are spaced by a step measured first: both on a machine
+    # where nothing else of the engine's starts (a start beside the measurement spaced the arrivals for a slower
+    # engine than the one the tries met, and the streams never overlapped)
+    with quietly(engine):
+        if gap_s is None:
+            least = 0.0 if engine.steppable else MIN_GAP_S
+            gap_s = min(max(GAP_STEPS * measured_step(engine, knobs, model_dir), least), MAX_GAP_S)
+        requests = staggered_workload(engine, policy, model_dir, gap_s)
+        priority = {r.request_id: r.priority for r in requests}
+        arrival = {r.request_id: i for i, r in enumerate(requests)}
+        for attempt in range(1, TRIES + 1):
             trace = _serve(engine, requests, knobs)
-        short = [f"{rid}: {r.finish_reason}, {len(r.token_times)}/{r.max_tokens} tokens"
-                 for rid, r in trace.requests.items()
-                 if r.finish_reason != "length" or len(r.token_times) != r.max_tokens]
-        claim(not short, f"requests were not served in full under pressure: {short}")
-        total = trace.counters.preemptions_recompute
-        if total is None:
-            undecided(f"{engine.name} exposes no preemption counter, so no stall can be matched to a preemption")
-        record_evidence("preemptions_recompute", total)
-        record_evidence("victim_tries", attempt)
-        if not total:
-            pool = (knobs.num_gpu_blocks or 0) * (knobs.block_size or 0)
-            held = peak_kv_tokens(trace)
-            claim(held <= pool, f"a preemption did not happen on {engine.name} (preemptions_recompute=0), yet its "
-                                f"streams held {held} tokens of KV at once in a pool of {pool}")
-            why = (f"a preemption did not happen on {engine.name}: its streams never held more than its pool at once "
-                   f"({held} of {pool} tokens; they were not served side by side), so no victim was needed")
-        else:
-            jitter = HTTP_JITTER_S if any(s.sampled for s in trace.steps) else 0.0
-            reading = read_victims(trace, policy, priority, arrival, total, jitter)
-            record_evidence("victims_reading", reading.summary())
-            if not reading.undecided:
-                break
-            why = f"the victims cannot be read from outside on {engine.name}: {reading.undecided}"
-        # both reasons are the moment's (a loaded machine's front end writing in bursts, streams not overlapping),
-        # not the engine's: the same workload again, on the same server; a failed claim above is never retried
-        if attempt == TRIES or engine.steppable:
-            undecided(f"{why} (in each of {attempt} tries)" if attempt > 1 else why)
+            short = [f"{rid}: {r.finish_reason}, {len(r.token_times)}/{r.max_tokens} tokens"
+                     for rid, r in trace.requests.items()
+                     if r.finish_reason != "length" or len(r.token_times) != r.max_tokens]
+            claim(not short, f"requests were not served in full under pressure: {short}")
+            total = trace.counters.preemptions_recompute
+            if total is None:
+                undecided(f"{engine.name} exposes no preemption counter, so no stall can be matched to a preemption")
+            record_evidence("preemptions_recompute", total)
+            record_evidence("victim_tries", attempt)
+            if not total:
+                pool = (knobs.num_gpu_blocks or 0) * (knobs.block_size or 0)
+                held = peak_kv_tokens(trace)
+                claim(held <= pool, f"a preemption did not happen on {engine.name} (preemptions_recompute=0), yet its "
+                                    f"streams held {held} tokens of KV at once in a pool of {pool}")
+                why = (f"a preemption did not happen on {engine.name}: its streams never held more than its pool at "
+                       f"once ({held} of {pool} tokens; they were not served side by side), so no victim was needed")
+                # the arrivals were spaced for a slower engine than this try met: closer for the next
+                gap_s = max(gap_s / 2, 0.0 if engine.steppable else MIN_GAP_S)
+                requests = staggered_workload(engine, policy, model_dir, gap_s)
+            else:
+                jitter = HTTP_JITTER_S if any(s.sampled for s in trace.steps) else 0.0
+                reading = read_victims(trace, policy, priority, arrival, total, jitter)
+                record_evidence("victims_reading", reading.summary())
+                if not reading.undecided:
+                    break
+                why = f"the victims cannot be read from outside on {engine.name}: {reading.undecided}"
+            # both reasons are the moment's (a loaded machine's front end writing in bursts, streams not overlapping),
+            # not the engine's: the same workload again, on the same server; a failed claim above is never retried
+            if attempt == TRIES or engine.steppable:
+                undecided(f"{why} (in each of {attempt} tries)" if attempt > 1 else why)
     if not reading.decided:
         reasons = "; ".join(sorted({v.ambiguous or "" for v in reading.ambiguous}))
         undecided(f"none of {len(reading.verdicts)} preemption groups on {engine.name} could be decided from "
