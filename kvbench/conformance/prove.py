@@ -232,16 +232,27 @@ TIMED_TRIGGERS = frozenset({"preemptions_recompute", "preemptions_swap"})
 TIMED_TRIES = 3
 
 
-def until_triggered(engine: EngineAdapter, counter: str, attempt: Callable[[], GenResult]) -> GenResult:
+def until_triggered(engine: EngineAdapter, counter: str | Sequence[str], attempt: Callable[[], Any]) -> Any:
     """The result of ``attempt`` (one pressured run whose outputs it checks itself, failing the check on a
     mismatch), run again while ``counter``, a timed trigger (:data:`TIMED_TRIGGERS`), stayed at zero on an engine
     kvbench does not step, at most :data:`TIMED_TRIES` times: over HTTP whether a pool runs dry depends on how the
     requests' arrivals overlapped (a loaded machine spreads them), so a run that did not preempt is served again
     rather than left undecided at once. A failed attempt is never tried again (its claim ends the check); on an
-    engine kvbench steps, or for any other counter, one attempt. Records how many were made (``pressured_tries``)."""
-    tries = 1 if getattr(engine, "steppable", False) or counter not in TIMED_TRIGGERS else TIMED_TRIES
+    engine kvbench steps, or for any other counter, one attempt. ``counter`` may name several (any of them moving
+    is the trigger), and the result may be a trace (both have ``counters``). Records how many were made
+    (``pressured_tries``)."""
+    counters = (counter,) if isinstance(counter, str) else tuple(counter)
+    timed = not getattr(engine, "steppable", False) and any(c in TIMED_TRIGGERS for c in counters)
+    tries = TIMED_TRIES if timed else 1
+
+    def fired(result: Any) -> bool:
+        return any((result.counters.get(c) or 0) > 0 for c in counters)
+
+    def exposed(result: Any) -> bool:  # an engine that counts none of them cannot show one fired: no retry
+        return any(c in result.counters for c in counters)
+
     made, result = 1, attempt()
-    while made < tries and not (result.counters.get(counter) or 0) > 0:
+    while made < tries and exposed(result) and not fired(result):
         made, result = made + 1, attempt()
     record_evidence("pressured_tries", made)
     return result

@@ -13,7 +13,13 @@ from __future__ import annotations
 import pytest
 
 from kvbench.conformance.preconditions import note_pool_ran_dry
-from kvbench.conformance.prove import conformance_requests, pressured_knobs, roomy_knobs, timed_trigger_missed
+from kvbench.conformance.prove import (
+    conformance_requests,
+    pressured_knobs,
+    roomy_knobs,
+    timed_trigger_missed,
+    until_triggered,
+)
 from kvbench.conformance.user_text import CheckpointText
 from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.core.evidence import record_evidence
@@ -45,45 +51,50 @@ def _reads_responses(trace: Trace) -> bool:
 def test_text_is_the_decoding_of_the_token_ids(engine, model_dir, requests_greedy):
     requests = client_requests(requests_greedy, streamed=lambda i: i % 2 == 0)
     knobs = pressured_knobs(engine, requests_greedy)
-    trace = served(engine, requests, knobs, "user-view-text")
-    if not _reads_responses(trace):
-        pytest.skip(f"{engine.name} returns no text or token ids of its own to a client: users read nothing from it "
-                    "that could differ from its tokens")
-    if all(r.output_text is None for r in trace.requests.values()):
-        pytest.skip(f"{engine.name} writes no text: there is nothing a user reads beside the token ids")
-    if all(r.output_token_ids is None for r in trace.requests.values()):
-        pytest.skip(f"{engine.name} returns no token ids (its ids were read back from its text): the text could "
-                    "only be compared with itself")
 
-    # --- the outputs: each request's text against the tokenizer's decoding of its ids
-    failed = {rid: r.finish_reason for rid, r in trace.requests.items() if r.finish_reason not in ("length", "stop")}
-    # what a pin on losing work when the pool runs dry needs to be put to the test (kvbench.conformance.preconditions)
-    note_pool_ran_dry(trace, (knobs.num_gpu_blocks or 0) * (knobs.block_size or 0))
-    claim(not failed, f"requests did not finish (request: finish reason): {failed}")
-    text = CheckpointText(model_dir)
-    differ: dict[bool, list[str]] = {True: [], False: []}
-    compared = {True: 0, False: 0}
-    for req in requests:
-        got = trace.requests[req.request_id]
-        if got.output_token_ids is None or req.request_id in failed:
-            continue
-        want = text.after(req.prompt_token_ids, got.output_token_ids)
-        if want is None:
-            continue  # the prompt's text ends inside a character: no text is the output's alone
-        compared[req.stream] += 1
-        if (got.output_text or "") != want:
-            differ[req.stream].append(f"{req.request_id} ({len(got.output_token_ids)} ids): wrote "
-                                      f"{_excerpt(got.output_text or '', want)}")
-    record_evidence("text_compared_streamed", compared[True])
-    record_evidence("text_compared_not_streamed", compared[False])
-    for stream, how in ((True, "streamed text (the deltas joined)"), (False, "non-streamed text")):
-        bad = differ[stream]
-        claim(not bad, f"{how} is not the checkpoint tokenizer's decoding of the token ids for {len(bad)} of "
-                       f"{compared[stream]} requests on {engine.name}: " + "; ".join(bad[:SHOWN]))
-    if not compared[True] or not compared[False]:
-        undecided(f"no {'streamed' if not compared[True] else 'non-streamed'} output of {engine.name} had text of "
-                  "its own to compare (each prompt's text ended inside a character, or none finished)")
+    def attempt():  # one pressured run, its outputs judged: served again over HTTP while it preempted nothing
+        trace = served(engine, requests, knobs, "user-view-text")
+        if not _reads_responses(trace):
+            pytest.skip(f"{engine.name} returns no text or token ids of its own to a client: users read nothing "
+                        "from it that could differ from its tokens")
+        if all(r.output_text is None for r in trace.requests.values()):
+            pytest.skip(f"{engine.name} writes no text: there is nothing a user reads beside the token ids")
+        if all(r.output_token_ids is None for r in trace.requests.values()):
+            pytest.skip(f"{engine.name} returns no token ids (its ids were read back from its text): the text could "
+                        "only be compared with itself")
 
+        # --- the outputs: each request's text against the tokenizer's decoding of its ids
+        failed = {rid: r.finish_reason for rid, r in trace.requests.items()
+                  if r.finish_reason not in ("length", "stop")}
+        # what a pin on losing work when the pool runs dry needs to be put to the test (preconditions.pool_ran_dry)
+        note_pool_ran_dry(trace, (knobs.num_gpu_blocks or 0) * (knobs.block_size or 0))
+        claim(not failed, f"requests did not finish (request: finish reason): {failed}")
+        text = CheckpointText(model_dir)
+        differ: dict[bool, list[str]] = {True: [], False: []}
+        compared = {True: 0, False: 0}
+        for req in requests:
+            got = trace.requests[req.request_id]
+            if got.output_token_ids is None or req.request_id in failed:
+                continue
+            want = text.after(req.prompt_token_ids, got.output_token_ids)
+            if want is None:
+                continue  # the prompt's text ends inside a character: no text is the output's alone
+            compared[req.stream] += 1
+            if (got.output_text or "") != want:
+                differ[req.stream].append(f"{req.request_id} ({len(got.output_token_ids)} ids): wrote "
+                                          f"{_excerpt(got.output_text or '', want)}")
+        record_evidence("text_compared_streamed", compared[True])
+        record_evidence("text_compared_not_streamed", compared[False])
+        for stream, how in ((True, "streamed text (the deltas joined)"), (False, "non-streamed text")):
+            bad = differ[stream]
+            claim(not bad, f"{how} is not the checkpoint tokenizer's decoding of the token ids for {len(bad)} of "
+                           f"{compared[stream]} requests on {engine.name}: " + "; ".join(bad[:SHOWN]))
+        if not compared[True] or not compared[False]:
+            undecided(f"no {'streamed' if not compared[True] else 'non-streamed'} output of {engine.name} had text of "
+                      "its own to compare (each prompt's text ended inside a character, or none finished)")
+        return trace
+
+    trace = until_triggered(engine, ("preemptions_recompute", "preemptions_swap"), attempt)
     # --- under pressure: the run preempted
     counters = trace.counters
     if "preemptions_recompute" not in counters and "preemptions_swap" not in counters:

@@ -70,6 +70,18 @@ def test_a_pressured_run_that_did_not_preempt_is_served_again_over_http_only():
         until_triggered(engine, counter, attempt)
         assert len(made) == 1
 
+    hidden: list[int] = []
+
+    def uncounted() -> GenResult:  # an engine that counts no preemption cannot show one: one run
+        hidden.append(1)
+        return _result()
+
+    until_triggered(_engine(False), ("preemptions_recompute", "preemptions_swap"), uncounted)
+    assert len(hidden) == 1
+    attempt, made = runs(0, 2)
+    until_triggered(_engine(False), ("preemptions_swap", "preemptions_recompute"), attempt)
+    assert len(made) == 2  # several counters: any of them moving ends the tries
+
     tries: list[int] = []
 
     def wrong() -> GenResult:
