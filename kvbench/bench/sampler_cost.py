@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbench.bench import metrics
 from kvbench.bench.formatting import fmt_time
 from kvbench.core.trace import Trace
 
@@ -149,16 +150,10 @@ class Windows:
 
 
 def gaps_of(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-    """Every inter-token gap of ``trace``, pooled: ``(t0, t1)`` arrays (the gaps metrics' tbt figures use)."""
-    t0s, t1s = [], []
-    for r in trace.requests.values():
-        if len(r.token_times) >= 2:
-            times = np.asarray(r.token_times, dtype=float)
-            t0s.append(times[:-1])
-            t1s.append(times[1:])
-    if not t0s:
-        return np.empty(0), np.empty(0)
-    return np.concatenate(t0s), np.concatenate(t1s)
+    """Every inter-token gap of ``trace``, pooled: ``(t0, t1)`` arrays, the very gaps the metrics' tbt figures
+    use (:mod:`kvbench.bench.metrics`)."""
+    gaps = metrics._gaps(trace)
+    return gaps.t0, gaps.t1
 
 
 def _pct(values: np.ndarray, p: float) -> float | None:
