@@ -17,6 +17,7 @@ to show), false when every part that asked saw it fail.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -31,9 +32,10 @@ PRECONDITIONS: dict[str, str] = {
     "aborts_reach_running_requests": ("at least one of the workload's aborts was confirmed to reach a request "
                                       "still running (closed after its first token, with tokens still to come); "
                                       "over HTTP the load decides whether the closes land while the requests run"),
-    "pool_ran_dry": ("the check's pressured run ran the KV pool dry: the engine counted a preemption, failed a request "
-                     "in flight, or its streams provably held more KV at once than the pool (client side); over "
-                     "HTTP how the requests' arrivals overlapped decides it"),
+    "pool_ran_dry": ("the check's pressured run ran the KV pool dry: the engine counted a preemption, or its streams "
+                     "provably held more KV at once than the pool, or a request failed in flight while they held all "
+                     "but one token a stream of it (client side); over HTTP how the requests' arrivals overlapped "
+                     "decides it"),
 }
 
 #: the evidence name a precondition is recorded under (``kvbench.evidence.`` + this)
@@ -97,13 +99,42 @@ def note_greedy_reaches_eos(model_dir: str | Path | None, requests: Sequence[Any
 
 
 def note_pool_ran_dry(trace: Any, pool_tokens: int | None) -> bool:
-    """Record ``pool_ran_dry`` for a pressured run: the engine counted a preemption, or ended a request with an
-    error, or the streams held more KV at once than ``pool_tokens`` (``kvbench.conformance.victims_seen
-    .peak_kv_tokens``: a lower bound, from the client's side). Returns what it recorded."""
+    """Record ``pool_ran_dry`` for a pressured run: the engine counted a preemption, or the streams held more KV at
+    once than ``pool_tokens`` (``kvbench.conformance.victims_seen.peak_kv_tokens``: a lower bound, from the
+    client's side), or a request failed in flight when the pool was provably all but full
+    (:func:`failed_at_a_full_pool`). Returns what it recorded.
+
+    A failure alone is no evidence: it is what a pin on losing work excuses, and a request failing for any other
+    reason must not make that pin look exercised."""
     from kvbench.conformance.victims_seen import peak_kv_tokens
 
     counters = trace.counters
     preempted = (counters.get("preemptions_recompute") or 0) + (counters.get("preemptions_swap") or 0) > 0
-    failed = any(r.finish_reason == "error" for r in trace.requests.values())
     held = bool(pool_tokens) and peak_kv_tokens(trace) > pool_tokens
-    return record_precondition("pool_ran_dry", preempted or failed or held)
+    return record_precondition("pool_ran_dry", preempted or held
+                               or (bool(pool_tokens) and failed_at_a_full_pool(trace, pool_tokens)))
+
+
+def failed_at_a_full_pool(trace: Any, pool_tokens: int) -> bool:
+    """Whether a request ended with an error at a moment its pool was full, as far as a client can tell: the
+    streams in flight then (first token received, not yet ended; the failed one included) held their prompts and
+    the tokens received so far, and each may have been one step further in the engine than its client had seen
+    (a token on its way), so one token more per stream; the failure counts when that exceeds ``pool_tokens``."""
+    streams = [(r, sorted(r.token_times)) for r in trace.requests.values() if r.token_times]
+    for failed in trace.requests.values():
+        if failed.finish_reason != "error":
+            continue
+        at = getattr(failed, "finished", None)
+        if at is None:
+            if not failed.token_times:
+                continue
+            at = max(failed.token_times)
+        need = 0
+        for r, times in streams:
+            ended = getattr(r, "finished", None)
+            ended = times[-1] if ended is None else max(ended, times[-1])
+            if r is failed or times[0] <= at <= ended:
+                need += r.prompt_len + bisect.bisect_right(times, at) + 1
+        if need > pool_tokens:
+            return True
+    return False

@@ -117,6 +117,16 @@ def helpers_onto_engine_cores(pgid: int) -> dict[int, set[int]]:
     return moved
 
 
+def helpers_back(moved: dict[int, set[int]]) -> None:
+    """Undo :func:`helpers_onto_engine_cores`: every thread of each helper in ``moved`` (its return value) may run
+    on every core of the machine again, as an unbound helper did before. A helper that ended meanwhile is skipped."""
+    if not moved or not hasattr(os, "sched_setaffinity"):
+        return
+    machine = machine_cores()
+    for pid in moved:
+        _set_threads({tid: machine for tid in thread_ids(pid)})
+
+
 def _set_threads(cores: dict[int, set[int]]) -> None:
     for tid, wanted in cores.items():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile

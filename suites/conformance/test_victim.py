@@ -112,6 +112,15 @@ def measured_step(engine, knobs: Knobs, model_dir: str) -> float:
     return statistics.median(gaps) if gaps else MIN_GAP_S
 
 
+def tries_said(whys: list[str]) -> str:
+    """Why every try was undecided, in one message: the reason once where all tries gave it, else each try's."""
+    if len(whys) == 1:
+        return whys[0]
+    if len(set(whys)) == 1:
+        return f"{whys[0]} (in each of {len(whys)} tries)"
+    return "; ".join(f"try {i}: {why}" for i, why in enumerate(whys, 1))
+
+
 def victims_from_outside(engine, policy: str, gap_s: float | None = None) -> Reading:
     """The check read from outside: serve the staggered workload, see that every request was served in full,
     prove preemptions happened, read the victims (:func:`kvbench.conformance.victims_seen.read_victims`) and
@@ -131,6 +140,7 @@ def victims_from_outside(engine, policy: str, gap_s: float | None = None) -> Rea
         requests = staggered_workload(engine, policy, model_dir, gap_s)
         priority = {r.request_id: r.priority for r in requests}
         arrival = {r.request_id: i for i, r in enumerate(requests)}
+        whys: list[str] = []  # each undecided try's reason, in order
         for attempt in range(1, TRIES + 1):
             trace = _serve(engine, requests, knobs)
             short = [f"{rid}: {r.finish_reason}, {len(r.token_times)}/{r.max_tokens} tokens"
@@ -161,8 +171,9 @@ def victims_from_outside(engine, policy: str, gap_s: float | None = None) -> Rea
                 why = f"the victims cannot be read from outside on {engine.name}: {reading.undecided}"
             # both reasons are the moment's (a loaded machine's front end writing in bursts, streams not overlapping),
             # not the engine's: the same workload again, on the same server; a failed claim above is never retried
+            whys.append(why)
             if attempt == TRIES or engine.steppable:
-                undecided(f"{why} (in each of {attempt} tries)" if attempt > 1 else why)
+                undecided(tries_said(whys))
     if not reading.decided:
         reasons = "; ".join(sorted({v.ambiguous or "" for v in reading.ambiguous}))
         undecided(f"none of {len(reading.verdicts)} preemption groups on {engine.name} could be decided from "

@@ -17,6 +17,7 @@ from kvbench.launch.placement import (
     client_cores,
     engine_cores,
     group_pids,
+    helpers_back,
     helpers_onto_engine_cores,
     off_the_engine_cores,
     thread_ids,
@@ -132,6 +133,40 @@ def test_a_helper_that_binds_nothing_goes_to_the_engines_cores_and_the_front_end
         assert _affinities(engine) == [{CORES[0]}] * 2
         assert os.sched_getaffinity(leader) == set(CORES)  # the front end keeps the machine
         assert helpers_onto_engine_cores(leader) == {}  # bound now: left alone
+
+
+@needs_two_cores
+def test_helpers_back_unbinds_what_was_bound_and_leaves_the_engine() -> None:
+    for leader, (engine, helper) in _group_of([[CORES[0]], None]):
+        moved = helpers_onto_engine_cores(leader)
+        assert _affinities(helper) == [{CORES[0]}] * 2
+        helpers_back(moved)
+        assert _affinities(helper) == [set(CORES)] * 2  # every thread free again, as before
+        assert _affinities(engine) == [{CORES[0]}] * 2  # the engine's own binding is not the helpers'
+        helpers_back({})  # nothing moved: nothing to do
+
+
+def test_a_quiet_block_binds_the_served_servers_helpers_and_unbinds_them_on_exit(monkeypatch, model_dir) -> None:
+    """Inside :meth:`ServerAdapter.quiet` a run places the server's helpers beside its engine (as helper_cores=engine
+    does), and the block's end puts them back; outside a quiet block, with helper_cores=free, nothing moves."""
+    from types import SimpleNamespace
+
+    import kvbench.engines.http.server as server_module
+
+    bound, unbound = [], []
+    monkeypatch.setattr(server_module, "helpers_onto_engine_cores",
+                        lambda pgid: bound.append(pgid) or {pgid + 1: {0}})
+    monkeypatch.setattr(server_module, "helpers_back", lambda moved: unbound.append(dict(moved)))
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "client_cores": "off"})  # starts nothing yet
+    server = SimpleNamespace(pgid=100)
+    with adapter._client_placed(server):
+        pass
+    assert bound == []
+    with adapter.quiet():
+        with adapter._client_placed(server):
+            pass
+        assert bound == [100] and unbound == []
+    assert unbound == [{101: {0}}] and adapter._quiet_helpers == {}
 
 
 @needs_two_cores

@@ -241,3 +241,12 @@ def test_victim_check_tries_again_when_a_try_reads_nothing_for_the_moment(refere
     with pytest.raises(Undecided, match=every_try):
         test_victim.test_preemption_victim_follows_the_policy(policy="fcfs", engine=reference_server,
                                                               requests_greedy=requests_greedy)
+
+
+def test_undecided_tries_say_each_reason_where_they_differ():
+    """Three tries undecided for two reasons are reported as such, never as the last reason 'in each of 3 tries'."""
+    from suites.conformance.test_victim import tries_said
+
+    assert tries_said(["bursts"]) == "bursts"
+    assert tries_said(["bursts", "bursts"]) == "bursts (in each of 2 tries)"
+    assert tries_said(["bursts", "no overlap", "no overlap"]) == "try 1: bursts; try 2: no overlap; try 3: no overlap"

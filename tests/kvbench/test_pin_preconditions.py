@@ -255,19 +255,25 @@ def test_check_6_records_whether_an_abort_reached_a_running_request(model_dir):
     assert precondition_held(properties, "aborts_reach_running_requests") is True
 
 
-def test_pool_ran_dry_is_read_from_preemptions_failures_or_the_streams():
-    """Held where the engine preempted, or failed a request in flight, or its streams held more than the pool; not
-    held where none of these shows (llama.cpp's text-check pin is then not exercised, not stale)."""
+def test_pool_ran_dry_is_read_from_preemptions_failures_at_a_full_pool_or_the_streams():
+    """Held where the engine preempted, or its streams held more than the pool, or a request failed while the
+    streams in flight held all but one token each of the pool; not held where none of these shows (llama.cpp's
+    text-check pin is then not exercised, not stale). A failure at a pool far from full is no evidence: it is what
+    the pin excuses, and would otherwise make the pin look exercised by the very failure it pins."""
     from kvbench.conformance.preconditions import note_pool_ran_dry
 
     def trace(counters, *requests):
-        reqs = {f"r{i}": SimpleNamespace(finish_reason=why, prompt_len=prompt, token_times=times)
+        reqs = {f"r{i}": SimpleNamespace(finish_reason=why, prompt_len=prompt, token_times=times, finished=None)
                 for i, (why, prompt, times) in enumerate(requests)}
         return SimpleNamespace(counters=counters, requests=reqs)
 
     calm = [("length", 10, [0.1, 0.2]), ("length", 10, [0.15, 0.25])]  # 12 + 12 tokens held at 0.2 at most
+    # at 0.2 (r2's failure): r0 10+2, r1 10+1, r2 10+2 (35, no more than the peak), each one token further in the
+    # engine: 38
+    failing = [*calm, ("error", 10, [0.1, 0.2])]
     cases = [({}, calm, 100, False), ({"preemptions_recompute": 1}, calm, 100, True),
-             ({}, [*calm, ("error", 10, [0.1])], 100, True), ({}, calm, 20, True)]
+             ({}, failing, 100, False), ({}, failing, 38, False), ({}, failing, 37, True),
+             ({}, calm, 20, True)]
     for counters, requests, pool, held in cases:
         properties: list = []
         with collecting(properties):

@@ -107,7 +107,7 @@ from kvbench.engines.http.presets import (
     vllm_preload,
 )
 from kvbench.launch.peers import PeerMissing, VllmInstall, find_vllm
-from kvbench.launch.placement import helpers_onto_engine_cores, off_the_engine_cores
+from kvbench.launch.placement import helpers_back, helpers_onto_engine_cores, off_the_engine_cores
 from kvbench.launch.process import ServerProcess, free_port, stop_servers
 from kvbench.launch.vllm_faults import FAULTS as VLLM_FAULTS
 from kvbench.launch.vllm_faults import check_fault, fault_environment
@@ -345,6 +345,7 @@ class ServerAdapter(EngineAdapter):
         #: launch command -> a server started ahead of the run that will need it (:meth:`prestart`), not yet healthy
         self._starting: dict[tuple[str, ...], _Starting] = {}
         self._held = False  # starts ahead held back while a timing-sensitive run serves (:meth:`quiet`)
+        self._quiet_helpers: dict[int, set[int]] = {}  # helpers bound beside the engine for a quiet block
         #: launch command -> the knobs it was launched with (what :meth:`prestart` is later given back for it)
         self.launch_knobs_of: dict[tuple[str, ...], Knobs] = {}
         self._server: ServerProcess | None = None  # the latest one started or reused
@@ -573,7 +574,14 @@ class ServerAdapter(EngineAdapter):
         read for stalls, closes placed while requests wait) gets the machine's cores to itself and its server, not
         shared with a vLLM start of tens of CPU-seconds. Seen on 2 cores: a victim check's streams came in bursts of
         16-59 tokens a chunk in every try while later launches started. A start that fails is left to the run that
-        needs it to report."""
+        needs it to report.
+
+        And for the block the served server's unbound helpers run beside its engine, as ``helper_cores=engine``
+        puts them (:func:`kvbench.launch.placement.helpers_onto_engine_cores`), and are unbound again on exit:
+        vLLM's scheduler spins while its worker computes, and on the front end's core it held the front end off
+        the CPU, so that five staggered streams came out one after another in whole bursts (a victim check saw
+        its streams never overlap in three tries). Where a helper runs changes when tokens reach the client,
+        never which tokens or which request the scheduler preempts."""
         import time
 
         self._held = True
@@ -584,6 +592,8 @@ class ServerAdapter(EngineAdapter):
             yield
         finally:
             self._held = False
+            helpers_back(self._quiet_helpers)
+            self._quiet_helpers = {}
             self._start_coming()  # what was held back starts now, not at the next run's ask
 
     def _start_coming(self) -> None:
@@ -840,6 +850,8 @@ class ServerAdapter(EngineAdapter):
         helpers on them first (option ``helper_cores``)."""
         if self.options.get("helper_cores", "free") == "engine":
             helpers_onto_engine_cores(server.pgid)
+        elif self._held:  # a timing-sensitive run: beside the engine for the quiet block only (see quiet)
+            self._quiet_helpers.update(helpers_onto_engine_cores(server.pgid))
         if self.options.get("client_cores", "auto") == "off":
             return contextlib.nullcontext()
         return off_the_engine_cores(server.pgid)
