@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbench.bench import repeats
+from kvbench.bench import repeats, sampler_cost
 from kvbench.bench.formatting import fmt_metric, fmt_noisy_ratio, fmt_time
 from kvbench.bench.results import Results
 from kvbench.bench.scenarios.declare import NOISE_FLOOR_S, Score, is_time, num, result_of, within_noise
@@ -186,6 +186,8 @@ def _ranked(row: Row, sc: Mapping[str, Any], score: Score, drift: Mapping[str, r
     noise, sources = repeats.honest_ratio_noise(best, second, score.metric,
                                                 repeats.drift_for(drift or {}, score.metric))
     row.noise = noise_words(noise, sources)
+    if delivery.is_gap_metric(score.metric) and (moved := sampler_cost.table_note([r for r, _ in entries])):
+        row.noise += f"; p99 gaps {moved}"  # the first screen says what kvbench's own observation did to the score
     ratio = (bv / sv if score.higher_is_better else sv / bv) if bv and sv else None
     small = is_time(score.metric) and max(bv, sv) < NOISE_FLOOR_S
     row.standings = standings(score, entries, drift) + row.standings  # after them, those that did not preempt
@@ -225,19 +227,28 @@ def noise_words(noise: float | None, sources: Sequence[str]) -> str:
     return f"±{noise * 100:.0f}% ({'; '.join(sources)})" if sources else f"±{noise * 100:.0f}%"
 
 
+def _value_observed(metric: str, result: Mapping[str, Any]) -> str:
+    """A result's value of ``metric``, and beside a gap figure what kvbench's /metrics sampler did to it (the gap
+    clear of its scrapes, :func:`kvbench.bench.sampler_cost.aside`) wherever a sampler ran."""
+    value = fmt_value(metric, result)
+    if not delivery.is_gap_metric(metric) or sampler_cost.of_result(result)["status"] == sampler_cost.NO_SAMPLER:
+        return value
+    return f"{value} [{sampler_cost.aside(result)}]"
+
+
 def standings(score: Score, ranked: list[tuple[dict[str, Any], float]],
               drift: Mapping[str, repeats.Drift] | None) -> list[str]:
     """Every engine's value, best first, and its place against the best where the row's words do not say it
     (an engine behind beyond the noise, or level with the best, is named in the verdict's own words)."""
     best, bv = ranked[0]
-    out = [f"{best['engine']}: {fmt_value(score.metric, best)} (best)"]
+    out = [f"{best['engine']}: {_value_observed(score.metric, best)} (best)"]
     for r, v in ranked[1:]:
         ratio = (bv / v if score.higher_is_better else v / bv) if bv and v else None
         noise, _ = repeats.honest_ratio_noise(best, r, score.metric, repeats.drift_for(drift or {}, score.metric))
         level = ratio is not None and within_noise(ratio, noise)
         where = ("level with the best" if level else
                  f"behind by {fmt_noisy_ratio(ratio, noise)}" if ratio is not None else "no ratio (a zero)")
-        out.append(f"{r['engine']}: {fmt_value(score.metric, r)} ({where})")
+        out.append(f"{r['engine']}: {_value_observed(score.metric, r)} ({where})")
     return out
 
 

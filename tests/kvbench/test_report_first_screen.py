@@ -148,3 +148,25 @@ def test_three_engines_two_level_at_the_top_and_one_behind_are_each_placed():
     assert row["margin"].startswith("reference, reference:preemption_mode=swap level within the noise")
     assert "hf-cb behind by 4" in row["margin"]
     assert row["action"].startswith("Prefer reference or reference:preemption_mode=swap over hf-cb")
+
+
+def test_a_gap_score_shows_what_kvbenchs_own_sampler_did_to_each_engines_figure():
+    """On a scenario scored on the p99 gap, each engine's standing carries its p99 clear of /metrics scrapes, and
+    the row's noise names the engines whose figure the sampler moved; a run with no sampler says nothing more."""
+    res = Results()
+    moved = {"status": "measured", "tbt_p99": 0.052, "tbt_p99_clear": 0.018, "scrapes": 140, "moved": True,
+             "tbt_p99_scrapes_only": 0.06, "tbt_p99_control_only": 0.02}
+    calm = {"status": "measured", "tbt_p99": 0.020, "tbt_p99_clear": 0.020, "scrapes": 12, "moved": False}
+    for engine, p99, cost in (("ref", 0.020, calm), ("vllm", 0.052, moved)):
+        entry = res.add_scenario_result("chunked_prefill_stalls", engine, {"tbt_p99": p99, "preemptions": 0},
+                                        mode="chunked", clock={"clock": "wall", "interleaved": ["ref", "vllm"]})
+        entry["sampler_cost"] = cost
+    row = _row(res, "chunked_prefill_stalls")
+    assert any(s.startswith("ref:") and "20 ms clear of /metrics scrapes; 12 scrapes" in s for s in row["standings"])
+    assert any(s.startswith("vllm:") and "18 ms clear of /metrics scrapes; 140 scrapes" in s
+               for s in row["standings"]), row["standings"]
+    assert "moved by kvbench's own /metrics sampler for vllm (p99 52 ms, 18 ms clear of scrapes)" in row["noise"]
+    for entry in res.scenarios[0]["results"]:
+        entry["sampler_cost"] = {"status": "no sampler", "why": "none ran"}
+    row = _row(res, "chunked_prefill_stalls")
+    assert not any("scrape" in s for s in row["standings"]) and "sampler" not in row["noise"]
