@@ -138,7 +138,7 @@ make_llamacpp() {
   jobs="$(nproc 2>/dev/null || echo 2)"
   command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
   echo "peers: building llama-server into $env from llama-cpp-python==$LLAMACPP_PY_VERSION's sources" \
-       "(server target only; 17-22 min on a 2-core machine)" >&2
+       "(server target only; about 8 min on an idle 2-core machine, longer on a busy one)" >&2
   rm -rf "$work" "$env/kvbench-peer.env"
   mkdir -p "$work" "$env/bin"
   local start=$SECONDS
