@@ -32,6 +32,8 @@ PRECONDITIONS: dict[str, str] = {
     "aborts_reach_running_requests": ("at least one of the workload's aborts was confirmed to reach a request "
                                       "still running (closed after its first token, with tokens still to come); "
                                       "over HTTP the load decides whether the closes land while the requests run"),
+    "preempted": ("the check's pressured run preempted at least once (the engine's preemption counter rose); over "
+                  "HTTP how the requests' arrivals overlapped decides it"),
     "pool_ran_dry": ("the check's pressured run ran the KV pool dry: the engine counted a preemption, or its streams "
                      "provably held more KV at once than the pool, or a request failed in flight while they held all "
                      "but one token a stream of it (client side); over HTTP how the requests' arrivals overlapped "

@@ -281,3 +281,25 @@ def test_pool_ran_dry_is_read_from_preemptions_failures_at_a_full_pool_or_the_st
         assert precondition_held(properties, "pool_ran_dry") is held
     assert {e.needs for e in load_expectations(SHIPPED / "llamacpp.toml")
             if e.check == "text_is_the_decoding_of_the_token_ids"} == {"pool_ran_dry"}
+
+
+requests_greedy, truth_engine, truth = _shared.requests_greedy, _shared.truth_engine, _shared.truth
+
+
+def test_the_resume_hit_pin_needs_a_preemption_and_check_3b_records_one(model_dir, requests_greedy, truth_engine,
+                                                                        truth):
+    """vLLM's resume-hits finding shows only where a request was preempted and resumed; a vLLM run whose arrivals
+    never ran the pool dry reported that pin stale though the finding held. The pin needs ``preempted``, and check
+    3b records it: held on the reference engine, whose pressured run preempts every time."""
+    from kvbench.engines.registry import make_adapter, parse_engine_spec
+    from suites.conformance import test_equivalence as check3
+
+    [pin] = [e for e in load_expectations(SHIPPED / "vllm.toml")
+             if e.check == "recompute_after_preemption_reuses_cached_blocks"]
+    assert pin.needs == "preempted"
+    engine = make_adapter(parse_engine_spec("reference:enable_prefix_caching=true"), model_dir)
+    properties: list = []
+    with collecting(properties):
+        check3.test_recompute_after_preemption_reuses_cached_blocks(engine, requests_greedy, truth, truth_engine,
+                                                                    near_ties=[], tolerance=None)
+    assert precondition_held(properties, "preempted") is True
