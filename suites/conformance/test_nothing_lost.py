@@ -18,7 +18,7 @@ import pytest
 from kvbench.bench.workloads import Aborts, Poisson, Uniform, WorkloadSpec
 from kvbench.conformance.aborts import confirmed_aborts
 from kvbench.conformance.preconditions import record_precondition
-from kvbench.conformance.prove import model_vocab, pressured_knobs, quietly, roomy_knobs
+from kvbench.conformance.prove import TIMED_TRIES, model_vocab, pressured_knobs, quietly, roomy_knobs
 from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.core.evidence import record_evidence
 from kvbench.core.requests import GenRequest
@@ -76,20 +76,12 @@ def _last_sample(trace: Trace):
     return samples[-1] if samples else None
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_every_request_finishes_exactly_once(mode, engine, model_dir):
-    caps, mode_knobs = MODES[mode]
-    require(engine, *caps, "abort")
-    vocab, _ = model_vocab(model_dir)
-    workload = storm(mode, vocab)
-    knobs = pressured_knobs(engine, workload.requests).merged(mode_knobs)
+def _storm_served(engine, workload, knobs, mode: str, by_id) -> Trace:
+    """One serve of check 6's storm, its outputs judged: none lost, none finished twice, none aborted unasked,
+    none short, none ended for another reason (a claim here fails the check: it is never served again)."""
     recorder = TraceRecorder(engine.name, f"nothing-lost-{mode}")
     engine.serve(workload, recorder, knobs, **({"step_seconds": STEP_SECONDS} if engine.steppable else {}))
     trace = recorder.finish()
-    undecided_because: list[str] = []
-
-    # --- the outputs: none lost, none finished twice, none aborted unasked, none short
-    by_id = {r.request_id: r for r in workload.requests}
     claim(set(trace.requests) == set(by_id), f"requests went missing: {sorted(set(by_id) - set(trace.requests))}")
     unfinished = [rid for rid, r in trace.requests.items() if r.finished is None or r.finish_reason is None]
     claim(not unfinished, f"never finished: {unfinished}")
@@ -104,10 +96,34 @@ def test_every_request_finishes_exactly_once(mode, engine, model_dir):
     odd = {rid: r.finish_reason for rid, r in trace.requests.items()
            if r.finish_reason not in ("length", "stop", "abort")}
     claim(not odd, f"finished for a reason other than length, stop or abort: {odd}")
+    return trace
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_request_finishes_exactly_once(mode, engine, model_dir):
+    caps, mode_knobs = MODES[mode]
+    require(engine, *caps, "abort")
+    vocab, _ = model_vocab(model_dir)
+    workload = storm(mode, vocab)
+    knobs = pressured_knobs(engine, workload.requests).merged(mode_knobs)
+    by_id = {r.request_id: r for r in workload.requests}
+    races = getattr(engine, "aborts_race_finishes", False)
+    # over HTTP whether a closed stream lands on a running request depends on the moment (a front end short of CPU
+    # wrote a whole stream at once, finished before its close: 0 of 8 sent): the storm runs quietly, and a try in
+    # which no abort was confirmed is served again, each try's outputs judged first (prove.TIMED_TRIES in all)
+    tries = 1 if getattr(engine, "steppable", False) else TIMED_TRIES
+    with quietly(engine):
+        attempt = 1
+        trace = _storm_served(engine, workload, knobs, mode, by_id)
+        seen = confirmed_aborts(trace, workload.requests, races)
+        while not seen.confirmed and attempt < tries:
+            attempt += 1
+            trace = _storm_served(engine, workload, knobs, mode, by_id)
+            seen = confirmed_aborts(trace, workload.requests, races)
+    record_evidence("storm_tries", attempt)
+    undecided_because: list[str] = []
 
     # --- the aborts: every one that reached a running request happened in the engine
-    races = getattr(engine, "aborts_race_finishes", False)
-    seen = confirmed_aborts(trace, workload.requests, races)
     for what, ids in (("aborts_asked", seen.asked), ("aborts_sent", seen.sent), ("aborts_confirmed", seen.confirmed)):
         record_evidence(what, len(ids))
     # what a pin on the engine's count of aborts needs to be put to the test (kvbench.conformance.preconditions)
@@ -115,8 +131,9 @@ def test_every_request_finishes_exactly_once(mode, engine, model_dir):
     if not seen.confirmed:
         undecided_because.append(
             f"none of the {len(seen.asked)} aborts the workload asked for could be confirmed to reach a request "
-            f"still running on {engine.name} ({len(seen.sent)} sent; confirmed: {seen.how}), so whether aborts "
-            "reach the engine was not decided")
+            f"still running on {engine.name} ({len(seen.sent)} sent; confirmed: {seen.how}"
+            f"{f'; in each of {attempt} tries' if attempt > 1 else ''}), so whether aborts reach the engine was not "
+            "decided")
     else:
         if not races:  # in process the finish reasons are the engine's own
             missed = [rid for rid in seen.confirmed if trace.requests[rid].finish_reason != "abort"]

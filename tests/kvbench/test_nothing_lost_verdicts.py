@@ -160,3 +160,31 @@ def test_confirmed_aborts_by_each_rule():
     trace.step_seconds = None  # the wall clock in process: what the adapter reports aborted
     assert confirmed_aborts(trace, requests, races=False).confirmed == ("r2",)
     assert re.search("half its max_tokens", confirmed_aborts(trace, requests, races=True).how)
+
+
+def test_a_storm_whose_aborts_all_missed_is_served_again_and_each_try_judged(model_dir):
+    """Over HTTP a try in which no close landed on a running request is served again (up to prove.TIMED_TRIES), and
+    the try that confirmed aborts is the one judged; three such tries end undecided saying so. A try whose outputs
+    fail ends the check there: a failure is never served again."""
+    from kvbench.conformance.prove import TIMED_TRIES
+
+    tries: list[int] = []
+
+    def script(closes_by_try):
+        def serve(workload, recorder):
+            tries.append(1)
+            storm_as_served(closes_by_try[min(len(tries), len(closes_by_try)) - 1], WHOLE)(workload, recorder)
+        return serve
+
+    assert run_check(FakeServer(script([lambda r: None, AFTER_FIRST_TOKEN])), model_dir) == []
+    assert len(tries) == 2
+    tries.clear()
+    with pytest.raises(Undecided, match=rf"could be confirmed .*in each of {TIMED_TRIES} tries"):
+        run_check(FakeServer(script([lambda r: None])), model_dir)
+    assert len(tries) == TIMED_TRIES
+    tries.clear()
+    lost = FakeServer(script([lambda r: None]))
+    lost.serve = lambda workload, recorder, knobs=None, progress=None: (tries.append(1), None)[1]  # nothing served
+    with pytest.raises(AssertionError, match="requests went missing"):
+        run_check(lost, model_dir)
+    assert len(tries) == 1
