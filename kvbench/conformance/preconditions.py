@@ -32,6 +32,9 @@ PRECONDITIONS: dict[str, str] = {
     "aborts_reach_running_requests": ("at least one of the workload's aborts was confirmed to reach a request "
                                       "still running (closed after its first token, with tokens still to come); "
                                       "over HTTP the load decides whether the closes land while the requests run"),
+    "closed_while_waiting": ("a request's stream was closed before its first token while the bystanders still held "
+                             "every slot, long enough after the last close for the engine to act on it; over HTTP "
+                             "the load decides it"),
     "preempted": ("the check's pressured run preempted at least once (the engine's preemption counter rose); over "
                   "HTTP how the requests' arrivals overlapped decides it"),
     "pool_ran_dry": ("the check's pressured run ran the KV pool dry: the engine counted a preemption, or its streams "

@@ -357,6 +357,9 @@ def test_an_abort_before_the_first_token_stops_the_request(engine, model_dir):
     if races:
         early = [rid for rid in targets if trace.requests[rid].tokens_at_abort == 0]
         late = [rid for rid in targets if rid not in early]
+        # what a pin on an engine that runs closed requests needs to be put to the test (preconditions)
+        record_precondition("closed_while_waiting", bool(early) and last_close is not None
+                            and held_until is not None and held_until > last_close + GAUGE_LAG)
         if not early:
             undecided(f"no abort on {engine.name} came before its request's first token ({len(late)} came after "
                       "it, or the request ended first): nothing was decided")

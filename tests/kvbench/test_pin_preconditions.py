@@ -303,3 +303,11 @@ def test_the_resume_hit_pin_needs_a_preemption_and_check_3b_records_one(model_di
         check3.test_recompute_after_preemption_reuses_cached_blocks(engine, requests_greedy, truth, truth_engine,
                                                                     near_ties=[], tolerance=None)
     assert precondition_held(properties, "preempted") is True
+
+
+def test_the_llamacpp_early_abort_pin_needs_the_closes_to_land_while_the_requests_wait():
+    """llama.cpp's finding (a request closed while it waits for a slot still runs) shows only where the closes came
+    while every slot was held; a run in which the slots freed first went undecided and reported the pin stale."""
+    [pin] = [e for e in load_expectations(SHIPPED / "llamacpp.toml")
+             if e.check == "an_abort_before_the_first_token_stops_the_request"]
+    assert pin.needs == "closed_while_waiting"

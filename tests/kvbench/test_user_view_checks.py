@@ -180,6 +180,8 @@ def test_early_abort_check_closes_later_when_no_sample_saw_the_targets_waiting(r
     assert len(tries) == 2 and len(judged) == 2, (tries, judged)  # the first try's outputs were judged too
     assert "early_aborts" in proven_of(properties)
     assert (evidence["bystander_waves"], evidence["targets_closed_after_s"]) == (2, 0.6), evidence
+    # the closes landed while the targets waited: what llama.cpp's pin on this check needs (preconditions)
+    assert evidence["precondition.closed_while_waiting"] is True, evidence
 
 
 def test_a_try_that_lost_a_bystanders_tokens_fails_however_many_tries_follow():
