@@ -91,7 +91,7 @@ def _holds_under_pressure(condition, engine, requests, want, truth_engine, near_
         if stormy.counters.get("preemptions_recompute", 0) > 0:
             break
     # the unpressured run after the pressured one: a server started afresh per pool (vLLM) then serves it in waves
-    # on the pool just used, where before it it started a roomy server of its own first (one start more)
+    # on the pool just used; run first, it started a roomy server of its own (one start more)
     calm = engine.generate(requests, roomy_knobs(engine, requests))
     problems = _same_finish("unpressured vs ground truth", calm, want) + \
         _same_finish("pressured vs ground truth", stormy, want) + _same_finish("pressured vs unpressured", stormy, calm)
