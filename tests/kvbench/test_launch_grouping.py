@@ -253,6 +253,20 @@ def test_knob_sets_that_differ_only_in_what_the_preset_fixes_share_a_launch(mode
         assert adapter.process is first and len(adapter.logs) == 1
     finally:
         adapter.close()
+    adapter = ServerAdapter(model_dir, {"preset": "vllm", "cmd": STUB, "log_dir": str(tmp_path), "keep_servers": "1"})
+    try:
+        # the unpressured run after a pressured one that asked for recompute and started the server (the stop
+        # checks' order): one launch group, so it rides on that server in waves instead of starting a roomy one
+        # (vLLM's EOS check started a second server for it)
+        adapter.mark_run(REQUESTS, unpressured=False)
+        adapter.generate(REQUESTS, pool.merged(Knobs(preemption_mode="recompute")))
+        first = adapter.process
+        adapter.mark_run(REQUESTS, unpressured=True)
+        calm = adapter.generate(REQUESTS, Knobs(block_size=16, num_gpu_blocks=400, enable_prefix_caching=False))
+        assert adapter.process is first and len(adapter.logs) == 1, "a fixed knob asked for or not: one group"
+        assert any("waves" in e for e in calm.evidence), calm.evidence
+    finally:
+        adapter.close()
 
 
 @pytest.mark.server

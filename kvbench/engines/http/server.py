@@ -464,8 +464,14 @@ class ServerAdapter(EngineAdapter):
         """What must match for a launch to serve another's unpressured run: every knob as
         :meth:`launch_knobs` states it except the pool's size (:data:`POOL_SIZE_KNOBS`). Behaviour knobs
         (prefix caching, chunked prefill, the scheduling policy) and the other sizes (block size, sequences,
-        token budget) are in it, so a run never lands on a server that behaves otherwise than it asked."""
-        return frozenset((k, v) for k, v in self.launch_knobs(knobs).as_dict().items() if k not in POOL_SIZE_KNOBS)
+        token budget) are in it, so a run never lands on a server that behaves otherwise than it asked. A knob the
+        preset fixes (:attr:`Preset.fixed`: vLLM always preempts by recompute) is stated at its fixed value where
+        ``knobs`` leave it unset: a run that asks for it and one that does not land on the same server, which
+        runs it either way (the launch key, its command line, is the same)."""
+        knobs = self.launch_knobs(knobs)
+        unset = {name: value for name, value in self.preset.fixed.items() if getattr(knobs, name, None) is None}
+        stated = knobs.merged(Knobs(**unset)).as_dict() if unset else knobs.as_dict()
+        return frozenset((k, v) for k, v in stated.items() if k not in POOL_SIZE_KNOBS)
 
     @classmethod
     def starts_fresh(cls, options: dict[str, str]) -> bool:
