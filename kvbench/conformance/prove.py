@@ -31,7 +31,7 @@ from kvbench.conformance.equivalence import Verdict, compare, confirm_near_tie, 
 from kvbench.conformance.preconditions import note_greedy_reaches_eos
 from kvbench.conformance.verdict import claim, record_proof, undecided
 from kvbench.core.evidence import record_evidence
-from kvbench.core.kv_budget import pressured, request_tokens, roomy
+from kvbench.core.kv_budget import pressured, request_tokens, roomy, together
 from kvbench.engines.base import EngineAdapter, GenRequest, GenResult, Knobs
 
 #: The conformance request set: long enough prompts to span many blocks, short enough to be quick.
@@ -78,6 +78,17 @@ def roomy_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], sent: Seq
     to be refused): the run is marked by them."""
     knobs = engine.pool_knobs(roomy(kv_needs(requests))).merged(Knobs(**more))
     _mark_run(engine, sent or requests, unpressured=True)
+    return knobs
+
+
+def together_knobs(engine: EngineAdapter, requests: Sequence[GenRequest], **more: Any) -> Knobs:
+    """Knobs for a run that sends ``requests`` all at once and preempts none, with no room to spare: a pool that
+    holds them all in whole blocks (:func:`~kvbench.core.kv_budget.together`), which an engine that starts
+    afresh per knob set rounds up to a pool other checks share (one launch, not one of its own, as
+    :func:`roomy_knobs`' pool four times the need would be). For a run that cannot go in waves (a served
+    workload); ``more`` knobs on top."""
+    knobs = engine.pool_knobs(together(kv_needs(requests), engine.kv_layout.block_size())).merged(Knobs(**more))
+    _mark_run(engine, requests, unpressured=True)
     return knobs
 
 

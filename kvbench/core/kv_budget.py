@@ -102,6 +102,10 @@ class KVBudget:
     #: it is meant for: an engine whose every launch is a fresh start may round it to a pool other runs share
     #: (:func:`shared_pool`)
     roundable: bool = False
+    #: the pool must hold ``tokens`` at once besides any block the engine keeps back (a run that sends all its
+    #: requests together and must not preempt): a :attr:`roundable` budget is then rounded up, never down
+    #: (:func:`shared_pool`)
+    all_at_once: bool = False
 
     def __post_init__(self) -> None:
         if self.largest < 1 or self.tokens < 1:
@@ -137,13 +141,25 @@ def shared_pool(budget: KVBudget, layout: KVLayout, block_size: int | None = Non
     size = layout.block_size(block_size)
     held_back = 1 if layout.pool_holds_max_model_len else 0
     least = math.ceil(budget.largest / size) + held_back
-    blocks = max(least, 2 ** round(math.log2(max(1.0, budget.tokens / size))))
+    if budget.all_at_once:  # all of it at once, and the block the engine keeps back besides
+        blocks = max(least, 2 ** math.ceil(math.log2(max(1.0, math.ceil(budget.tokens / size) + held_back))))
+    else:
+        blocks = max(least, 2 ** round(math.log2(max(1.0, budget.tokens / size))))
     if layout.slots is not None or layout.pool_multiple > 1:  # a cache of cells: its own steps round it already
         return budget
     largest = budget.largest
     if layout.pool_holds_max_model_len:
         largest = max(largest, min((blocks - held_back) * size, max_len or (blocks - held_back) * size))
     return KVBudget(tokens=blocks * size, largest=largest)
+
+
+def together(needs: Iterable[int], block_size: int) -> KVBudget:
+    """A pool that holds every request at once, each in whole blocks of ``block_size``, and no more: a run that
+    sends all its requests together and must preempt none (what :func:`roomy` gives with room to spare). Where
+    every launch is a fresh start it is rounded up to a pool other checks share (:attr:`KVBudget.all_at_once`)."""
+    needs = list(needs) or [1]
+    tokens = sum(math.ceil(n / block_size) * block_size for n in needs)
+    return KVBudget(tokens=tokens, largest=max(needs), roundable=True, all_at_once=True)
 
 
 def roomy(needs: Iterable[int]) -> KVBudget:
@@ -163,7 +179,7 @@ def pool_knobs(budget: KVBudget, layout: KVLayout = ANY_LAYOUT, block_size: int 
     # block) and refuses to start when the rest cannot hold max_model_len: a pool sized by its largest request
     # gets that block on top
     held_back = 1 if layout.pool_holds_max_model_len else 0
-    blocks = max(math.ceil(budget.tokens / size), largest_blocks + held_back)
+    blocks = max(math.ceil(budget.tokens / size) + (held_back if budget.all_at_once else 0), largest_blocks + held_back)
     if layout.slots is not None or layout.pool_multiple > 1:
         blocks = math.ceil(layout.pool_tokens(blocks * size, budget.largest) / size)
     knobs = Knobs(block_size=size, num_gpu_blocks=blocks)

@@ -18,6 +18,7 @@ from kvbench.core.kv_budget import (
     pressured,
     roomy,
     shared_pool,
+    together,
 )
 from kvbench.engines.http.presets import VLLM_CPU_LAYOUT, VLLM_GPU_LAYOUT
 
@@ -158,3 +159,23 @@ def test_only_roundable_pressured_budgets_are_rounded() -> None:
     cells = KVLayout(only_block_size=1, pool_multiple=256, slots="unified")  # llama.cpp rounds its own cells
     rounded = KVBudget(tokens=700, largest=300, roundable=True)
     assert shared_pool(rounded, cells) == rounded
+
+
+@given(st.lists(st.integers(1, 400), min_size=1, max_size=12), st.booleans())
+def test_a_pool_for_all_at_once_holds_every_request_at_once_and_rounds_only_up(needs, holds) -> None:
+    layout = VLLM_CPU_LAYOUT if holds else KVLayout(preferred_block_size=16)
+    size = layout.block_size()
+    budget = together(needs, size)
+    blocks_needed = sum(-(-n // size) for n in needs) + (1 if holds else 0)
+    exact = pool_knobs(budget, layout)
+    assert exact.num_gpu_blocks >= blocks_needed, "every request at once, in whole blocks"
+    shared = pool_knobs(shared_pool(budget, layout), layout)
+    assert shared.num_gpu_blocks >= blocks_needed, "rounded up, never down"
+    assert shared.num_gpu_blocks & (shared.num_gpu_blocks - 1) == 0 or shared.num_gpu_blocks == exact.num_gpu_blocks
+    assert shared.num_gpu_blocks < 2 * max(blocks_needed, -(-max(needs) // size) + (1 if holds else 0))
+
+
+def test_five_small_streams_land_on_the_pool_most_checks_share_on_vllm() -> None:
+    """The mid-stream error check's five streams of at most three 32-token blocks: vLLM's 16-block launch."""
+    knobs = pool_knobs(shared_pool(together([80] * 5, 32), VLLM_CPU_LAYOUT, max_len=1024), VLLM_CPU_LAYOUT)
+    assert (knobs.num_gpu_blocks, knobs.max_model_len) == (16, 480)
