@@ -90,10 +90,13 @@ def staggered_workload(engine, policy: str, model_dir: str, gap_s: float, seed: 
 
 
 def staggered_knobs(engine, policy: str, requests: list[WorkloadRequest]) -> Knobs:
-    """A pool of POOL_BLOCKS_PER_STREAM blocks per stream, recompute preemption, ``policy``."""
+    """A pool of POOL_BLOCKS_PER_STREAM blocks per stream, recompute preemption, ``policy``. Roundable: where
+    every launch is a fresh start the pool is the shared one nearest it (on vLLM's CPU build 16 blocks for the 20
+    asked: past the null block and five two-block prompts, five free for the streams' growth instead of nine),
+    so FCFS's check rides on the launch most checks share."""
     block = engine.kv_layout.block_size()
     largest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-    budget = KVBudget(tokens=POOL_BLOCKS_PER_STREAM * len(requests) * block, largest=largest)
+    budget = KVBudget(tokens=POOL_BLOCKS_PER_STREAM * len(requests) * block, largest=largest, roundable=True)
     return engine.pool_knobs(budget, block).merged(Knobs(preemption_mode="recompute", scheduling_policy=policy))
 
 

@@ -6,7 +6,9 @@ test order (:mod:`kvbench.plugin.launch_order`) and the server adapter's sharing
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from kvbench.engines.base import GenRequest, Knobs
 from kvbench.engines.http.openai import KnobsNotSettable
 from kvbench.engines.http.server import ServerAdapter
+from kvbench.launch import background, placement
 from kvbench.launch.process import group_alive
 from kvbench.models.builtin import builtin_checkpoint
 from kvbench.plugin.launch_order import Planned, ordered
@@ -270,6 +273,57 @@ def test_knob_sets_that_differ_only_in_what_the_preset_fixes_share_a_launch(mode
 
 
 @pytest.mark.server
+@pytest.mark.skipif(not background.available(), reason="no privilege to bring a thread back from the idle class")
+def test_a_server_started_ahead_starts_in_the_idle_class_and_serves_in_the_normal_one(model_dir, tmp_path):
+    """A start ahead takes only CPU time nothing else wants (``SCHED_IDLE``, inherited by the threads and processes
+    it makes); the run that claims it gets it back in the normal class, every thread of its group; a timing-sensitive
+    block (``quiet``) neither waits for it nor holds the next start back. ``background_starts=off``: as before."""
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
+                                        "log_dir": str(tmp_path), "keep_servers": "2"})
+    first, coming, later = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
+    try:
+        adapter.generate(REQUESTS, first)
+        assert adapter.process.pgid is not None and background.idle_threads(adapter.process.pgid) == 0, \
+            "a start the run waits for is in the normal class"
+        assert adapter.prestart(coming)
+        ahead = adapter._starting[adapter.launch_key(coming)]
+        assert ahead.idle and background.idle_threads(ahead.server.pgid) >= 1
+        entered = time.monotonic()
+        with adapter.quiet():
+            assert time.monotonic() - entered < 0.9 and ahead.still_starting(), "no wait for an idle-class start"
+            adapter.plan_ahead([later])
+            assert adapter.launch_key(later) in adapter._starting, "an idle-class start is not held back"
+        result = adapter.generate(REQUESTS, coming)
+        assert result.counters["num_gpu_blocks"] == 12 and len(adapter.logs) == 3
+        assert background.idle_threads(ahead.server.pgid) == 0, "claimed: every thread back in the normal class"
+    finally:
+        adapter.close()
+    plain = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path),
+                                      "background_starts": "off"})
+    try:
+        assert plain.prestart(first) and not plain._starting[plain.launch_key(first)].idle
+    finally:
+        plain.close()
+
+
+def test_the_idle_class_is_inherited_and_undone_for_a_whole_group():
+    if not background.available():
+        pytest.skip("no privilege to bring a thread back from the idle class")
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        assert background.to_idle(proc.pid)
+        deadline = time.monotonic() + 10
+        while len(placement.thread_ids(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert background.idle_threads(proc.pid) == 2, "the thread made after inherits the class"
+        assert background.to_normal(proc.pid) == 2 and background.idle_threads(proc.pid) == 0
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.server
 def test_a_server_started_ahead_serves_the_run_that_needs_it_and_is_stopped_when_none_does(model_dir, tmp_path):
     """``prestart`` starts the launch a coming run needs while another serves; that run waits for it instead of
     starting its own; a server started ahead that no later test needs is stopped with its process group."""
@@ -386,11 +440,13 @@ def test_the_plans_coming_launches_start_as_room_allows_and_a_served_one_is_not_
 
 @pytest.mark.server
 def test_a_quiet_run_waits_for_starts_in_flight_and_starts_nothing_ahead(model_dir, tmp_path):
-    """``quiet``: on entry the servers still starting ahead are waited for (they are then up, idle), and inside it
-    a run asking for its server starts nothing of the plan's; after it, starting ahead goes on."""
+    """``quiet`` where starts ahead run in the normal class (``background_starts=off``, or no privilege to bring
+    a thread back from the idle class): on entry the servers still starting ahead are waited for (they are then up,
+    idle), and inside it a run asking for its server starts nothing of the plan's; after it, starting ahead goes
+    on."""
     adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
                                         "log_dir": str(tmp_path), "keep_servers": "2", "start_ahead": "1",
-                                        "ready_ahead": "3"})
+                                        "ready_ahead": "3", "background_starts": "off"})
     first, second, third = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
     key = adapter.launch_key
     try:

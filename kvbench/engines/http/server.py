@@ -106,6 +106,7 @@ from kvbench.engines.http.presets import (
     vllm_cpu_settings,
     vllm_preload,
 )
+from kvbench.launch import background
 from kvbench.launch.peers import PeerMissing, VllmInstall, find_vllm
 from kvbench.launch.placement import helpers_back, helpers_onto_engine_cores, off_the_engine_cores
 from kvbench.launch.process import ServerProcess, free_port, stop_servers
@@ -126,7 +127,7 @@ POOL_SIZE_KNOBS = frozenset({"num_gpu_blocks", "max_model_len"})
 #: behaviour knobs a preset may fix (:attr:`Preset.fixed`) that a launched server's client is told it runs
 _FIXED_DECLARED = ("preemption_mode", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy")
 #: options that take one of a few words, the default first
-_CHOICES = {"client_cores": ("auto", "off"), "helper_cores": ("free", "engine")}
+_CHOICES = {"client_cores": ("auto", "off"), "helper_cores": ("free", "engine"), "background_starts": ("auto", "off")}
 _PASSED_ON = ("api_key", "model", "tokenizer", "timeout", "settle_timeout", "preemptions_are", "dialect",
               "metrics_interval", "cache_salt")
 
@@ -161,6 +162,7 @@ class _Starting:
     port: int
     wanted: dict[str, Any]
     up: bool = False  # /health answered once: it waits, idle, for its run
+    idle: bool = False  # started in the idle scheduling class (kvbench.launch.background): back when claimed
     probed: float = -1.0  # when /health was last asked (time.monotonic())
 
     def still_starting(self) -> bool:
@@ -206,6 +208,10 @@ class ServerAdapter(EngineAdapter):
                        "when needed)",
         "ready_ahead": f"servers started ahead that may be up at once waiting for their tests, those starting included "
                        f"(default {DEFAULT_READY_AHEAD}; never fewer than start_ahead)",
+        "background_starts": "auto or off: auto starts servers ahead in Linux's idle scheduling class, back in the "
+                             "normal class once a run claims them, so a start uses only CPU time nothing else wants "
+                             "and may go on during a timing-sensitive run (default auto: where kvbench may bring "
+                             "them back, as root or with RLIMIT_NICE; kvbench.launch.background)",
         "log_dir": "directory for the servers' logs (default: a new temporary directory)",
         "api_key": "bearer token, if the command makes the server demand one",
         "model": "model name to put in requests (default: the first of /v1/models)",
@@ -335,6 +341,8 @@ class ServerAdapter(EngineAdapter):
         self.keep_servers = int(self.options.get("keep_servers", default_keep))
         self.start_ahead = int(self.options.get("start_ahead", DEFAULT_START_AHEAD))
         self.ready_ahead = max(self.start_ahead, int(self.options.get("ready_ahead", DEFAULT_READY_AHEAD)))
+        #: starts ahead go in the idle scheduling class (:mod:`kvbench.launch.background`)
+        self.background = self.options.get("background_starts", "auto") == "auto" and background.available()
         #: the launches later runs need, in the order they need them (:meth:`plan_ahead`): started ahead as room allows
         self._coming: list[Knobs] = []
         self._marks = RunMarks()
@@ -520,16 +528,21 @@ class ServerAdapter(EngineAdapter):
         starting = self._starting.pop(key, None) or self._start(key, knobs)
         server, port = starting.server, starting.port
         self._server = server
+        if starting.idle and server.pgid is not None:  # claimed: a run waits for it now
+            background.to_normal(server.pgid)
         self._start_coming()  # this one claimed: room for the next start, which overlaps the wait below
         server.wait_healthy(f"http://127.0.0.1:{port}", self.startup_timeout)
+        if starting.idle and server.pgid is not None:  # any thread made while the group was being moved
+            background.to_normal(server.pgid)
         remote = self._remote(port, starting.wanted)
         self._launched[key] = _Launched(server, remote, starting.wanted, port,
                                         defaults=dict(self.preset.server_defaults))
         self._stop(list(self._launched)[:-self.keep_servers])  # least recently used first
         return remote
 
-    def _start(self, key: tuple[str, ...], knobs: Knobs) -> _Starting:
-        """Start the server of launch ``key`` for ``knobs`` (as :meth:`launch_knobs` states them), not waiting."""
+    def _start(self, key: tuple[str, ...], knobs: Knobs, ahead: bool = False) -> _Starting:
+        """Start the server of launch ``key`` for ``knobs`` (as :meth:`launch_knobs` states them), not waiting;
+        ``ahead`` of the run that needs it: in the idle scheduling class where :attr:`background` allows."""
         port = free_port()
         argv = self.argv(knobs, port)
         log = self.log_dir / f"{self.preset.name}-{len(self.logs) + 1:03d}-port{port}.log"
@@ -537,8 +550,9 @@ class ServerAdapter(EngineAdapter):
         server = ServerProcess(argv, log, env={k: v for k, v in env.items() if v is not None})
         self.logs.append(str(log))
         server.start()
+        idle = ahead and self.background and server.proc is not None and background.to_idle(server.proc.pid)
         self.launch_knobs_of[key] = knobs
-        return _Starting(server, port, knobs.as_dict())
+        return _Starting(server, port, knobs.as_dict(), idle=idle)
 
     def prestart(self, knobs: Knobs) -> bool:
         """Start the server a coming run of ``knobs`` will need, without waiting for it, while the current one
@@ -557,7 +571,7 @@ class ServerAdapter(EngineAdapter):
         key = self.launch_key(knobs)
         if key in self.live_launches():
             return False
-        self._starting[key] = self._start(key, knobs)
+        self._starting[key] = self._start(key, knobs, ahead=True)
         return True
 
     def plan_ahead(self, coming: Sequence[Knobs]) -> None:
@@ -575,12 +589,13 @@ class ServerAdapter(EngineAdapter):
 
     @contextlib.contextmanager
     def quiet(self, wait: float = 90.0) -> Iterator[None]:
-        """While in this block no server is started ahead, and on entry the servers still starting ahead are waited
-        for (at most ``wait`` seconds; they are then up and idle): a run whose reading depends on timing (streams
-        read for stalls, closes placed while requests wait) gets the machine's cores to itself and its server, not
-        shared with a vLLM start of tens of CPU-seconds. Seen on 2 cores: a victim check's streams came in bursts of
-        16-59 tokens a chunk in every try while later launches started. A start that fails is left to the run that
-        needs it to report.
+        """A run whose reading depends on timing (streams read for stalls, closes placed while requests wait) gets
+        the machine's cores to itself and its server, not shared with a vLLM start of tens of CPU-seconds. Seen on
+        2 cores: a victim check's streams came in bursts of 16-59 tokens a chunk in every try while later launches
+        started. Where starts ahead go in the idle scheduling class (:attr:`background`) they take no CPU time the
+        run wants, and go on through the block; elsewhere no server is started ahead in the block, and on entry the
+        servers still starting ahead are waited for (at most ``wait`` seconds; they are then up and idle). A start
+        that fails is left to the run that needs it to report.
 
         And for the block the served server's unbound helpers run beside its engine, as ``helper_cores=engine``
         puts them (:func:`kvbench.launch.placement.helpers_onto_engine_cores`), and are unbound again on exit:
@@ -593,7 +608,8 @@ class ServerAdapter(EngineAdapter):
         self._held = True
         try:
             deadline = time.monotonic() + wait
-            while any(s.still_starting() for s in self._starting.values()) and time.monotonic() < deadline:
+            while any(s.still_starting() and not s.idle for s in self._starting.values()) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.5)
             yield
         finally:
@@ -603,7 +619,7 @@ class ServerAdapter(EngineAdapter):
             self._start_coming()  # what was held back starts now, not at the next run's ask
 
     def _start_coming(self) -> None:
-        if not self._coming or self.reconfigurable or self._held:
+        if not self._coming or self.reconfigurable or (self._held and not self.background):
             return
         live = self.live_launches()
         for knobs in self._coming:
