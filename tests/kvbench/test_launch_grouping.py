@@ -324,6 +324,27 @@ def test_the_idle_class_is_inherited_and_undone_for_a_whole_group():
 
 
 @pytest.mark.server
+def test_a_server_a_later_test_needs_is_kept_beside_the_one_serving(model_dir, tmp_path):
+    """keep_servers=1 keeps one server, and besides it those the plan says later tests need (within ready_ahead):
+    two tests alternating between two launches (caching off, then on, each) start each launch once."""
+    adapter = _adapter(model_dir, tmp_path)
+    off, on, other = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
+    key = adapter.launch_key
+    try:
+        adapter.plan_ahead([off, on])  # what the plan says the coming tests need: the two, twice
+        adapter.generate(REQUESTS, off)
+        adapter.generate(REQUESTS, on)
+        assert {key(off), key(on)} <= adapter.live_launches(), "the server a later test needs was stopped"
+        adapter.generate(REQUESTS, off)
+        assert len(adapter.logs) == 2, "a launch a later test needed was started again"
+        adapter.plan_ahead([])  # no later test needs either: one server at a time again
+        adapter.generate(REQUESTS, other)
+        assert adapter.live_launches() == {key(other)} and len(adapter.logs) == 3
+    finally:
+        adapter.close()
+
+
+@pytest.mark.server
 def test_a_server_started_ahead_serves_the_run_that_needs_it_and_is_stopped_when_none_does(model_dir, tmp_path):
     """``prestart`` starts the launch a coming run needs while another serves; that run waits for it instead of
     starting its own; a server started ahead that no later test needs is stopped with its process group."""

@@ -53,7 +53,8 @@ non-reconfigurable launch the adapter makes each one serve as many runs as it ho
   the pool a pressured run of the same requests gets (the largest one twice), in waves, so that the run
   under pressure that follows reuses its server. A streamed run (``serve``) gets the pool it asked for:
   it is not sent in waves. Pressured runs always get exactly the pool they ask for.
-* ``keep_servers`` defaults to 1 for vLLM: never more than one up at a time; each launch's key is logged
+* ``keep_servers`` defaults to 1 for vLLM: one server kept up beside those a later test of the plan needs (as
+  many as ``ready_ahead`` allows with the starts in flight, see :meth:`_beyond_keep`); each launch's key is logged
   (:meth:`take_launches`) so that the plugin can order the next run's tests by launch and stop a server no
   later test needs (:meth:`stop_servers_except`).
 
@@ -345,6 +346,8 @@ class ServerAdapter(EngineAdapter):
         self.background = self.options.get("background_starts", "auto") == "auto" and background.available()
         #: the launches later runs need, in the order they need them (:meth:`plan_ahead`): started ahead as room allows
         self._coming: list[Knobs] = []
+        #: the launch keys later tests need, as the plan last said (:meth:`plan_ahead`), served ones included
+        self._needed_later: set[tuple[str, ...]] = set()
         self._marks = RunMarks()
         self._launch_log: list[tuple[str, ...]] = []  # launch keys served from, since take_launches()
         self._last_run: tuple[Knobs, OpenAIAdapter] | None = None  # (knobs asked, the server's client) of generate
@@ -524,7 +527,7 @@ class ServerAdapter(EngineAdapter):
         # what is not reused for another knob set goes now; a dead server of this key goes too; and room is made
         # before the start, so that no more than keep_servers run even while the new one starts
         self._stop([k for k, v in self._launched.items() if k == key or v.carries_state])
-        self._stop(list(self._launched)[:len(self._launched) - (self.keep_servers - 1)])
+        self._stop(self._beyond_keep(self.keep_servers - 1))
         starting = self._starting.pop(key, None) or self._start(key, knobs)
         server, port = starting.server, starting.port
         self._server = server
@@ -537,7 +540,7 @@ class ServerAdapter(EngineAdapter):
         remote = self._remote(port, starting.wanted)
         self._launched[key] = _Launched(server, remote, starting.wanted, port,
                                         defaults=dict(self.preset.server_defaults))
-        self._stop(list(self._launched)[:-self.keep_servers])  # least recently used first
+        self._stop(self._beyond_keep(self.keep_servers))
         return remote
 
     def _start(self, key: tuple[str, ...], knobs: Knobs, ahead: bool = False) -> _Starting:
@@ -579,6 +582,7 @@ class ServerAdapter(EngineAdapter):
         :mod:`kvbench.plugin.launch_order`): each is started ahead (:meth:`prestart`) as room allows, now and
         whenever a run asks for a server, so a start that finishes during a long check lets the next one begin."""
         self._coming = list(coming)
+        self._needed_later = {key for key in map(self._key_or_none, coming) if key is not None}
         self._start_coming()
 
     def _key_or_none(self, knobs: Knobs) -> tuple[str, ...] | None:
@@ -645,6 +649,24 @@ class ServerAdapter(EngineAdapter):
         """The launch keys of the servers running (healthy, reusable) or starting ahead."""
         running = {k for k, v in self._launched.items() if v.server.running() and not v.carries_state}
         return running | set(self._starting)
+
+    def _beyond_keep(self, keep: int) -> list[tuple[str, ...]]:
+        """The running servers to stop so that ``keep`` stay, least recently used first, except those a later test
+        of the plan needs (:meth:`plan_ahead`): such a server is kept as one started ahead would be, within
+        ``ready_ahead`` with the starts in flight, and stopped once no later test needs it
+        (:meth:`stop_servers_except`). Without it, two tests alternating between two launches (checks 3 and 3b:
+        caching off, then on, each) started each launch again for the second test."""
+        order = list(self._launched)
+        excess = order[:max(0, len(order) - keep)]
+        needed = self._needed_later
+        room = self.ready_ahead - len(self._starting)
+        stop = []
+        for key in excess:
+            if key in needed and room > 0 and self._launched[key].server.running():
+                room -= 1
+                continue
+            stop.append(key)
+        return stop
 
     def stop_servers_except(self, keep: Collection[tuple[str, ...]]) -> None:
         """Stop every running or starting server whose launch key is not in ``keep`` (no later test needs it)."""
