@@ -298,9 +298,11 @@ def test_a_server_started_ahead_starts_in_the_idle_class_and_serves_in_the_norma
         assert background.idle_threads(ahead.server.pgid) == 0, "claimed: every thread back in the normal class"
     finally:
         adapter.close()
+    assert adapter.start_ahead == adapter.ready_ahead == 4, "in the background, as many start as may wait ready"
     plain = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path),
                                       "background_starts": "off"})
     try:
+        assert plain.start_ahead == 2, "in the normal class, two side by side keep two cores busy"
         assert plain.prestart(first) and not plain._starting[plain.launch_key(first)].idle
     finally:
         plain.close()
@@ -350,7 +352,7 @@ def test_a_server_started_ahead_serves_the_run_that_needs_it_and_is_stopped_when
     starting its own; a server started ahead that no later test needs is stopped with its process group."""
     # each stub takes a second to listen, so the two started ahead are still starting when the third is asked for
     adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
-                                        "log_dir": str(tmp_path), "keep_servers": "1"})
+                                        "log_dir": str(tmp_path), "keep_servers": "1", "start_ahead": "2"})
     first, coming = Knobs(block_size=16, num_gpu_blocks=8), Knobs(block_size=16, num_gpu_blocks=12)
     try:
         adapter.generate(REQUESTS, first)

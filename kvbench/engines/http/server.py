@@ -116,7 +116,9 @@ from kvbench.launch.vllm_faults import check_fault, fault_environment
 
 #: servers of other knob sets kept running for reuse, by default
 DEFAULT_KEEP_SERVERS = 8
-#: servers started ahead of the tests that need them at once (:meth:`ServerAdapter.prestart`)
+#: servers started ahead of the tests that need them at once (:meth:`ServerAdapter.prestart`), where starts run in
+#: the normal scheduling class; in the idle class (``background_starts``) as many as ``ready_ahead``: they use only
+#: CPU time nothing else wants, so more side by side fill every idle moment (a claimed one leaves the idle class)
 DEFAULT_START_AHEAD = 2
 #: servers started ahead (starting, or up and waiting for their run) at most, starts side by side included: a
 #: vLLM server idles at ~2 GB and no CPU, so a few waiting keep the cores busy starting the next ones
@@ -205,7 +207,8 @@ class ServerAdapter(EngineAdapter):
         "keep_servers": f"servers of other knob sets kept running for reuse (default {DEFAULT_KEEP_SERVERS}, "
                         f"{', '.join(sorted(ONE_AT_A_TIME))}: 1; 1: only the latest one)",
         "start_ahead": f"servers started ahead of the tests that need them, by the launch plan, where every launch is "
-                       f"a fresh start: how many start side by side (default {DEFAULT_START_AHEAD}; 0: each starts "
+                       f"a fresh start: how many start side by side (default {DEFAULT_START_AHEAD}, or ready_ahead "
+                       "where starts ahead run in the background: background_starts; 0: each starts "
                        "when needed)",
         "ready_ahead": f"servers started ahead that may be up at once waiting for their tests, those starting included "
                        f"(default {DEFAULT_READY_AHEAD}; never fewer than start_ahead)",
@@ -340,10 +343,12 @@ class ServerAdapter(EngineAdapter):
         self.logs: list[str] = []
         default_keep = 1 if self.preset.name in ONE_AT_A_TIME else DEFAULT_KEEP_SERVERS
         self.keep_servers = int(self.options.get("keep_servers", default_keep))
-        self.start_ahead = int(self.options.get("start_ahead", DEFAULT_START_AHEAD))
-        self.ready_ahead = max(self.start_ahead, int(self.options.get("ready_ahead", DEFAULT_READY_AHEAD)))
         #: starts ahead go in the idle scheduling class (:mod:`kvbench.launch.background`)
         self.background = self.options.get("background_starts", "auto") == "auto" and background.available()
+        ready_ahead = int(self.options.get("ready_ahead", DEFAULT_READY_AHEAD))
+        default_start = max(ready_ahead, DEFAULT_START_AHEAD) if self.background else DEFAULT_START_AHEAD
+        self.start_ahead = int(self.options.get("start_ahead", default_start))
+        self.ready_ahead = max(self.start_ahead, ready_ahead)
         #: the launches later runs need, in the order they need them (:meth:`plan_ahead`): started ahead as room allows
         self._coming: list[Knobs] = []
         #: the launch keys later tests need, as the plan last said (:meth:`plan_ahead`), served ones included
