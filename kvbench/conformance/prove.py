@@ -271,8 +271,8 @@ def until_triggered(engine: EngineAdapter, counter: str | Sequence[str], attempt
 
 def quietly(engine: EngineAdapter) -> contextlib.AbstractContextManager:
     """A block in which nothing else of ``engine``'s starts (no server started ahead for a later test, those still
-    starting waited for first: :meth:`ServerAdapter.quiet <kvbench.engines.http.server.ServerAdapter.quiet>`), for
-    a run whose reading depends on timing; a no-op on an engine without such starts."""
+    starting paused: :meth:`ServerAdapter.quiet <kvbench.engines.http.server.ServerAdapter.quiet>`), for a run
+    whose reading depends on timing; a no-op on an engine without such starts."""
     quiet = getattr(engine, "quiet", None)
     return quiet() if callable(quiet) else contextlib.nullcontext()
 

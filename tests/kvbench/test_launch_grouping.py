@@ -17,7 +17,7 @@ from kvbench.engines.base import GenRequest, Knobs
 from kvbench.engines.http.openai import KnobsNotSettable
 from kvbench.engines.http.server import ServerAdapter
 from kvbench.launch import background, placement
-from kvbench.launch.process import group_alive
+from kvbench.launch.process import ServerProcess, group_alive, group_members
 from kvbench.models.builtin import builtin_checkpoint
 from kvbench.plugin.launch_order import Planned, ordered
 
@@ -276,11 +276,11 @@ def test_knob_sets_that_differ_only_in_what_the_preset_fixes_share_a_launch(mode
 @pytest.mark.skipif(not background.available(), reason="no privilege to bring a thread back from the idle class")
 def test_a_server_started_ahead_starts_in_the_idle_class_and_serves_in_the_normal_one(model_dir, tmp_path):
     """A start ahead takes only CPU time nothing else wants (``SCHED_IDLE``, inherited by the threads and processes
-    it makes); the run that claims it gets it back in the normal class, every thread of its group; a timing-sensitive
-    block (``quiet``) neither waits for it nor holds the next start back. ``background_starts=off``: as before."""
+    it makes); the run that claims it gets it back in the normal class, every thread of its group.
+    ``background_starts=off``: in the normal class, as before."""
     adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
                                         "log_dir": str(tmp_path), "keep_servers": "2"})
-    first, coming, later = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
+    first, coming = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12))
     try:
         adapter.generate(REQUESTS, first)
         assert adapter.process.pgid is not None and background.idle_threads(adapter.process.pgid) == 0, \
@@ -288,17 +288,11 @@ def test_a_server_started_ahead_starts_in_the_idle_class_and_serves_in_the_norma
         assert adapter.prestart(coming)
         ahead = adapter._starting[adapter.launch_key(coming)]
         assert ahead.idle and background.idle_threads(ahead.server.pgid) >= 1
-        entered = time.monotonic()
-        with adapter.quiet():
-            assert time.monotonic() - entered < 0.9 and ahead.still_starting(), "no wait for an idle-class start"
-            adapter.plan_ahead([later])
-            assert adapter.launch_key(later) in adapter._starting, "an idle-class start is not held back"
         result = adapter.generate(REQUESTS, coming)
-        assert result.counters["num_gpu_blocks"] == 12 and len(adapter.logs) == 3
+        assert result.counters["num_gpu_blocks"] == 12 and len(adapter.logs) == 2
         assert background.idle_threads(ahead.server.pgid) == 0, "claimed: every thread back in the normal class"
     finally:
         adapter.close()
-    assert adapter.start_ahead == adapter.ready_ahead == 4, "in the background, as many start as may wait ready"
     plain = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path),
                                       "background_starts": "off"})
     try:
@@ -306,6 +300,32 @@ def test_a_server_started_ahead_starts_in_the_idle_class_and_serves_in_the_norma
         assert plain.prestart(first) and not plain._starting[plain.launch_key(first)].idle
     finally:
         plain.close()
+
+
+def _states(pgid: int) -> set[str]:
+    """The process states (``ps`` letters: T stopped) of group ``pgid``'s live members."""
+    return {state for _, state in group_members(pgid) or () if state != "Z"}
+
+
+@pytest.mark.server
+def test_a_paused_server_group_is_resumed_and_can_still_be_stopped(tmp_path):
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+           "time.sleep(60)"
+    server = ServerProcess([sys.executable, "-c", code], tmp_path / "paused.log")
+    server.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(group_members(server.pgid) or ()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.pause() and _states(server.pgid) == {"T"}, "every process of the group stopped"
+        server.resume()
+        assert "T" not in _states(server.pgid)
+        assert server.pause()
+        started = time.monotonic()
+        server.stop(term_timeout=5.0)  # SIGTERM reaches a paused group: it is resumed to act on it
+        assert not group_alive(server.pgid) and time.monotonic() - started < 4.0, "stopped by SIGTERM, not SIGKILL"
+    finally:
+        server.stop()
 
 
 def test_the_idle_class_is_inherited_and_undone_for_a_whole_group():
@@ -462,24 +482,27 @@ def test_the_plans_coming_launches_start_as_room_allows_and_a_served_one_is_not_
 
 
 @pytest.mark.server
-def test_a_quiet_run_waits_for_starts_in_flight_and_starts_nothing_ahead(model_dir, tmp_path):
-    """``quiet`` where starts ahead run in the normal class (``background_starts=off``, or no privilege to bring
-    a thread back from the idle class): on entry the servers still starting ahead are waited for (they are then up,
-    idle), and inside it a run asking for its server starts nothing of the plan's; after it, starting ahead goes
-    on."""
+def test_a_quiet_run_pauses_starts_in_flight_and_starts_nothing_ahead(model_dir, tmp_path):
+    """``quiet``: on entry the servers still starting ahead are paused (SIGSTOP to their groups: no CPU time, and
+    no wait for them either), and inside it a run asking for its server starts nothing of the plan's; a run that
+    claims a paused one resumes it; after the block the paused ones go on and starting ahead resumes."""
     adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
-                                        "log_dir": str(tmp_path), "keep_servers": "2", "start_ahead": "1",
-                                        "ready_ahead": "3", "background_starts": "off"})
+                                        "log_dir": str(tmp_path), "keep_servers": "2", "start_ahead": "2",
+                                        "ready_ahead": "3"})
     first, second, third = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
     key = adapter.launch_key
     try:
         adapter.plan_ahead([first, second, third])
-        assert set(adapter._starting) == {key(first)}
-        assert adapter._starting[key(first)].still_starting()
+        assert set(adapter._starting) == {key(first), key(second)}
+        starting = [s.server for s in adapter._starting.values()]
+        entered = time.monotonic()
         with adapter.quiet():
-            assert not any(s.still_starting() for s in adapter._starting.values()), "entered with a start in flight"
-            adapter.generate(REQUESTS, first)
-            assert key(second) not in adapter.live_launches(), "a server started ahead during a quiet run"
+            assert time.monotonic() - entered < 0.9, "the block waited for the starts in flight"
+            assert all(_states(s.pgid) <= {"T"} for s in starting), "a start in flight was not paused"
+            adapter.generate(REQUESTS, first)  # claims the paused one: resumed, waited for, served
+            assert key(third) not in adapter.live_launches(), "a server started ahead during a quiet run"
+            assert _states(starting[1].pgid) <= {"T"}, "the other start went on in the block"
+        assert "T" not in _states(starting[1].pgid), "a paused start was left paused after the block"
         adapter.generate(REQUESTS, first)
         assert key(second) in adapter.live_launches(), "starting ahead did not resume after the quiet run"
     finally:

@@ -116,9 +116,8 @@ from kvbench.launch.vllm_faults import check_fault, fault_environment
 
 #: servers of other knob sets kept running for reuse, by default
 DEFAULT_KEEP_SERVERS = 8
-#: servers started ahead of the tests that need them at once (:meth:`ServerAdapter.prestart`), where starts run in
-#: the normal scheduling class; in the idle class (``background_starts``) as many as ``ready_ahead``: they use only
-#: CPU time nothing else wants, so more side by side fill every idle moment (a claimed one leaves the idle class)
+#: servers started ahead of the tests that need them at once (:meth:`ServerAdapter.prestart`). Not more in the idle
+#: class: four vLLM starts side by side there made the EOS check's own start (normal class) take 110 s, not 35
 DEFAULT_START_AHEAD = 2
 #: servers started ahead (starting, or up and waiting for their run) at most, starts side by side included: a
 #: vLLM server idles at ~2 GB and no CPU, so a few waiting keep the cores busy starting the next ones
@@ -207,8 +206,7 @@ class ServerAdapter(EngineAdapter):
         "keep_servers": f"servers of other knob sets kept running for reuse (default {DEFAULT_KEEP_SERVERS}, "
                         f"{', '.join(sorted(ONE_AT_A_TIME))}: 1; 1: only the latest one)",
         "start_ahead": f"servers started ahead of the tests that need them, by the launch plan, where every launch is "
-                       f"a fresh start: how many start side by side (default {DEFAULT_START_AHEAD}, or ready_ahead "
-                       "where starts ahead run in the background: background_starts; 0: each starts "
+                       f"a fresh start: how many start side by side (default {DEFAULT_START_AHEAD}; 0: each starts "
                        "when needed)",
         "ready_ahead": f"servers started ahead that may be up at once waiting for their tests, those starting included "
                        f"(default {DEFAULT_READY_AHEAD}; never fewer than start_ahead)",
@@ -345,10 +343,8 @@ class ServerAdapter(EngineAdapter):
         self.keep_servers = int(self.options.get("keep_servers", default_keep))
         #: starts ahead go in the idle scheduling class (:mod:`kvbench.launch.background`)
         self.background = self.options.get("background_starts", "auto") == "auto" and background.available()
-        ready_ahead = int(self.options.get("ready_ahead", DEFAULT_READY_AHEAD))
-        default_start = max(ready_ahead, DEFAULT_START_AHEAD) if self.background else DEFAULT_START_AHEAD
-        self.start_ahead = int(self.options.get("start_ahead", default_start))
-        self.ready_ahead = max(self.start_ahead, ready_ahead)
+        self.start_ahead = int(self.options.get("start_ahead", DEFAULT_START_AHEAD))
+        self.ready_ahead = max(self.start_ahead, int(self.options.get("ready_ahead", DEFAULT_READY_AHEAD)))
         #: the launches later runs need, in the order they need them (:meth:`plan_ahead`): started ahead as room allows
         self._coming: list[Knobs] = []
         #: the launch keys later tests need, as the plan last said (:meth:`plan_ahead`), served ones included
@@ -536,6 +532,7 @@ class ServerAdapter(EngineAdapter):
         starting = self._starting.pop(key, None) or self._start(key, knobs)
         server, port = starting.server, starting.port
         self._server = server
+        server.resume()  # claimed in a quiet block, which pauses the starts in flight (:meth:`quiet`)
         if starting.idle and server.pgid is not None:  # claimed: a run waits for it now
             background.to_normal(server.pgid)
         self._start_coming()  # this one claimed: room for the next start, which overlaps the wait below
@@ -597,14 +594,14 @@ class ServerAdapter(EngineAdapter):
             return None  # knobs no launch takes (a check of a refusal): started when asked for, as asked
 
     @contextlib.contextmanager
-    def quiet(self, wait: float = 90.0) -> Iterator[None]:
+    def quiet(self) -> Iterator[None]:
         """A run whose reading depends on timing (streams read for stalls, closes placed while requests wait) gets
         the machine's cores to itself and its server, not shared with a vLLM start of tens of CPU-seconds. Seen on
         2 cores: a victim check's streams came in bursts of 16-59 tokens a chunk in every try while later launches
-        started. Where starts ahead go in the idle scheduling class (:attr:`background`) they take no CPU time the
-        run wants, and go on through the block; elsewhere no server is started ahead in the block, and on entry the
-        servers still starting ahead are waited for (at most ``wait`` seconds; they are then up and idle). A start
-        that fails is left to the run that needs it to report.
+        started, and still at 2.8-5.8 tokens a chunk while three started in the idle scheduling class. So for the
+        block the servers still starting ahead are paused (SIGSTOP to their groups, :meth:`ServerProcess.pause`)
+        and go on where they were after it, and none is started ahead; a run in the block that claims a paused
+        one resumes it. Before, the block waited up to 90 s for the starts in flight to finish.
 
         And for the block the served server's unbound helpers run beside its engine, as ``helper_cores=engine``
         puts them (:func:`kvbench.launch.placement.helpers_onto_engine_cores`), and are unbound again on exit:
@@ -612,23 +609,20 @@ class ServerAdapter(EngineAdapter):
         the CPU, so that five staggered streams came out one after another in whole bursts (a victim check saw
         its streams never overlap in three tries). Where a helper runs changes when tokens reach the client,
         never which tokens or which request the scheduler preempts."""
-        import time
-
         self._held = True
+        paused = [s.server for s in self._starting.values() if s.still_starting() and s.server.pause()]
         try:
-            deadline = time.monotonic() + wait
-            while any(s.still_starting() and not s.idle for s in self._starting.values()) \
-                    and time.monotonic() < deadline:
-                time.sleep(0.5)
             yield
         finally:
             self._held = False
+            for server in paused:
+                server.resume()
             helpers_back(self._quiet_helpers)
             self._quiet_helpers = {}
             self._start_coming()  # what was held back starts now, not at the next run's ask
 
     def _start_coming(self) -> None:
-        if not self._coming or self.reconfigurable or (self._held and not self.background):
+        if not self._coming or self.reconfigurable or self._held:
             return
         live = self.live_launches()
         for knobs in self._coming:
