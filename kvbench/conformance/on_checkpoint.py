@@ -27,6 +27,8 @@ def same_engine_on(engine: EngineAdapter, model_dir: str) -> EngineAdapter | Non
     adapter = type(engine)(model_dir, options, name=engine.name)
     adapter.configure_run(liveness=engine.liveness, admission_off_by_default=engine.admission_off_by_default,
                           reports_knob_overrides=engine.reports_knob_overrides)
+    if hasattr(adapter, "beside") and hasattr(engine, "start_coming"):  # a server adapter: while this one serves,
+        adapter.beside = engine  # the session adapter's starts ahead go on (the plan's tests need them next)
     return adapter
 
 

@@ -105,7 +105,8 @@ def ordered(nodeids: list[str], plan: dict[str, Planned]) -> list[str]:
     server the previous test left running as ``current``: the tests served by ``current`` alone (those that
     passed last time, then those that failed: a failure stops the server); else the first test that starts on
     ``current`` and moves on; else the first test that moves from one launch to another (it brings up the
-    launch it ends on, so the tests served by that launch alone can follow); else the first one left."""
+    launch it ends on, so the tests served by that launch alone can follow); else the first one left, a failed
+    one last unless it shares no launch with another (its failure stops no server a later test needs)."""
     free = [n for n in nodeids if not (n in plan and plan[n].launches)]
     left = [n for n in nodeids if n in plan and plan[n].launches]
     out = list(free)
@@ -118,8 +119,10 @@ def ordered(nodeids: list[str], plan: dict[str, Planned]) -> list[str]:
             left = [n for n in left if n not in batch]
             current = None if plan[batch[-1]].failed else current
             continue
-        # a test that failed stops the server it leaves: it goes after the others that could share that server
-        passing = [n for n in left if not plan[n].failed]
+        # a test that failed stops the server it leaves: it goes after the others that could share that server;
+        # one that shares its launches with no other keeps its place (a refused launch, an expected failure:
+        # last of all, its start came alone at the run's end)
+        passing = [n for n in left if not plan[n].failed or not _shares_a_launch(n, left, plan)]
         moving = [n for n in passing if len(set(plan[n].launches)) > 1]
         starts_here = [n for n in moving if plan[n].launches[0] == current]
         pick = (starts_here or moving or passing or left)[0]
@@ -127,6 +130,12 @@ def ordered(nodeids: list[str], plan: dict[str, Planned]) -> list[str]:
         left.remove(pick)
         current = None if plan[pick].failed else plan[pick].launches[-1]
     return out
+
+
+def _shares_a_launch(nodeid: str, others: list[str], plan: dict[str, Planned]) -> bool:
+    """Whether another of ``others`` ran on one of ``nodeid``'s launches."""
+    mine = set(plan[nodeid].launches)
+    return any(mine & set(plan[other].launches) for other in others if other != nodeid)
 
 
 class LaunchOrder:

@@ -49,6 +49,10 @@ def test_a_test_moving_between_launches_brings_up_the_launch_the_next_tests_shar
     # a failed test stops its server: it comes last among those sharing it
     plan = {"t1": Planned([a], failed=True), "t2": Planned([a]), "t3": Planned([a])}
     assert ordered(["t1", "t2", "t3"], plan) == ["t2", "t3", "t1"]
+    # one that shares its launch with no other (a refused launch, an expected failure) keeps its place: its
+    # start then overlaps the tests after it instead of running alone at the end
+    plan = {"t1": Planned([b], failed=True), "t2": Planned([a]), "t3": Planned([a])}
+    assert ordered(["t1", "t2", "t3"], plan) == ["t1", "t2", "t3"]
 
 
 # ------------------------------------------------------------------------------ N checks, K launches
@@ -507,3 +511,18 @@ def test_a_quiet_run_pauses_starts_in_flight_and_starts_nothing_ahead(model_dir,
         assert key(second) in adapter.live_launches(), "starting ahead did not resume after the quiet run"
     finally:
         adapter.close()
+
+
+@pytest.mark.server
+def test_an_adapter_made_beside_the_sessions_keeps_its_starts_ahead_going(model_dir, tmp_path):
+    """The EOS check serves from an adapter on its own checkpoint: while it does, the session adapter's starts
+    ahead go on (nothing else asks that one for a server meanwhile, so its next starts waited for the check)."""
+    from kvbench.conformance.on_checkpoint import engine_on
+
+    adapter = _adapter(model_dir, tmp_path)
+    calls = []
+    adapter.start_coming = lambda: calls.append(1)  # type: ignore[method-assign]
+    with engine_on(adapter, model_dir) as other:
+        assert other is not None and other.beside is adapter
+        other.generate(REQUESTS, Knobs(block_size=16, num_gpu_blocks=8))
+    assert calls, "serving beside the session adapter did not let its starts ahead go on"

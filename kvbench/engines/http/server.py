@@ -347,6 +347,9 @@ class ServerAdapter(EngineAdapter):
         self.ready_ahead = max(self.start_ahead, int(self.options.get("ready_ahead", DEFAULT_READY_AHEAD)))
         #: the launches later runs need, in the order they need them (:meth:`plan_ahead`): started ahead as room allows
         self._coming: list[Knobs] = []
+        #: the adapter this one was made beside (the same engine on another checkpoint, for one check:
+        #: :mod:`kvbench.conformance.on_checkpoint`): while this one serves, that one's starts ahead go on
+        self.beside: ServerAdapter | None = None
         #: the launch keys later tests need, as the plan last said (:meth:`plan_ahead`), served ones included
         self._needed_later: set[tuple[str, ...]] = set()
         self._marks = RunMarks()
@@ -512,6 +515,8 @@ class ServerAdapter(EngineAdapter):
         # later test needs it once more)
         self._coming = [k for k in self._coming if self._key_or_none(k) != key]
         self._start_coming()
+        if self.beside is not None:  # the plan's starts are the session adapter's: nothing else asks it meanwhile
+            self.beside.start_coming()
         launched = self._launched.get(key)
         # a warm server (prefix caching without a salt to keep runs apart) is never reused as if it were cold
         if launched is not None and launched.server.running() and not launched.carries_state:
@@ -620,6 +625,12 @@ class ServerAdapter(EngineAdapter):
             helpers_back(self._quiet_helpers)
             self._quiet_helpers = {}
             self._start_coming()  # what was held back starts now, not at the next run's ask
+
+    def start_coming(self) -> None:
+        """Start ahead what the plan's coming launches need as room allows (:meth:`prestart`): called whenever a
+        run asks for a server, here or on an adapter made beside this one (:attr:`beside`), so a start that
+        finished during a long check lets the next one begin."""
+        self._start_coming()
 
     def _start_coming(self) -> None:
         if not self._coming or self.reconfigurable or self._held:
