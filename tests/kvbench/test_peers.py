@@ -66,7 +66,7 @@ def test_a_broken_install_is_named(no_vllm: Path) -> None:
     broken.parent.mkdir(parents=True)
     broken.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named vllm' >&2\nexit 1\n")
     broken.chmod(0o755)
-    with pytest.raises(peers.PeerMissing, match="does not import vllm"):
+    with pytest.raises(peers.PeerMissing, match="finds no vllm to import"):
         peers.find_vllm(str(broken))
 
 
