@@ -2,10 +2,11 @@
 run that needs them, back in the normal class once a run claims them.
 
 A vLLM start is tens of CPU-seconds of imports. Started ahead at normal priority it takes half of a 2-core machine
-from the check running meanwhile, so a check that reads timings (streams read for stalls, closes placed while
-requests wait) must wait for every start to finish first. In ``SCHED_IDLE`` a start runs only on CPU time nothing
-else wants: a running check's engine, front end and client are never kept waiting by it (a waking task of the
-normal class preempts it at once), and the start still soaks up every idle moment, a timing check's included.
+from the check running meanwhile. In ``SCHED_IDLE`` a start runs only on CPU time nothing else wants: a waking task
+of the normal class preempts it at once, and the start soaks up the idle moments between a check's runs. It is not
+free: three idle-class starts beside a victim check still broke its streams into bursts, so a timing-sensitive
+block pauses the starts in flight instead (:meth:`ServerAdapter.quiet
+<kvbench.engines.http.server.ServerAdapter.quiet>`), and no more than two run side by side.
 
 Scheduling classes are per thread: a process's later threads and children inherit its class, so the class is set
 on the server's first process as soon as it exists (before it spawns anything), and restored on every thread of

@@ -212,8 +212,8 @@ class ServerAdapter(EngineAdapter):
                        f"(default {DEFAULT_READY_AHEAD}; never fewer than start_ahead)",
         "background_starts": "auto or off: auto starts servers ahead in Linux's idle scheduling class, back in the "
                              "normal class once a run claims them, so a start uses only CPU time nothing else wants "
-                             "and may go on during a timing-sensitive run (default auto: where kvbench may bring "
-                             "them back, as root or with RLIMIT_NICE; kvbench.launch.background)",
+                             "(default auto: where kvbench may bring them back, as root or with RLIMIT_NICE; "
+                             "kvbench.launch.background)",
         "log_dir": "directory for the servers' logs (default: a new temporary directory)",
         "api_key": "bearer token, if the command makes the server demand one",
         "model": "model name to put in requests (default: the first of /v1/models)",
