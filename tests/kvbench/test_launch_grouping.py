@@ -5,6 +5,7 @@ test order (:mod:`kvbench.plugin.launch_order`) and the server adapter's sharing
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -292,9 +293,14 @@ def test_a_server_started_ahead_starts_in_the_idle_class_and_serves_in_the_norma
         assert adapter.prestart(coming)
         ahead = adapter._starting[adapter.launch_key(coming)]
         assert ahead.idle and background.idle_threads(ahead.server.pgid) >= 1
+        grouped = background.autogroup_nice(ahead.server.pgid) is not None  # a kernel that groups by session
+        if grouped:
+            assert background.autogroup_nice(ahead.server.pgid) == background.IDLE_AUTOGROUP_NICE
         result = adapter.generate(REQUESTS, coming)
         assert result.counters["num_gpu_blocks"] == 12 and len(adapter.logs) == 2
         assert background.idle_threads(ahead.server.pgid) == 0, "claimed: every thread back in the normal class"
+        if grouped:
+            assert background.autogroup_nice(ahead.server.pgid) == 0, "claimed: its session's autogroup too"
     finally:
         adapter.close()
     plain = ServerAdapter(model_dir, {"preset": "reference", "cmd": STUB, "log_dir": str(tmp_path),
@@ -343,7 +349,26 @@ def test_the_idle_class_is_inherited_and_undone_for_a_whole_group():
         while len(placement.thread_ids(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert background.idle_threads(proc.pid) == 2, "the thread made after inherits the class"
+        if Path(f"/proc/{proc.pid}/autogroup").exists():  # a kernel that groups by session: the session reniced too
+            assert background.autogroup_nice(proc.pid) == background.IDLE_AUTOGROUP_NICE
         assert background.to_normal(proc.pid) == 2 and background.idle_threads(proc.pid) == 0
+        assert background.autogroup_nice(proc.pid) in (0, None)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_process_in_the_callers_session_leaves_the_callers_autogroup_alone():
+    """Only a session of the server's own is reniced: the caller's autogroup (pytest's, the user's shell's) is not."""
+    if not background.available():
+        pytest.skip("no privilege to bring a thread back from the idle class")
+    own = Path(f"/proc/{os.getpid()}/autogroup")
+    before = own.read_text() if own.exists() else None
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # same session as the caller
+    try:
+        assert background.to_idle(proc.pid)
+        assert background.autogroup_nice(proc.pid) is None, "no session of its own: no autogroup of its own"
+        assert (own.read_text() if own.exists() else None) == before
     finally:
         proc.kill()
         proc.wait(10)
