@@ -147,3 +147,22 @@ def autogroup_nice(pid: int) -> int | None:
         return int(path.read_text().split("nice")[1]) if path is not None else None
     except (OSError, IndexError, ValueError):
         return None
+
+
+def autogroups_on() -> bool:
+    """Whether the kernel groups tasks by session (``/proc/sys/kernel/sched_autogroup_enabled`` is 1)."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def yields(pid: int) -> bool:
+    """Whether server ``pid``, put in the idle class by :func:`to_idle`, truly gives way to the normal class: its
+    threads are idle and, where the kernel groups by session and it leads a session of its own, that session's
+    autogroup is at :data:`IDLE_AUTOGROUP_NICE` (without it, the idle class gives way only inside its own group)."""
+    if idle_threads(pid) == 0:
+        return False
+    if not autogroups_on() or _autogroup_path(pid) is None:
+        return True
+    return autogroup_nice(pid) == IDLE_AUTOGROUP_NICE

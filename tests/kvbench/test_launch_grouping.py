@@ -511,18 +511,20 @@ def test_the_plans_coming_launches_start_as_room_allows_and_a_served_one_is_not_
 
 
 @pytest.mark.server
-def test_a_quiet_run_pauses_starts_in_flight_and_starts_nothing_ahead(model_dir, tmp_path):
-    """``quiet``: on entry the servers still starting ahead are paused (SIGSTOP to their groups: no CPU time, and
-    no wait for them either), and inside it a run asking for its server starts nothing of the plan's; a run that
-    claims a paused one resumes it; after the block the paused ones go on and starting ahead resumes."""
+def test_a_quiet_run_pauses_starts_in_flight_that_would_not_give_way(model_dir, tmp_path):
+    """``quiet`` with starts in the normal class (``background_starts=off``): on entry the servers still starting
+    ahead are paused (SIGSTOP to their groups: no CPU time, and no wait for them either), and inside it a run asking
+    for its server starts nothing of the plan's; a run that claims a paused one resumes it; after the block the
+    paused ones go on and starting ahead resumes."""
     adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
                                         "log_dir": str(tmp_path), "keep_servers": "2", "start_ahead": "2",
-                                        "ready_ahead": "3"})
+                                        "ready_ahead": "3", "background_starts": "off"})
     first, second, third = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
     key = adapter.launch_key
     try:
         adapter.plan_ahead([first, second, third])
         assert set(adapter._starting) == {key(first), key(second)}
+        assert not any(s.yields for s in adapter._starting.values())
         starting = [s.server for s in adapter._starting.values()]
         entered = time.monotonic()
         with adapter.quiet():
@@ -534,6 +536,31 @@ def test_a_quiet_run_pauses_starts_in_flight_and_starts_nothing_ahead(model_dir,
         assert "T" not in _states(starting[1].pgid), "a paused start was left paused after the block"
         adapter.generate(REQUESTS, first)
         assert key(second) in adapter.live_launches(), "starting ahead did not resume after the quiet run"
+    finally:
+        adapter.close()
+
+
+@pytest.mark.server
+@pytest.mark.skipif(not background.available(), reason="no privilege to bring a thread back from the idle class")
+def test_a_quiet_run_lets_starts_that_give_way_go_on(model_dir, tmp_path):
+    """``quiet`` with starts that truly give way (the idle class, and their session's autogroup reniced where the
+    kernel groups by session): they are not paused, and a run in the block that frees room starts the next one
+    ahead, also giving way."""
+    adapter = ServerAdapter(model_dir, {"preset": "reference", "cmd": f"{STUB} --start-delay 1",
+                                        "log_dir": str(tmp_path), "keep_servers": "2", "start_ahead": "2",
+                                        "ready_ahead": "3"})
+    first, second, third = (Knobs(block_size=16, num_gpu_blocks=n) for n in (8, 12, 16))
+    key = adapter.launch_key
+    try:
+        adapter.plan_ahead([first, second, third])
+        assert all(s.yields for s in adapter._starting.values()), "a start ahead does not give way"
+        starting = [s.server for s in adapter._starting.values()]
+        with adapter.quiet():
+            assert not any("T" in _states(s.pgid) for s in starting), "a start that gives way was paused"
+            adapter.generate(REQUESTS, first)
+            assert key(third) in adapter._starting, "the claim made room, and the next start ahead did not begin"
+            later = adapter._starting[key(third)]
+            assert later.yields and "T" not in _states(later.server.pgid)
     finally:
         adapter.close()
 

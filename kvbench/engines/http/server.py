@@ -165,6 +165,9 @@ class _Starting:
     wanted: dict[str, Any]
     up: bool = False  # /health answered once: it waits, idle, for its run
     idle: bool = False  # started in the idle scheduling class (kvbench.launch.background): back when claimed
+    #: and it truly gives way to the normal class (:func:`kvbench.launch.background.yields`): left to run through a
+    #: quiet block (:meth:`ServerAdapter.quiet`), where a start that does not give way is paused
+    yields: bool = False
     probed: float = -1.0  # when /health was last asked (time.monotonic())
 
     def still_starting(self) -> bool:
@@ -211,9 +214,10 @@ class ServerAdapter(EngineAdapter):
         "ready_ahead": f"servers started ahead that may be up at once waiting for their tests, those starting included "
                        f"(default {DEFAULT_READY_AHEAD}; never fewer than start_ahead)",
         "background_starts": "auto or off: auto starts servers ahead in Linux's idle scheduling class, back in the "
-                             "normal class once a run claims them, so a start uses only CPU time nothing else wants "
-                             "(default auto: where kvbench may bring them back, as root or with RLIMIT_NICE; "
-                             "kvbench.launch.background)",
+                             "normal class (their session's autogroup at nice 19) until a run claims them, so a start "
+                             "uses only CPU time nothing else wants, even beside a timing-sensitive block; off: in the "
+                             "normal class, paused during such blocks (default auto: where kvbench may bring them "
+                             "back, as root or with RLIMIT_NICE; kvbench.launch.background)",
         "log_dir": "directory for the servers' logs (default: a new temporary directory)",
         "api_key": "bearer token, if the command makes the server demand one",
         "model": "model name to put in requests (default: the first of /v1/models)",
@@ -359,7 +363,8 @@ class ServerAdapter(EngineAdapter):
         self._launched: OrderedDict[tuple[str, ...], _Launched] = OrderedDict()
         #: launch command -> a server started ahead of the run that will need it (:meth:`prestart`), not yet healthy
         self._starting: dict[tuple[str, ...], _Starting] = {}
-        self._held = False  # starts ahead held back while a timing-sensitive run serves (:meth:`quiet`)
+        self._held = False  # a timing-sensitive run serves (:meth:`quiet`)
+        self._paused: list[ServerProcess] = []  # starts ahead paused for the quiet block (:meth:`quiet`)
         self._quiet_helpers: dict[int, set[int]] = {}  # helpers bound beside the engine for a quiet block
         #: launch command -> the knobs it was launched with (what :meth:`prestart` is later given back for it)
         self.launch_knobs_of: dict[tuple[str, ...], Knobs] = {}
@@ -561,8 +566,13 @@ class ServerAdapter(EngineAdapter):
         self.logs.append(str(log))
         server.start()
         idle = ahead and self.background and server.proc is not None and background.to_idle(server.proc.pid)
+        yields = idle and server.proc is not None and background.yields(server.proc.pid)
         self.launch_knobs_of[key] = knobs
-        return _Starting(server, port, knobs.as_dict(), idle=idle)
+        starting = _Starting(server, port, knobs.as_dict(), idle=idle, yields=yields)
+        # started ahead in a quiet block, and it would take CPU from it: paused until the block's end
+        if ahead and self._held and not yields and server.pause():
+            self._paused.append(server)
+        return starting
 
     def prestart(self, knobs: Knobs) -> bool:
         """Start the server a coming run of ``knobs`` will need, without waiting for it, while the current one
@@ -603,10 +613,13 @@ class ServerAdapter(EngineAdapter):
         """A run whose reading depends on timing (streams read for stalls, closes placed while requests wait) gets
         the machine's cores to itself and its server, not shared with a vLLM start of tens of CPU-seconds. Seen on
         2 cores: a victim check's streams came in bursts of 16-59 tokens a chunk in every try while later launches
-        started, and still at 2.8-5.8 tokens a chunk while three started in the idle scheduling class. So for the
-        block the servers still starting ahead are paused (SIGSTOP to their groups, :meth:`ServerProcess.pause`)
-        and go on where they were after it, and none is started ahead; a run in the block that claims a paused
-        one resumes it. Before, the block waited up to 90 s for the starts in flight to finish.
+        started at normal priority. A start that truly gives way (``_Starting.yields``: the idle class, its session's
+        autogroup reniced, :mod:`kvbench.launch.background`) takes only what the block leaves idle, and goes on
+        through it, as do the starts ahead begun meanwhile. One that does not (``background_starts=off``, no
+        privilege, a renice refused) is paused for the block (SIGSTOP to its group, :meth:`ServerProcess.pause`)
+        and goes on where it was after it; a run in the block that claims a paused one resumes it. (Before the
+        autogroup renice, idle-class starts still took an equal share beside the block: three of them broke a
+        victim check's streams into 2.8-5.8 tokens a chunk.)
 
         And for the block the served server's unbound helpers run beside its engine, as ``helper_cores=engine``
         puts them (:func:`kvbench.launch.placement.helpers_onto_engine_cores`), and are unbound again on exit:
@@ -615,13 +628,15 @@ class ServerAdapter(EngineAdapter):
         its streams never overlap in three tries). Where a helper runs changes when tokens reach the client,
         never which tokens or which request the scheduler preempts."""
         self._held = True
-        paused = [s.server for s in self._starting.values() if s.still_starting() and s.server.pause()]
+        self._paused = [s.server for s in self._starting.values()
+                        if not s.yields and s.still_starting() and s.server.pause()]
         try:
             yield
         finally:
             self._held = False
-            for server in paused:
+            for server in self._paused:
                 server.resume()
+            self._paused = []
             helpers_back(self._quiet_helpers)
             self._quiet_helpers = {}
             self._start_coming()  # what was held back starts now, not at the next run's ask
@@ -633,8 +648,8 @@ class ServerAdapter(EngineAdapter):
         self._start_coming()
 
     def _start_coming(self) -> None:
-        if not self._coming or self.reconfigurable or self._held:
-            return
+        if not self._coming or self.reconfigurable or (self._held and not self.background):
+            return  # in a quiet block a start ahead begins only where it can give way (see quiet)
         live = self.live_launches()
         for knobs in self._coming:
             key = self._key_or_none(knobs)
