@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,10 @@ PRECONDITIONS: dict[str, str] = {
                              "the load decides it"),
     "preempted": ("the check's pressured run preempted at least once (the engine's preemption counter rose); over "
                   "HTTP how the requests' arrivals overlapped decides it"),
-    "pool_ran_dry": ("the check's pressured run ran the KV pool dry: the engine counted a preemption, or its streams "
-                     "provably held more KV at once than the pool, or a request failed in flight while they held all "
-                     "but one token a stream of it (client side); over HTTP how the requests' arrivals overlapped "
-                     "decides it"),
+    "pool_ran_dry": ("the check's pressured run ran the KV pool dry: the engine counted a preemption, or failed a "
+                     "request in its own words for a full pool, or its streams provably held more KV at once than "
+                     "the pool, or a request failed in flight while they held all but one token a stream of it "
+                     "(client side); over HTTP how the requests' arrivals overlapped decides it"),
 }
 
 #: the evidence name a precondition is recorded under (``kvbench.evidence.`` + this)
@@ -103,20 +103,26 @@ def note_greedy_reaches_eos(model_dir: str | Path | None, requests: Sequence[Any
     record_precondition("greedy_reaches_eos", any(eos.intersection(o.token_ids) for _, o in pairs))
 
 
-def note_pool_ran_dry(trace: Any, pool_tokens: int | None) -> bool:
-    """Record ``pool_ran_dry`` for a pressured run: the engine counted a preemption, or the streams held more KV at
-    once than ``pool_tokens`` (``kvbench.conformance.victims_seen.peak_kv_tokens``: a lower bound, from the
-    client's side), or a request failed in flight when the pool was provably all but full
+def note_pool_ran_dry(trace: Any, pool_tokens: int | None,
+                      says_pool_full: Callable[[str | None], bool] | None = None) -> bool:
+    """Record ``pool_ran_dry`` for a pressured run: the engine counted a preemption, or failed a request in the
+    words it has for a full pool only (``says_pool_full``, :meth:`EngineAdapter.says_pool_full
+    <kvbench.engines.base.EngineAdapter.says_pool_full>`: llama.cpp's "Context size has been exceeded"), or the
+    streams held more KV at once than ``pool_tokens`` (``kvbench.conformance.victims_seen.peak_kv_tokens``: a lower
+    bound, from the client's side), or a request failed in flight when the pool was provably all but full
     (:func:`failed_at_a_full_pool`). Returns what it recorded.
 
     A failure alone is no evidence: it is what a pin on losing work excuses, and a request failing for any other
-    reason must not make that pin look exercised."""
+    reason must not make that pin look exercised. A failure the engine itself puts down to a full pool is: what the
+    client sees of the pool misses requests still in their prefill, and those a non-streamed response hides."""
     from kvbench.conformance.victims_seen import peak_kv_tokens
 
     counters = trace.counters
     preempted = (counters.get("preemptions_recompute") or 0) + (counters.get("preemptions_swap") or 0) > 0
+    said = says_pool_full is not None and any(
+        says_pool_full(r.error) for r in trace.requests.values() if r.finish_reason == "error")
     held = bool(pool_tokens) and peak_kv_tokens(trace) > pool_tokens
-    return record_precondition("pool_ran_dry", preempted or held
+    return record_precondition("pool_ran_dry", preempted or said or held
                                or (bool(pool_tokens) and failed_at_a_full_pool(trace, pool_tokens)))
 
 

@@ -47,6 +47,9 @@ class RequestTrace:
     output_text: str | None = None
     # the server's words when a response that had begun (HTTP 200) ended in an error event, else None
     error_event: str | None = None
+    # the server's (or the transport's) words for a request that ended "error" or "rejected", however it ended
+    # (an HTTP error status, an error event, a broken connection), else None
+    error: str | None = None
 
 
 @dataclass
@@ -189,6 +192,10 @@ class TraceRecorder:
     def error_event(self, request_id: str, message: str) -> None:
         """``request_id``'s response began and then ended in an error event saying ``message``."""
         self._req(request_id).error_event = message
+
+    def error(self, request_id: str, message: str) -> None:
+        """``request_id`` ended in an error or a refusal, the server or the transport saying ``message``."""
+        self._req(request_id).error = message
 
     def add_request_counts(self, request_id: str, recomputed_tokens: int = 0, prefix_hit_tokens: int = 0) -> None:
         r = self._req(request_id)

@@ -276,6 +276,8 @@ class _Exchange:
         recorder.output(rid, None if done.ids_from_text else done.token_ids, done.text)
         if done.error_event:
             recorder.error_event(rid, done.error or "")
+        if done.error:
+            recorder.error(rid, done.error)
         recorder.finished(rid, recorder.now(), done.finish_reason or "error")
         self.stats.requests += 1
 

@@ -101,6 +101,9 @@ class EngineAdapter(abc.ABC):
     #: HTTP stream): the engine then counts fewer aborts than the client asked for, and check 6 allows that
     #: (never more, and at least one).
     aborts_race_finishes: bool = False
+    #: what the engine says, word for word, when it fails a request because its KV pool had no room left (an
+    #: engine that fails requests in flight rather than preempt them): :meth:`says_pool_full` reads an error by it
+    pool_full_errors: tuple[str, ...] = ()
     #: options that are credentials: their values never reach the terminal, test ids, results.json,
     #: junitxml or the report (shown as ``***``). ``api_key`` always is one (:data:`ALWAYS_SECRET`).
     secret_options: frozenset[str] = ALWAYS_SECRET
@@ -287,6 +290,11 @@ class EngineAdapter(abc.ABC):
     def serve(self, workload: Sequence[WorkloadRequest], recorder: TraceRecorder, knobs: Knobs = DEFAULT_KNOBS) -> None:
         """Serve a timed workload, reporting to ``recorder``. Default: not supported."""
         raise NotImplementedError(f"engine {self.kind!r} does not support timed serving")
+
+    def says_pool_full(self, message: str | None) -> bool:
+        """Whether ``message`` (a failed request's error) is the engine's own word that its KV pool had no room
+        left (:attr:`pool_full_errors`): evidence of a dry pool from the engine, where its clients cannot tell."""
+        return bool(message) and any(words in message for words in self.pool_full_errors)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, servers, device memory)."""

@@ -283,6 +283,37 @@ def test_pool_ran_dry_is_read_from_preemptions_failures_at_a_full_pool_or_the_st
             if e.check == "text_is_the_decoding_of_the_token_ids"} == {"pool_ran_dry"}
 
 
+def test_pool_ran_dry_takes_the_engines_own_words_for_a_full_pool_and_no_others():
+    """llama.cpp fails every request in flight with "Context size has been exceeded" when a decode finds no free
+    cell, and for nothing else: such a failure is the engine's word that its pool ran dry, where the client saw too
+    little (requests in their prefill, non-streamed responses) to prove it. Any other error, or an engine that has
+    no such words, proves nothing."""
+    from kvbench.conformance.preconditions import note_pool_ran_dry
+    from kvbench.engines.base import EngineAdapter
+    from kvbench.engines.http.presets import PRESETS
+
+    llama = SimpleNamespace(pool_full_errors=PRESETS["llamacpp"].pool_full_errors)
+    says = lambda message: EngineAdapter.says_pool_full(llama, message)  # noqa: E731 - the method, on the preset
+    assert says("HTTP 500: Context size has been exceeded.") and says("Context size has been exceeded.")
+    assert not says("HTTP 500: Compute error.") and not says(None) and not says("")
+    assert not EngineAdapter.says_pool_full(SimpleNamespace(pool_full_errors=()), "Context size has been exceeded.")
+
+    def trace(error):  # a request failed before its first token (nothing the client saw held KV), one served
+        reqs = {"r0": SimpleNamespace(finish_reason="error", prompt_len=10, token_times=[], finished=0.3,
+                                      error=error),
+                "r1": SimpleNamespace(finish_reason="length", prompt_len=10, token_times=[0.1, 0.2], finished=0.2,
+                                      error=None)}
+        return SimpleNamespace(counters={}, requests=reqs)
+
+    for error, judge, held in (("HTTP 500: Context size has been exceeded.", says, True),
+                               ("HTTP 500: Compute error.", says, False),
+                               ("HTTP 500: Context size has been exceeded.", None, False)):
+        properties: list = []
+        with collecting(properties):
+            assert note_pool_ran_dry(trace(error), 512, judge) is held, (error, judge)
+        assert precondition_held(properties, "pool_ran_dry") is held
+
+
 requests_greedy, truth_engine, truth = _shared.requests_greedy, _shared.truth_engine, _shared.truth
 
 

@@ -103,6 +103,9 @@ class Preset:
     #: whether the server answers a streamed request with its response's head only together with its first token
     #: (llama-server): a client that waits for the head cannot close a request before a token is made
     head_with_first_token: bool = False
+    #: what the server says when it fails a request for want of KV room
+    #: (:attr:`kvbench.engines.base.EngineAdapter.pool_full_errors`)
+    pool_full_errors: tuple[str, ...] = ()
     #: (checkpoint directory, the adapter's options) -> what the launch needs beyond the checkpoint: values for
     #: the command's placeholders (``{model}`` among them, replacing the checkpoint directory) and flags put
     #: after the command. Runs at each launch; may raise PeerMissing (no server to launch) or ValueError
@@ -363,6 +366,9 @@ LLAMACPP = Preset(
     capabilities=frozenset({"prefix_caching", "chunked_prefill", "sampling", "abort"}),
     dialect="llamacpp",
     head_with_first_token=True,  # tools/server: the stream's head is written with the first result
+    # tools/server/server-context.cpp: sent to every request in flight when a one-token decode finds no free cell
+    # (llama_decode returned 1 at n_batch == 1), and for nothing else
+    pool_full_errors=("Context size has been exceeded",),
     kv_layout=llamacpp.UNIFIED_LAYOUT,
     default_dtype="float32",
     server_defaults={"enable_prefix_caching": True, "enable_chunked_prefill": True},

@@ -201,6 +201,11 @@ class ServerAdapter(EngineAdapter):
         return self.preset.head_with_first_token
 
     kind = "server"
+
+    @property
+    def pool_full_errors(self) -> tuple[str, ...]:  # type: ignore[override]
+        """What the preset's server says when it fails a request for want of KV room."""
+        return self.preset.pool_full_errors
     option_keys = {  # noqa: RUF012
         "preset": f"one of {', '.join(PRESETS)}: the command and how knobs map onto its flags",
         "cmd": "command template ({python} {model} {port} are filled in; the server must bind 127.0.0.1:{port})",
