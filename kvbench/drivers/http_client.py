@@ -54,6 +54,7 @@ import httpx
 
 from kvbench.core.errors import EngineUnavailable
 from kvbench.drivers.http_stream import StreamError, stream_events
+from kvbench.drivers.tls import client_context
 
 #: (arrival clock time of the chunk, token ids it carried) for every streamed chunk with tokens
 OnTokens = Callable[[float, list[int]], None]
@@ -277,7 +278,7 @@ class CompletionClient:
     def session(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         return httpx.AsyncClient(base_url=self.base_url, headers=self.headers(), limits=limits,
-                                 timeout=httpx.Timeout(self.timeout, connect=30.0))
+                                 timeout=httpx.Timeout(self.timeout, connect=30.0), verify=client_context())
 
     def _ids(self, choice: dict[str, Any], completion: Completion) -> list[int]:
         ids = choice.get("token_ids")
@@ -363,7 +364,7 @@ class CompletionClient:
 
     def get(self, path: str, timeout: float = 10.0) -> httpx.Response:
         """GET ``path``; a 401 raises :class:`CredentialError`."""
-        response = httpx.get(self.base_url + path, headers=self.headers(), timeout=timeout)
+        response = httpx.get(self.base_url + path, headers=self.headers(), timeout=timeout, verify=client_context())
         if response.status_code == 401:
             raise credential_error(self.base_url, self.api_key, 401, response.content)
         return response

@@ -30,6 +30,8 @@ from typing import Any
 
 import httpx
 
+from kvbench.drivers.tls import client_context
+
 _LIVE: set[ServerProcess] = set()
 #: a logged error: "ValueError: ...", "pydantic_core...ValidationError: 2 validation errors for ..."
 _ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b:")
@@ -135,20 +137,22 @@ class ServerProcess:
         """Return once ``GET base_url/health`` answers 200; else stop the server and raise."""
         assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                self.stop()
-                raise self._start_error(f"the server exited with status {code} before /health answered.")
-            try:
-                if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise self._start_error(f"/health did not answer within {timeout:.0f} s (startup_timeout).")
-            time.sleep(0.05)
+        # one client for the whole wait: a client per poll built a TLS context each time (kvbench.drivers.tls)
+        with httpx.Client(timeout=2.0, verify=client_context()) as client:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    self.stop()
+                    raise self._start_error(f"the server exited with status {code} before /health answered.")
+                try:
+                    if client.get(base_url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise self._start_error(f"/health did not answer within {timeout:.0f} s (startup_timeout).")
+                time.sleep(0.05)
 
     def _start_error(self, what: str) -> ServerStartError:
         said = self.server_output()

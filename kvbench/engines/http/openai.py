@@ -56,6 +56,7 @@ from kvbench.drivers.server_metrics import (
     parse_knob,
 )
 from kvbench.drivers.server_settings import knobs_from_server_info
+from kvbench.drivers.tls import client_context
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, KVBudget
 
 _KNOB_NAMES = tuple(Knobs().__dataclass_fields__)
@@ -182,7 +183,7 @@ class OpenAIAdapter(EngineAdapter):
         key = options.get("api_key")
         try:
             auth = {"Authorization": f"Bearer {key}"} if key else {}
-            answer = httpx.get(url + "/v1/models", timeout=10.0, headers=auth)
+            answer = httpx.get(url + "/v1/models", timeout=10.0, headers=auth, verify=client_context())
         except httpx.HTTPError as e:
             raise EngineUnavailable(f"nothing answers at {url} ({type(e).__name__}: {e}). Start the server first "
                                     "(e.g. python -m reference_engine.serve --model DIR --port 8000), or let kvbench "
@@ -221,7 +222,8 @@ class OpenAIAdapter(EngineAdapter):
             try:
                 import httpx
 
-                r = httpx.get(self.client.base_url + "/version", timeout=10.0, headers=self.client.headers())
+                r = httpx.get(self.client.base_url + "/version", timeout=10.0, headers=self.client.headers(),
+                              verify=client_context())
                 if r.status_code == 200 and isinstance(r.json().get("version"), str):
                     self._version = r.json()["version"]
             except (ValueError, AttributeError, OSError, httpx.HTTPError):
@@ -271,7 +273,7 @@ class OpenAIAdapter(EngineAdapter):
             return False
         try:
             answer = httpx.post(self.client.base_url + "/v1/completions", json=body, headers=self.client.headers(),
-                                timeout=60.0)
+                                timeout=60.0, verify=client_context())
         except httpx.HTTPError:
             return False
         return answer.status_code == 200
@@ -311,7 +313,7 @@ class OpenAIAdapter(EngineAdapter):
 
         try:
             answer = httpx.get(self.client.base_url + "/server_info", params={"config_format": "json"},
-                               headers=self.client.headers(), timeout=30.0)
+                               headers=self.client.headers(), timeout=30.0, verify=client_context())
             info = answer.json() if answer.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return {}

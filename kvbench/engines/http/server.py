@@ -81,6 +81,7 @@ from typing import Any
 from kvbench.core.kv_budget import KVBudget, pressured, request_tokens, shared_pool
 from kvbench.core.kv_budget import pool_knobs as layout_pool_knobs
 from kvbench.core.trace import TraceRecorder
+from kvbench.drivers.tls import client_context
 from kvbench.engines.base import (
     DEFAULT_KNOBS,
     EngineAdapter,
@@ -184,7 +185,8 @@ class _Starting:
             return True
         self.probed = time.monotonic()
         try:
-            self.up = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=0.2).status_code == 200
+            self.up = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=0.2,
+                                verify=client_context()).status_code == 200
         except httpx.HTTPError:
             return True
         return not self.up
@@ -828,7 +830,7 @@ class ServerAdapter(EngineAdapter):
         headers = {"Authorization": f"Bearer {self.options['api_key']}"} if self.options.get("api_key") else {}
         try:
             answer = httpx.post(url, json={"args": self.preset.server_args(argv)}, headers=headers,
-                                timeout=self.startup_timeout)
+                                timeout=self.startup_timeout, verify=client_context())
         except httpx.HTTPError as e:
             self.reconfigure_refusals.append(f"{url}: {type(e).__name__}: {e}")
             return None
