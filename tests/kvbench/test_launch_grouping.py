@@ -5,6 +5,7 @@ test order (:mod:`kvbench.plugin.launch_order`) and the server adapter's sharing
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -59,6 +60,7 @@ def test_a_test_moving_between_launches_brings_up_the_launch_the_next_tests_shar
 # ------------------------------------------------------------------------------ N checks, K launches
 
 CHECKS = """
+import contextlib
 import os
 import pytest
 from kvbench.engines.base import GenRequest, Knobs
@@ -599,3 +601,49 @@ def test_an_adapter_made_beside_the_sessions_keeps_its_starts_ahead_going(model_
         assert other is not None and other.beside is adapter
         other.generate(REQUESTS, Knobs(block_size=16, num_gpu_blocks=8))
     assert calls, "serving beside the session adapter did not let its starts ahead go on"
+
+
+@pytest.mark.server
+def test_a_first_run_keeps_a_few_servers_until_a_plan_says_which_are_needed(model_dir, tmp_path):
+    """vLLM's default keeps one server, next to those a launch plan says later tests need. A first run has no
+    plan and goes in collection order, where tests alternate between launches: it keeps
+    ``UNPLANNED_KEEP_SERVERS`` (least recently used stopped first), so going back to a launch reuses it; once a
+    plan is given, one again. ``keep_servers`` set by the user holds throughout."""
+    from kvbench.engines.http.server import UNPLANNED_KEEP_SERVERS
+
+    adapter = ServerAdapter(model_dir, {"preset": "vllm", "cmd": STUB, "log_dir": str(tmp_path)})
+    pools = [Knobs(block_size=16, num_gpu_blocks=n, max_model_len=48, enable_prefix_caching=False)
+             for n in (8, 10, 12)]
+    try:
+        assert adapter.keep_servers == 1 and adapter.kept == UNPLANNED_KEEP_SERVERS > len(pools)
+        for knobs in [*pools, pools[0]]:
+            adapter.generate(REQUESTS, knobs)
+        assert len(adapter.logs) == len(pools), "going back to the first launch started it again"
+        adapter.plan_ahead([])  # a plan that needs none of them: one kept, as before, from the next start on
+        adapter.generate(REQUESTS, pools[1].merged(Knobs(num_gpu_blocks=14)))
+        assert adapter.kept == 1 and len(adapter.running_servers()) == 1
+    finally:
+        adapter.close()
+    mine = ServerAdapter(model_dir, {"preset": "vllm", "cmd": STUB, "log_dir": str(tmp_path), "keep_servers": "1"})
+    assert mine.kept == 1, "keep_servers given: no more are kept on a first run"
+    mine.close()
+
+
+@pytest.mark.server
+def test_a_run_the_server_is_to_refuse_is_never_served_by_another_pool(model_dir, tmp_path):
+    """An unpressured run rides on a running server of its launch group whose pool holds it, except where its
+    knobs are ones the server is to refuse (a pool of -1 blocks): the check of that refusal needs the server to see
+    them. Seen on a first vLLM run (no plan, collection order): ``num_gpu_blocks=-1`` was served by the running
+    16-block server, and the check saw no error."""
+    adapter = ServerAdapter(model_dir, {"preset": "vllm", "cmd": STUB, "log_dir": str(tmp_path)})
+    pool = Knobs(block_size=16, num_gpu_blocks=16, max_model_len=48, enable_prefix_caching=False)
+    try:
+        adapter.mark_run(REQUESTS, unpressured=True)
+        adapter.generate(REQUESTS, pool)
+        adapter.mark_run(REQUESTS, unpressured=True)
+        with contextlib.suppress(Exception):  # whatever the stub makes of it: not the running server's answer
+            adapter.generate(REQUESTS, pool.merged(Knobs(num_gpu_blocks=-1)))
+        assert len(adapter.logs) == 2, "the run of a pool of -1 blocks was served by the running 16-block server"
+        assert "-1" in Path(adapter.logs[-1]).read_text().splitlines()[0], "launched as asked"
+    finally:
+        adapter.close()

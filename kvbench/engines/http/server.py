@@ -54,7 +54,9 @@ non-reconfigurable launch the adapter makes each one serve as many runs as it ho
   under pressure that follows reuses its server. A streamed run (``serve``) gets the pool it asked for:
   it is not sent in waves. Pressured runs always get exactly the pool they ask for.
 * ``keep_servers`` defaults to 1 for vLLM: one server kept up beside those a later test of the plan needs (as
-  many as ``ready_ahead`` allows with the starts in flight, see :meth:`_beyond_keep`); each launch's key is logged
+  many as ``ready_ahead`` allows with the starts in flight, see :meth:`_beyond_keep`); before any plan is given
+  (a first run, in collection order) up to :data:`UNPLANNED_KEEP_SERVERS`, least recently used stopped first;
+  each launch's key is logged
   (:meth:`take_launches`) so that the plugin can order the next run's tests by launch and stop a server no
   later test needs (:meth:`stop_servers_except`).
 
@@ -125,6 +127,11 @@ DEFAULT_START_AHEAD = 2
 DEFAULT_READY_AHEAD = 4
 #: presets whose servers are large enough that one at a time is the default (``keep_servers``)
 ONE_AT_A_TIME = frozenset({"vllm"})
+#: servers such a preset keeps (``keep_servers`` left to its default) until a launch plan says which later tests
+#: need which (:meth:`ServerAdapter.plan_ahead`): a first run goes in collection order, where tests alternate
+#: between launches, and keeping one restarted a launch at each switch (vLLM: 19 starts for 13 launches, 11 min on
+#: 2 cores); an idle vLLM server takes ~2 GB and no CPU
+UNPLANNED_KEEP_SERVERS = 4
 #: knobs that size a pool: a launch group is every other knob (:meth:`ServerAdapter.launch_group`)
 POOL_SIZE_KNOBS = frozenset({"num_gpu_blocks", "max_model_len"})
 #: behaviour knobs a preset may fix (:attr:`Preset.fixed`) that a launched server's client is told it runs
@@ -208,13 +215,15 @@ class ServerAdapter(EngineAdapter):
     def pool_full_errors(self) -> tuple[str, ...]:  # type: ignore[override]
         """What the preset's server says when it fails a request for want of KV room."""
         return self.preset.pool_full_errors
+
     option_keys = {  # noqa: RUF012
         "preset": f"one of {', '.join(PRESETS)}: the command and how knobs map onto its flags",
         "cmd": "command template ({python} {model} {port} are filled in; the server must bind 127.0.0.1:{port})",
         "args": "extra flags appended to every launch, space-separated (e.g. args=--dtype float32)",
         "startup_timeout": "seconds to wait for /health (default 300)",
         "keep_servers": f"servers of other knob sets kept running for reuse (default {DEFAULT_KEEP_SERVERS}, "
-                        f"{', '.join(sorted(ONE_AT_A_TIME))}: 1; 1: only the latest one)",
+                        f"{', '.join(sorted(ONE_AT_A_TIME))}: 1 once a launch plan is known, "
+                        f"{UNPLANNED_KEEP_SERVERS} before; 1: only the latest one)",
         "start_ahead": f"servers started ahead of the tests that need them, by the launch plan, where every launch is "
                        f"a fresh start: how many start side by side (default {DEFAULT_START_AHEAD}; 0: each starts "
                        "when needed)",
@@ -352,6 +361,10 @@ class ServerAdapter(EngineAdapter):
         self.logs: list[str] = []
         default_keep = 1 if self.preset.name in ONE_AT_A_TIME else DEFAULT_KEEP_SERVERS
         self.keep_servers = int(self.options.get("keep_servers", default_keep))
+        #: kept until a plan is given (:data:`UNPLANNED_KEEP_SERVERS`), where keep_servers is the one-at-a-time default
+        self._unplanned_keep = max(self.keep_servers, UNPLANNED_KEEP_SERVERS) \
+            if "keep_servers" not in self.options and self.preset.name in ONE_AT_A_TIME else self.keep_servers
+        self._planned = False  # whether a launch plan was given (plan_ahead)
         #: starts ahead go in the idle scheduling class (:mod:`kvbench.launch.background`)
         self.background = self.options.get("background_starts", "auto") == "auto" and background.available()
         self.start_ahead = int(self.options.get("start_ahead", DEFAULT_START_AHEAD))
@@ -545,7 +558,7 @@ class ServerAdapter(EngineAdapter):
         # what is not reused for another knob set goes now; a dead server of this key goes too; and room is made
         # before the start, so that no more than keep_servers run even while the new one starts
         self._stop([k for k, v in self._launched.items() if k == key or v.carries_state])
-        self._stop(self._beyond_keep(self.keep_servers - 1))
+        self._stop(self._beyond_keep(self.kept - 1))
         starting = self._starting.pop(key, None) or self._start(key, knobs)
         server, port = starting.server, starting.port
         self._server = server
@@ -559,7 +572,7 @@ class ServerAdapter(EngineAdapter):
         remote = self._remote(port, starting.wanted)
         self._launched[key] = _Launched(server, remote, starting.wanted, port,
                                         defaults=dict(self.preset.server_defaults))
-        self._stop(self._beyond_keep(self.keep_servers))
+        self._stop(self._beyond_keep(self.kept))
         return remote
 
     def _start(self, key: tuple[str, ...], knobs: Knobs, ahead: bool = False) -> _Starting:
@@ -605,6 +618,7 @@ class ServerAdapter(EngineAdapter):
         """The launches later runs will need, in the order they need them (the launch plan's, given by
         :mod:`kvbench.plugin.launch_order`): each is started ahead (:meth:`prestart`) as room allows, now and
         whenever a run asks for a server, so a start that finishes during a long check lets the next one begin."""
+        self._planned = True
         self._coming = list(coming)
         self._needed_later = {key for key in map(self._key_or_none, coming) if key is not None}
         self._start_coming()
@@ -682,6 +696,12 @@ class ServerAdapter(EngineAdapter):
         running = {k for k, v in self._launched.items() if v.server.running() and not v.carries_state}
         return running | set(self._starting)
 
+    @property
+    def kept(self) -> int:
+        """How many running servers are kept for reuse now: ``keep_servers``, or before any launch plan is given
+        where the preset's default is one at a time, :data:`UNPLANNED_KEEP_SERVERS`."""
+        return self.keep_servers if self._planned else self._unplanned_keep
+
     def _beyond_keep(self, keep: int) -> list[tuple[str, ...]]:
         """The running servers to stop so that ``keep`` stay, least recently used first, except those a later test
         of the plan needs (:meth:`plan_ahead`): such a server is kept as one started ahead would be, within
@@ -722,7 +742,10 @@ class ServerAdapter(EngineAdapter):
         if self.reconfigurable or not requests:
             return self.server_for(knobs), knobs
         knobs = self._cap_not_reached(knobs, requests)
-        if not self._is_unpressured(requests):
+        # a launch the server is to refuse (a pool of -1 blocks) is served by nothing else: a check of that refusal
+        # needs the server to see it exactly as asked (a first run, in collection order, rode such a run on a running
+        # server of the same group, and the check saw no error)
+        if not self._is_unpressured(requests) or not _plausible(knobs, self.kv_layout):
             remote = self.server_for(knobs)
             # a server keeps the marks of the runs it served: the same requests under pressure go all at once
             remote.mark_run(requests, unpressured=False)
