@@ -53,8 +53,8 @@ from typing import Any
 import httpx
 
 from kvbench.core.errors import EngineUnavailable
+from kvbench.core.tls import client_context
 from kvbench.drivers.http_stream import StreamError, stream_events
-from kvbench.drivers.tls import client_context
 
 #: (arrival clock time of the chunk, token ids it carried) for every streamed chunk with tokens
 OnTokens = Callable[[float, list[int]], None]

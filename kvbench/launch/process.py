@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from kvbench.drivers.tls import client_context
+from kvbench.core.tls import client_context
 
 _LIVE: set[ServerProcess] = set()
 #: a logged error: "ValueError: ...", "pydantic_core...ValidationError: 2 validation errors for ..."
@@ -137,7 +137,7 @@ class ServerProcess:
         """Return once ``GET base_url/health`` answers 200; else stop the server and raise."""
         assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout
-        # one client for the whole wait: a client per poll built a TLS context each time (kvbench.drivers.tls)
+        # one client for the whole wait: a client per poll built a TLS context each time (kvbench.core.tls)
         with httpx.Client(timeout=2.0, verify=client_context()) as client:
             while True:
                 code = self.proc.poll()

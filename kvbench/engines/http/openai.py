@@ -42,6 +42,7 @@ import pytest
 
 from kvbench.core.counters import Counters
 from kvbench.core.kv_budget import request_tokens
+from kvbench.core.tls import client_context
 from kvbench.core.trace import TraceRecorder
 from kvbench.drivers.http_client import DIALECTS, CompletionClient, TextTokens
 from kvbench.drivers.http_driver import run_serve
@@ -56,7 +57,6 @@ from kvbench.drivers.server_metrics import (
     parse_knob,
 )
 from kvbench.drivers.server_settings import knobs_from_server_info
-from kvbench.drivers.tls import client_context
 from kvbench.engines.base import DEFAULT_KNOBS, EngineAdapter, GenOutput, GenRequest, GenResult, Knobs, KVBudget
 
 _KNOB_NAMES = tuple(Knobs().__dataclass_fields__)

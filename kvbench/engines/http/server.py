@@ -82,8 +82,8 @@ from typing import Any
 
 from kvbench.core.kv_budget import KVBudget, pressured, request_tokens, shared_pool
 from kvbench.core.kv_budget import pool_knobs as layout_pool_knobs
+from kvbench.core.tls import client_context
 from kvbench.core.trace import TraceRecorder
-from kvbench.drivers.tls import client_context
 from kvbench.engines.base import (
     DEFAULT_KNOBS,
     EngineAdapter,
