@@ -129,8 +129,8 @@ DEFAULT_READY_AHEAD = 4
 ONE_AT_A_TIME = frozenset({"vllm"})
 #: servers such a preset keeps (``keep_servers`` left to its default) until a launch plan says which later tests
 #: need which (:meth:`ServerAdapter.plan_ahead`): a first run goes in collection order, where tests alternate
-#: between launches, and keeping one restarted a launch at each switch (vLLM: 19 starts for 13 launches, 11 min on
-#: 2 cores); an idle vLLM server takes ~2 GB and no CPU
+#: between launches, and keeping one restarted a launch at each switch (vLLM: 27 starts for 13 launches, 12 min on
+#: 2 cores; 21 and 10 min keeping 4); an idle vLLM server takes ~2 GB and no CPU
 UNPLANNED_KEEP_SERVERS = 4
 #: knobs that size a pool: a launch group is every other knob (:meth:`ServerAdapter.launch_group`)
 POOL_SIZE_KNOBS = frozenset({"num_gpu_blocks", "max_model_len"})
