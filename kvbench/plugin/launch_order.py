@@ -22,7 +22,14 @@ selects by node id, whatever the order. Only a plain run (not an xdist worker) r
 servers early: a worker runs the tests the controller sends it, not the collected order.
 
 Plans live under ``$KVBENCH_CACHE/launch-plans/`` (:func:`plan_path`), one per engine spec, checkpoint option
-and engine list; a run records the tests it ran into its plan and keeps the other tests' entries.
+and engine list; a run records the tests it ran into its plan and keeps the other tests' entries. A plan names
+no path of the machine that wrote it (:func:`portable_key`: the checkpoint, kvbench's cache and kvbench's own
+package are written as placeholders), so a plan recorded on one machine orders a run on another. kvbench ships
+one for each peer preset (``kvbench/plugin/launch_plans/<preset>.json``, :func:`seed_plan`, refreshed with
+``scripts/seed_launch_plan.py``): a first run on a machine, which has no plan of its own, is ordered by it and
+starts ahead what it says, as later runs are by their own. A seed that no longer holds (the checks now size
+their launches otherwise, or the engine is started otherwise) costs only the starts ahead: a test whose launches
+differ from the plan's starts nothing ahead, and no server the plan does not know is stopped for its sake.
 """
 
 from __future__ import annotations
@@ -42,8 +49,17 @@ from kvbench.core.knobs import Knobs
 from kvbench.engines.registry import EngineSpec, EngineSpecError, adapter_class
 from kvbench.plugin.session import engine_spec_of, is_xdist_worker, session_of
 
-#: a launch key as the plan stores it (the launch command with ``{port}``, and kvbench's environment)
+#: a launch key as the plan stores it (the launch command with ``{port}``, and kvbench's environment, with this
+#: machine's paths as placeholders: :func:`portable_key`)
 Key = tuple[str, ...]
+#: the plan file format: 2 since keys name no machine's paths (a plan of format 1 is not read: its keys would
+#: match no launch, and the run would be ordered by launches it never makes)
+PLAN_FORMAT = 2
+#: where kvbench's own launch plans are kept, one per preset (:func:`seed_plan`)
+SEED_DIR = Path(__file__).resolve().parent / "launch_plans"
+#: what stands for the engine spec's name in a seed plan's node ids (``test_x[{engine}-auto]``)
+ENGINE_PLACEHOLDER = "{engine}"
+_KVBENCH_DIR = Path(__file__).resolve().parents[1]
 _FAILED_KEY = pytest.StashKey[bool]()
 
 
@@ -62,10 +78,30 @@ def plan_path(spec: EngineSpec, model: str | None, specs: list[EngineSpec]) -> P
     return cache_root() / "launch-plans" / f"{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
 
 
+def portable_key(key: tuple[str, ...], model_dir: str | None) -> Key:
+    """``key`` (an engine's launch key) with this machine's paths written as placeholders: the checkpoint
+    (``{model}``, and what kvbench derives beside it: a GGUF at ``{model}-gguf/...``), kvbench's cache
+    (``{cache}``: the peers' environments) and kvbench's own package (``{kvbench}``: the fault hook's path).
+    Two launches have the same portable key where they have the same key, on one machine; on two machines
+    where they launch the same command on their own paths."""
+    swaps = [(str(Path(model_dir).resolve()), "{model}"), (str(model_dir), "{model}")] if model_dir else []
+    swaps += [(str(cache_root().resolve()), "{cache}"), (str(cache_root()), "{cache}"),
+              (str(_KVBENCH_DIR), "{kvbench}")]
+    out = []
+    for arg in key:
+        for path, placeholder in swaps:
+            arg = arg.replace(path, placeholder)
+        out.append(arg)
+    return tuple(out)
+
+
 def load_plan(path: Path) -> dict[str, Planned]:
-    """nodeid -> :class:`Planned` from ``path``; {} when there is none or it cannot be read."""
+    """nodeid -> :class:`Planned` from ``path``; {} when there is none, it cannot be read, or it is of another
+    format (:data:`PLAN_FORMAT`)."""
     try:
         raw = json.loads(path.read_text())
+        if raw.get("format") != PLAN_FORMAT:
+            return {}
         return {nodeid: Planned([tuple(k) for k in entry["launches"]], bool(entry.get("failed")))
                 for nodeid, entry in raw["tests"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -73,24 +109,61 @@ def load_plan(path: Path) -> dict[str, Planned]:
 
 
 def load_launch_knobs(path: Path) -> dict[Key, dict[str, Any]]:
-    """launch key -> the knobs it was launched with, as the plan at ``path`` keeps them ({} when it has none):
-    what a later run gives :meth:`ServerAdapter.prestart <kvbench.engines.http.server.ServerAdapter.prestart>`
-    to start a coming test's server ahead of it."""
+    """launch key -> the knobs it was launched with, as the plan at ``path`` keeps them ({} when it has none, or
+    is of another format): what a later run gives :meth:`ServerAdapter.prestart
+    <kvbench.engines.http.server.ServerAdapter.prestart>` to start a coming test's server ahead of it."""
     try:
         raw = json.loads(path.read_text())
+        if raw.get("format") != PLAN_FORMAT:
+            return {}
         return {tuple(entry["launch"]): dict(entry["knobs"]) for entry in raw.get("launch_knobs", [])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 
+def seed_path(spec: EngineSpec) -> Path | None:
+    """kvbench's own plan for ``spec``'s preset (:data:`SEED_DIR`), or None: an engine given its own command
+    (``cmd=``) or no preset has none."""
+    preset = spec.options.get("preset")
+    if not preset or spec.options.get("cmd"):
+        return None
+    return SEED_DIR / f"{preset}.json"
+
+
+def seed_plan(spec: EngineSpec) -> tuple[dict[str, Planned], dict[Key, dict[str, Any]]]:
+    """kvbench's own plan for ``spec`` (:func:`seed_path`) with ``spec``'s name in its node ids, and its launches'
+    knobs: what a run without a plan of its own is ordered by. ({}, {}) where there is none."""
+    path = seed_path(spec)
+    if path is None:
+        return {}, {}
+    plan = {nodeid.replace(ENGINE_PLACEHOLDER, spec.name): planned for nodeid, planned in load_plan(path).items()}
+    return plan, load_launch_knobs(path)
+
+
+def seed_from(plan_file: Path, spec: EngineSpec, dest: Path) -> int:
+    """Write the plan a run of ``spec`` recorded at ``plan_file`` as a seed plan at ``dest``: the spec's name in
+    each node id as :data:`ENGINE_PLACEHOLDER`, only the tests that ran on ``spec``. Returns how many tests it
+    holds; :class:`ValueError` when ``plan_file`` holds no plan of this format."""
+    plan = load_plan(plan_file)
+    if not plan:
+        raise ValueError(f"{plan_file} holds no launch plan of format {PLAN_FORMAT}: run the suite on {spec.name} "
+                         "once with this kvbench first")
+    marker = f"[{spec.name}"
+    seed = {nodeid.replace(marker, f"[{ENGINE_PLACEHOLDER}", 1): planned for nodeid, planned in plan.items()
+            if marker in nodeid}
+    save_plan(dest, spec, seed, load_launch_knobs(plan_file), engine_name=ENGINE_PLACEHOLDER)
+    return len(seed)
+
+
 def save_plan(path: Path, spec: EngineSpec, plan: dict[str, Planned],
-              launch_knobs: dict[Key, dict[str, Any]] | None = None) -> None:
+              launch_knobs: dict[Key, dict[str, Any]] | None = None, engine_name: str | None = None) -> None:
     """Write ``plan`` (and the knobs of its launches) atomically (a concurrent reader sees the old plan or the
     new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     used = {k for p in plan.values() for k in p.launches}
-    body = {"engine": spec.name, "tests": {nodeid: {"launches": [list(k) for k in p.launches], "failed": p.failed}
-                                           for nodeid, p in sorted(plan.items())},
+    body = {"format": PLAN_FORMAT, "engine": engine_name or spec.name,
+            "tests": {nodeid: {"launches": [list(k) for k in p.launches], "failed": p.failed}
+                      for nodeid, p in sorted(plan.items())},
             "launch_knobs": [{"launch": list(k), "knobs": knobs} for k, knobs in sorted((launch_knobs or {}).items())
                              if k in used]}
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -153,8 +226,11 @@ class LaunchOrder:
         for spec in ks.engine_specs:
             if _starts_fresh(spec):
                 path = plan_path(spec, ks.model, ks.engine_specs)
-                self.engines[spec.name] = (spec, path, load_plan(path), {})
-                self.launch_knobs[spec.name] = load_launch_knobs(path)
+                plan, knobs = load_plan(path), load_launch_knobs(path)
+                if not plan:  # a first run on this machine: kvbench's own plan for the preset, where it has one
+                    plan, knobs = seed_plan(spec)
+                self.engines[spec.name] = (spec, path, plan, {})
+                self.launch_knobs[spec.name] = knobs
         self.items: list[pytest.Item] = []
 
     @pytest.hookimpl(trylast=True)
@@ -188,10 +264,16 @@ class LaunchOrder:
         engine = (getattr(item, "funcargs", None) or {}).get("engine")
         take = getattr(engine, "take_launches", None)
         _, _, plan, records = self.engines[name]
+        model_dir = getattr(engine, "model_dir", None)
+
+        def portable(key: tuple[str, ...]) -> Key:
+            return portable_key(key, model_dir)
+
         # a test that never reached its engine (skipped first) is recorded too: it launched nothing
-        records[item.nodeid] = Planned(take() if take is not None else [], item.stash.get(_FAILED_KEY, False))
+        records[item.nodeid] = Planned([portable(k) for k in take()] if take is not None else [],
+                                       item.stash.get(_FAILED_KEY, False))
         launched = getattr(engine, "launch_knobs_of", None) or {}
-        self.launch_knobs[name].update({key: knobs.as_dict() for key, knobs in launched.items()})
+        self.launch_knobs[name].update({portable(key): knobs.as_dict() for key, knobs in launched.items()})
         self._save(name)  # after every test: a run cut short still leaves the next one its plan so far
         if take is None:
             return
@@ -207,8 +289,9 @@ class LaunchOrder:
         # launch) says nothing about later tests: kept, as keep_servers allows, rather than stopped after every test
         known = {k for p in plan.values() for k in p.launches}
         live = getattr(engine, "live_launches", None)
-        unknown = {k for k in live() if k not in known} if live is not None else set()
-        engine.stop_servers_except(set(coming) | unknown)
+        unknown = {k for k in live() if portable(k) not in known} if live is not None else set()
+        needed = set(coming)
+        engine.stop_servers_except({k for k in launched if portable(k) in needed} | needed | unknown)
         if item.nodeid in plan and plan[item.nodeid].launches == records[item.nodeid].launches:
             self._start_ahead(engine, name, coming)  # only on a plan this test has just confirmed
         else:
