@@ -11,8 +11,9 @@ every interface is a choice to make explicitly), ``--port`` (0 = a free port, pr
 engine steps in its own process; ``--no-engine-process`` keeps it on a thread of the server),
 ``--engine-threads`` (the engine process's torch threads; default ``$OMP_NUM_THREADS`` where set, else every
 core but one, which the HTTP process keeps: :func:`~reference_engine.serve.engine_process.default_engine_threads`),
-``--bind-cpus`` (default on), ``--output-poll-us`` (how often the HTTP process looks for outputs while
-requests stream: :data:`~reference_engine.serve.engine_process.OUTPUT_POLL_S`),
+``--bind-cpus`` (default on), ``--engine-malloc`` (the engine process's allocator: TCMalloc where the system
+has it, :mod:`~reference_engine.serve.allocator`), ``--output-poll-us`` (how often the HTTP process looks for
+outputs while requests stream: :data:`~reference_engine.serve.engine_process.OUTPUT_POLL_S`),
 ``--allow-reconfigure`` (off by default; a testing and benchmarking aid: ``POST /kvbench/reconfigure`` with
 ``{"args": [engine flags]}`` replaces the idle engine with one built from those flags in the same engine
 process, checked by this same parser: :func:`reconfigure_args`).
@@ -31,9 +32,11 @@ import re
 import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from reference_engine.config import FIELD_DOCS, ConfigError, EngineConfig
+from reference_engine.serve.allocator import AllocatorMissing, engine_preload
 from reference_engine.serve.protocol import DEFAULT_MAX_BODY_BYTES, BadEngineArgs
 
 READY_PREFIX = "reference_engine.serve: listening on "
@@ -99,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bind the engine process to as many cores as it has threads and the HTTP process to "
                              "the others, as vLLM's CPU build binds its worker (default: on, where a core is left "
                              "over; --no-bind-cpus lets the OS place both)")
+    server.add_argument("--engine-malloc", choices=("auto", "tcmalloc", "system"), default="auto",
+                        help="the engine process's memory allocator: auto (default) preloads TCMalloc where the "
+                             "system has it (libtcmalloc-minimal4), as vLLM's CPU docs ask for vLLM, else the "
+                             "system's; tcmalloc demands it; system preloads nothing. Needs --engine-process")
     server.add_argument("--output-poll-us", type=int, default=None, metavar="US",
                         help="while requests are in flight, the HTTP process looks for the engine's outputs every "
                              "US microseconds instead of sleeping until the engine wakes it: the engine's step "
@@ -172,7 +179,7 @@ class _CannotStart(Exception):
 
 def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | None = None,
                   while_loading: Callable[[], Any] | None = None, bind_cpus: bool = False,
-                  output_poll_us: int | None = None):
+                  output_poll_us: int | None = None, preload: Path | None = None):
     """An ``EngineProcess`` or an ``LLMEngine`` for ``config``; raises :class:`_CannotStart` with the
     engine's ``ConfigError`` message (which names the field) or why the model could not be loaded.
     ``while_loading()`` runs while the engine process imports torch and loads the model."""
@@ -190,7 +197,8 @@ def _start_engine(config: EngineConfig, *, in_own_process: bool, threads: int | 
         poll_s = OUTPUT_POLL_S if output_poll_us is None else output_poll_us / 1e6
         try:
             return EngineProcess.spawn(config, threads=threads or default_engine_threads(),
-                                       while_loading=while_loading, bind_cpus=bind_cpus, output_poll_s=poll_s)
+                                       while_loading=while_loading, bind_cpus=bind_cpus, output_poll_s=poll_s,
+                                       preload=preload)
         except EngineStartError as e:
             raise (_CannotStart(str(e)) if e.kind == "config" else load_error(str(e))) from None
     from reference_engine.engine import LLMEngine
@@ -216,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--output-poll-us needs the engine in its own process (drop --no-engine-process)")
     if args.max_body_bytes < 1:
         parser.error(f"--max-body-bytes={args.max_body_bytes} is invalid: expected an integer >= 1")
+    if args.engine_malloc == "tcmalloc" and not args.engine_process:
+        parser.error("--engine-malloc=tcmalloc needs the engine in its own process (drop --no-engine-process)")
+    try:
+        preload = engine_preload(args.engine_malloc) if args.engine_process else None
+    except AllocatorMissing as e:
+        parser.error(str(e))
     if args.allow_reconfigure and not args.engine_process:
         parser.error("--allow-reconfigure needs the engine in its own process (drop --no-engine-process)")
     try:
@@ -238,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = _start_engine(config, in_own_process=args.engine_process, threads=args.engine_threads,
                                while_loading=import_http_stack, bind_cpus=args.bind_cpus,
-                               output_poll_us=args.output_poll_us)
+                               output_poll_us=args.output_poll_us, preload=preload)
     except _CannotStart as e:
         parser.error(str(e))
     import_http_stack()  # imported already unless the engine runs on a thread of this process
@@ -247,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     from reference_engine.serve.app import build_app
     info = getattr(engine, "info", None)
     if info is not None:  # an engine process: say what it steps on (a thread count decides its speed)
-        print(f"reference_engine.serve: engine process steps on {info.torch_threads} torch threads", file=sys.stderr,
-              flush=True)
+        print(f"reference_engine.serve: engine process steps on {info.torch_threads} torch threads, "
+              f"allocator {info.allocator}", file=sys.stderr, flush=True)
 
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

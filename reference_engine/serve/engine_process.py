@@ -65,12 +65,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from reference_engine.config import ConfigError, EngineConfig
 from reference_engine.outputs import RequestOutput
 from reference_engine.request import RequestRejected
 from reference_engine.sampling_params import SamplingParams, TokenLogprobs
+from reference_engine.serve.allocator import preloading
 from reference_engine.serve.engine_loop import (
     IDLE_WAIT_S,
     EngineFailure,
@@ -120,13 +122,16 @@ class EngineInfo:
     num_cpu_blocks: int
     vocab_size: int
     torch_threads: int = 0  # intra-op threads the engine steps on
+    allocator: str = "system"  # the engine process's malloc: "tcmalloc" or "system" (serve.allocator)
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         import torch
 
+        from reference_engine.serve.allocator import loaded_allocator
+
         return cls(engine.config, engine.block_manager.num_gpu_blocks, engine.block_manager.num_cpu_blocks,
-                   engine.model.config.vocab_size, torch.get_num_threads())
+                   engine.model.config.vocab_size, torch.get_num_threads(), loaded_allocator())
 
 
 def default_engine_threads(env: dict[str, str] | None = None, cores: int | None = None) -> int:
@@ -374,14 +379,16 @@ class EngineProcess:
     @classmethod
     def spawn(cls, config: EngineConfig, start_timeout: float = START_TIMEOUT_S,
               threads: int | None = None, while_loading: Callable[[], Any] | None = None,
-              bind_cpus: bool = False, output_poll_s: float = OUTPUT_POLL_S) -> EngineProcess:
+              bind_cpus: bool = False, output_poll_s: float = OUTPUT_POLL_S,
+              preload: Path | None = None) -> EngineProcess:
         """Start the engine process for ``config`` and wait until its engine is built; raises
         :class:`EngineStartError` with the engine's own message if it cannot be. ``threads``: the engine
         process's torch threads (None: torch's default there). ``bind_cpus``: bind the engine process to
         ``threads`` cores and this process to the others (:func:`split_cpus`; nothing is bound where no core
         is left over). ``while_loading()`` runs here once the process has started, before waiting for it
         (the server imports its HTTP stack meanwhile: the two start-ups overlap instead of adding up); if
-        it raises, the engine process is killed. ``output_poll_s``: as in the constructor."""
+        it raises, the engine process is killed. ``output_poll_s``: as in the constructor. ``preload``: a
+        library the engine process is started with (its malloc: :mod:`reference_engine.serve.allocator`)."""
         if output_poll_s < 0:
             raise ValueError(f"output_poll_s={output_poll_s} is invalid: expected seconds >= 0")
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads or torch
@@ -390,7 +397,8 @@ class EngineProcess:
         engine_cpus, own_cpus = split if split is not None else (None, None)
         process = ctx.Process(target=_engine_main, args=(config, child_conn, threads, engine_cpus),
                               name="reference_engine-core", daemon=True)
-        process.start()
+        with preloading(preload):
+            process.start()
         if own_cpus is not None:
             os.sched_setaffinity(0, own_cpus)
             log.info("engine process bound to cores %s, HTTP process to %s", engine_cpus, own_cpus)
