@@ -27,6 +27,8 @@ CHOICES = ("auto", "tcmalloc", "system")
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 #: the library files tried in each folder, in order (the minimal build first: no heap profiler)
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so")
+#: TCMalloc's threshold for reporting a large allocation on stderr (bytes)
+QUIET_LARGE_ALLOCS = "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"
 HOW_TO_INSTALL = "apt-get install libtcmalloc-minimal4 (Debian/Ubuntu), dnf install gperftools-libs (Fedora)"
 
 
@@ -62,20 +64,24 @@ def engine_preload(choice: str, lib_dirs: Sequence[str] = LIB_DIRS) -> Path | No
 
 @contextlib.contextmanager
 def preloading(library: Path | None) -> Iterator[None]:
-    """While in the block, ``LD_PRELOAD`` names ``library`` after whatever it named: a process started then
-    (the engine process) loads it; the environment is as it was after the block. Nothing changes for None."""
+    """While in the block, ``LD_PRELOAD`` names ``library`` after whatever it named, and TCMalloc's report of
+    large allocations is off unless set: a process started then (the engine process) loads it; the environment
+    is as it was after the block. Nothing changes for None."""
     if library is None:
         yield
         return
-    before = os.environ.get("LD_PRELOAD")
-    os.environ["LD_PRELOAD"] = f"{before} {library}" if before else str(library)
+    before = {name: os.environ.get(name) for name in ("LD_PRELOAD", QUIET_LARGE_ALLOCS)}
+    os.environ["LD_PRELOAD"] = f"{before['LD_PRELOAD']} {library}" if before["LD_PRELOAD"] else str(library)
+    # TCMalloc reports every allocation over 1 GiB on stderr; a KV pool is one, and no fault
+    os.environ.setdefault(QUIET_LARGE_ALLOCS, str(1 << 62))
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def loaded_allocator(maps: str | None = None) -> str:

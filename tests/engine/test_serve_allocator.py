@@ -38,7 +38,7 @@ def test_auto_takes_tcmalloc_where_found_and_the_system_allocator_where_not(tmp_
 
 
 def test_tcmalloc_demanded_where_there_is_none_says_how_to_install_it(tmp_path: Path) -> None:
-    with pytest.raises(AllocatorMissing, match="libtcmalloc-minimal4.*--engine-malloc=system"):
+    with pytest.raises(AllocatorMissing, match=r"libtcmalloc-minimal4.*--engine-malloc=system"):
         engine_preload("tcmalloc", [str(tmp_path)])
     with pytest.raises(ValueError, match="--engine-malloc='jemalloc' is invalid"):
         engine_preload("jemalloc")
@@ -46,9 +46,11 @@ def test_tcmalloc_demanded_where_there_is_none_says_how_to_install_it(tmp_path: 
 
 def test_the_preload_is_only_for_the_process_started_in_the_block(monkeypatch) -> None:
     monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", raising=False)
     with preloading(Path("/x/libtcmalloc.so.4")):
         assert os.environ["LD_PRELOAD"] == "/x/libtcmalloc.so.4"
-    assert "LD_PRELOAD" not in os.environ
+        assert int(os.environ["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) > 1 << 40, "a KV pool is no news"
+    assert "LD_PRELOAD" not in os.environ and "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD" not in os.environ
     monkeypatch.setenv("LD_PRELOAD", "/y/libother.so")
     with preloading(Path("/x/libtcmalloc.so.4")):
         assert os.environ["LD_PRELOAD"] == "/y/libother.so /x/libtcmalloc.so.4", "one already there is kept"
