@@ -3,9 +3,10 @@
 Why: a step allocates and frees many short-lived tensors, and glibc's malloc returns large blocks to the kernel
 and asks for them again, step after step. TCMalloc keeps them. vLLM's CPU installation page asks its users to
 preload it for this reason; the reference server does the same for its engine process where the machine has
-it. Measured (docs/benchmarks.md#the-reference-server-against-vllm, ``small`` float32, the head-to-head's
-closed loop, 2 cores): 1.07x / 1.13x output throughput at concurrency 16 and 1.03x / 1.05x at 64 over glibc's
-malloc, round by round. The choice changes no output: allocation is not arithmetic.
+it. Measured (docs/benchmarks.md, "Measured again 2026-12-07": ``small`` float32, the head-to-head's closed
+loop, 2 cores, three interleaved rounds against ``--engine-malloc system``): 1.01x, 1.01x, 1.03x output
+throughput at concurrency 16 and 1.04x, 1.01x, 1.00x at 64, TTFT level. The choice changes no output:
+allocation is not arithmetic.
 
 The contract: ``auto`` (the default) preloads the first TCMalloc library found in the system's library folders
 (:data:`LIB_DIRS`: Debian's ``libtcmalloc-minimal4`` or ``libgoogle-perftools4``) and goes on with the system
