@@ -227,15 +227,24 @@ class LaunchOrder:
         self.engines: dict[str, tuple[EngineSpec, Path, dict[str, Planned], dict[str, Planned]]] = {}
         #: spec name -> launch key -> its knobs (the plan's, updated by what this run launched)
         self.launch_knobs: dict[str, dict[Key, dict[str, Any]]] = {}
+        #: spec name -> where its tests' order comes from, in words (the report header)
+        self.sources: dict[str, str] = {}
         for spec in ks.engine_specs:
             if _starts_fresh(spec):
                 path = plan_path(spec, ks.model, ks.engine_specs)
                 plan, knobs = load_plan(path), load_launch_knobs(path)
+                self.sources[spec.name] = f"this machine's launch plan ({path})"
                 if not plan:  # a first run on this machine: kvbench's own plan for the preset, where it has one
                     plan, knobs = seed_plan(spec)
+                    self.sources[spec.name] = (f"kvbench's launch plan for preset {spec.options.get('preset')}" if plan
+                                               else "no launch plan yet: collection order, nothing started ahead")
                 self.engines[spec.name] = (spec, path, plan, {})
                 self.launch_knobs[spec.name] = knobs
         self.items: list[pytest.Item] = []
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        """One line per engine whose tests go in launch order: which plan orders them."""
+        return [f"kvbench launch order for {name}: {source}" for name, source in self.sources.items()]
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:

