@@ -336,6 +336,26 @@ def test_the_resume_hit_pin_needs_a_preemption_and_check_3b_records_one(model_di
     assert precondition_held(properties, "preempted") is True
 
 
+
+def test_the_llamacpp_full_cache_pin_needs_the_pool_to_run_dry_and_the_check_records_it(model_dir, truth_engine):
+    """llama.cpp's lost-work finding shows only where its cache filled, and 8 requests at once do not fill it in
+    every run: one that served all 8 reported the pin stale though the finding held (a first run ordered by the
+    shipped launch plan, 2026-12-07). The pin needs ``pool_ran_dry``; the check records it from a counted
+    preemption or a failure in the engine's own words for a full pool: held on the reference engine, whose
+    pressured run preempts."""
+    from kvbench.engines.registry import make_adapter, parse_engine_spec
+    from suites.conformance import test_kv_full
+
+    [pin] = [e for e in load_expectations(SHIPPED / "llamacpp.toml")
+             if e.check == "full_kv_cache_loses_and_truncates_nothing"]
+    assert pin.needs == "pool_ran_dry"
+    properties: list = []
+    with collecting(properties):
+        test_kv_full.test_full_kv_cache_loses_and_truncates_nothing(
+            make_adapter(parse_engine_spec("reference"), model_dir), model_dir, truth_engine, near_ties=[],
+            tolerance=None)
+    assert precondition_held(properties, "pool_ran_dry") is True
+
 def test_the_llamacpp_early_abort_pin_needs_the_closes_to_land_while_the_requests_wait():
     """llama.cpp's finding (a request closed while it waits for a slot still runs) shows only where the closes came
     while every slot was held; a run in which the slots freed first went undecided and reported the pin stale."""
