@@ -7,6 +7,7 @@ does not hide behind the soak's ``--soak`` flag.
 from __future__ import annotations
 
 import gc
+import mmap
 import socket
 import subprocess
 import sys
@@ -63,9 +64,13 @@ def test_proc_readers_see_sockets_threads_and_memory_change():
         assert socket_count() == sockets_before + 3
         assert thread_count() == threads_before + 1
         before = rss_bytes()
-        block = bytearray(64 * 2**20)  # touched: resident
+        # a mapping of its own, every page written: new resident memory whatever the allocator keeps (a
+        # bytearray may reuse memory freed earlier in the process and already resident: the full suite saw
+        # RSS unchanged after a 64 MiB one)
+        block = mmap.mmap(-1, 64 * 2**20)
+        block.write(b"\x01" * len(block))
         assert rss_bytes() - before > 32 * 2**20
-        del block
+        block.close()
     finally:
         stop.set()
         worker.join(timeout=10)
