@@ -26,6 +26,13 @@ python3 -m pip install --quiet --disable-pip-version-check ${constraints:+-c "$c
 for job in "${peer_jobs[@]}"; do
   wait "$job"
 done
+# TCMalloc: the reference server's engine process runs on it where the system has it (--engine-malloc auto),
+# and vLLM's preload=tcmalloc asks for it; without it both use the system's malloc
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null) \
+    || echo "bootstrap: could not install libtcmalloc-minimal4; the reference server uses the system's malloc" >&2
+fi
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing Chromium for the report's browser tests" >&2
