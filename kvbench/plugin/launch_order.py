@@ -303,8 +303,8 @@ class LaunchOrder:
         known = {k for p in plan.values() for k in p.launches}
         live = getattr(engine, "live_launches", None)
         unknown = {k for k in live() if portable(k) not in known} if live is not None else set()
-        needed = set(coming)
-        engine.stop_servers_except({k for k in launched if portable(k) in needed} | needed | unknown)
+        needed = set(coming)  # portable keys: matched against every launch the engine made (launch_knobs_of)
+        engine.stop_servers_except({k for k in launched if portable(k) in needed} | unknown)
         if item.nodeid in plan and plan[item.nodeid].launches == records[item.nodeid].launches:
             self._start_ahead(engine, name, coming)  # only on a plan this test has just confirmed
         else:
