@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from reference_engine.config import FIELD_DOCS, ConfigError, EngineConfig
+from reference_engine.serve.allocator import CHOICES as ALLOCATOR_CHOICES
 from reference_engine.serve.allocator import AllocatorMissing, engine_preload
 from reference_engine.serve.protocol import DEFAULT_MAX_BODY_BYTES, BadEngineArgs
 
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bind the engine process to as many cores as it has threads and the HTTP process to "
                              "the others, as vLLM's CPU build binds its worker (default: on, where a core is left "
                              "over; --no-bind-cpus lets the OS place both)")
-    server.add_argument("--engine-malloc", choices=("auto", "tcmalloc", "system"), default="auto",
+    server.add_argument("--engine-malloc", choices=ALLOCATOR_CHOICES, default="auto",
                         help="the engine process's memory allocator: auto (default) preloads TCMalloc where the "
                              "system has it (libtcmalloc-minimal4), as vLLM's CPU docs ask for vLLM, else the "
                              "system's; tcmalloc demands it; system preloads nothing. Needs --engine-process")
