@@ -10,7 +10,7 @@ import textwrap
 from dataclasses import replace
 
 import pytest
-from _pytest.outcomes import Skipped
+from _pytest.outcomes import Failed, Skipped
 
 from kvbench.conformance.chunking import chunked_prefill_from_outside
 from kvbench.conformance.metrics_truth import (
@@ -236,6 +236,8 @@ def faulty_server(model_dir, tmp_path_factory):
     engine.close()
 
 
+#: runs a check gets on the faulty server to meet its fault's moment (see the test)
+HTTP_TRIES = 3
 HTTP_CASES = [
     pytest.param(test_equivalence.test_recompute_after_preemption_reuses_cached_blocks, "counts_prefix_hits_per_retry",
                  r"prefix_cache_hits=\d+ exceeds the \d+ tokens the requests can reuse", id="hits-ceiling"),
@@ -251,8 +253,20 @@ HTTP_CASES = [
 @pytest.mark.parametrize(("check", "fault", "match"), HTTP_CASES)
 def test_new_assertions_fail_over_http_on_a_faulty_server(check, fault, match, faulty_server, model_dir, truth,
                                                           requests_greedy, truth_engine):
+    """Each check fails, for its broken property, on the reference server carrying the fault. Over HTTP some
+    faults show only when the arrivals make their moment (a hit counted again needs an admission retried while
+    it waits for room, and the requests reach the engine over several steps): the check gets up to
+    :data:`HTTP_TRIES` runs, and must fail in one. A run in which it passed had nothing wrong to see: the
+    counts were true that time (one of three full-suite runs under ``-n 2`` had no such retry)."""
     faulty_server.use_fault(fault)
-    assert_fails(check, match, **_suite_args(check, faulty_server, model_dir, truth, requests_greedy, truth_engine))
+    args = _suite_args(check, faulty_server, model_dir, truth, requests_greedy, truth_engine)
+    for attempt in range(1, HTTP_TRIES + 1):
+        try:
+            assert_fails(check, match, **args)
+            return
+        except Failed as e:
+            if "passed on an engine broken" not in str(e) or attempt == HTTP_TRIES:
+                raise
 
 
 @pytest.mark.server
