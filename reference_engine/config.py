@@ -36,6 +36,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "sliced", "cpp", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 ELEMENTWISE_BACKENDS = ("auto", "torch", "cpp")
 GiB = 1 << 30
+# A CPU step of more tokens than this runs as forward passes of about this many, so the first to sample are
+# streamed before the step ends. A 2,048-token step of `small` as 4 passes of 512 took 0.5-3% longer than as
+# one (one thread, float32 and bfloat16); as 8 of 256, 3-6% (docs/reference-engine.md).
+CPU_MICROBATCH_TOKENS = 512
 
 
 @dataclass
@@ -71,6 +75,7 @@ class EngineConfig:
     admission_horizon: int = 64
     preemption_budget: float = 1.0
     prefill_pacing_tokens: int | None = None
+    microbatch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _positive_power_of_two("block_size", self.block_size, upper=128)
@@ -89,6 +94,7 @@ class EngineConfig:
         _integer("admission_horizon", self.admission_horizon, low=0)
         _float_range("preemption_budget", self.preemption_budget, 0.0, 100.0)
         _optional_int("prefill_pacing_tokens", self.prefill_pacing_tokens, low=1)
+        _optional_int("microbatch_tokens", self.microbatch_tokens, low=0)
         if self.cost_profile is not None and (not isinstance(self.cost_profile, str) or not self.cost_profile):
             raise ConfigError("cost_profile", self.cost_profile, "None, a built-in profile name or a profile JSON path")
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
@@ -119,8 +125,11 @@ class EngineConfig:
             # Without chunking a prompt is prefilled in one step, so the budget must hold the longest one.
             raise ConfigError("max_num_batched_tokens", budget,
                               f">= max_model_len ({max_model_len}) unless enable_chunked_prefill=True")
+        microbatch = self.microbatch_tokens
+        if microbatch is None:  # on CUDA a pass costs launches, not the rows it computes: one per step
+            microbatch = CPU_MICROBATCH_TOKENS if self.device == "cpu" else 0
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(max_model_len=max_model_len, max_num_batched_tokens=budget)
+        values.update(max_model_len=max_model_len, max_num_batched_tokens=budget, microbatch_tokens=microbatch)
         return EngineConfig(**values)
 
 
@@ -179,6 +188,10 @@ FIELD_DOCS: dict[str, str] = {
     "prefill_pacing_tokens": "while a request decodes, at most this many prefill tokens per step beside the "
                              "decodes (without chunking, a longer prompt only as the step's one prefill); an "
                              "integer >= 1; unset: no cap",
+    "microbatch_tokens": "a step of more tokens than this runs as forward passes of at most about this many "
+                         "(whole chunks, those that sample first), and the server streams each pass's tokens as "
+                         "soon as it has sampled them, before the step ends; the tokens are the same; an integer "
+                         ">= 0 (0: one pass per step); unset: 512 on CPU, 0 on CUDA",
 }
 
 

@@ -50,7 +50,9 @@ class StepRunner(Protocol):
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Compute ``out.chunks`` into their blocks; the sampled token of every chunk that completes its
-        sequence, by request id."""
+        sequence, by request id. A runner that runs a step in several passes also takes ``on_sampled``
+        (:meth:`ModelRunner.execute <reference_engine.runner.ModelRunner.execute>`); the engine passes it
+        only when its caller asked to hear of tokens early."""
         ...
 
 
@@ -128,7 +130,8 @@ def load_parts(config: EngineConfig) -> EngineParts:
     block_manager = block_manager_for(config, num_gpu_blocks, block_bytes)
     kv_cache = KVCache(num_gpu_blocks, block_manager.num_cpu_blocks, mc.num_layers, config.block_size, mc.num_kv_heads,
                        mc.head_dim, dtype, device)
-    runner = ModelRunner(model, kv_cache, block_manager, device, config.seed, backends["attention_backend"])
+    runner = ModelRunner(model, kv_cache, block_manager, device, config.seed, backends["attention_backend"],
+                         microbatch_tokens=config.microbatch_tokens)
     costs = None
     if config.preemption_mode == "auto":
         costs = auto_costs(config, mc, kv_cache, runner, block_manager.num_free_gpu_blocks)
@@ -243,13 +246,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> StepResult:
+    def step(self, on_sampled: Callable[[dict[str, int]], None] | None = None) -> StepResult:
         """Schedule, copy swapped blocks, run, update. Returns the outputs of the requests the step
-        touched (aborted ones first) and the step's :class:`~reference_engine.outputs.StepRecord`."""
+        touched (aborted ones first) and the step's :class:`~reference_engine.outputs.StepRecord`.
+
+        ``on_sampled(tokens)``: told, while the step runs, of the tokens (request id -> token) of each
+        forward pass but the last as soon as they are sampled (``microbatch_tokens``), before any request
+        has changed; every one of them is also in the step's outputs. It must not call the engine."""
         t0 = self.timer()
         out = self.scheduler.schedule()
         self.copy_swapped_blocks(out)
-        sampled = self.runner.execute(out)
+        sampled = self.runner.execute(out) if on_sampled is None else self.runner.execute(out, on_sampled)
         touched = self.scheduler.update(out, sampled)
         if self.config.check_invariants:
             self.block_manager.check_invariants()

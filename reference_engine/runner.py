@@ -7,12 +7,20 @@ For the chunks ``A: positions 0..2 (prefill)``, ``B: position 7 (decode)`` and b
     slot block      tA[0] tA[0] tA[0] tB[1]        tX = block table of X; block = position // 4
     slot offset      0  1  2  3                    offset = position % 4
     sampled from    last row of each chunk that reaches the end of its sequence
+
+A step of more tokens than ``microbatch_tokens`` runs as several forward passes over whole chunks (the
+chunks that sample first, in the scheduler's order, then the others), and each pass samples its own chunks
+at once: ``execute``'s ``on_sampled`` hears of them before the next pass runs, so a server can stream a
+request's first token while the rest of the step computes (vLLM's CPU build answers a wave only when its
+whole step is done). The chunks of one step never read each other's KV (a block is shared only once an
+earlier step has computed and cached it), so the passes are independent; with the packed CPU matmul each
+row's result does not depend on the rows beside it, and the tokens are the same as one pass's.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +37,10 @@ from reference_engine.scheduler import ScheduledChunk, SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_manager: BlockManager,
-                 device: torch.device, engine_seed: int, attention_backend: str = "torch"):
+                 device: torch.device, engine_seed: int, attention_backend: str = "torch",
+                 microbatch_tokens: int = 0):
+        """``microbatch_tokens``: a step of more tokens than this runs as forward passes of at most about
+        this many (whole chunks: a longer chunk runs alone); 0: one pass per step."""
         self.model = model
         self.kv = kv_cache
         self.bm = block_manager
@@ -37,19 +48,37 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.engine_seed = engine_seed
         self.attention_backend = attention_backend  # "torch", "sliced" or "triton", resolved for the device
+        self.microbatch_tokens = microbatch_tokens
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run the step's chunks. Returns the sampled token of every chunk that completes its sequence."""
-        if not out.chunks:
+    def execute(self, out: SchedulerOutput,
+                on_sampled: Callable[[dict[str, int]], None] | None = None) -> dict[str, int]:
+        """Run the step's chunks. Returns the sampled token of every chunk that completes its sequence.
+
+        ``on_sampled(tokens)``, if given, hears of each forward pass's sampled tokens (request id -> token,
+        never empty) as soon as the pass has sampled them, for every pass but the step's last: those are
+        only returned. The returned dict holds every token of the step, those already heard of included;
+        nothing about the requests has changed yet (the scheduler's ``update`` appends the tokens)."""
+        passes = microbatches(out.chunks, self.microbatch_tokens)
+        sampled: dict[str, int] = {}
+        for i, chunks in enumerate(passes):
+            tokens = self._run(chunks, out.block_ids)
+            if tokens and on_sampled is not None and i < len(passes) - 1:
+                on_sampled(tokens)
+            sampled.update(tokens)
+        return sampled
+
+    def _run(self, chunks: Sequence[ScheduledChunk], block_ids: Mapping[str, Sequence[int]]) -> dict[str, int]:
+        """One forward pass over ``chunks``; the sampled token of each that completes its sequence."""
+        if not chunks:
             return {}
-        input_ids, positions, meta, last_rows = self.prepare(out.chunks, out.block_ids)
+        input_ids, positions, meta, last_rows = self.prepare(chunks, block_ids)
         hidden = self.model(input_ids, positions, self.kv.device_cache, meta)
-        finishing = [i for i, c in enumerate(out.chunks) if c.completes]
+        finishing = [i for i, c in enumerate(chunks) if c.completes]
         if not finishing:
             return {}
         logits = self.model.compute_logits(hidden[last_rows[finishing]])
-        requests = [out.chunks[i].request for i in finishing]
+        requests = [chunks[i].request for i in finishing]
         sampled = sample(logits, requests, self.engine_seed)
         # Each output token is sampled exactly once (a recompute recomputes KV, never a sampled token),
         # so appending here keeps output_logprobs aligned with output_token_ids.
@@ -117,6 +146,27 @@ class ModelRunner:
 
     def _t(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+def microbatches(chunks: Sequence[ScheduledChunk], max_tokens: int) -> list[list[ScheduledChunk]]:
+    """``chunks`` as forward passes of at most ``max_tokens`` tokens each (a chunk longer than that is a
+    pass of its own); one pass when they fit or ``max_tokens`` is 0. The chunks that sample a token come
+    first, in their order (the scheduler's: decodes, then prefills by arrival), so their tokens can leave
+    early; the chunks that sample nothing (a chunked prefill's middle pieces) go last."""
+    if max_tokens <= 0 or sum(c.num_tokens for c in chunks) <= max_tokens:
+        return [list(chunks)] if chunks else []
+    ordered = [c for c in chunks if c.completes] + [c for c in chunks if not c.completes]
+    passes: list[list[ScheduledChunk]] = []
+    current: list[ScheduledChunk] = []
+    size = 0
+    for chunk in ordered:
+        if current and size + chunk.num_tokens > max_tokens:
+            passes.append(current)
+            current, size = [], 0
+        current.append(chunk)
+        size += chunk.num_tokens
+    passes.append(current)
+    return passes
 
 
 def _tokens(chunks: list[ScheduledChunk]) -> list[int]:

@@ -70,9 +70,9 @@ def recording(adapter: Any) -> Any:
         adapter.shape_runs.append(shapes)
         execute = engine.runner.execute
 
-        def capture(out: Any) -> Any:
+        def capture(out: Any, *args: Any) -> Any:
             shapes.append(StepShape.of_chunks((c.start, c.num_tokens, c.completes) for c in out.chunks))
-            return execute(out)
+            return execute(out, *args)
 
         engine.runner.execute = capture
         return engine

@@ -28,7 +28,12 @@ Contracts beyond ``EngineLoop``'s:
   one, and otherwise at most every ``STATS_INTERVAL_S`` while tokens stream: ``/metrics`` is exact once a
   request has finished and never further behind than that.
 * The pipe carries only new tokens per request and step (not the cumulative outputs); the front end
-  rebuilds each ``RequestOutput`` with cumulative ``token_ids``, as ``EngineLoop`` delivers them. The
+  rebuilds each ``RequestOutput`` with cumulative ``token_ids``, as ``EngineLoop`` delivers them.
+* A step the engine runs as several forward passes (``EngineConfig.microbatch_tokens``) sends the tokens of
+  each pass but its last as soon as they are sampled, in a batch of their own (no stats snapshot); the
+  step's own batch then carries what is left (later passes' tokens, finishes). So the clients of a wave of
+  prompts prefilled in one step get their first tokens pass by pass, not all when the step ends.
+  ``EngineLoop`` (``--no-engine-process``) delivers a step's tokens when it ends. The
   messages are pickled, as ``multiprocessing`` does, between this process and the child it started.
 * The pipe is read and written by two threads of the server, never by the event loop: the loop cannot
   block on a full pipe while the engine blocks writing outputs to it (a deadlock with blocking writes
@@ -64,7 +69,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -311,7 +316,7 @@ class _EngineCore:
         had already given them (a step can fail after its model run) go out first, in the same batch as
         the failures (:func:`~reference_engine.serve.engine_loop.held_outputs`)."""
         try:
-            outputs = self.engine.step().outputs
+            outputs = self.engine.step(self._send_early).outputs
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self.sent))
             deltas = self._deltas(held_outputs(self.engine, self.sent))
@@ -319,12 +324,29 @@ class _EngineCore:
             return deltas
         return self._deltas(outputs)
 
+    def _send_early(self, tokens: dict[str, int]) -> None:
+        """A forward pass of the step running has sampled ``tokens`` (the engine's ``microbatch_tokens``):
+        send them now, each request's delta as its step-end output will hold it, and count them as sent,
+        so the step's own batch carries only what is left (its finish, the later passes' tokens)."""
+        held = self.engine.scheduler.requests
+        early = []
+        for request_id, token in tokens.items():
+            req = held.get(request_id)
+            if req is None or request_id not in self.sent:
+                continue
+            out = RequestOutput.of(req)
+            early.append(replace(out, token_ids=[*out.token_ids, token]))
+        if deltas := self._deltas(early):
+            self._send_batch(None, deltas, time.monotonic())
+
     def _deltas(self, outputs: list[RequestOutput]) -> list[_Delta]:
         deltas: list[_Delta] = []
         for out in outputs:
             sent = self.sent.get(out.request_id)
             if sent is None:
                 continue
+            if not out.finished and len(out.token_ids) <= sent:
+                continue  # its tokens went out early (_send_early) and it goes on: nothing new to say
             logprobs = out.logprobs[sent:] if out.logprobs is not None else None
             deltas.append((out.request_id, out.token_ids[sent:], out.finished, out.finish_reason,
                            out.num_preemptions, out.num_recomputed_tokens, out.num_cached_tokens, logprobs))

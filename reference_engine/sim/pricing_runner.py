@@ -61,11 +61,13 @@ class SimRunner:
         self.last_shape = StepShape()
         self.last_seconds = 0.0
 
-    def execute(self, out: SchedulerOutput, extra: StepShape | None = None) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput, on_sampled: object = None, extra: StepShape | None = None
+                ) -> dict[str, int]:
         """Advance the clock by the step's cost, plus what waking up costs after the clock's idle spell
         since the previous step (:meth:`~reference_engine.costs.profiles.Coefficients.wake_seconds`); a
         placeholder token for every completing chunk. ``extra``: work of the step that is not in
-        ``out.chunks`` (the fast path's lazy decodes, whose tokens the caller accounts for)."""
+        ``out.chunks`` (the fast path's lazy decodes, whose tokens the caller accounts for). A step is
+        priced as one pass: ``on_sampled`` is never called."""
         shape = StepShape.of_chunks((c.start, c.num_tokens, c.completes) for c in out.chunks)
         if extra is not None and extra.num_seqs:
             shape = shape + extra

@@ -105,6 +105,8 @@ class ReferenceAdapter(EngineAdapter):
         "preemption_budget": "aimd: preemptions allowed per 100 steps before the cap halves (default 1)",
         "prefill_pacing_tokens": "prefill tokens a step computes beside decodes (unchunked: a longer prompt only "
                                  "as the step's one prefill); default none (no cap)",
+        "microbatch_tokens": "a step of more tokens runs as forward passes of about this many (the server streams "
+                             "each pass's tokens at once); 0: one pass; default 512 on CPU, 0 on CUDA",
         "scheduling_policy": "fcfs or priority",
         "seed": "engine seed for unseeded sampling",
         "device": "cpu, cuda or cuda:N",
