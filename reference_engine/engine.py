@@ -173,6 +173,11 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # aborted outputs, delivered by the next step()
         self._ids = itertools.count()
         self.timer: Callable[[], float] = parts.timer  # what steps and swap copies are timed with
+        # Told, during a step, of the tokens (request id -> token) of each forward pass but the step's last
+        # as soon as they are sampled (``microbatch_tokens``), before any request has changed; each is
+        # also in the step's outputs. It must not call the engine. An attribute rather than a step()
+        # argument, so that whatever wraps step() (faults, observers) passes it on untouched.
+        self.on_sampled: Callable[[dict[str, int]], None] | None = None
 
     # ------------------------------------------------------------------ requests
     @property
@@ -246,16 +251,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     # ------------------------------------------------------------------ the step
-    def step(self, on_sampled: Callable[[dict[str, int]], None] | None = None) -> StepResult:
+    def step(self) -> StepResult:
         """Schedule, copy swapped blocks, run, update. Returns the outputs of the requests the step
         touched (aborted ones first) and the step's :class:`~reference_engine.outputs.StepRecord`.
-
-        ``on_sampled(tokens)``: told, while the step runs, of the tokens (request id -> token) of each
-        forward pass but the last as soon as they are sampled (``microbatch_tokens``), before any request
-        has changed; every one of them is also in the step's outputs. It must not call the engine."""
+        While it runs, :attr:`on_sampled` (if set) hears of each forward pass's tokens but the last's."""
         t0 = self.timer()
         out = self.scheduler.schedule()
         self.copy_swapped_blocks(out)
+        on_sampled = self.on_sampled
         sampled = self.runner.execute(out) if on_sampled is None else self.runner.execute(out, on_sampled)
         touched = self.scheduler.update(out, sampled)
         if self.config.check_invariants:

@@ -226,6 +226,7 @@ class _EngineCore:
                  rebuild: Callable[[EngineConfig], Any] | None = None):
         """``rebuild(config)``: a new engine for a ``("reconfigure", ...)`` command (None: refused)."""
         self.engine, self.conn, self.rebuild = engine, conn, rebuild
+        engine.on_sampled = self._send_early
         self.sent: dict[str, int] = {}  # request id -> tokens already sent, for requests in flight
         self.broken: str | None = None
         self.stopping = False
@@ -308,6 +309,7 @@ class _EngineCore:
         if refusal is not None:
             return ("error", *refusal)
         self.engine = engine
+        engine.on_sampled = self._send_early
         log.info("engine reconfigured in %.0f ms: %s", (time.perf_counter() - started) * 1e3, engine.config)
         return ("ok", EngineInfo.of(engine))
 
@@ -316,7 +318,7 @@ class _EngineCore:
         had already given them (a step can fail after its model run) go out first, in the same batch as
         the failures (:func:`~reference_engine.serve.engine_loop.held_outputs`)."""
         try:
-            outputs = self.engine.step(self._send_early).outputs
+            outputs = self.engine.step().outputs
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self.sent))
             deltas = self._deltas(held_outputs(self.engine, self.sent))
@@ -497,7 +499,8 @@ class EngineProcess:
 
     def stats(self) -> EngineStats:
         """The latest snapshot the engine process sent: exact as of any batch that finished a request or
-        answered a command, else at most ``STATS_INTERVAL_S`` older than the tokens streamed."""
+        answered a command, else at most ``STATS_INTERVAL_S`` older than the tokens streamed (tokens sent
+        early, while their step runs, are in the counters once the step has ended)."""
         return self._stats
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -19,8 +19,6 @@ than a real engine's), unless ``num_gpu_blocks_override`` says otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from reference_engine.config import ConfigError, EngineConfig, GiB
 from reference_engine.costs.cost_model import CostModel, StepShape
 from reference_engine.costs.model_shapes import ModelShape
@@ -104,12 +102,12 @@ class SimEngine(LLMEngine):
             self.lazy.leave(req, self.scheduler.step_index + 1)
         return super().abort_request(request_id)
 
-    def step(self, on_sampled: Callable[[dict[str, int]], None] | None = None) -> StepResult:
+    def step(self) -> StepResult:
         """:meth:`LLMEngine.step` on the virtual clock. Lazy requests (left by :meth:`step_fast`) are
-        synced first. A priced step is one pass: ``on_sampled`` is never called."""
+        synced first."""
         if self.lazy.requests:
             self.lazy.leave_all(self.scheduler.step_index + 1)
-        return super().step(on_sampled)
+        return super().step()
 
     # ------------------------------------------------------------------ the fast path
     def step_fast(self) -> FastStep:

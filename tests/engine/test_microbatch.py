@@ -92,13 +92,14 @@ def test_on_sampled_hears_every_pass_but_the_last_before_any_request_changes(tin
             "a request already holds the token it is told of"
         heard.append(dict(tokens))
 
-    outputs = {o.request_id: o for o in engine.step(on_sampled).outputs}
+    engine.on_sampled = on_sampled
+    outputs = {o.request_id: o for o in engine.step().outputs}
     assert [len(tokens) for tokens in heard] == PASSES[:-1], "a pass but the last was not heard of"
     early = {rid: tok for tokens in heard for rid, tok in tokens.items()}
     assert len(early) == 11 and len(outputs) == 12  # the last pass's one request only in the outputs
     assert all(outputs[rid].token_ids == [tok] for rid, tok in early.items())
     heard.clear()
-    engine.step(on_sampled)  # twelve decodes: one pass, nothing heard early
+    engine.step()  # twelve decodes: one pass, nothing heard early
     assert heard == []
 
 

@@ -154,11 +154,11 @@ class _StepFailsOnce:
     def __init__(self, engine: LLMEngine):
         self._engine, self.calls = engine, 0
 
-    def step(self, on_sampled=None):
+    def step(self):
         self.calls += 1
         if self.calls == 2:
             raise RuntimeError("injected step failure")
-        return self._engine.step(on_sampled)
+        return self._engine.step()
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
@@ -232,7 +232,7 @@ def test_callers_cancelled_while_adding_leave_nothing_behind(tiny_ckpt: str) -> 
 class _Unrecoverable(_StepFailsOnce):
     """Every step raises, and so does every abort: the engine cannot even be cleaned up."""
 
-    def step(self, on_sampled=None):
+    def step(self):
         raise RuntimeError("injected step failure")
 
     def abort_request(self, request_id: str) -> bool:

@@ -32,9 +32,9 @@ class _FailsAfterItsTokens:
     def __init__(self, engine: LLMEngine):
         self._engine, self.steps = engine, 0
 
-    def step(self, on_sampled=None):
+    def step(self):
         self.steps += 1
-        result = self._engine.step(on_sampled)
+        result = self._engine.step()
         if self.steps == FAILING_STEP:
             raise RuntimeError("injected failure after the step's tokens")
         return result
