@@ -52,7 +52,7 @@ class StepRunner(Protocol):
         """Compute ``out.chunks`` into their blocks; the sampled token of every chunk that completes its
         sequence, by request id. A runner that runs a step in several passes also takes ``on_sampled``
         (:meth:`ModelRunner.execute <reference_engine.runner.ModelRunner.execute>`); the engine passes it
-        only when its caller asked to hear of tokens early."""
+        only when its ``on_sampled`` is set."""
         ...
 
 

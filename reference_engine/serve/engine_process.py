@@ -28,13 +28,13 @@ Contracts beyond ``EngineLoop``'s:
   one, and otherwise at most every ``STATS_INTERVAL_S`` while tokens stream: ``/metrics`` is exact once a
   request has finished and never further behind than that.
 * The pipe carries only new tokens per request and step (not the cumulative outputs); the front end
-  rebuilds each ``RequestOutput`` with cumulative ``token_ids``, as ``EngineLoop`` delivers them.
+  rebuilds each ``RequestOutput`` with cumulative ``token_ids``, as ``EngineLoop`` delivers them. The
+  messages are pickled, as ``multiprocessing`` does, between this process and the child it started.
 * A step the engine runs as several forward passes (``EngineConfig.microbatch_tokens``) sends the tokens of
   each pass but its last as soon as they are sampled, in a batch of their own (no stats snapshot); the
   step's own batch then carries what is left (later passes' tokens, finishes). So the clients of a wave of
   prompts prefilled in one step get their first tokens pass by pass, not all when the step ends.
-  ``EngineLoop`` (``--no-engine-process``) delivers a step's tokens when it ends. The
-  messages are pickled, as ``multiprocessing`` does, between this process and the child it started.
+  ``EngineLoop`` (``--no-engine-process``) delivers a step's tokens when it ends.
 * The pipe is read and written by two threads of the server, never by the event loop: the loop cannot
   block on a full pipe while the engine blocks writing outputs to it (a deadlock with blocking writes
   on both ends), and each batch of outputs costs the loop one hop, as ``EngineLoop``'s do.

@@ -47,11 +47,13 @@ PASSES = [3, 2, 2, 1, 1, 1, 1, 1]  # requests per pass of the wave's step: 20+25
 
 def _wave(engine: LLMEngine) -> None:
     """Twelve prompts of 20-75 tokens arriving together (one prefill step of 570 tokens: in passes of at
-    most 100, ``PASSES``), greedy and seeded sampling, with logprobs."""
+    most 100, ``PASSES``), greedy and seeded sampling, with logprobs; r4 asks for one token."""
     for i in range(12):
         prompt = [(7 * i + j) % 500 + 3 for j in range(20 + 5 * i)]
-        params = (SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2) if i % 2 else
-                  SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True, logprobs=2))
+        max_tokens = 1 if i == 4 else 6  # r4's first token, sent early, also finishes it
+        params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2) if i % 2 else
+                  SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True,
+                                 logprobs=2))
         engine.add_request(f"r{i}", prompt, params)
 
 
@@ -99,7 +101,7 @@ def test_on_sampled_hears_every_pass_but_the_last_before_any_request_changes(tin
     assert len(early) == 11 and len(outputs) == 12  # the last pass's one request only in the outputs
     assert all(outputs[rid].token_ids == [tok] for rid, tok in early.items())
     heard.clear()
-    engine.step()  # twelve decodes: one pass, nothing heard early
+    engine.step()  # eleven decodes: one pass, nothing heard early
     assert heard == []
 
 
@@ -136,6 +138,9 @@ def test_the_engine_core_sends_each_passes_tokens_before_the_step_ends(tiny_ckpt
                 first_seen_in[request_id] = index
             streamed.setdefault(request_id, []).extend(new_ids)
     assert streamed == expected
+    r4 = [(new_ids, done, reason) for b in batches for rid, new_ids, done, reason, *_ in b[4] if rid == "r4"]
+    assert r4 == [([expected["r4"][0]], False, None), ([], True, "length")], \
+        "a request finished by its early token: the token early, its finish with the step"
     assert len(set(first_seen_in.values())) == len(PASSES), "the wave's first tokens did not leave pass by pass"
     early = [batches[i] for i in sorted(set(first_seen_in.values()))[:-1]]
     assert all(b[3] is None and not b[1] for b in early), "an early batch carried stats or failures"
