@@ -20,6 +20,7 @@ import torch
 
 from reference_engine import EngineConfig, LLMEngine, RequestRejected, SamplingParams
 from reference_engine.model import UnsupportedModelError
+from tests.engine.engine_steps import finished_outputs
 
 VOCAB = 512  # the tiny checkpoint's
 MAX_MODEL_LEN = 128
@@ -36,12 +37,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 def _run(engine: LLMEngine) -> dict[str, Any]:
     """Step until idle; the final output of every request that finished."""
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step().outputs:
-            if out.finished:
-                final[out.request_id] = out
-    return final
+    return finished_outputs(engine)
 
 
 def _snapshot(engine: LLMEngine) -> tuple:

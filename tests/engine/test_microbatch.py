@@ -14,6 +14,7 @@ from reference_engine.config import CPU_MICROBATCH_TOKENS
 from reference_engine.runner import microbatches
 from reference_engine.scheduler import ScheduledChunk
 from reference_engine.serve.engine_process import _EngineCore
+from tests.engine.engine_steps import core_batches, finished_outputs
 
 
 def _chunk(name: str, num_tokens: int, completes: bool = True) -> ScheduledChunk:
@@ -57,15 +58,6 @@ def _wave(engine: LLMEngine) -> None:
         engine.add_request(f"r{i}", prompt, params)
 
 
-def _run_to_end(engine: LLMEngine) -> dict[str, object]:
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step().outputs:
-            if out.finished:
-                final[out.request_id] = out
-    return final
-
-
 def test_a_step_in_several_passes_gives_the_tokens_and_logprobs_of_one_pass(tiny_ckpt: str) -> None:
     one = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=512, microbatch_tokens=0))
     several = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=512, microbatch_tokens=100))
@@ -74,7 +66,7 @@ def test_a_step_in_several_passes_gives_the_tokens_and_logprobs_of_one_pass(tiny
     several.runner._run = lambda chunks, block_ids: passes.append(len(chunks)) or run(chunks, block_ids)
     _wave(one)
     _wave(several)
-    expected, got = _run_to_end(one), _run_to_end(several)
+    expected, got = finished_outputs(one), finished_outputs(several)
     assert passes[:len(PASSES)] == PASSES, "the wave's step did not run as passes of <= 100 tokens"
     assert set(got) == set(expected)
     for rid, out in expected.items():
@@ -110,7 +102,7 @@ def test_the_engine_core_sends_each_passes_tokens_before_the_step_ends(tiny_ckpt
     # each request's tokens over all batches are exactly the engine's own.
     reference = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=512, microbatch_tokens=0))
     _wave(reference)
-    expected = {rid: out.token_ids for rid, out in _run_to_end(reference).items()}
+    expected = {rid: out.token_ids for rid, out in finished_outputs(reference).items()}
 
     engine = LLMEngine(EngineConfig(model=tiny_ckpt, num_gpu_blocks_override=512, microbatch_tokens=100))
     server_end, core_end = multiprocessing.Pipe(duplex=True)
@@ -120,12 +112,7 @@ def test_the_engine_core_sends_each_passes_tokens_before_the_step_ends(tiny_ckpt
         server_end.send(("add", request_id, prompt, params, 0))
     thread = threading.Thread(target=lambda: _EngineCore(engine, core_end).run(), daemon=True)
     thread.start()
-    batches, finished = [], set()
-    while len(finished) < 12:
-        assert server_end.poll(60), "the engine core sent nothing for 60 s"
-        batch = server_end.recv()
-        batches.append(batch)
-        finished |= {delta[0] for delta in batch[4] if delta[2]}
+    batches = core_batches(server_end, lambda finished: len(finished) == 12)
     server_end.send(("stop",))
     thread.join(30)
 

@@ -36,6 +36,7 @@ from reference_engine.serve.engine_process import (
     default_engine_threads,
     split_cpus,
 )
+from tests.engine.engine_steps import core_batches
 
 START_TIMEOUT_S = 60
 GREEDY_LONG = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)  # 3-token prompts: 1,003 of 1,024
@@ -490,12 +491,7 @@ def test_stats_go_out_at_most_every_interval_while_streaming_and_exactly_when_a_
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     server_end.send(("add", "a", [5, 6, 7], params, 0))
     server_end.send(("add", "b", [8, 9], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), 0))
-    batches, finished = [], set()
-    while finished != {"a", "b"}:
-        assert server_end.poll(60), "the engine core sent nothing for 60 s"
-        batch = server_end.recv()
-        batches.append(batch)
-        finished |= {delta[0] for delta in batch[4] if delta[2]}
+    batches = core_batches(server_end, lambda finished: finished == {"a", "b"})
     server_end.send(("stop",))
     thread.join(30)
 
