@@ -429,8 +429,12 @@ HTTP_CASES = [
     pytest.param(test_nothing_lost.test_every_request_finishes_exactly_once, "never_aborts",
                  r"aborts counter 0 but \d+ requests were aborted by the client", {"mode": "recompute"},
                  id="nothing-lost-abort"),
+    # the engine's own aborts show per request (one the workload never aborts ended "abort") or, where every victim
+    # was one the client would have closed later, in the count (more aborts than the client closed streams): which
+    # one depends on which requests the storm preempts over HTTP (one full-suite run in four saw the second)
     pytest.param(test_nothing_lost.test_every_request_finishes_exactly_once, "aborts_preemption_victims",
-                 r"aborted by the engine, not asked for", {"mode": "recompute"}, id="nothing-lost-victims"),
+                 r"aborted by the engine, not asked for|aborts counter \d+ but the client closed only \d+ streams",
+                 {"mode": "recompute"}, id="nothing-lost-victims"),
 ]
 
 
