@@ -191,8 +191,8 @@ FIELD_DOCS: dict[str, str] = {
     "microbatch_tokens": "a step of more tokens than this runs as forward passes of at most about this many "
                          "(whole chunks, those that sample first), and the server streams each pass's tokens as "
                          "soon as it has sampled them, before the step ends (with the packed CPU matmul the logits "
-                         "are bit-equal to one pass's); an integer >= 0 (0: one pass per step); unset: 512 on CPU, 0 "
-                         "on CUDA",
+                         "are equal bit for bit to one pass's); an integer >= 0 (0: one pass per step); unset: "
+                         "512 on CPU, 0 on CUDA",
 }
 
 
