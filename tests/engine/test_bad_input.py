@@ -35,11 +35,6 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
-def _run(engine: LLMEngine) -> dict[str, Any]:
-    """Step until idle; the final output of every request that finished."""
-    return finished_outputs(engine)
-
-
 def _snapshot(engine: LLMEngine) -> tuple:
     s = engine.scheduler
     return (engine.stats(), engine.counters(), sorted(s.requests), [r.request_id for r in s.waiting],
@@ -72,7 +67,7 @@ def test_over_long_prompt_is_rejected_and_the_others_run_on_unchanged(make_engin
     assert_rejected(engine, "too-long", _prompt(length, seed=3), _greedy(4),
                     "'too-long'", f"prompt of {length} tokens", f"max_model_len={MAX_MODEL_LEN}")
     engine.add_request("after", after, _greedy(10))
-    outputs = _run(engine)
+    outputs = finished_outputs(engine)
     assert "too-long" not in outputs
 
     # the same two requests, added at the same steps, in an engine that never saw the bad one
@@ -80,7 +75,7 @@ def test_over_long_prompt_is_rejected_and_the_others_run_on_unchanged(make_engin
     control.add_request("before", before, _greedy(12))
     control.step(), control.step()
     control.add_request("after", after, _greedy(10))
-    expected = _run(control)
+    expected = finished_outputs(control)
     for rid, n in (("before", 12), ("after", 10)):
         assert outputs[rid].finish_reason == "length" and len(outputs[rid].token_ids) == n
         assert outputs[rid].token_ids == expected[rid].token_ids, rid
@@ -89,7 +84,7 @@ def test_over_long_prompt_is_rejected_and_the_others_run_on_unchanged(make_engin
 def test_the_longest_prompt_that_fits_gets_exactly_one_token(make_engine) -> None:
     engine = make_engine(num_gpu_blocks_override=64, max_model_len=MAX_MODEL_LEN)
     engine.add_request("edge", _prompt(MAX_MODEL_LEN - 1, seed=4), _greedy(50))
-    (out,) = _run(engine).values()
+    (out,) = finished_outputs(engine).values()
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
 
 
@@ -101,7 +96,7 @@ def test_a_request_larger_than_the_whole_pool_is_rejected_with_both_numbers(make
     assert "even alone" in message
     # 100 + 29 -> 128 tokens of KV = exactly the pool: accepted, and it runs to the end
     engine.add_request("exact", _prompt(100, seed=5), _greedy(29))
-    (out,) = _run(engine).values()
+    (out,) = finished_outputs(engine).values()
     assert len(out.token_ids) == 29
 
 
@@ -129,10 +124,10 @@ def test_duplicate_request_id_is_rejected_and_the_first_is_untouched(make_engine
     engine.add_request("dup", prompt, _greedy(5))
     engine.step()
     assert_rejected(engine, "dup", _prompt(12, seed=7), _greedy(3), "'dup'", "already in use")
-    out = _run(engine)["dup"]
+    out = finished_outputs(engine)["dup"]
     assert out.prompt_token_ids == prompt and len(out.token_ids) == 5
     engine.add_request("dup", prompt, _greedy(5))  # a finished id may be used again
-    assert _run(engine)["dup"].token_ids == out.token_ids
+    assert finished_outputs(engine)["dup"].token_ids == out.token_ids
 
 
 def test_sampling_params_must_be_sampling_params(make_engine) -> None:
@@ -154,7 +149,7 @@ def test_a_near_zero_temperature_samples_the_argmax_instead_of_crashing_the_step
     prompt = _prompt(24, seed=9)
     engine.add_request("greedy", prompt, _greedy(8))
     engine.add_request("cold", prompt, SamplingParams(max_tokens=8, temperature=1e-40, seed=1, ignore_eos=True))
-    outputs = _run(engine)
+    outputs = finished_outputs(engine)
     assert outputs["cold"].token_ids == outputs["greedy"].token_ids
 
 
